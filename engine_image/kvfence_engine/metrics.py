@@ -1,0 +1,71 @@
+"""Prometheus metrics of one engine process (own registry, so tests can run several)."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.pool_tokens = Gauge(
+            "kvfence_kv_pool_tokens", "KV slots allocated (pages x page size)", registry=r
+        )
+        self.pages_total = Gauge("kvfence_kv_pages_total", "KV pages in the pool", registry=r)
+        self.pages_used = Gauge("kvfence_kv_pages_used", "KV pages held by requests", registry=r)
+        self.context_length = Gauge(
+            "kvfence_context_length_tokens", "served (effective) context length", registry=r
+        )
+        self.tag_mismatch = Counter(
+            "kvfence_kv_tag_mismatch", "reads refused: a held page carried another tag", registry=r
+        )
+        self.unwritten_read = Counter(
+            "kvfence_kv_unwritten_read",
+            "reads refused: slots never written for the reader",
+            registry=r,
+        )
+        self.checksum_verified = Counter(
+            "kvfence_transfer_checksum_verified",
+            "transferred KV pages whose checksum matched",
+            registry=r,
+        )
+        self.checksum_failed = Counter(
+            "kvfence_transfer_checksum_failed",
+            "transferred KV pages whose checksum differed",
+            registry=r,
+        )
+        self.count_mismatch = Counter(
+            "kvfence_transfer_count_mismatch",
+            "transfers that wrote fewer tokens than reserved",
+            registry=r,
+        )
+        self.late_writes_dropped = Counter(
+            "kvfence_late_writes_dropped", "writes carrying a stale page tag, dropped", registry=r
+        )
+        self.stale_releases = Counter(
+            "kvfence_kv_stale_releases",
+            "releases of pages the releaser no longer held, ignored",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvfence_requests_rejected",
+            "requests refused before any page was allocated",
+            ["reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvfence_time_to_first_token_seconds",
+            "arrival to first token",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("kvfence_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(
+            "kvfence_generation_tokens", "tokens generated", registry=r
+        )
+        self.preemptions = Counter(
+            "kvfence_preemptions", "sequences preempted to free pages", registry=r
+        )
+        self.running = Gauge("kvfence_requests_running", "sequences decoding", registry=r)
+        self.waiting = Gauge("kvfence_requests_waiting", "sequences waiting", registry=r)

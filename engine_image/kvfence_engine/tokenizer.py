@@ -1,0 +1,115 @@
+"""Tokenizer and chat template, from GGUF metadata or a tokenizer.json folder."""
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jinja2 import StrictUndefined
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+# llama.cpp's token_type values
+_CONTROL = 3
+_USER_DEFINED = 4
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+@dataclass(slots=True)
+class Tokenizer:
+    backend: HFTokenizer
+    eos_ids: frozenset[int]
+    bos_token: str
+    eos_token: str
+    chat_template: str | None
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        return self.backend.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, undefined=StrictUndefined
+        )
+        env.globals["raise_exception"] = _raise
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+
+def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):
+        # GPT-2 regex, with every digit its own pre-token (llama.cpp's smollm/starcoder)
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("gpt-2", "gpt2", "default"):
+        return byte_level
+    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (known: smollm, gpt-2)")
+
+
+def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
+    """Build a byte-level BPE from a GGUF file's tokenizer.ggml.* metadata."""
+    model = fields.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE)")
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    types: list[int] = fields.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(fields.get("tokenizer.ggml.pre", "default"))
+    backend.decoder = decoders.ByteLevel()
+    special = [
+        tok for tok, kind in zip(tokens, types, strict=True) if kind in (_CONTROL, _USER_DEFINED)
+    ]
+    backend.add_special_tokens(special)
+    bos = int(fields.get("tokenizer.ggml.bos_token_id", 0))
+    eos = int(fields["tokenizer.ggml.eos_token_id"])
+    return Tokenizer(
+        backend=backend,
+        eos_ids=frozenset({eos}),
+        bos_token=tokens[bos],
+        eos_token=tokens[eos],
+        chat_template=fields.get("tokenizer.chat_template"),
+    )
+
+
+def tokenizer_from_folder(folder: Path, eos_ids: Sequence[int] = ()) -> Tokenizer:
+    """tokenizer.json (+ tokenizer_config.json for the chat template and special tokens)."""
+    backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    config_path = folder / "tokenizer_config.json"
+    config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+
+    def token_str(value: object) -> str:
+        if isinstance(value, dict):
+            return str(value.get("content", ""))
+        return str(value or "")
+
+    bos_token = token_str(config.get("bos_token"))
+    eos_token = token_str(config.get("eos_token"))
+    ids = set(eos_ids)
+    if eos_token and backend.token_to_id(eos_token) is not None:
+        ids.add(backend.token_to_id(eos_token))
+    if not ids:
+        raise ValueError(f"{folder}: no eos token in tokenizer_config.json or config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return Tokenizer(backend, frozenset(ids), bos_token, eos_token, template)

@@ -43,6 +43,6 @@ def check_reads(
     tag_bad = ((pool_tags[page_table] != held_tags) & held).any(dim=1)
     need = (read_len[:, None] - cols[None, :] * page_size).clamp(0, page_size)
     short = (pool_fill[page_table] < need) & held
-    beyond_table = (need > 0) & ~held  # reading positions no page was reserved for
-    unwritten = (short | beyond_table).any(dim=1) & ~tag_bad
+    beyond_table = read_len > num_held * page_size  # positions no page was reserved for
+    unwritten = (short.any(dim=1) | beyond_table) & ~tag_bad
     return ReadCheck(tag_mismatch=tag_bad, unwritten=unwritten)

@@ -1,0 +1,40 @@
+"""The real model behind the real server, through the official openai client."""
+
+import openai
+import pytest
+
+from kvfence_engine.localproc import LocalProcess
+from kvfence_engine.model_loader import smollm2_gguf_path
+
+pytestmark = pytest.mark.slow
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_server: LocalProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_greedy_chat_knows_the_capital_of_france(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_streaming_chat_delivers_the_same_answer(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0,
+                                            stream=True)
+    pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len([p for p in pieces if p]) > 3  # really streamed, not one blob
+    assert "Paris" in "".join(pieces)
+
+
+def test_usage_counts_prompt_tokens_like_the_reference_tokenizer(client: openai.OpenAI) -> None:
+    transformers = pytest.importorskip("transformers")
+    path = smollm2_gguf_path()
+    reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    text = reference.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    expected = reference.encode(text, add_special_tokens=False)
+    r = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0,
+                                       max_tokens=3)
+    assert r.usage.prompt_tokens == len(expected)

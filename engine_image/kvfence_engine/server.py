@@ -226,20 +226,14 @@ class _Output:
             "text_offset": offsets,
         }
 
-    def chunk(
-        self, text: str, logprobs: dict[str, Any] | None, finish: str | None, first: bool = False
+    def _object(
+        self,
+        kind: str,
+        content: dict[str, Any],
+        logprobs: dict[str, Any] | None,
+        finish: str | None,
     ) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = (
-                {"role": "assistant", "content": text}
-                if first
-                else ({"content": text} if text else {})
-            )
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            kind = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            kind = "text_completion"
+        choice = {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish}
         return {
             "id": self.id,
             "object": kind,
@@ -248,26 +242,23 @@ class _Output:
             "choices": [choice],
         }
 
+    def chunk(
+        self, text: str, logprobs: dict[str, Any] | None, finish: str | None, first: bool = False
+    ) -> dict[str, Any]:
+        if not self.chat:
+            return self._object("text_completion", {"text": text}, logprobs, finish)
+        delta = (
+            {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        )
+        return self._object("chat.completion.chunk", {"delta": delta}, logprobs, finish)
+
     def whole(self, text: str, logprobs: dict[str, Any] | None, finish: str) -> dict[str, Any]:
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-            kind = "chat.completion"
+            content = {"message": {"role": "assistant", "content": text}}
+            body = self._object("chat.completion", content, logprobs, finish)
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            kind = "text_completion"
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(),
-        }
+            body = self._object("text_completion", {"text": text}, logprobs, finish)
+        return body | {"usage": self.usage()}
 
 
 async def _generate(

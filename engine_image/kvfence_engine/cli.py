@@ -129,10 +129,23 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_crd(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("crd", help="print the InferenceDeployment CRD YAML (what crds/ holds)")
+    p.set_defaults(func=_crd)
+
+
+def _crd(_: argparse.Namespace) -> int:
+    from kvfence_operator.crd import render_crd_yaml
+
+    sys.stdout.write(render_crd_yaml())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_crd(sub)
     return parser
 
 

@@ -1,0 +1,86 @@
+"""Names, labels and owner references shared by every child object."""
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .models import API_GROUP, API_VERSION, KIND, NAME_MAX_LENGTH, NAME_PATTERN, Role
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_REVISION = f"{API_GROUP}/revision"
+LABEL_ROLE = f"{API_GROUP}/role"
+APP_NAME = "kvfence"
+MANAGER = "kvfence-operator"
+# The Helm chart labels the operator's pods with this; the NetworkPolicies let them probe pools.
+OPERATOR_POD_LABELS = {LABEL_NAME: MANAGER}
+KV_POOL_GATE = f"{API_GROUP}/kv-pool"
+
+HTTP_PORT = 8000
+TRANSFER_PORT = 8001
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """The InferenceDeployment being built for: what every child's name and owner need."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def __post_init__(self) -> None:
+        if len(self.name) > NAME_MAX_LENGTH or not re.match(NAME_PATTERN, self.name):
+            raise ValueError(
+                f"InferenceDeployment name {self.name!r} must be a DNS label of at most "
+                f"{NAME_MAX_LENGTH} characters starting with a letter (children are named "
+                "<name>-<revision>-<role> and must stay within 63)"
+            )
+        if not self.namespace or not self.uid:
+            raise ValueError(f"{self.name}: namespace and uid are required for owner references")
+
+
+def child_name(instance: Instance, revision: str, component: Role | str) -> str:
+    return f"{instance.name}-{revision}-{component}"
+
+
+def service_url(instance: Instance, service: str, port: int = HTTP_PORT) -> str:
+    return f"http://{service}.{instance.namespace}.svc:{port}"
+
+
+def selector(
+    instance: Instance, revision: str | None = None, role: Role | None = None
+) -> dict[str, str]:
+    """Labels that identify pods; Deployment selectors and Services use exactly these."""
+    labels = {LABEL_NAME: APP_NAME, LABEL_INSTANCE: instance.name}
+    if revision is not None:
+        labels[LABEL_REVISION] = revision
+    if role is not None:
+        labels[LABEL_ROLE] = str(role)
+    return labels
+
+
+def labels(
+    instance: Instance, revision: str | None = None, role: Role | None = None
+) -> dict[str, str]:
+    return {**selector(instance, revision, role), LABEL_MANAGED_BY: MANAGER}
+
+
+def owner_reference(instance: Instance) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": KIND,
+        "name": instance.name,
+        "uid": instance.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def object_meta(instance: Instance, name: str, object_labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": instance.namespace,
+        "labels": object_labels,
+        "ownerReferences": [owner_reference(instance)],
+    }

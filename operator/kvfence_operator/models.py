@@ -1,0 +1,427 @@
+"""The InferenceDeployment API (kvfence.dev/v1alpha1) as pydantic models.
+
+The CRD schema is generated from these models (see crd.py), so a constraint written here is
+enforced twice: by the API server when a user applies a manifest, and by `model_validate` when
+the operator or `kvfence up` reads one. Cross-field rules are CEL rules in the schema
+(`x-kubernetes-validations`) and the same check as a pydantic validator, with the same message.
+"""
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "kvfence.dev"
+API_VERSION = "v1alpha1"
+KIND = "InferenceDeployment"
+PLURAL = "inferencedeployments"
+SINGULAR = "inferencedeployment"
+SHORT_NAME = "infd"
+
+DEFAULT_ENGINE_IMAGE = "kvfence/engine:0.1.0"
+MODEL_MOUNT_PATH = "/models"
+# Children are named <name>-<revision>-<component>; Service names are DNS-1035 labels of at
+# most 63 characters, which leaves 40 for the InferenceDeployment's own name.
+NAME_MAX_LENGTH = 40
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+# What the engine's size parser reads: bytes or a K/M/G or Ki/Mi/Gi/Ti suffix.
+SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?([KMG]i?|Ti)?$"
+UNSAFE_ENV = "KVFENCE_ALLOW_UNSAFE"
+# argparse accepts any unambiguous prefix of a long option, and `kvfence serve` has a single
+# option starting with --u, so this prefix catches --unsafe-fault and all its abbreviations.
+UNSAFE_FLAG_PREFIX = "--u"
+
+
+def cel(*rules: tuple[str, str]) -> dict[str, Any]:
+    """Schema extra holding CEL rules as (rule, message) pairs."""
+    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
+
+
+class _ApiModel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class PoolPolicy(StrEnum):
+    REFUSE = "Refuse"  # a pod whose pool cannot hold contextLength never becomes Ready
+    LOWER_CONTEXT = "LowerContext"  # serve the smallest pool's context, down to minContextLength
+
+
+class KvCacheDtype(StrEnum):
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class ServiceType(StrEnum):
+    CLUSTER_IP = "ClusterIP"
+    NODE_PORT = "NodePort"
+    LOAD_BALANCER = "LoadBalancer"
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ROUTER = "router"
+    CANARY = "canary"
+
+
+class ModelSpec(_ApiModel):
+    """Which model the engines load."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                f"!has(self.volume) || self.source.startsWith('{MODEL_MOUNT_PATH}/')",
+                f"with a model volume, source must be a path under {MODEL_MOUNT_PATH}/ "
+                "(where the volume is mounted)",
+            )
+        )
+    )
+
+    name: str | None = Field(
+        None,
+        max_length=256,
+        description="Model id the router advertises; defaults to the name the engine reports.",
+    )
+    source: str = Field(
+        pattern=r"^(builtin:[a-z0-9][-a-z0-9._]*|/.+)$",
+        max_length=1024,
+        description="builtin:smollm2-135m-instruct, builtin:tiny-random, or an absolute path to "
+        "a .gguf file or a folder with config.json + safetensors.",
+    )
+    volume: dict[str, Any] | None = Field(
+        None,
+        min_length=1,
+        max_length=1,
+        description="One Kubernetes volume source (e.g. persistentVolumeClaim: {claimName: m}) "
+        f"mounted read-only at {MODEL_MOUNT_PATH} in engine and router pods.",
+    )
+
+    @model_validator(mode="after")
+    def _source_inside_volume(self) -> "ModelSpec":
+        if self.volume is not None and not self.source.startswith(f"{MODEL_MOUNT_PATH}/"):
+            raise ValueError(
+                f"with a model volume, source must be a path under {MODEL_MOUNT_PATH}/ "
+                f"(where the volume is mounted), got {self.source!r}"
+            )
+        return self
+
+
+ExtraArg = Annotated[str, Field(max_length=1024)]
+
+
+class EngineSpec(_ApiModel):
+    """How each engine pod runs and sizes its KV pool."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                "!(has(self.kvCacheMemory) && has(self.memoryFraction))",
+                "set kvCacheMemory or memoryFraction, not both",
+            )
+        )
+    )
+
+    image: str = Field(DEFAULT_ENGINE_IMAGE, pattern=r"^\S+$", max_length=1024)
+    page_size: int = Field(16, ge=1, description="Tokens per KV page.")
+    kv_cache_dtype: KvCacheDtype = Field(
+        KvCacheDtype.AUTO, description="auto: float32 on CPU, bfloat16 on GPU."
+    )
+    kv_cache_memory: str | None = Field(
+        None,
+        pattern=SIZE_PATTERN,
+        description="KV pool budget per pod in bytes or with a Ki/Mi/Gi suffix, e.g. 8Gi.",
+    )
+    memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="KV pool budget as a fraction of free device memory."
+    )
+    kv_checksum: bool = Field(True, description="Verify per-page checksums on KV transfer.")
+    scrub_on_free: bool = Field(False, description="Zero KV pages when they are released.")
+    extra_args: list[ExtraArg] = Field(
+        default_factory=list,
+        max_length=64,
+        description="More `kvfence serve` flags; the operator's own flags (role, ports, context, "
+        "pool budget, token) come after them and win.",
+        json_schema_extra=cel(
+            (
+                f"self.all(a, !a.startsWith('{UNSAFE_FLAG_PREFIX}'))",
+                "extraArgs must not contain --unsafe-fault (or an abbreviation of it): fault "
+                "switches are for tests only",
+            )
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _one_budget_and_no_faults(self) -> "EngineSpec":
+        if self.kv_cache_memory is not None and self.memory_fraction is not None:
+            raise ValueError("set kvCacheMemory or memoryFraction, not both")
+        unsafe = [a for a in self.extra_args if a.startswith(UNSAFE_FLAG_PREFIX)]
+        if unsafe:
+            raise ValueError(
+                "extraArgs must not contain --unsafe-fault (or an abbreviation of it): fault "
+                f"switches are for tests only; remove {unsafe}"
+            )
+        return self
+
+
+Quantity = int | Annotated[str, Field(pattern=QUANTITY_PATTERN)]
+
+
+class Resources(_ApiModel):
+    """Container resources; replaces the default (one nvidia.com/gpu) as a whole."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class EnvVar(_ApiModel):
+    name: str = Field(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=256)
+    value: str | None = None
+    value_from: dict[str, Any] | None = Field(None, description="A core/v1 EnvVarSource.")
+
+
+class LocalObjectReference(_ApiModel):
+    name: str = Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
+
+
+class PodOverrides(_ApiModel):
+    """Scheduling and metadata for the role's pods (command, probes, security stay kvfence's)."""
+
+    annotations: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Extra pod labels; kvfence's own labels win."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = None
+    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
+    priority_class_name: str | None = Field(None, max_length=253)
+    runtime_class_name: str | None = Field(None, max_length=253)
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        max_length=128,
+        description="Extra environment variables for the engine container.",
+        json_schema_extra=cel(
+            (
+                f"self.all(e, e.name != '{UNSAFE_ENV}')",
+                f"env must not set {UNSAFE_ENV}: fault switches are for tests only",
+            )
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _no_unsafe_env(self) -> "PodOverrides":
+        if any(e.name == UNSAFE_ENV for e in self.env):
+            raise ValueError(f"env must not set {UNSAFE_ENV}: fault switches are for tests only")
+        return self
+
+
+class EngineRoleSpec(_ApiModel):
+    """The prefill or the decode half."""
+
+    replicas: int = Field(1, ge=0)
+    resources: Resources | None = Field(
+        None, description="Default: requests and limits of one nvidia.com/gpu."
+    )
+    pod: PodOverrides = Field(default_factory=PodOverrides)
+
+
+class RouterServiceSpec(_ApiModel):
+    """The stable Service <name> that clients use."""
+
+    type: ServiceType = ServiceType.CLUSTER_IP
+    port: int = Field(8000, ge=1, le=65535)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class RouterSpec(_ApiModel):
+    replicas: int = Field(1, ge=0)
+    api_keys_secret: str = Field(
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        max_length=253,
+        description="Secret in the same namespace whose key `api-keys` holds one "
+        "'KEY TENANT' per line.",
+    )
+    service: RouterServiceSpec = Field(default_factory=RouterServiceSpec)
+
+
+class CanarySpec(_ApiModel):
+    """The isolation canary Job that gates every rollout."""
+
+    enabled: bool = True
+    timeout_seconds: int = Field(900, ge=1, le=86400)
+    image: str | None = Field(
+        None, pattern=r"^\S+$", max_length=1024, description="Default: the engine image."
+    )
+
+
+class InferenceDeploymentSpec(_ApiModel):
+    """What to serve, how big its context is, and how the pods run."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            (
+                "!has(self.minContextLength) || self.minContextLength <= self.contextLength",
+                "minContextLength must be <= contextLength",
+            )
+        )
+    )
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    context_length: int = Field(gt=0, description="Tokens per request the deployment serves.")
+    pool_policy: PoolPolicy = Field(
+        PoolPolicy.REFUSE,
+        description="Refuse: pods whose KV pool cannot hold contextLength never become Ready. "
+        "LowerContext: serve the smallest pool's context, but not below minContextLength.",
+    )
+    min_context_length: int | None = Field(
+        None, gt=0, description="Floor for LowerContext; below it pods are refused."
+    )
+    prefill: EngineRoleSpec = Field(default_factory=EngineRoleSpec)
+    decode: EngineRoleSpec = Field(default_factory=EngineRoleSpec)
+    router: RouterSpec
+    canary: CanarySpec = Field(default_factory=CanarySpec)
+
+    @model_validator(mode="after")
+    def _min_context_fits(self) -> "InferenceDeploymentSpec":
+        if self.min_context_length is not None and self.min_context_length > self.context_length:
+            raise ValueError(
+                f"minContextLength must be <= contextLength, got {self.min_context_length} > "
+                f"{self.context_length}"
+            )
+        return self
+
+
+# ---- status -----------------------------------------------------------------------------------
+
+
+class _LenientModel(BaseModel):
+    # Status and metadata are written by the operator and the API server, not by users:
+    # tolerate fields this version does not model (a newer operator's, server-set metadata).
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class ConditionType(StrEnum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    POOL_SUFFICIENT = "PoolSufficient"
+    CANARY_PASSED = "CanaryPassed"
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(_LenientModel):
+    """metav1.Condition."""
+
+    type: str = Field(
+        max_length=316,
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+        r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$",
+    )
+    status: ConditionStatus
+    reason: str = Field(
+        min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+    )
+    message: str = Field(max_length=32768)
+    last_transition_time: datetime
+    observed_generation: int | None = Field(None, ge=0)
+
+
+class ContextLengthStatus(_LenientModel):
+    requested: int | None = None
+    effective: int | None = Field(None, description="Context the router serves now.")
+
+
+class PoolReport(_LenientModel):
+    """One engine pod's pool as its /v1/kvpool reported it."""
+
+    pod: str
+    role: Literal[Role.PREFILL, Role.DECODE]
+    revision: str
+    pool_tokens: int = Field(ge=0)
+
+
+class RoleReplicas(_LenientModel):
+    ready: int = 0
+    desired: int = 0
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def summary(self) -> str:
+        """ready/desired, for the printer columns."""
+        return f"{self.ready}/{self.desired}"
+
+
+class RevisionStatus(_LenientModel):
+    current: str | None = Field(None, description="Revision the stable Service points at.")
+    candidate: str | None = Field(None, description="Revision being rolled out, if any.")
+
+
+class CanaryResult(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    PASSED = "Passed"
+    FAILED = "Failed"
+    SKIPPED = "Skipped"
+
+
+class CanaryStatus(_LenientModel):
+    revision: str | None = None
+    job: str | None = None
+    result: CanaryResult | None = None
+    message: str | None = None
+
+
+class InferenceDeploymentStatus(_LenientModel):
+    """What the operator observed; rollout state lives here so a restart resumes."""
+
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    context_length: ContextLengthStatus | None = None
+    pools: list[PoolReport] = Field(default_factory=list)
+    min_pool_tokens: int | None = Field(None, description="Smallest pool over all engine pods.")
+    prefill: RoleReplicas | None = None
+    decode: RoleReplicas | None = None
+    router: RoleReplicas | None = None
+    revision: RevisionStatus | None = None
+    canary: CanaryStatus | None = None
+    endpoint: str | None = Field(None, description="URL of the stable Service.")
+
+
+class ObjectMeta(_LenientModel):
+    """The part of metav1.ObjectMeta the operator reads."""
+
+    name: str = Field(max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN)
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class InferenceDeployment(_ApiModel):
+    """A whole manifest, as `kubectl apply` or `kvfence up` takes it."""
+
+    api_version: Literal["kvfence.dev/v1alpha1"]
+    kind: Literal["InferenceDeployment"]
+    metadata: ObjectMeta
+    spec: InferenceDeploymentSpec
+    status: InferenceDeploymentStatus | None = None

@@ -7,9 +7,10 @@ from kvfence_engine.isolation import check_reads
 PAGE = 4
 
 
-def run(tags, fill, table, held, num_held, read_len):
+def run(tags, fill, table, held, num_held, read_len, written_tag=None):
     t = torch.tensor
-    return check_reads(t(tags), t(fill), t(table), t(held), t(num_held), t(read_len), PAGE)
+    written = t(tags if written_tag is None else written_tag)
+    return check_reads(t(tags), t(fill), written, t(table), t(held), t(num_held), t(read_len), PAGE)
 
 
 def test_a_sequence_reading_only_what_it_wrote_passes() -> None:
@@ -44,3 +45,9 @@ def test_padding_columns_are_ignored_and_rows_are_judged_independently() -> None
 def test_pages_that_will_only_be_written_are_still_tag_checked() -> None:
     check = run([1, 5], [4, 0], [[0, 1]], [[1, 4]], [2], [4])
     assert check.tag_mismatch.tolist() == [True]
+
+
+def test_slots_written_under_an_older_tag_do_not_count_as_written() -> None:
+    # a late transfer write from the page's previous owner filled it: not this reader's data
+    check = run([3, 3], [4, 4], [[0, 1]], [[3, 3]], [2], [8], written_tag=[3, 2])
+    assert check.unwritten.tolist() == [True]

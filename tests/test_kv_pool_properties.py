@@ -66,6 +66,7 @@ class PoolMachine(RuleBasedStateMachine):
         check = check_reads(
             self.pool.tags,
             self.pool.fill,
+            self.pool.written_tag,
             torch.tensor([[page]]),
             torch.tensor([[tag]]),
             torch.tensor([1]),

@@ -44,11 +44,17 @@ def test_streamed_text_equals_the_non_streamed_text(client: openai.OpenAI) -> No
 
 def test_chat_streaming_with_usage_matches_non_streaming(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Say something."}]
-    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
-                                           temperature=0)
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
-                                            temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, usage = "", None
     for chunk in stream:
         if chunk.choices:
@@ -60,23 +66,29 @@ def test_chat_streaming_with_usage_matches_non_streaming(client: openai.OpenAI) 
 
 
 def test_logprobs_come_back_for_completions_and_chat(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="tiny", prompt="a b c", max_tokens=4, temperature=0,
-                                  logprobs=3)
+    r = client.completions.create(
+        model="tiny", prompt="a b c", max_tokens=4, temperature=0, logprobs=3
+    )
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)
     assert all(len(top) == 3 for top in lp.top_logprobs)
-    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                       max_tokens=3, temperature=0, logprobs=True,
-                                       top_logprobs=2)
+    c = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
 
 
 def test_seeded_sampling_is_reproducible_over_http(client: openai.OpenAI) -> None:
-    kwargs = {"model": "tiny", "prompt": "hello", "max_tokens": 16, "temperature": 1.0,
-              "seed": 42}
+    kwargs = {"model": "tiny", "prompt": "hello", "max_tokens": 16, "temperature": 1.0, "seed": 42}
     assert client.completions.create(**kwargs).choices[0].text == (
-        client.completions.create(**kwargs).choices[0].text)
+        client.completions.create(**kwargs).choices[0].text
+    )
 
 
 def test_a_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
@@ -90,8 +102,9 @@ def test_a_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("length", [CONTEXT + 1, 2 * CONTEXT])
-def test_over_limit_prompts_get_400_and_no_page(tiny_server: LocalProcess,
-                                                client: openai.OpenAI, length: int) -> None:
+def test_over_limit_prompts_get_400_and_no_page(
+    tiny_server: LocalProcess, client: openai.OpenAI, length: int
+) -> None:
     before = metric(tiny_server.url, "kvfence_kv_pages_used")
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model="tiny", prompt=[500] * length, max_tokens=4)
@@ -115,10 +128,14 @@ def test_a_prompt_one_under_the_limit_is_served(client: openai.OpenAI) -> None:
         (json.dumps({"prompt": "x", "n": 3}), "n"),
     ],
 )
-def test_malformed_requests_get_400_in_openai_shape(tiny_server: LocalProcess, body: str,
-                                                    param: str | None) -> None:
-    r = httpx.post(tiny_server.url + "/v1/completions", content=body,
-                   headers={"content-type": "application/json"})
+def test_malformed_requests_get_400_in_openai_shape(
+    tiny_server: LocalProcess, body: str, param: str | None
+) -> None:
+    r = httpx.post(
+        tiny_server.url + "/v1/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -131,8 +148,9 @@ def test_unknown_paths_get_404_in_openai_shape(tiny_server: LocalProcess) -> Non
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
-def test_models_advertise_the_effective_context(client: openai.OpenAI,
-                                                tiny_server: LocalProcess) -> None:
+def test_models_advertise_the_effective_context(
+    client: openai.OpenAI, tiny_server: LocalProcess
+) -> None:
     data = httpx.get(tiny_server.url + "/v1/models").json()["data"]
     assert data[0]["max_model_len"] == CONTEXT
     assert client.models.list().data[0].id == "tiny-random"
@@ -144,22 +162,37 @@ def test_kvpool_reports_the_allocated_pool(tiny_server: LocalProcess) -> None:
     assert report["kv_bytes_per_token"] == TINY_TOKEN_BYTES
     assert report["context_length_requested"] == report["context_length_effective"] == CONTEXT
     assert report["context_policy"] == "refuse" and report["tag_check"] is True
-    assert {"role", "revision", "free_pages", "kv_dtype", "model_max_positions",
-            "kv_checksum", "deferred_release"} <= report.keys()
+    assert {
+        "role",
+        "revision",
+        "free_pages",
+        "kv_dtype",
+        "model_max_positions",
+        "kv_checksum",
+        "deferred_release",
+    } <= report.keys()
 
 
 CONTRACT_METRICS = [
-    "kvfence_kv_pool_tokens", "kvfence_kv_pages_used", "kvfence_context_length_tokens",
-    "kvfence_kv_tag_mismatch_total", "kvfence_kv_unwritten_read_total",
-    "kvfence_transfer_checksum_verified_total", "kvfence_transfer_checksum_failed_total",
-    "kvfence_transfer_count_mismatch_total", "kvfence_late_writes_dropped_total",
-    "kvfence_requests_rejected_total", "kvfence_time_to_first_token_seconds_bucket",
-    "kvfence_prompt_tokens_total", "kvfence_generation_tokens_total",
+    "kvfence_kv_pool_tokens",
+    "kvfence_kv_pages_used",
+    "kvfence_context_length_tokens",
+    "kvfence_kv_tag_mismatch_total",
+    "kvfence_kv_unwritten_read_total",
+    "kvfence_transfer_checksum_verified_total",
+    "kvfence_transfer_checksum_failed_total",
+    "kvfence_transfer_count_mismatch_total",
+    "kvfence_late_writes_dropped_total",
+    "kvfence_requests_rejected_total",
+    "kvfence_time_to_first_token_seconds_bucket",
+    "kvfence_prompt_tokens_total",
+    "kvfence_generation_tokens_total",
 ]
 
 
-def test_metrics_expose_every_contract_series(tiny_server: LocalProcess,
-                                              client: openai.OpenAI) -> None:
+def test_metrics_expose_every_contract_series(
+    tiny_server: LocalProcess, client: openai.OpenAI
+) -> None:
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt=[500] * (CONTEXT + 1))
     text = httpx.get(tiny_server.url + "/metrics").text
@@ -198,18 +231,28 @@ def test_an_unloadable_model_keeps_health_up_and_says_why_on_readyz(logs_dir) ->
 
 
 def test_unsafe_faults_are_refused_at_start_without_the_switch(logs_dir) -> None:
-    proc = serve(logs_dir, "refused", "--model", "builtin:tiny-random",
-                 "--unsafe-fault", "no-tag-check").start()
+    proc = serve(
+        logs_dir, "refused", "--model", "builtin:tiny-random", "--unsafe-fault", "no-tag-check"
+    ).start()
     assert proc.proc is not None and proc.proc.wait(timeout=60) == 2
     assert "KVFENCE_ALLOW_UNSAFE" in (logs_dir / "refused.log").read_text()
 
 
 def test_reject_placeholder_over_http_is_a_500_isolation_violation(logs_dir) -> None:
-    with serve(logs_dir, "placeholder", "--model", "builtin:tiny-random", "--context-length",
-               "64", "--kv-cache-memory", str(tiny_budget(64)),
-               "--unsafe-fault", "reject-placeholder", unsafe=True) as proc:
-        r = httpx.post(proc.url + "/v1/completions",
-                       json={"prompt": [500] * 100, "max_tokens": 5})
+    with serve(
+        logs_dir,
+        "placeholder",
+        "--model",
+        "builtin:tiny-random",
+        "--context-length",
+        "64",
+        "--kv-cache-memory",
+        str(tiny_budget(64)),
+        "--unsafe-fault",
+        "reject-placeholder",
+        unsafe=True,
+    ) as proc:
+        r = httpx.post(proc.url + "/v1/completions", json={"prompt": [500] * 100, "max_tokens": 5})
         assert r.status_code == 500
         assert r.json()["error"]["code"] == "kv_isolation_violation"
         assert metric(proc.url, "kvfence_kv_unwritten_read_total") == 1

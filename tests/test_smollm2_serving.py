@@ -22,8 +22,9 @@ def test_greedy_chat_knows_the_capital_of_france(client: openai.OpenAI) -> None:
 
 
 def test_streaming_chat_delivers_the_same_answer(client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0,
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, temperature=0, stream=True
+    )
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert len([p for p in pieces if p]) > 3  # really streamed, not one blob
     assert "Paris" in "".join(pieces)
@@ -35,6 +36,7 @@ def test_usage_counts_prompt_tokens_like_the_reference_tokenizer(client: openai.
     reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     text = reference.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     expected = reference.encode(text, add_special_tokens=False)
-    r = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0,
-                                       max_tokens=3)
+    r = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, temperature=0, max_tokens=3
+    )
     assert r.usage.prompt_tokens == len(expected)

@@ -214,6 +214,7 @@ class LLMEngine:
         check = check_reads(
             self.pool.tags,
             self.pool.fill,
+            self.pool.written_tag,
             step.page_table,
             step.held_tags,
             step.num_held,

@@ -24,6 +24,7 @@ class ReadCheck:
 def check_reads(
     pool_tags: torch.Tensor,
     pool_fill: torch.Tensor,
+    pool_written_tag: torch.Tensor,
     page_table: torch.Tensor,
     held_tags: torch.Tensor,
     num_held: torch.Tensor,
@@ -35,14 +36,16 @@ def check_reads(
     page_table, held_tags: [B, M] page ids and the tags the sequences were given at allocation;
         columns at or beyond num_held[b] are padding and are ignored.
     read_len: [B] how many leading positions each sequence reads from the pool this step; every
-        one of them must already have been written (fill) into a page the sequence still owns.
+        one of them must already have been written (fill) into a page the sequence still owns,
+        under the tag the sequence holds (pool_written_tag), not by an earlier owner.
     Every held page is tag-checked, including pages this step will only write into.
     """
     cols = torch.arange(page_table.shape[1])
     held = cols[None, :] < num_held[:, None]
     tag_bad = ((pool_tags[page_table] != held_tags) & held).any(dim=1)
     need = (read_len[:, None] - cols[None, :] * page_size).clamp(0, page_size)
-    short = (pool_fill[page_table] < need) & held
+    short = ((pool_fill[page_table] < need) | (pool_written_tag[page_table] != held_tags)) & held
+    short &= need > 0
     beyond_table = read_len > num_held * page_size  # positions no page was reserved for
     unwritten = (short.any(dim=1) | beyond_table) & ~tag_bad
     return ReadCheck(tag_mismatch=tag_bad, unwritten=unwritten)

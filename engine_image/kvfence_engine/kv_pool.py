@@ -4,6 +4,8 @@ Release never zeroes a page (that is what makes the pool fast and what makes iso
 bookkeeping problem) unless scrub_on_free is set.
 """
 
+import threading
+
 import torch
 
 FREE = -1
@@ -37,10 +39,16 @@ class KVPool:
         self.tags = torch.zeros(num_pages, dtype=torch.int64)
         self.fill = torch.zeros(num_pages, dtype=torch.int64)
         self.owner = torch.full((num_pages,), FREE, dtype=torch.int64)
+        # The tag under which each page's slots were written: a write that lands under an old
+        # tag (a late transfer write) leaves the page unreadable for its new owner.
+        self.written_tag = torch.zeros(num_pages, dtype=torch.int64)
         # LIFO: a just-freed page is the next one handed out (cache-warm, and the worst case
         # for isolation, which is what the tests want to exercise).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self.stale_releases = 0
+        # Allocation, release and transfer writes may come from the engine thread and from
+        # transfer receiver threads; the bookkeeping changes under this lock.
+        self.lock = threading.RLock()
 
     @property
     def pool_tokens(self) -> int:
@@ -59,6 +67,10 @@ class KVPool:
 
     def allocate(self, owner: int, count: int) -> tuple[list[int], list[int]]:
         """Hand out `count` pages to `owner`, all or nothing. Returns (page ids, tags)."""
+        with self.lock:
+            return self._allocate(owner, count)
+
+    def _allocate(self, owner: int, count: int) -> tuple[list[int], list[int]]:
         assert owner != FREE
         if count > len(self._free):
             raise PoolExhausted(f"need {count} pages, {len(self._free)} free")
@@ -80,6 +92,10 @@ class KVPool:
     def release(self, owner: int, pages: list[int], tags: list[int]) -> int:
         """Return pages to the free list. A (page, tag) the owner no longer holds is left
         alone (someone else owns it now) and counted; returns how many were freed."""
+        with self.lock:
+            return self._release(owner, pages, tags)
+
+    def _release(self, owner: int, pages: list[int], tags: list[int]) -> int:
         if not pages:
             return 0
         live = self.holds(owner, pages, tags)
@@ -97,10 +113,41 @@ class KVPool:
 
     def force_release(self, pages: list[int]) -> None:
         """Put pages back on the free list whatever their state (the early-release fault)."""
-        idx = torch.tensor(pages)
-        self.owner[idx] = FREE
-        self._free.extend(pages)
+        with self.lock:
+            self.owner[torch.tensor(pages)] = FREE
+            self._free.extend(pages)
 
     def record_writes(self, slot_pages: torch.Tensor, slot_offsets: torch.Tensor) -> None:
         """After a forward pass wrote these slots, raise each page's fill to cover them."""
         self.fill.scatter_reduce_(0, slot_pages, slot_offsets + 1, reduce="amax")
+        self.written_tag[slot_pages] = self.tags[slot_pages]
+
+    def write_page(
+        self,
+        owner: int,
+        page: int,
+        tag: int,
+        tokens: int,
+        payload: memoryview,
+        check_tag: bool = True,
+    ) -> bool:
+        """Write a transferred page (K then V bytes, full page, `tokens` slots valid). The writer
+        must present the page's current tag and owner; otherwise nothing is written (False)."""
+        k_shape = self.k[:, page].shape
+        with self.lock:
+            if check_tag and (int(self.owner[page]) != owner or int(self.tags[page]) != tag):
+                return False
+            flat = torch.frombuffer(payload, dtype=self.k.dtype)
+            half = flat.numel() // 2
+            self.k[:, page, :tokens] = flat[:half].view(k_shape)[:, :tokens].to(self.k.device)
+            self.v[:, page, :tokens] = flat[half:].view(k_shape)[:, :tokens].to(self.v.device)
+            self.fill[page] = tokens
+            self.written_tag[page] = tag
+            return True
+
+    def export(self, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy pages out as host tensors [pages, layers, page_size, heads, dim]."""
+        idx = torch.tensor(pages, device=self.k.device)
+        k = self.k.index_select(1, idx).transpose(0, 1).contiguous().cpu()
+        v = self.v.index_select(1, idx).transpose(0, 1).contiguous().cpu()
+        return k, v

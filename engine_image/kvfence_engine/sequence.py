@@ -37,6 +37,20 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+@dataclass(slots=True)
+class InboundKV:
+    """Decode side: the KV a reserved request expects from prefill over the transfer port."""
+
+    request_id: str
+    reserved_tokens: int
+    deadline: float  # the transfer must have started by then, or the reservation is dropped
+    written_tokens: int = 0
+    in_flight: bool = False
+    done: bool = False
+    fenced: bool = False  # aborted while in flight: later writes are dropped, release deferred
+    error: EngineError | None = None
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     seq_id: int
@@ -53,6 +67,10 @@ class Sequence:
     error: EngineError | None = None
     generator: torch.Generator | None = None
     first_token_at: float | None = None
+    request_id: str | None = None  # the router's id, for disaggregated requests
+    inbound: InboundKV | None = None  # decode role: KV still to arrive from prefill
+    export_kv: bool = False  # prefill role: copy the prompt's KV out after the prefill step
+    exported: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (k, v, tokens written)
     # Only the reject-placeholder fault sets this: the incident stored a rejection here, in a
     # field that is_terminal() does not read, so the request flowed on as a placeholder.
     placeholder_rejection: EngineError | None = None

@@ -1,0 +1,180 @@
+"""KV transfer from prefill to decode: framed TCP with a checksum per page and bounded batches.
+
+Wire format (little endian), one connection per request, sender -> receiver:
+  HELLO  b"KVFH" u32 len, JSON {request_id, seq_id, pages, tags, token, layout}
+  PAGE   b"KVFP" u32 index, u32 page, u64 tag, u32 tokens, u32 crc32, u64 nbytes, then nbytes
+         of payload: the page's K then V slots for every layer (full page, `tokens` valid)
+  END    b"KVFE" u32 len, JSON {tokens_written}
+receiver -> sender after END (or on a fatal error): u32 len, JSON {ok, code, message}.
+The sender sends at most `batch_pages` pages per write and the receiver checks each page's
+checksum and tag before writing it.
+"""
+
+import json
+import socket
+import struct
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+HELLO = b"KVFH"
+PAGE = b"KVFP"
+END = b"KVFE"
+_PAGE_HEADER = struct.Struct("<4sIIQIIQ")
+_LEN = struct.Struct("<I")
+MAX_JSON = 1 << 20
+
+
+class TransferError(RuntimeError):
+    """The transfer did not complete; `code` says why (for counters and HTTP errors)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    layers: int
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def page_bytes(self) -> int:
+        """K and V of one page, every layer."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return 2 * self.layers * self.page_size * self.kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """What decode hands out at reservation: where and into which pages to write."""
+
+    request_id: str
+    seq_id: int
+    pages: list[int]
+    tags: list[int]
+    reserved_tokens: int
+    transfer_port: int
+    transfer_host: str = "127.0.0.1"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def checksum(*parts: memoryview | bytes) -> int:
+    """CRC-32 over the parts in order (K then V of a page)."""
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def page_views(k: torch.Tensor, v: torch.Tensor) -> list[tuple[memoryview, memoryview]]:
+    """k, v: [pages, layers, page_size, heads, dim] contiguous on the host -> per page, zero-copy
+    byte views of its K and V."""
+    assert k.is_contiguous() and v.is_contiguous()
+    k_bytes = k.view(torch.uint8).numpy().reshape(k.shape[0], -1)
+    v_bytes = v.view(torch.uint8).numpy().reshape(v.shape[0], -1)
+    return [(memoryview(k_bytes[i]), memoryview(v_bytes[i])) for i in range(k.shape[0])]
+
+
+def _send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """sendmsg until every byte is out (it may send only part of the vector)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        sent = sock.sendmsg(views[:512])
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+        while views and len(views[0]) == 0:
+            views.pop(0)
+
+
+def _send_json(sock: socket.socket, magic: bytes, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    sock.sendall(magic + _LEN.pack(len(data)) + data)
+
+
+def recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> memoryview:
+    buf = into if into is not None and len(into) >= n else bytearray(n)
+    view = memoryview(buf)[:n]
+    got = 0
+    while got < n:
+        chunk = sock.recv_into(view[got:], n - got)
+        if chunk == 0:
+            raise TransferError("transfer_incomplete", f"connection closed after {got}/{n} bytes")
+        got += chunk
+    return view
+
+
+def recv_json(sock: socket.socket) -> dict[str, Any]:
+    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+    if length > MAX_JSON:
+        raise TransferError("bad_frame", f"JSON frame of {length} bytes is too large")
+    return json.loads(bytes(recv_exact(sock, length)))
+
+
+def send_kv(
+    handle: Handle,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tokens_written: int,
+    layout: Layout,
+    *,
+    token: str | None,
+    batch_pages: int = 16,
+    timeout: float = 30.0,
+) -> None:
+    """Stream the KV of `tokens_written` tokens into the handle's pages; returns once decode
+    verified it. k, v: [pages, layers, page_size, heads, dim] on the host."""
+    pages = k.shape[0]
+    if pages > len(handle.pages):
+        raise TransferError(
+            "count_mismatch", f"{pages} pages of KV for {len(handle.pages)} reserved"
+        )
+    views = page_views(k, v)
+    with socket.create_connection((handle.transfer_host, handle.transfer_port), timeout) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _send_json(sock, HELLO, {
+            "request_id": handle.request_id, "seq_id": handle.seq_id, "pages": handle.pages,
+            "tags": handle.tags, "token": token, "layout": asdict(layout),
+        })  # fmt: skip
+        for start in range(0, pages, batch_pages):
+            parts: list[bytes | memoryview] = []
+            for i in range(start, min(start + batch_pages, pages)):
+                filled = max(0, min(layout.page_size, tokens_written - i * layout.page_size))
+                kv = views[i]
+                crc = checksum(*kv)
+                size = len(kv[0]) + len(kv[1])
+                parts += [
+                    _PAGE_HEADER.pack(PAGE, i, handle.pages[i], handle.tags[i], filled, crc, size),
+                    *kv,
+                ]
+            _send_all(sock, parts)
+        _send_json(sock, END, {"tokens_written": tokens_written})
+        reply = recv_json(sock)
+    if not reply.get("ok"):
+        raise TransferError(str(reply.get("code")), str(reply.get("message")))
+
+
+def read_frame_header(sock: socket.socket) -> tuple[bytes, tuple[Any, ...] | dict[str, Any]]:
+    magic = bytes(recv_exact(sock, 4))
+    if magic == PAGE:
+        rest = recv_exact(sock, _PAGE_HEADER.size - 4)
+        return magic, _PAGE_HEADER.unpack(PAGE + bytes(rest))[1:]
+    if magic in (HELLO, END):
+        return magic, recv_json(sock)
+    raise TransferError("bad_frame", f"unknown frame {magic!r}")
+
+
+def send_reply(sock: socket.socket, ok: bool, code: str = "", message: str = "") -> None:
+    data = json.dumps({"ok": ok, "code": code, "message": message}).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)

@@ -1,28 +1,26 @@
-"""Runs the engine's step loop on its own thread and streams each request's tokens to asyncio."""
+"""Runs the engine's step loop on its own thread and streams each request's tokens to asyncio.
+
+Everything that changes scheduler state runs on that thread: callers hand it work through an
+inbox of callables and get results back through futures or per-request queues.
+"""
 
 import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from . import errors
+from .deltas import Delta
 from .engine import LLMEngine
 from .errors import EngineError
-from .sequence import SamplingParams, Sequence, TokenLogprob, is_terminal
+from .sequence import SamplingParams, Sequence, is_terminal
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Delta:
-    """What a request gained in one step."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None = None
-    error: EngineError | None = None
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -36,7 +34,7 @@ class _Stream:
 @dataclass(slots=True)
 class AsyncEngine:
     engine: LLMEngine
-    _inbox: queue.SimpleQueue[tuple[str, Sequence]] = field(default_factory=queue.SimpleQueue)
+    _inbox: queue.SimpleQueue[Callable[[], None]] = field(default_factory=queue.SimpleQueue)
     _streams: dict[int, _Stream] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stopped: threading.Event = field(default_factory=threading.Event)
@@ -56,14 +54,32 @@ class AsyncEngine:
     ) -> Sequence:
         return self.engine.admit(prompt_ids, params, max_tokens=max_tokens)
 
-    async def stream(self, seq: Sequence) -> AsyncIterator[Delta]:
-        """Run an admitted sequence; yields deltas until it finishes. Closing the iterator
-        early (client gone) aborts the sequence and releases its pages."""
-        assert not is_terminal(seq)
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine thread and await its result (or exception)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the awaiting coroutine
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._inbox.put(run)
+        return await future
+
+    async def stream(
+        self, seq: Sequence, start: Callable[[], None] | None = None
+    ) -> AsyncIterator[Delta]:
+        """Run a sequence; yields deltas until it finishes. `start` (engine thread) puts it to
+        work; by default it joins the scheduler's waiting queue. Closing the iterator early
+        (client gone) aborts the sequence and releases its pages."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self._streams[seq.seq_id] = stream
-        self._inbox.put(("add", seq))
+        self._inbox.put(lambda: self._start(seq, start))
         finished = False
         try:
             while not finished:
@@ -75,9 +91,25 @@ class AsyncEngine:
                 self.abort(seq)
 
     def abort(self, seq: Sequence) -> None:
-        self._inbox.put(("abort", seq))
+        def run() -> None:
+            self.engine.abort(seq)
+            self._deliver(seq)
+
+        self._inbox.put(run)
 
     # --- engine thread -----------------------------------------------------------------------
+
+    def _start(self, seq: Sequence, start: Callable[[], None] | None) -> None:
+        try:
+            if is_terminal(seq):  # aborted before it ever started
+                pass
+            elif start is None:
+                self.engine.add(seq)
+            else:
+                start()
+        except EngineError as exc:
+            seq.finish("error", exc)
+        self._deliver(seq)
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
@@ -86,6 +118,8 @@ class AsyncEngine:
                 if self.engine.has_work():
                     for seq in self.engine.step():
                         self._deliver(seq)
+                if self.engine.reserved:
+                    self.engine.expire_reservations(time.monotonic())
             except Exception:  # keep serving; fail the requests that were in flight
                 log.exception("engine step failed")
                 self._fail_all(
@@ -96,21 +130,13 @@ class AsyncEngine:
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            item = self._inbox.get(timeout=0.2) if block else self._inbox.get_nowait()
+            work = self._inbox.get(timeout=0.2) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            kind, seq = item
-            if kind == "add":
-                if is_terminal(seq):  # aborted before it was ever scheduled
-                    self._deliver(seq)
-                else:
-                    self.engine.add(seq)
-            else:
-                self.engine.abort(seq)
-                self._deliver(seq)
+            work()
             try:
-                item = self._inbox.get_nowait()
+                work = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
@@ -140,3 +166,13 @@ class AsyncEngine:
         stream.sent_logprobs = len(seq.output_logprobs)
         if delta.token_ids or terminal:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+
+
+def _set_result(future: asyncio.Future[T], value: T) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[T], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

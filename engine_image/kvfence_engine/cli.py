@@ -9,6 +9,17 @@ from .faults import FAULTS
 from .units import parse_size
 
 
+def read_token(path: str | None) -> str | None:
+    """The shared internal token, from a file (a mounted Secret in Kubernetes)."""
+    if path is None:
+        return None
+    with open(path) as f:
+        token = f.read().strip()
+    if not token:
+        raise ValueError(f"internal token file {path} is empty")
+    return token
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -25,7 +36,7 @@ def _positive(text: str) -> int:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run an engine (combined, prefill or decode role)")
-    p.add_argument("--role", choices=["combined"], default="combined")
+    p.add_argument("--role", choices=["combined", "prefill", "decode"], default="combined")
     p.add_argument(
         "--model",
         required=True,
@@ -33,6 +44,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--transfer-port",
+        type=int,
+        default=8001,
+        help="decode role: TCP port prefill streams KV to (0: any free port)",
+    )
+    p.add_argument(
+        "--internal-token-file",
+        default=None,
+        help="require this token on internal endpoints and KV transfers",
+    )
     p.add_argument(
         "--context-length",
         type=_positive,
@@ -91,7 +113,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         faults = Faults.from_names(args.unsafe_fault)
-    except UnsafeFaultRefused as exc:
+        token = read_token(args.internal_token_file)
+    except (UnsafeFaultRefused, OSError, ValueError) as exc:
         print(f"kvfence serve: {exc}", file=sys.stderr)
         return 2
     if args.threads:
@@ -109,6 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         scrub_on_free=args.scrub_on_free,
         revision=args.revision,
+        transfer_port=args.transfer_port,
         faults=faults,
     )
     if faults.enabled:
@@ -117,7 +141,17 @@ def _serve(args: argparse.Namespace) -> int:
     def build(metrics: EngineMetrics) -> AsyncEngine:
         return AsyncEngine(LLMEngine(load_model(args.model), engine_args, metrics))
 
-    state = ServerState()
+    state = ServerState(role=args.role, internal_token=token)
+    if args.role == "decode":
+
+        def start_receiver(engine: AsyncEngine) -> None:
+            from .kv_receiver import KVReceiver
+
+            receiver = KVReceiver(engine.engine, args.host, args.transfer_port, token)
+            engine.engine.args.transfer_port = receiver.port
+            receiver.start()
+
+        state.on_ready.append(start_receiver)
     state.load_in_background(build)
     uvicorn.run(
         create_app(state),

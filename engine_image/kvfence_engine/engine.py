@@ -12,7 +12,7 @@ from . import errors
 from .errors import EngineError
 from .faults import Faults
 from .isolation import check_reads
-from .kv_pool import KVPool
+from .kv_pool import KVPool, PoolExhausted
 from .metrics import EngineMetrics
 from .model import LlamaModel
 from .model_loader import LoadedModel
@@ -20,7 +20,8 @@ from .model_runner import ModelRunner
 from .pool_plan import ContextPolicy, PoolPlan, admission_limit, effective_context, plan_pool
 from .sampler import sample
 from .scheduler import Scheduler
-from .sequence import SamplingParams, Sequence, is_terminal
+from .sequence import InboundKV, SamplingParams, Sequence, Status, TokenLogprob, is_terminal
+from .transfer import Handle, Layout
 
 DEFAULT_CPU_KV_MEMORY = 512 * 1024**2
 
@@ -39,6 +40,8 @@ class EngineArgs:
     max_waiting: int = 512
     scrub_on_free: bool = False
     revision: str = "dev"
+    transfer_port: int = 0  # decode role: where prefill streams KV to
+    reserve_timeout: float = 60.0  # decode role: a reservation whose KV never starts expires
     faults: Faults = field(default_factory=Faults)
 
 
@@ -123,6 +126,15 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.pool, self.device, self.faults)
         self._ids = itertools.count(1)
+        self.reserved: dict[str, Sequence] = {}  # decode role: waiting for KV or first token
+        self.by_request: dict[str, Sequence] = {}  # decode role: every live request by its id
+        self.layout = Layout(
+            layers=loaded.config.num_layers,
+            page_size=args.page_size,
+            kv_heads=loaded.config.num_kv_heads,
+            head_dim=loaded.config.head_dim,
+            dtype=self.kv_dtype,
+        )
         m = self.metrics
         m.pool_tokens.set(self.pool.pool_tokens)
         m.pages_total.set(self.pool.num_pages)
@@ -177,7 +189,10 @@ class LLMEngine:
         self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
     def abort(self, seq: Sequence) -> None:
-        seq.finish("abort")
+        if seq.request_id is not None and self.reserved.get(seq.request_id) is seq:
+            self._drop_reserved(self.reserved.pop(seq.request_id), "abort", None)
+        else:
+            seq.finish("abort")
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -192,7 +207,11 @@ class LLMEngine:
         if seqs:
             self._run(seqs, is_prefill)
             changed += seqs
-        changed += self.scheduler.remove_finished()
+        done = self.scheduler.remove_finished()
+        changed += done
+        for seq in done:
+            if seq.request_id is not None:
+                self.by_request.pop(seq.request_id, None)
         m = self.metrics
         m.running.set(len(self.scheduler.running))
         m.waiting.set(len(self.scheduler.waiting))
@@ -257,11 +276,183 @@ class LLMEngine:
             elif len(seq.output_ids) >= seq.params.max_tokens:
                 seq.finish("length")
         if is_prefill:
+            for seq in seqs:
+                if seq.export_kv:  # prefill role: the KV leaves before the pages are freed
+                    written = len(self.runner.prefill_tokens(seq))
+                    used = seq.pages[: self.pool.pages_for(written)]
+                    seq.exported = (*self.pool.export(used), written)
             self.scheduler.admit_prefilled(seqs)
-            if "early-release" in self.faults:
-                for seq in seqs:
-                    if not is_terminal(seq) and seq.pages:
-                        self.pool.force_release(seq.pages[:1])
+            self._maybe_release_early(seqs)
+
+    def _maybe_release_early(self, seqs: list[Sequence]) -> None:
+        """The early-release fault: a sibling owner hands the first page back while in use."""
+        if "early-release" in self.faults:
+            for seq in seqs:
+                if not is_terminal(seq) and seq.pages:
+                    self.pool.force_release(seq.pages[:1])
+
+    # --- decode role: reserve, receive KV, then decode (engine thread unless noted) ----------
+
+    def reserve(self, seq: Sequence, request_id: str) -> Handle:
+        """Allocate the admitted prompt's pages now and hand out where to write its KV."""
+        assert not is_terminal(seq)
+        if request_id in self.by_request:
+            raise errors.invalid_request(f"request id {request_id!r} is already in use")
+        n = len(seq.prompt_ids)
+        try:
+            seq.pages, seq.page_tags = self.pool.allocate(seq.seq_id, self.pool.pages_for(n))
+        except PoolExhausted as exc:
+            self.metrics.rejected.labels(reason="overloaded").inc()
+            raise errors.overloaded(f"no free KV pages for {n} tokens: {exc}") from exc
+        seq.request_id = request_id
+        seq.inbound = InboundKV(request_id, n, time.monotonic() + self.args.reserve_timeout)
+        self.reserved[request_id] = seq
+        self.by_request[request_id] = seq
+        self.metrics.prompt_tokens.inc(n)
+        return Handle(request_id, seq.seq_id, seq.pages, seq.page_tags, n, self.args.transfer_port)
+
+    def receive_page(
+        self, seq: Sequence, page: int, tag: int, tokens: int, payload: memoryview
+    ) -> bool:
+        """(receiver thread) Write one verified page; a write for a fenced request or under a
+        stale tag is dropped and counted."""
+        inbound = seq.inbound
+        assert inbound is not None
+        late_write = "late-write" in self.faults
+        with self.pool.lock:
+            if inbound.fenced and not late_write:
+                self.metrics.late_writes_dropped.inc()
+                return False
+            written = self.pool.write_page(
+                seq.seq_id, page, tag, tokens, payload, check_tag=not late_write
+            )
+            if written:
+                inbound.written_tokens += tokens
+            else:
+                self.metrics.late_writes_dropped.inc()
+            return written
+
+    def begin_transfer(
+        self, request_id: str, seq_id: int, pages: list[int], tags: list[int]
+    ) -> Sequence:
+        """(receiver thread) Match an inbound connection to its reservation."""
+        with self.pool.lock:
+            seq = self.reserved.get(request_id)
+            if seq is None or seq.inbound is None or is_terminal(seq):
+                raise EngineError(
+                    404,
+                    f"no reservation {request_id!r}",
+                    "invalid_request_error",
+                    "unknown_request",
+                )
+            if (seq.seq_id, seq.pages, seq.page_tags) != (seq_id, pages, tags):
+                raise EngineError(
+                    400,
+                    "the transfer's pages and tags are not the reservation's",
+                    "invalid_request_error",
+                    "handle_mismatch",
+                )
+            if seq.inbound.in_flight or seq.inbound.done:
+                raise EngineError(
+                    409,
+                    "this reservation already received its transfer",
+                    "invalid_request_error",
+                    "duplicate_transfer",
+                )
+            seq.inbound.in_flight = True
+            return seq
+
+    def end_transfer(self, seq: Sequence, error: EngineError | None) -> EngineError | None:
+        """(receiver thread) The connection is over. Unless it failed already, compare the
+        tokens written with the tokens reserved. Releases now if it was fenced meanwhile.
+        Returns the request's transfer error, if any (what the sender is told)."""
+        inbound = seq.inbound
+        assert inbound is not None
+        short = inbound.written_tokens != inbound.reserved_tokens
+        if error is None and short and "skip-count-check" not in self.faults:
+            self.metrics.count_mismatch.inc()
+            error = errors.isolation_violation(
+                f"KV for {inbound.written_tokens} of {inbound.reserved_tokens} reserved "
+                "tokens arrived"
+            )
+        with self.pool.lock:
+            inbound.in_flight = False
+            inbound.done = True
+            inbound.error = inbound.error or error
+            if inbound.fenced:
+                self.scheduler.release(seq)
+        return inbound.error
+
+    def start_decode(self, request_id: str, first: TokenLogprob) -> Sequence:
+        """Continue a reserved request from prefill's first token once its KV is verified."""
+        seq = self.reserved.pop(request_id, None)
+        if seq is None:
+            raise EngineError(
+                404,
+                f"no reservation {request_id!r} (expired or aborted)",
+                "invalid_request_error",
+                "unknown_request",
+            )
+        inbound = seq.inbound
+        assert inbound is not None
+        error = inbound.error
+        if error is None and not inbound.done:
+            error = errors.isolation_violation("its KV transfer has not completed")
+        if error is not None:
+            self._drop_reserved(seq, "error", error)
+            raise error
+        seq.num_cached = len(seq.prompt_ids)
+        seq.output_ids.append(first.token_id)
+        if seq.params.logprobs is not None:
+            seq.output_logprobs.append(first)
+        self.metrics.generation_tokens.inc()
+        if not seq.params.ignore_eos and first.token_id in self.tokenizer.eos_ids:
+            seq.finish("stop")
+        elif len(seq.output_ids) >= seq.params.max_tokens:
+            seq.finish("length")
+        if is_terminal(seq):
+            self.scheduler.release(seq)
+            self.by_request.pop(request_id, None)
+            return seq
+        seq.status = Status.RUNNING
+        self.scheduler.running.append(seq)
+        self._maybe_release_early([seq])
+        return seq
+
+    def abort_request(self, request_id: str) -> Sequence | None:
+        seq = self.by_request.get(request_id)
+        if seq is not None:
+            self.abort(seq)
+        return seq
+
+    def _drop_reserved(self, seq: Sequence, reason: str, error: EngineError | None) -> None:
+        """Finish a reserved request. Pages with a transfer still writing into them are fenced
+        (released when it ends) rather than freed under it: deferred release."""
+        seq.finish(reason, error)
+        assert seq.inbound is not None
+        self.by_request.pop(seq.inbound.request_id, None)
+        with self.pool.lock:
+            if seq.inbound.in_flight and "late-write" not in self.faults:
+                seq.inbound.fenced = True
+            else:
+                self.scheduler.release(seq)
+
+    def expire_reservations(self, now: float) -> None:
+        for request_id, seq in list(self.reserved.items()):
+            inbound = seq.inbound
+            assert inbound is not None
+            if now > inbound.deadline and not inbound.in_flight and not inbound.done:
+                del self.reserved[request_id]
+                self._drop_reserved(
+                    seq,
+                    "error",
+                    errors.EngineError(
+                        408,
+                        "no KV arrived for the reservation in time",
+                        "server_error",
+                        "reservation_expired",
+                    ),
+                )
 
     # --- reports ---------------------------------------------------------------------------
 
@@ -281,6 +472,7 @@ class LLMEngine:
             "model_max_positions": self.config.max_positions,
             "tag_check": "no-tag-check" not in self.faults,
             "kv_checksum": self.args.role != "combined",  # no transfer in the combined role
+            "transfer_port": self.args.transfer_port if self.args.role == "decode" else None,
             "deferred_release": True,
             "scrub_on_free": self.pool.scrub_on_free,
             "unsafe_faults": sorted(self.faults.enabled),

@@ -1,28 +1,32 @@
-"""The engine's HTTP server: health, pool report, metrics and the OpenAI-compatible API."""
+"""The engine's HTTP server: health, pool report, metrics, the OpenAI API (combined role) and
+the internal endpoints of the disaggregated roles."""
 
-import json
 import logging
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import errors
-from .async_engine import AsyncEngine, Delta
+from .async_engine import AsyncEngine
 from .detokenizer import Detokenizer
-from .errors import EngineError
 from .metrics import EngineMetrics
+from .openai_api import (
+    OpenAIOutput,
+    chat_logprobs,
+    chat_prompt,
+    completion_prompt,
+    install_error_handlers,
+    respond,
+    sampling_params,
+)
 from .protocol import ChatCompletionRequest, CompletionRequest
-from .sequence import SamplingParams, TokenLogprob, is_terminal
-from .tokenizer import Tokenizer
+from .sequence import SamplingParams, is_terminal
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +35,13 @@ log = logging.getLogger(__name__)
 class ServerState:
     """What the HTTP layer serves; `engine` is set once weights and pool are allocated."""
 
+    role: str = "combined"
+    internal_token: str | None = None
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     engine: AsyncEngine | None = None
     load_error: str | None = None
     started: float = field(default_factory=time.time)
+    on_ready: list[Callable[[AsyncEngine], None]] = field(default_factory=list)
 
     def require_engine(self) -> AsyncEngine:
         if self.engine is None:
@@ -46,6 +53,8 @@ class ServerState:
             try:
                 engine = build(self.metrics)
                 engine.start()
+                for hook in self.on_ready:
+                    hook(engine)
                 self.engine = engine
                 log.info("engine ready: %s", engine.engine.kvpool_report())
             except Exception as exc:  # reported on /readyz; the process stays up to say why
@@ -55,35 +64,10 @@ class ServerState:
         threading.Thread(target=run, name="kvfence-loader", daemon=True).start()
 
 
-def error_response(error: EngineError) -> JSONResponse:
-    headers = {"Retry-After": str(error.retry_after)} if error.retry_after else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvfence engine", docs_url=None, redoc_url=None)
     app.state.kvfence = state
-
-    @app.exception_handler(EngineError)
-    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
-        return error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-            for e in exc.errors()
-        )
-        return error_response(errors.invalid_request(message, ".".join(loc) or None))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else "http_error"
-        return error_response(
-            EngineError(exc.status_code, str(exc.detail), "invalid_request_error", code)
-        )
+    install_error_handlers(app)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -122,143 +106,33 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
-        engine = state.require_engine()
+        engine = _combined(state)
         tokenizer = engine.engine.tokenizer
-        prompt_ids = _completion_prompt(body.prompt, tokenizer, engine.engine.config.vocab_size)
-        params = _sampling(body, logprobs=body.logprobs)
+        prompt_ids = completion_prompt(body.prompt, tokenizer, engine.engine.config.vocab_size)
+        params = sampling_params(body, logprobs=body.logprobs)
         return await _generate(engine, prompt_ids, params, body.max_tokens, body, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Response:
-        engine = state.require_engine()
-        tokenizer = engine.engine.tokenizer
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt = tokenizer.apply_chat_template(messages)
-        except Exception as exc:
-            raise errors.invalid_request(
-                f"cannot apply the chat template: {exc}", "messages"
-            ) from exc
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling(body, logprobs=logprobs)
-        return await _generate(
-            engine, tokenizer.encode(prompt), params, body.token_limit(), body, chat=True
-        )
+        engine = _combined(state)
+        prompt_ids = chat_prompt(engine.engine.tokenizer, body)
+        params = sampling_params(body, logprobs=chat_logprobs(body))
+        return await _generate(engine, prompt_ids, params, body.token_limit(), body, chat=True)
 
+    if state.role in ("prefill", "decode"):
+        from .internal_api import internal_router
+
+        app.include_router(internal_router(state))
     return app
 
 
-def _completion_prompt(
-    prompt: str | list[int] | list[str], tokenizer: Tokenizer, vocab: int
-) -> list[int]:
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if prompt and all(isinstance(p, int) for p in prompt):
-        ids = [int(p) for p in prompt]
-        if any(not 0 <= t < vocab for t in ids):
-            raise errors.invalid_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-        return ids
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return tokenizer.encode(prompt[0])
-    raise errors.invalid_request("exactly one prompt per request is supported", "prompt")
-
-
-def _sampling(
-    body: CompletionRequest | ChatCompletionRequest, logprobs: int | None
-) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=1,  # replaced by admission, which clamps to the context
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
-        logprobs=logprobs,
-        ignore_eos=body.ignore_eos,
-    )
-
-
-@dataclass(slots=True)
-class _Output:
-    """Formats one request's deltas as OpenAI completion or chat objects."""
-
-    chat: bool
-    model: str
-    tokenizer: Tokenizer
-    prompt_tokens: int
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    created: int = field(default_factory=lambda: int(time.time()))
-    completion_tokens: int = 0
-
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-
-    def logprobs(self, items: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
-        if not items:
-            return None
-        text = self.tokenizer.token_text
-        if self.chat:
-            return {
-                "content": [
-                    {
-                        "token": text(lp.token_id),
-                        "logprob": lp.logprob,
-                        "bytes": list(text(lp.token_id).encode()),
-                        "top_logprobs": [
-                            {"token": text(t), "logprob": v, "bytes": list(text(t).encode())}
-                            for t, v in lp.top
-                        ],
-                    }
-                    for lp in items
-                ]
-            }
-        offsets, pos = [], offset
-        for lp in items:
-            offsets.append(pos)
-            pos += len(text(lp.token_id))
-        return {
-            "tokens": [text(lp.token_id) for lp in items],
-            "token_logprobs": [lp.logprob for lp in items],
-            "top_logprobs": [{text(t): v for t, v in lp.top} for lp in items],
-            "text_offset": offsets,
-        }
-
-    def _object(
-        self,
-        kind: str,
-        content: dict[str, Any],
-        logprobs: dict[str, Any] | None,
-        finish: str | None,
-    ) -> dict[str, Any]:
-        choice = {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish}
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
-
-    def chunk(
-        self, text: str, logprobs: dict[str, Any] | None, finish: str | None, first: bool = False
-    ) -> dict[str, Any]:
-        if not self.chat:
-            return self._object("text_completion", {"text": text}, logprobs, finish)
-        delta = (
-            {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+def _combined(state: ServerState) -> AsyncEngine:
+    engine = state.require_engine()
+    if state.role != "combined":
+        raise errors.invalid_request(
+            f"this engine runs the {state.role} role; send completions to the router"
         )
-        return self._object("chat.completion.chunk", {"delta": delta}, logprobs, finish)
-
-    def whole(self, text: str, logprobs: dict[str, Any] | None, finish: str) -> dict[str, Any]:
-        if self.chat:
-            content = {"message": {"role": "assistant", "content": text}}
-            body = self._object("chat.completion", content, logprobs, finish)
-        else:
-            body = self._object("text_completion", {"text": text}, logprobs, finish)
-        return body | {"usage": self.usage()}
+    return engine
 
 
 async def _generate(
@@ -272,82 +146,9 @@ async def _generate(
     seq = engine.admit(prompt_ids, params, max_tokens)
     if is_terminal(seq):  # rejected at admission: nothing was allocated
         assert seq.error is not None
-        return error_response(seq.error)
-    out = _Output(chat, engine.engine.loaded.name, engine.engine.tokenizer, len(prompt_ids))
-    detok = Detokenizer(engine.engine.tokenizer, body.stops())
+        raise seq.error
+    tokenizer = engine.engine.tokenizer
+    out = OpenAIOutput(chat, engine.engine.loaded.name, tokenizer, len(prompt_ids))
     deltas = engine.stream(seq)
-    # Wait for the first step's result before committing to a status code, so a request that
-    # fails before its first token gets its real HTTP status, not a 200 stream.
     first = await anext(deltas)
-    if first.error is not None:
-        await deltas.aclose()
-        return error_response(first.error)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _sse(out, detok, first, deltas, include_usage), media_type="text/event-stream"
-        )
-    text, items, finish = "", [], "length"
-    async for delta in _with_first(first, deltas):
-        if delta.error is not None:
-            return error_response(delta.error)
-        out.completion_tokens += len(delta.token_ids)
-        text += detok.push(delta.token_ids, final=delta.finish_reason is not None)
-        items += delta.logprobs
-        if detok.stopped:
-            finish = "stop"
-            break
-        if delta.finish_reason is not None:
-            finish = delta.finish_reason
-    await deltas.aclose()
-    return JSONResponse(out.whole(text, out.logprobs(items, 0), finish))
-
-
-async def _with_first(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-    yield first
-    if first.finish_reason is None:
-        async for delta in rest:
-            yield delta
-
-
-def _sse_event(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
-
-
-async def _sse(
-    out: _Output,
-    detok: Detokenizer,
-    first: Delta,
-    deltas: AsyncIterator[Delta],
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    emitted = 0
-    try:
-        if out.chat:
-            yield _sse_event(out.chunk("", None, None, first=True))
-        async for delta in _with_first(first, deltas):
-            if delta.error is not None:
-                # Headers are gone; end the stream with an error event (no foreign tokens
-                # were produced: the failing step generated nothing).
-                yield _sse_event(delta.error.body())
-                return
-            out.completion_tokens += len(delta.token_ids)
-            finish = delta.finish_reason
-            text = detok.push(delta.token_ids, final=finish is not None)
-            if detok.stopped:
-                finish = "stop"
-            logprobs = out.logprobs(delta.logprobs, emitted)
-            emitted += len(text)
-            if text or logprobs or finish:
-                yield _sse_event(out.chunk(text, logprobs, finish))
-            if finish is not None:
-                break
-        if include_usage:
-            usage_chunk = out.chunk("", None, None)
-            usage_chunk["choices"] = []
-            usage_chunk["usage"] = out.usage()
-            yield _sse_event(usage_chunk)
-        yield _sse_event("[DONE]")
-    finally:
-        await deltas.aclose()  # aborts the sequence if it is still running
+    return await respond(first, deltas, out, Detokenizer(tokenizer, body.stops()), body)

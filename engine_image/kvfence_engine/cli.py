@@ -163,6 +163,71 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="the OpenAI front of prefill + decode instances")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill", action="append", default=[], metavar="URL")
+    p.add_argument("--decode", action="append", default=[], metavar="URL")
+    p.add_argument(
+        "--backends-file",
+        default=None,
+        help='JSON {"prefill": [URL], "decode": [URL], "contextLength": N}, re-read '
+        "when it changes",
+    )
+    p.add_argument(
+        "--api-keys",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="'KEY TENANT' per line; without it every request is tenant 'default'",
+    )
+    p.add_argument(
+        "--context-length",
+        type=_positive,
+        default=None,
+        help="served context (default: from the backends file or the decode pools)",
+    )
+    p.add_argument(
+        "--model",
+        default="builtin:smollm2-135m-instruct",
+        help="where the tokenizer and chat template come from",
+    )
+    p.add_argument("--internal-token-file", default=None)
+    p.set_defaults(func=_router)
+
+
+def _router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .backends import Backends
+    from .model_loader import load_tokenizer
+    from .router import RouterState, create_router_app, read_api_keys
+
+    if not (args.prefill and args.decode) and not args.backends_file:
+        print(
+            "kvfence router: give --prefill and --decode URLs or --backends-file", file=sys.stderr
+        )
+        return 2
+    try:
+        token = read_token(args.internal_token_file)
+        keys = read_api_keys(args.api_keys)
+        name, tokenizer = load_tokenizer(args.model)
+        backends = Backends.create(args.prefill, args.decode, args.backends_file)
+    except (OSError, ValueError) as exc:
+        print(f"kvfence router: {exc}", file=sys.stderr)
+        return 2
+    state = RouterState(name, tokenizer, backends, keys, token, args.context_length)
+    uvicorn.run(
+        create_router_app(state),
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=5,
+    )
+    return 0
+
+
 def _add_crd(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("crd", help="print the InferenceDeployment CRD YAML (what crds/ holds)")
     p.set_defaults(func=_crd)
@@ -179,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_router(sub)
     _add_crd(sub)
     return parser
 

@@ -261,6 +261,8 @@ class LLMEngine:
     def _run(self, seqs: list[Sequence], is_prefill: bool) -> None:
         step = self.runner.prepare(seqs, is_prefill)
         logits = self.runner.run(step)
+        if is_prefill:  # before the sampled token is appended: what this step really wrote
+            written = [len(self.runner.prefill_tokens(seq)) for seq in seqs]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             seq.num_cached = seq.num_tokens  # what the engine believes is now in the pool
@@ -276,11 +278,10 @@ class LLMEngine:
             elif len(seq.output_ids) >= seq.params.max_tokens:
                 seq.finish("length")
         if is_prefill:
-            for seq in seqs:
+            for seq, count in zip(seqs, written, strict=True):
                 if seq.export_kv:  # prefill role: the KV leaves before the pages are freed
-                    written = len(self.runner.prefill_tokens(seq))
-                    used = seq.pages[: self.pool.pages_for(written)]
-                    seq.exported = (*self.pool.export(used), written)
+                    used = seq.pages[: self.pool.pages_for(count)]
+                    seq.exported = (*self.pool.export(used), count)
             self.scheduler.admit_prefilled(seqs)
             self._maybe_release_early(seqs)
 

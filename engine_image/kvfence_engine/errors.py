@@ -3,9 +3,11 @@
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=False)
 class EngineError(Exception):
-    """A request-level failure with the HTTP status and OpenAI error fields it maps to."""
+    """A request-level failure with the HTTP status and OpenAI error fields it maps to.
+
+    Not frozen: frameworks set __traceback__ on exceptions they handle."""
 
     status: int
     message: str

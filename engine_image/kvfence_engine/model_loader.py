@@ -57,6 +57,25 @@ def load_model(source: str) -> LoadedModel:
     )
 
 
+def load_tokenizer(source: str) -> tuple[str, Tokenizer]:
+    """Only the tokenizer (and the model's name) of a source: what the router needs."""
+    if source == SMOLLM2:
+        return "smollm2-135m-instruct", _smollm2_tokenizer()
+    if source == TINY_RANDOM:
+        return "tiny-random", _smollm2_tokenizer()
+    path = Path(source)
+    if path.suffix == ".gguf" and path.is_file():
+        from gguf import GGUFReader
+
+        fields = _gguf_fields(GGUFReader(str(path)))
+        return str(fields.get("general.name", path.stem)), tokenizer_from_gguf(fields)
+    if path.is_dir() and (path / "tokenizer.json").exists():
+        config = path / "config.json"
+        raw = json.loads(config.read_text()) if config.exists() else {}
+        return path.name, tokenizer_from_folder(path, _eos_ids(raw))
+    raise ValueError(f"cannot load a tokenizer from {source!r}")
+
+
 # --- GGUF -------------------------------------------------------------------------------------
 
 
@@ -147,7 +166,12 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedModel:
     )
 
 
-# --- Hugging Face folder ----------------------------------------------------------------------
+# --- Hugging Face folder ---
+
+
+def _eos_ids(config: dict[str, Any]) -> list[int]:
+    eos = config.get("eos_token_id")
+    return eos if isinstance(eos, list) else ([eos] if eos is not None else [])
 
 
 def load_hf_folder(folder: Path) -> LoadedModel:
@@ -178,13 +202,11 @@ def load_hf_folder(folder: Path) -> LoadedModel:
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update({k: v.float() for k, v in load_file(str(file)).items()})
-    eos = raw.get("eos_token_id")
-    eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     return LoadedModel(
         name=folder.name,
         config=config,
         weights=weights,
-        tokenizer=tokenizer_from_folder(folder, eos_ids),
+        tokenizer=tokenizer_from_folder(folder, _eos_ids(raw)),
     )
 
 

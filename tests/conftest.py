@@ -1,9 +1,11 @@
 """Shared fixtures: an in-process tiny engine, and real `kvfence serve` processes."""
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -115,3 +117,11 @@ def smollm2_server(logs_dir: Path) -> Iterator[LocalProcess]:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def metric(url: str, name: str) -> float:
+    """One sample of a Prometheus series (name including labels) from url/metrics."""
+    text = httpx.get(url + "/metrics").text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert match, f"{name} missing from {url}/metrics"
+    return float(match.group(1))

@@ -37,6 +37,7 @@ def test_a_prompt_exactly_at_the_context_gets_one_token() -> None:
     engine = make_tiny_engine(context_length=CONTEXT)
     seq = generate(engine, prompt_of(CONTEXT), max_tokens=50, ignore_eos=True)
     assert seq.error is None and len(seq.output_ids) == 1 and seq.finish_reason == "length"
+    assert engine.pool.num_used == 0  # finished in its prefill step: its pages still return
 
 
 def test_max_tokens_is_clamped_to_the_room_left_in_the_context() -> None:

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import TINY_TOKEN_BYTES, serve, tiny_budget
+from conftest import TINY_TOKEN_BYTES, metric, serve, tiny_budget
 from kvfence_engine.localproc import LocalProcess, ProcessFailed
 from kvfence_engine.model_loader import tiny_random
 
@@ -17,13 +17,6 @@ CONTEXT = 512
 @pytest.fixture(scope="module")
 def client(tiny_server: LocalProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0)
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert match, f"{name} missing from /metrics"
-    return float(match.group(1))
 
 
 def test_completion_reports_the_real_prompt_token_count(client: openai.OpenAI) -> None:

@@ -56,6 +56,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="require this token on internal endpoints and KV transfers",
     )
     p.add_argument(
+        "--reserve-timeout",
+        type=float,
+        default=60.0,
+        help="decode role: seconds a reservation may wait for its KV and first token",
+    )
+    p.add_argument(
         "--context-length",
         type=_positive,
         default=None,
@@ -133,6 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
         scrub_on_free=args.scrub_on_free,
         revision=args.revision,
         transfer_port=args.transfer_port,
+        reserve_timeout=args.reserve_timeout,
         faults=faults,
     )
     if faults.enabled:

@@ -207,7 +207,7 @@ class LLMEngine:
         if seqs:
             self._run(seqs, is_prefill)
             changed += seqs
-        done = self.scheduler.remove_finished()
+        done = self.scheduler.remove_finished(seqs)
         changed += done
         for seq in done:
             if seq.request_id is not None:
@@ -442,7 +442,7 @@ class LLMEngine:
         for request_id, seq in list(self.reserved.items()):
             inbound = seq.inbound
             assert inbound is not None
-            if now > inbound.deadline and not inbound.in_flight and not inbound.done:
+            if now > inbound.deadline and not inbound.in_flight:
                 del self.reserved[request_id]
                 self._drop_reserved(
                     seq,

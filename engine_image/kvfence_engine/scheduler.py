@@ -5,6 +5,7 @@ preempted (its pages released, its tokens recomputed later).
 """
 
 from collections import deque
+from collections.abc import Sequence as Sequence_
 
 from .kv_pool import KVPool
 from .sequence import Sequence, Status, is_terminal
@@ -91,9 +92,11 @@ class Scheduler:
         seq.pages, seq.page_tags = [], []
         seq.num_cached = 0
 
-    def remove_finished(self) -> list[Sequence]:
-        """Drop terminal sequences from both queues, releasing their pages."""
-        done = [s for s in (*self.waiting, *self.running) if is_terminal(s)]
+    def remove_finished(self, batch: Sequence_ = ()) -> list[Sequence]:
+        """Drop terminal sequences from both queues and from the step's batch (a prefill that
+        finished at once joined neither queue), releasing their pages."""
+        candidates = dict.fromkeys((*self.waiting, *self.running, *batch))
+        done = [s for s in candidates if is_terminal(s)]
         for seq in done:
             self.release(seq)
         self.waiting = deque(s for s in self.waiting if not is_terminal(s))

@@ -122,6 +122,57 @@ def recv_json(sock: socket.socket) -> dict[str, Any]:
     return json.loads(bytes(recv_exact(sock, length)))
 
 
+class Sender:
+    """One transfer connection, sender side: HELLO, pages, END, then decode's verdict."""
+
+    def __init__(
+        self, handle: Handle, layout: Layout, *, token: str | None, timeout: float = 30.0
+    ) -> None:
+        self.handle = handle
+        self.layout = layout
+        self.sock = socket.create_connection((handle.transfer_host, handle.transfer_port), timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _send_json(self.sock, HELLO, {
+            "request_id": handle.request_id, "seq_id": handle.seq_id, "pages": handle.pages,
+            "tags": handle.tags, "token": token, "layout": asdict(layout),
+        })  # fmt: skip
+
+    def send_pages(
+        self, first: int, kv: list[tuple[memoryview, memoryview]], tokens: list[int]
+    ) -> None:
+        """Pages first, first+1, ... of the handle, with how many slots of each are valid."""
+        parts: list[bytes | memoryview] = []
+        for offset, ((k, v), filled) in enumerate(zip(kv, tokens, strict=True)):
+            i = first + offset
+            header = _PAGE_HEADER.pack(
+                PAGE,
+                i,
+                self.handle.pages[i],
+                self.handle.tags[i],
+                filled,
+                checksum(k, v),
+                len(k) + len(v),
+            )
+            parts += [header, k, v]
+        _send_all(self.sock, parts)
+
+    def finish(self, tokens_written: int) -> None:
+        """Send END and wait for decode's verdict; raises TransferError if it refused."""
+        _send_json(self.sock, END, {"tokens_written": tokens_written})
+        reply = recv_json(self.sock)
+        if not reply.get("ok"):
+            raise TransferError(str(reply.get("code")), str(reply.get("message")))
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "Sender":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def send_kv(
     handle: Handle,
     k: torch.Tensor,
@@ -133,36 +184,22 @@ def send_kv(
     batch_pages: int = 16,
     timeout: float = 30.0,
 ) -> None:
-    """Stream the KV of `tokens_written` tokens into the handle's pages; returns once decode
-    verified it. k, v: [pages, layers, page_size, heads, dim] on the host."""
+    """Stream the KV of `tokens_written` tokens into the handle's pages, at most `batch_pages`
+    pages per write; returns once decode verified it. k, v: [pages, layers, page_size, heads,
+    dim] on the host."""
     pages = k.shape[0]
     if pages > len(handle.pages):
         raise TransferError(
             "count_mismatch", f"{pages} pages of KV for {len(handle.pages)} reserved"
         )
     views = page_views(k, v)
-    with socket.create_connection((handle.transfer_host, handle.transfer_port), timeout) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _send_json(sock, HELLO, {
-            "request_id": handle.request_id, "seq_id": handle.seq_id, "pages": handle.pages,
-            "tags": handle.tags, "token": token, "layout": asdict(layout),
-        })  # fmt: skip
+    size = layout.page_size
+    with Sender(handle, layout, token=token, timeout=timeout) as sender:
         for start in range(0, pages, batch_pages):
-            parts: list[bytes | memoryview] = []
-            for i in range(start, min(start + batch_pages, pages)):
-                filled = max(0, min(layout.page_size, tokens_written - i * layout.page_size))
-                kv = views[i]
-                crc = checksum(*kv)
-                size = len(kv[0]) + len(kv[1])
-                parts += [
-                    _PAGE_HEADER.pack(PAGE, i, handle.pages[i], handle.tags[i], filled, crc, size),
-                    *kv,
-                ]
-            _send_all(sock, parts)
-        _send_json(sock, END, {"tokens_written": tokens_written})
-        reply = recv_json(sock)
-    if not reply.get("ok"):
-        raise TransferError(str(reply.get("code")), str(reply.get("message")))
+            stop = min(start + batch_pages, pages)
+            filled = [max(0, min(size, tokens_written - i * size)) for i in range(start, stop)]
+            sender.send_pages(start, views[start:stop], filled)
+        sender.finish(tokens_written)
 
 
 def read_frame_header(sock: socket.socket) -> tuple[bytes, tuple[Any, ...] | dict[str, Any]]:

@@ -56,6 +56,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="require this token on internal endpoints and KV transfers",
     )
     p.add_argument(
+        "--no-kv-checksum",
+        dest="kv_checksum",
+        action="store_false",
+        help="skip per-page checksums on KV transfers (prefill and decode must agree)",
+    )
+    p.add_argument(
         "--reserve-timeout",
         type=float,
         default=60.0,
@@ -140,6 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
         revision=args.revision,
         transfer_port=args.transfer_port,
         reserve_timeout=args.reserve_timeout,
+        kv_checksum=args.kv_checksum,
         faults=faults,
     )
     if faults.enabled:

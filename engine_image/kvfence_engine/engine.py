@@ -41,6 +41,7 @@ class EngineArgs:
     scrub_on_free: bool = False
     revision: str = "dev"
     transfer_port: int = 0  # decode role: where prefill streams KV to
+    kv_checksum: bool = True  # per-page CRC-32 on KV transfers (both ends must agree)
     reserve_timeout: float = 60.0  # decode role: a reservation whose KV never starts expires
     faults: Faults = field(default_factory=Faults)
 
@@ -472,7 +473,8 @@ class LLMEngine:
             "context_policy": str(self.args.context_policy),
             "model_max_positions": self.config.max_positions,
             "tag_check": "no-tag-check" not in self.faults,
-            "kv_checksum": self.args.role != "combined",  # no transfer in the combined role
+            # no transfer in the combined role, so nothing to checksum there
+            "kv_checksum": self.args.kv_checksum and self.args.role != "combined",
             "transfer_port": self.args.transfer_port if self.args.role == "decode" else None,
             "deferred_release": True,
             "scrub_on_free": self.pool.scrub_on_free,

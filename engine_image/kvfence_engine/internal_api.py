@@ -199,7 +199,14 @@ def internal_router(state: ServerState) -> APIRouter:
         handle = Handle(**body.handle.model_dump())
         try:
             await asyncio.to_thread(
-                send_kv, handle, k, v, written, engine.engine.layout, token=state.internal_token
+                send_kv,
+                handle,
+                k,
+                v,
+                written,
+                engine.engine.layout,
+                token=state.internal_token,
+                verify=engine.engine.args.kv_checksum,
             )
         except TransferError as exc:
             status = 500 if exc.code == "kv_isolation_violation" else 502

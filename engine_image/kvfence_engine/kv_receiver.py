@@ -69,6 +69,12 @@ class KVReceiver:
                 return
             if hello.get("layout") != _layout_dict(self.engine):
                 raise TransferError("layout_mismatch", f"sender layout {hello.get('layout')}")
+            if bool(hello.get("checksum", True)) != self.engine.args.kv_checksum:
+                raise TransferError(
+                    "checksum_setting",
+                    "prefill and decode disagree on "
+                    "--no-kv-checksum; both ends must use the same setting",
+                )
             seq = self.engine.begin_transfer(
                 str(hello["request_id"]),
                 int(hello["seq_id"]),
@@ -102,10 +108,11 @@ class KVReceiver:
                         "bad_frame", f"page frame of {nbytes} bytes/{tokens} tokens"
                     )
                 payload = recv_exact(sock, nbytes, buffer)
-                if checksum(payload) != crc:
-                    engine.metrics.checksum_failed.inc()
-                    raise TransferError("checksum_failed", f"page {index} failed its checksum")
-                engine.metrics.checksum_verified.inc()
+                if engine.args.kv_checksum:
+                    if checksum(payload) != crc:
+                        engine.metrics.checksum_failed.inc()
+                        raise TransferError("checksum_failed", f"page {index} failed its checksum")
+                    engine.metrics.checksum_verified.inc()
                 engine.receive_page(seq, page, tag, tokens, payload)
         except (TransferError, OSError) as exc:
             code = getattr(exc, "code", "transfer_incomplete")

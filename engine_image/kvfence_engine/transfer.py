@@ -126,15 +126,22 @@ class Sender:
     """One transfer connection, sender side: HELLO, pages, END, then decode's verdict."""
 
     def __init__(
-        self, handle: Handle, layout: Layout, *, token: str | None, timeout: float = 30.0
+        self,
+        handle: Handle,
+        layout: Layout,
+        *,
+        token: str | None,
+        timeout: float = 30.0,
+        verify: bool = True,
     ) -> None:
         self.handle = handle
         self.layout = layout
+        self.verify = verify
         self.sock = socket.create_connection((handle.transfer_host, handle.transfer_port), timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _send_json(self.sock, HELLO, {
             "request_id": handle.request_id, "seq_id": handle.seq_id, "pages": handle.pages,
-            "tags": handle.tags, "token": token, "layout": asdict(layout),
+            "tags": handle.tags, "token": token, "layout": asdict(layout), "checksum": self.verify,
         })  # fmt: skip
 
     def send_pages(
@@ -183,6 +190,7 @@ def send_kv(
     token: str | None,
     batch_pages: int = 16,
     timeout: float = 30.0,
+    verify: bool = True,
 ) -> None:
     """Stream the KV of `tokens_written` tokens into the handle's pages, at most `batch_pages`
     pages per write; returns once decode verified it. k, v: [pages, layers, page_size, heads,
@@ -194,7 +202,7 @@ def send_kv(
         )
     views = page_views(k, v)
     size = layout.page_size
-    with Sender(handle, layout, token=token, timeout=timeout) as sender:
+    with Sender(handle, layout, token=token, timeout=timeout, verify=verify) as sender:
         for start in range(0, pages, batch_pages):
             stop = min(start + batch_pages, pages)
             filled = [max(0, min(size, tokens_written - i * size)) for i in range(start, stop)]

@@ -157,7 +157,7 @@ class Sender:
                 self.handle.pages[i],
                 self.handle.tags[i],
                 filled,
-                checksum(k, v),
+                checksum(k, v) if self.verify else 0,
                 len(k) + len(v),
             )
             parts += [header, k, v]

@@ -16,7 +16,7 @@ from .kv_pool import KVPool, PoolExhausted
 from .metrics import EngineMetrics
 from .model import LlamaModel
 from .model_loader import LoadedModel
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, PreparedStep
 from .pool_plan import ContextPolicy, PoolPlan, admission_limit, effective_context, plan_pool
 from .sampler import sample
 from .scheduler import Scheduler
@@ -204,10 +204,12 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         changed = list(finished)
         if seqs:
-            seqs = self._refuse_unsafe_reads(seqs, is_prefill, changed)
-        if seqs:
-            self._run(seqs, is_prefill)
-            changed += seqs
+            step = self.runner.prepare(seqs, is_prefill)
+            safe = self._refuse_unsafe_reads(seqs, step, changed)
+            if safe:
+                # page tables only change between steps: the checked batch is the one that runs
+                self._run(safe, is_prefill, step if len(safe) == len(seqs) else None)
+                changed += safe
         done = self.scheduler.remove_finished(seqs)
         changed += done
         for seq in done:
@@ -225,12 +227,11 @@ class LLMEngine:
         return list(dict.fromkeys(changed))
 
     def _refuse_unsafe_reads(
-        self, seqs: list[Sequence], is_prefill: bool, changed: list[Sequence]
+        self, seqs: list[Sequence], step: PreparedStep, changed: list[Sequence]
     ) -> list[Sequence]:
         """Fail closed every sequence whose page table does not cover what it will read."""
         if "no-tag-check" in self.faults:
             return seqs
-        step = self.runner.prepare(seqs, is_prefill)
         check = check_reads(
             self.pool.tags,
             self.pool.fill,
@@ -259,8 +260,8 @@ class LLMEngine:
                 safe.append(seq)
         return safe
 
-    def _run(self, seqs: list[Sequence], is_prefill: bool) -> None:
-        step = self.runner.prepare(seqs, is_prefill)
+    def _run(self, seqs: list[Sequence], is_prefill: bool, step: PreparedStep | None) -> None:
+        step = step or self.runner.prepare(seqs, is_prefill)
         logits = self.runner.run(step)
         if is_prefill:  # before the sampled token is appended: what this step really wrote
             written = [len(self.runner.prefill_tokens(seq)) for seq in seqs]

@@ -4,8 +4,11 @@ SRC is `builtin:smollm2-135m-instruct`, `builtin:tiny-random`, a `.gguf` file, o
 config.json + *.safetensors + tokenizer.json.
 """
 
+import contextlib
+import hashlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -15,7 +18,13 @@ import numpy as np
 import torch
 
 from .model_config import ModelConfig
-from .tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
+from .tokenizer import (
+    Tokenizer,
+    load_saved_tokenizer,
+    save_tokenizer,
+    tokenizer_from_folder,
+    tokenizer_from_gguf,
+)
 
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 TINY_RANDOM = "builtin:tiny-random"
@@ -213,11 +222,39 @@ def load_hf_folder(folder: Path) -> LoadedModel:
 # --- tiny random ------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=1)
-def _smollm2_tokenizer() -> Tokenizer:
+def _cache_dir() -> Path | None:
+    root = os.environ.get("KVFENCE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvfence"
+    )
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError:
+        return None  # read-only file system: no cache, just slower starts
+    return Path(root) if os.access(root, os.W_OK) else None
+
+
+@lru_cache(maxsize=4)
+def gguf_tokenizer(path: Path) -> Tokenizer:
+    """A GGUF file's tokenizer. Parsing a GGUF header takes seconds; the tokenizer built from
+    it is cached on disk, keyed by the file's path, size and modification time."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    cache = _cache_dir()
+    cached = cache / f"tokenizer-{key.hexdigest()[:16]}.json" if cache else None
+    if cached is not None and cached.exists():
+        with contextlib.suppress(ValueError, KeyError, OSError):
+            return load_saved_tokenizer(cached)
     from gguf import GGUFReader
 
-    return tokenizer_from_gguf(_gguf_fields(GGUFReader(str(smollm2_gguf_path()))))
+    tokenizer = tokenizer_from_gguf(_gguf_fields(GGUFReader(str(path))))
+    if cached is not None:
+        with contextlib.suppress(OSError):
+            save_tokenizer(tokenizer, cached)
+    return tokenizer
+
+
+def _smollm2_tokenizer() -> Tokenizer:
+    return gguf_tokenizer(smollm2_gguf_path())
 
 
 TINY_CONFIG = ModelConfig(

@@ -91,6 +91,31 @@ def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
     )
 
 
+def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
+    """One JSON file: the tokenizers model plus what the engine adds (eos, template)."""
+    data = {
+        "tokenizer": json.loads(tokenizer.backend.to_str()),
+        "eos_ids": sorted(tokenizer.eos_ids),
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "chat_template": tokenizer.chat_template,
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)  # atomic: concurrent processes never read half a file
+
+
+def load_saved_tokenizer(path: Path) -> Tokenizer:
+    data = json.loads(path.read_text())
+    return Tokenizer(
+        backend=HFTokenizer.from_str(json.dumps(data["tokenizer"])),
+        eos_ids=frozenset(data["eos_ids"]),
+        bos_token=data["bos_token"],
+        eos_token=data["eos_token"],
+        chat_template=data["chat_template"],
+    )
+
+
 def tokenizer_from_folder(folder: Path, eos_ids: Sequence[int] = ()) -> Tokenizer:
     """tokenizer.json (+ tokenizer_config.json for the chat template and special tokens)."""
     backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))

@@ -49,8 +49,9 @@ def paged_attention(
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     assert batch.page_table is not None and batch.key_mask is not None
     rows, cols = batch.page_table.shape
-    keys = k_cache[batch.page_table].view(rows, cols * page_size, kv_heads, head_dim)
-    values = v_cache[batch.page_table].view(rows, cols * page_size, kv_heads, head_dim)
+    flat = batch.page_table.view(-1)  # index_select: several times faster than k_cache[table]
+    keys = k_cache.index_select(0, flat).view(rows, cols * page_size, kv_heads, head_dim)
+    values = v_cache.index_select(0, flat).view(rows, cols * page_size, kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),
         keys.transpose(1, 2),

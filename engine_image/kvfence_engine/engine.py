@@ -41,7 +41,7 @@ class EngineArgs:
     scrub_on_free: bool = False
     revision: str = "dev"
     transfer_port: int = 0  # decode role: where prefill streams KV to
-    kv_checksum: bool = True  # per-page CRC-32 on KV transfers (both ends must agree)
+    kv_checksum: bool = True  # per-page XXH3-64 checksum on KV transfers (both ends must agree)
     reserve_timeout: float = 60.0  # decode role: a reservation whose KV never starts expires
     faults: Faults = field(default_factory=Faults)
 

@@ -102,14 +102,14 @@ class KVReceiver:
                     break
                 if magic != PAGE or not isinstance(header, tuple):
                     raise TransferError("bad_frame", f"unexpected {magic!r} frame")
-                index, page, tag, tokens, crc, nbytes = header
+                index, page, tag, tokens, digest, nbytes = header
                 if nbytes != page_bytes or not 0 < tokens <= engine.layout.page_size:
                     raise TransferError(
                         "bad_frame", f"page frame of {nbytes} bytes/{tokens} tokens"
                     )
                 payload = recv_exact(sock, nbytes, buffer)
                 if engine.args.kv_checksum:
-                    if checksum(payload) != crc:
+                    if checksum(payload) != digest:
                         engine.metrics.checksum_failed.inc()
                         raise TransferError("checksum_failed", f"page {index} failed its checksum")
                     engine.metrics.checksum_verified.inc()

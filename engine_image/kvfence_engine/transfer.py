@@ -2,7 +2,7 @@
 
 Wire format (little endian), one connection per request, sender -> receiver:
   HELLO  b"KVFH" u32 len, JSON {request_id, seq_id, pages, tags, token, layout}
-  PAGE   b"KVFP" u32 index, u32 page, u64 tag, u32 tokens, u32 crc32, u64 nbytes, then nbytes
+  PAGE   b"KVFP" u32 index, u32 page, u64 tag, u32 tokens, u64 xxh3, u64 nbytes, then nbytes
          of payload: the page's K then V slots for every layer (full page, `tokens` valid)
   END    b"KVFE" u32 len, JSON {tokens_written}
 receiver -> sender after END (or on a fatal error): u32 len, JSON {ok, code, message}.
@@ -13,16 +13,16 @@ checksum and tag before writing it.
 import json
 import socket
 import struct
-import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 HELLO = b"KVFH"
 PAGE = b"KVFP"
 END = b"KVFE"
-_PAGE_HEADER = struct.Struct("<4sIIQIIQ")
+_PAGE_HEADER = struct.Struct("<4sIIQIQQ")
 _LEN = struct.Struct("<I")
 MAX_JSON = 1 << 20
 
@@ -67,11 +67,12 @@ class Handle:
 
 
 def checksum(*parts: memoryview | bytes) -> int:
-    """CRC-32 over the parts in order (K then V of a page)."""
-    crc = 0
+    """XXH3-64 over the parts in order (K then V of a page): ~4x the speed of CRC-32 here,
+    which keeps verification from halving the transfer rate."""
+    digest = xxhash.xxh3_64()
     for part in parts:
-        crc = zlib.crc32(part, crc)
-    return crc
+        digest.update(part)
+    return digest.intdigest()
 
 
 def page_views(k: torch.Tensor, v: torch.Tensor) -> list[tuple[memoryview, memoryview]]:

@@ -1,0 +1,300 @@
+"""Output tokens/s of the kvfence engine against Hugging Face transformers `generate`.
+
+Both systems run the same SmolLM2-135M-Instruct GGUF (dequantized to float32), with 2 CPU
+threads, on the same token-id prompts (chat template applied), greedy, and produce exactly the
+same number of tokens per request:
+
+- concurrency 1: N requests sent one at a time to a real `kvfence serve` over HTTP, against
+  transformers generating the same N prompts one at a time (batch 1);
+- concurrency 16: 16 requests in flight at once against one left-padded transformers batch of
+  the same 16 prompts (attention mask passed).
+
+Our numbers include HTTP, JSON and scheduling; transformers' are a bare in-process call. The
+targets are what continuous batching over a paged pool should buy: at least parity at
+concurrency 1 and >= 1.3x at concurrency 16.
+
+Same output length without changing the greedy path: our `ignore_eos` keeps generating (EOS
+included) past an end of turn, while transformers' `min_new_tokens` would instead forbid EOS
+and pick another token. Transformers' generation config therefore gets no EOS id, and
+`max_new_tokens` alone fixes the length: it neither stops nor suppresses, so both systems take
+the same greedy path and the token-for-token
+comparison at concurrency 1 is meaningful (float32 differences can still flip rare near-ties,
+so mismatches are reported, not asserted).
+
+The two sides never run at the same time (2 cores): the transformers model lives in this
+process and is idle while the engine serves, the engine is idle while transformers generates.
+Rounds interleave the systems (ours, theirs, ours, theirs ...) and the median is reported.
+The machine may be shared: a round during which other processes used CPU is left out (see
+_common.undisturbed), and the output says so.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import io
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+
+from _common import (
+    ForeignCpu,
+    chat_prompt_ids,
+    load_tokenizer,
+    running_servers,
+    undisturbed,
+)
+
+THREADS = 2
+CONCURRENCY = 16
+TARGETS = {1: 1.0, CONCURRENCY: 1.3}
+
+
+@dataclass(slots=True)
+class Timing:
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+Round = dict[tuple[str, int], float]  # (system, concurrency) -> output tokens/s
+
+
+# --- ours: the engine over HTTP -------------------------------------------------------------
+
+
+class EngineClient:
+    def __init__(self, client: httpx.AsyncClient, base_url: str, max_tokens: int) -> None:
+        self.client = client
+        self.url = f"{base_url}/v1/completions"
+        self.max_tokens = max_tokens
+
+    async def complete(self, prompt: list[int], **extra: Any) -> dict[str, Any]:
+        body = {
+            "prompt": prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            **extra,
+        }
+        response = await self.client.post(self.url, json=body)
+        response.raise_for_status()
+        result = response.json()
+        got = result["usage"]["completion_tokens"]
+        assert got == self.max_tokens, f"asked for {self.max_tokens} tokens, got {got}"
+        return result
+
+    async def one_at_a_time(self, prompts: list[list[int]]) -> Timing:
+        start = time.perf_counter()
+        for prompt in prompts:
+            await self.complete(prompt)
+        return Timing(len(prompts) * self.max_tokens, time.perf_counter() - start)
+
+    async def all_at_once(self, prompts: list[list[int]]) -> Timing:
+        start = time.perf_counter()
+        await asyncio.gather(*(self.complete(p) for p in prompts))
+        return Timing(len(prompts) * self.max_tokens, time.perf_counter() - start)
+
+    async def token_strings(self, prompt: list[int]) -> list[str]:
+        """The generated tokens as the API names them (logprobs carry one string per token)."""
+        result = await self.complete(prompt, logprobs=0)
+        return list(result["choices"][0]["logprobs"]["tokens"])
+
+
+# --- theirs: transformers generate ----------------------------------------------------------
+
+
+class Transformers:
+    def __init__(self, tokenizer: Any, max_tokens: int) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from kvfence_engine.model_loader import smollm2_gguf_path
+
+        hf_logging.set_verbosity_error()
+        gguf = smollm2_gguf_path()
+        with contextlib.redirect_stderr(io.StringIO()):  # the GGUF loader's progress bars
+            self.model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            ).eval()
+        # No EOS: generate exactly max_tokens along the plain greedy path (see module docstring).
+        self.model.generation_config.eos_token_id = None
+        self.tokenizer = tokenizer
+        self.max_tokens = max_tokens
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
+        """One left-padded batch; returns each prompt's new token ids."""
+        new = self.max_tokens
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=new,
+            pad_token_id=pad,
+        )
+        generated = out[:, width:].tolist()
+        assert all(len(g) == new for g in generated)
+        return generated
+
+    def one_at_a_time(self, prompts: list[list[int]]) -> tuple[Timing, list[list[int]]]:
+        start = time.perf_counter()
+        outputs = [self.generate([p])[0] for p in prompts]
+        return Timing(len(prompts) * self.max_tokens, time.perf_counter() - start), outputs
+
+    def batch(self, prompts: list[list[int]]) -> Timing:
+        start = time.perf_counter()
+        self.generate(prompts)
+        return Timing(len(prompts) * self.max_tokens, time.perf_counter() - start)
+
+    def token_string(self, token_id: int) -> str:
+        return self.tokenizer.decode(
+            [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="1 round, 4 sequential prompts (~1.5 min)"
+    )
+    parser.add_argument("--rounds", type=int, help="interleaved repetitions (default 3)")
+    parser.add_argument(
+        "--sequential-prompts", type=int, help="N for the concurrency-1 scenario (default 8)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
+    args = parser.parse_args()
+    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.sequential_prompts = args.sequential_prompts or (4 if args.quick else 8)
+    return args
+
+
+async def warm_up(ours: EngineClient, theirs: Transformers, prompts: list[list[int]]) -> None:
+    """One untimed pass of each measured shape, at full length: first calls pay for lazy
+    allocation (the KV pool is touched page by page), allocator growth and kernel selection."""
+    await ours.one_at_a_time(prompts[:1])
+    await ours.all_at_once(prompts)
+    theirs.one_at_a_time(prompts[:1])
+    theirs.batch(prompts)
+
+
+def agreement(ours: list[list[str]], theirs: list[list[str]]) -> tuple[int, list[str]]:
+    same, notes = 0, []
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        if a == b:
+            same += 1
+            continue
+        at = next(j for j, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        notes.append(
+            f"prompt {i}: first difference at token {at}: ours {a[at]!r}, theirs {b[at]!r}"
+        )
+    return same, notes
+
+
+def report(rounds: list[Round], foreign_cores: list[float]) -> None:
+    kept, note = undisturbed(rounds, foreign_cores)
+    print()
+    print(f"{'scenario':<16}{'ours tok/s':>12}{'transformers tok/s':>20}{'ratio':>9}  target")
+    for concurrency, target in TARGETS.items():
+        ours = statistics.median(r[("ours", concurrency)] for r in kept)
+        theirs = statistics.median(r[("transformers", concurrency)] for r in kept)
+        ratio = ours / theirs
+        verdict = "met" if ratio >= target else "NOT MET"
+        print(
+            f"{'concurrency ' + str(concurrency):<16}{ours:>12.1f}{theirs:>20.1f}"
+            f"{ratio:>8.3f}x  >={target:.1f}x {verdict}"
+        )
+    print(f"(median over {len(kept)} of {len(rounds)} rounds; {note})")
+    print()
+    print("per round (tokens/s; the ratio pairs the two systems within a round):")
+    for concurrency in TARGETS:
+        ours = [r[("ours", concurrency)] for r in rounds]
+        theirs = [r[("transformers", concurrency)] for r in rounds]
+        for label, row in (
+            ("ours", ours),
+            ("transformers", theirs),
+            ("ratio", [a / b for a, b in zip(ours, theirs, strict=True)]),
+        ):
+            cells = "  ".join(f"{x:6.2f}" if label == "ratio" else f"{x:6.1f}" for x in row)
+            print(f"  concurrency {concurrency:<3} {label:<13} {cells}")
+    cells = "  ".join(f"{c:6.2f}" for c in foreign_cores)
+    print(f"  other processes (cores)       {cells}")
+
+
+async def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(THREADS)
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer()
+    prompts = chat_prompt_ids(tokenizer, max(CONCURRENCY, args.sequential_prompts))
+    sequential = prompts[: args.sequential_prompts]
+    concurrent = prompts[:CONCURRENCY]
+    theirs = Transformers(tokenizer, args.max_tokens)
+    limits = httpx.Limits(max_connections=2 * CONCURRENCY)
+    server_args = ["--threads", str(THREADS)]
+    with running_servers([("engine", server_args, {})]) as servers:
+        server = servers["engine"]
+        assert server.proc is not None
+        async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+            ours = EngineClient(client, server.url, args.max_tokens)
+            setup = time.perf_counter() - t0
+            print(f"setup (tokenizer, transformers model, engine server): {setup:.0f}s")
+            lengths = [len(p) for p in concurrent]
+            print(
+                f"{args.sequential_prompts} sequential prompts, {CONCURRENCY} concurrent prompts "
+                f"({min(lengths)}-{max(lengths)} prompt tokens), {args.max_tokens} new tokens "
+                f"each, greedy, {THREADS} threads, {args.rounds} round(s), median reported"
+            )
+            await warm_up(ours, theirs, concurrent)
+            rounds: list[Round] = []
+            foreign_cores: list[float] = []
+            their_sequential_ids: list[list[int]] = []
+            for round_no in range(args.rounds):
+                t = time.perf_counter()
+                foreign = ForeignCpu([server.proc.pid])
+                ours_1 = await ours.one_at_a_time(sequential)
+                theirs_1, their_sequential_ids = theirs.one_at_a_time(sequential)
+                ours_16 = await ours.all_at_once(concurrent)
+                theirs_16 = theirs.batch(concurrent)
+                rounds.append(
+                    {
+                        ("ours", 1): ours_1.tokens_per_s,
+                        ("transformers", 1): theirs_1.tokens_per_s,
+                        ("ours", CONCURRENCY): ours_16.tokens_per_s,
+                        ("transformers", CONCURRENCY): theirs_16.tokens_per_s,
+                    }
+                )
+                foreign_cores.append(foreign.cores())
+                print(f"round {round_no + 1}/{args.rounds}: {time.perf_counter() - t:.0f}s")
+            our_tokens = [await ours.token_strings(p) for p in sequential]
+    their_tokens = [[theirs.token_string(t) for t in ids] for ids in their_sequential_ids]
+    report(rounds, foreign_cores)
+    same, notes = agreement(our_tokens, their_tokens)
+    print()
+    print(
+        f"greedy agreement at concurrency 1: {same}/{len(sequential)} prompts produce the same "
+        f"{args.max_tokens} tokens (compared token by token, as token strings)"
+    )
+    for note in notes:
+        print(f"  {note}")
+    print(f"total time: {time.perf_counter() - t0:.0f}s")
+
+
+def main() -> None:
+    asyncio.run(run(parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,7 @@ shape, and turning a stream of token deltas into completion / chat objects or SS
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,10 +190,13 @@ async def respond(
     out: "OpenAIOutput",
     detok: Detokenizer,
     body: CompletionRequest | ChatCompletionRequest,
+    client_gone: Callable[[], Awaitable[bool]] | None = None,
 ) -> Response:
     """Turn a request's deltas into an OpenAI response, streaming or whole. `first` is the
     first delta, awaited before the status code is chosen, so a request that fails before its
-    first token gets its real HTTP status rather than a 200 stream."""
+    first token gets its real HTTP status rather than a 200 stream. A whole (non-streamed)
+    response stops generating when `client_gone` says the client left (a stream notices by
+    itself)."""
     if first.error is not None:
         await _close(deltas)
         return error_response(first.error)
@@ -206,6 +209,9 @@ async def respond(
     async for delta in _with_first(first, deltas):
         if delta.error is not None:
             return error_response(delta.error)
+        if client_gone is not None and await client_gone():
+            await _close(deltas)  # aborts the request: nobody will read the answer
+            return Response(status_code=499)
         out.completion_tokens += len(delta.token_ids)
         text += detok.push(delta.token_ids, final=delta.finish_reason is not None)
         items += delta.logprobs

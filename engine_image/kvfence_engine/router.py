@@ -181,7 +181,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         tenant = state.tenant(request)
         prompt_ids = completion_prompt(body.prompt, state.tokenizer, 1 << 31)
         return await _route(
-            state, tenant, prompt_ids, body, body.max_tokens, body.logprobs, chat=False
+            state, tenant, prompt_ids, body, body.max_tokens, body.logprobs, False, request
         )
 
     @app.post("/v1/chat/completions")
@@ -189,7 +189,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         tenant = state.tenant(request)
         prompt_ids = chat_prompt(state.tokenizer, body)
         return await _route(
-            state, tenant, prompt_ids, body, body.token_limit(), chat_logprobs(body), chat=True
+            state, tenant, prompt_ids, body, body.token_limit(), chat_logprobs(body), True, request
         )
 
     return app
@@ -203,6 +203,7 @@ async def _route(
     max_tokens: int | None,
     logprobs: int | None,
     chat: bool,
+    request: Request,
 ) -> Response:
     limit = await state.served_context()
     if len(prompt_ids) > limit:
@@ -228,6 +229,10 @@ async def _route(
     except EngineError:
         await _abort(state, decode, request_id)
         raise
+    if await request.is_disconnected():
+        # the first token exists now: cancel both halves (prefill is already done)
+        await _abort(state, decode, request_id)
+        return Response(status_code=499)
     deltas = _decode(state, decode, request_id, first)
     out = OpenAIOutput(chat, state.model_name, state.tokenizer, len(prompt_ids))
     try:
@@ -238,7 +243,8 @@ async def _route(
     state.metrics.requests.labels(
         tenant=tenant, status="200" if first_delta.error is None else str(first_delta.error.status)
     ).inc()
-    return await respond(first_delta, deltas, out, Detokenizer(state.tokenizer, body.stops()), body)
+    detok = Detokenizer(state.tokenizer, body.stops())
+    return await respond(first_delta, deltas, out, detok, body, request.is_disconnected)
 
 
 class Unreachable(EngineError):

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -105,19 +105,19 @@ def create_app(state: ServerState) -> FastAPI:
         }
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = _combined(state)
         tokenizer = engine.engine.tokenizer
         prompt_ids = completion_prompt(body.prompt, tokenizer, engine.engine.config.vocab_size)
         params = sampling_params(body, logprobs=body.logprobs)
-        return await _generate(engine, prompt_ids, params, body.max_tokens, body, chat=False)
+        return await _generate(engine, prompt_ids, params, body.max_tokens, body, request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         engine = _combined(state)
         prompt_ids = chat_prompt(engine.engine.tokenizer, body)
         params = sampling_params(body, logprobs=chat_logprobs(body))
-        return await _generate(engine, prompt_ids, params, body.token_limit(), body, chat=True)
+        return await _generate(engine, prompt_ids, params, body.token_limit(), body, request)
 
     if state.role in ("prefill", "decode"):
         from .internal_api import internal_router
@@ -141,8 +141,9 @@ async def _generate(
     params: SamplingParams,
     max_tokens: int | None,
     body: CompletionRequest | ChatCompletionRequest,
-    chat: bool,
+    request: Request,
 ) -> Response:
+    chat = isinstance(body, ChatCompletionRequest)
     seq = engine.admit(prompt_ids, params, max_tokens)
     if is_terminal(seq):  # rejected at admission: nothing was allocated
         assert seq.error is not None
@@ -151,4 +152,5 @@ async def _generate(
     out = OpenAIOutput(chat, engine.engine.loaded.name, tokenizer, len(prompt_ids))
     deltas = engine.stream(seq)
     first = await anext(deltas)
-    return await respond(first, deltas, out, Detokenizer(tokenizer, body.stops()), body)
+    detok = Detokenizer(tokenizer, body.stops())
+    return await respond(first, deltas, out, detok, body, request.is_disconnected)

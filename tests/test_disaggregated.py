@@ -121,6 +121,11 @@ def test_a_prompt_larger_than_decodes_pool_is_refused_by_decode_before_prefill(
             d.client().completions.create(model="tiny", prompt=[500] * 300)
         assert err.value.code == "context_length_exceeded" and "KV pool" in err.value.message
         assert metric(d.prefills[0].url, "kvfence_prompt_tokens_total") == 0
+        bypass = httpx.post(
+            d.decodes[0].url + "/internal/reserve",
+            json={"request_id": "direct", "prompt_ids": [500] * 300},
+        )
+        assert bypass.status_code == 400 and "KV pool" in bypass.json()["error"]["message"]
         assert pages_used(d.decodes[0]) == pages_used(d.prefills[0]) == 0
     finally:
         d.stop()

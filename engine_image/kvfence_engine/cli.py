@@ -113,7 +113,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     import torch
-    import uvicorn
 
     from .async_engine import AsyncEngine
     from .engine import EngineArgs, LLMEngine
@@ -167,11 +166,17 @@ def _serve(args: argparse.Namespace) -> int:
 
         state.on_ready.append(start_receiver)
     state.load_in_background(build)
+    return _serve_http(create_app(state), args)
+
+
+def _serve_http(app: object, args: argparse.Namespace) -> int:
+    import uvicorn
+
     uvicorn.run(
-        create_app(state),
+        app,
         host=args.host,
         port=args.port,
-        log_level="info",
+        log_level="info",  # type: ignore[arg-type]
         timeout_graceful_shutdown=5,
     )
     return 0
@@ -212,8 +217,6 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
 
 
 def _router(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from .backends import Backends
     from .model_loader import load_tokenizer
     from .router import RouterState, create_router_app, read_api_keys
@@ -232,14 +235,7 @@ def _router(args: argparse.Namespace) -> int:
         print(f"kvfence router: {exc}", file=sys.stderr)
         return 2
     state = RouterState(name, tokenizer, backends, keys, token, args.context_length)
-    uvicorn.run(
-        create_router_app(state),
-        host=args.host,
-        port=args.port,
-        log_level="info",
-        timeout_graceful_shutdown=5,
-    )
-    return 0
+    return _serve_http(create_router_app(state), args)
 
 
 def _add_crd(sub: argparse._SubParsersAction) -> None:

@@ -27,6 +27,18 @@ def error_response(error: EngineError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+def new_app(title: str) -> FastAPI:
+    """A FastAPI app with OpenAI-shaped errors and a liveness probe."""
+    app = FastAPI(title=title, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error leaves in the OpenAI shape."""
 

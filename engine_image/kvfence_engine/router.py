@@ -34,7 +34,7 @@ from .openai_api import (
     chat_logprobs,
     chat_prompt,
     completion_prompt,
-    install_error_handlers,
+    new_app,
     respond,
 )
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -149,12 +149,7 @@ class RouterState:
 
 
 def create_router_app(state: RouterState) -> FastAPI:
-    app = FastAPI(title="kvfence router", docs_url=None, redoc_url=None)
-    install_error_handlers(app)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    app = new_app("kvfence router")
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:

@@ -21,7 +21,7 @@ from .openai_api import (
     chat_logprobs,
     chat_prompt,
     completion_prompt,
-    install_error_handlers,
+    new_app,
     respond,
     sampling_params,
 )
@@ -65,13 +65,8 @@ class ServerState:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="kvfence engine", docs_url=None, redoc_url=None)
+    app = new_app("kvfence engine")
     app.state.kvfence = state
-    install_error_handlers(app)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:

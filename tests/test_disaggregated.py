@@ -182,3 +182,15 @@ def test_a_dead_decode_instance_leaves_rotation_and_requests_still_succeed(
         assert err.value.status_code == 503
     finally:
         d.stop()
+
+
+def test_token_ids_outside_the_vocabulary_are_a_400_at_every_hop(one_by_one: Deployment) -> None:
+    with pytest.raises(openai.BadRequestError):
+        one_by_one.client().completions.create(model="tiny", prompt=[1, 2, 10**7])
+    r = httpx.post(
+        one_by_one.decodes[0].url + "/internal/reserve",
+        json={"request_id": "bad-ids", "prompt_ids": [1, -5]},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    ok = one_by_one.client().completions.create(model="tiny", prompt="still fine", max_tokens=2)
+    assert ok.usage.completion_tokens == 2

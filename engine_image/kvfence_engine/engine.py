@@ -155,6 +155,11 @@ class LLMEngine:
         error: EngineError | None = None
         if n == 0:
             error = errors.invalid_request("the prompt is empty", "prompt")
+        elif min(prompt_ids) < 0 or max(prompt_ids) >= self.config.vocab_size:
+            # checked here, for every role: a bad id would otherwise fail the whole batch
+            error = errors.invalid_request(
+                f"prompt token ids must be in [0, {self.config.vocab_size})", "prompt"
+            )
         elif max_tokens is not None and max_tokens < 1:
             error = errors.invalid_request("max_tokens must be at least 1", "max_tokens")
         elif n > self.limit:

@@ -5,6 +5,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from kvfence_operator.command import add_operator_command
+
 from .faults import FAULTS
 from .units import parse_size
 
@@ -256,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_router(sub)
     _add_crd(sub)
+    add_operator_command(sub)
     return parser
 
 

@@ -2,6 +2,7 @@
 target) and the stable Service <name> that clients use."""
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from .credentials import (
@@ -10,7 +11,7 @@ from .credentials import (
     USER_API_KEYS_KEY,
     secret_name,
 )
-from .meta import HTTP_PORT, Instance, child_name, labels, object_meta, selector, service_url
+from .meta import HTTP_PORT, Instance, child_name, labels, object_meta, selector
 from .models import InferenceDeploymentSpec, Role
 from .pods import (
     CREDENTIALS_DIR,
@@ -34,20 +35,27 @@ ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}}
 
 def router_backends(
     spec: InferenceDeploymentSpec,
-    instance: Instance,
     revision: str,
     context_length: int | None = None,
+    prefill_urls: Sequence[str] = (),
+    decode_urls: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The router's live configuration. Each backend URL names a headless Service, which
-    resolves to the revision's Ready engine pods. contextLength is the served (effective)
-    context: under LowerContext the operator rewrites it from the pods' real pools."""
+    """The router's live configuration, which the operator rewrites as pods come and go: the
+    engine pods whose pool check passed (their kvfence.dev/kv-pool gate is True), by URL, and
+    the served context (under LowerContext, lowered to what every pool holds). A headless
+    Service would resolve to the same Ready pods, but only after DNS caches expire, and not at
+    all in `kvfence up`; the operator knows first."""
     return {
         "revision": revision,
         "model": {"source": spec.model.source, "name": spec.model.name},
         "contextLength": spec.context_length if context_length is None else context_length,
-        "prefill": [service_url(instance, child_name(instance, revision, Role.PREFILL))],
-        "decode": [service_url(instance, child_name(instance, revision, Role.DECODE))],
+        "prefill": sorted(prefill_urls),
+        "decode": sorted(decode_urls),
     }
+
+
+def backends_file_content(backends: dict[str, Any]) -> str:
+    return json.dumps(backends, indent=2, sort_keys=True) + "\n"
 
 
 def build_router_configmap(
@@ -55,14 +63,16 @@ def build_router_configmap(
     instance: Instance,
     revision: str,
     context_length: int | None = None,
+    prefill_urls: Sequence[str] = (),
+    decode_urls: Sequence[str] = (),
 ) -> dict[str, Any]:
-    backends = router_backends(spec, instance, revision, context_length)
+    backends = router_backends(spec, revision, context_length, prefill_urls, decode_urls)
     name = child_name(instance, revision, Role.ROUTER)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": object_meta(instance, name, labels(instance, revision, Role.ROUTER)),
-        "data": {BACKENDS_FILE_NAME: json.dumps(backends, indent=2, sort_keys=True) + "\n"},
+        "data": {BACKENDS_FILE_NAME: backends_file_content(backends)},
     }
 
 
@@ -72,9 +82,11 @@ def router_args(spec: InferenceDeploymentSpec) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(HTTP_PORT),
         "--backends-file", BACKENDS_FILE,
+        "--model", spec.model.source,  # its tokenizer: the router rejects over-long prompts
         "--api-keys", TENANT_KEYS_FILE,
         "--api-keys", CANARY_KEYS_FILE,
-        "--context-length", str(spec.context_length),
+        # No --context-length: it would override the backends file, where the operator
+        # writes the served (possibly lowered) context.
         "--internal-token-file", INTERNAL_TOKEN_FILE,
     ]  # fmt: skip
 

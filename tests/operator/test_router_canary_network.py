@@ -35,7 +35,8 @@ def test_router_runs_with_backends_file_both_key_files_context_and_token():
     assert flag(args, "--host") == "0.0.0.0"
     assert flag(args, "--port") == "8000"
     assert flag(args, "--backends-file") == "/etc/kvfence/backends.json"
-    assert flag(args, "--context-length") == "8192"
+    assert flag(args, "--model") == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert "--context-length" not in args  # the backends file carries the served context
     assert flag(args, "--internal-token-file") == "/var/run/kvfence/internal-token"
     key_files = [args[i + 1] for i, a in enumerate(args) if a == "--api-keys"]
     assert key_files == ["/var/run/kvfence/api-keys/tenants", "/var/run/kvfence/api-keys/canary"]
@@ -57,19 +58,27 @@ def test_router_credentials_combine_the_users_keys_with_the_revisions_token_and_
     }
 
 
-def test_backends_file_lists_the_revisions_headless_services_and_the_served_context():
+def test_backends_file_lists_the_pool_checked_pods_and_the_served_context():
     spec, instance = sample_spec("full"), instance_for("full")
-    configmap = build_router_configmap(spec, instance, REVISION, context_length=6144)
+    configmap = build_router_configmap(
+        spec,
+        instance,
+        REVISION,
+        context_length=6144,
+        prefill_urls=["http://10.0.0.2:8000"],
+        decode_urls=["http://10.0.0.4:8000", "http://10.0.0.3:8000"],
+    )
     backends = json.loads(configmap["data"]["backends.json"])
     assert backends == {
         "revision": REVISION,
         "model": {"source": "/models/SmolLM2-135M-Instruct.Q4_1.gguf", "name": "smollm2-135m"},
         "contextLength": 6144,
-        "prefill": [f"http://full-{REVISION}-prefill.serving.svc:8000"],
-        "decode": [f"http://full-{REVISION}-decode.serving.svc:8000"],
+        "prefill": ["http://10.0.0.2:8000"],
+        "decode": ["http://10.0.0.3:8000", "http://10.0.0.4:8000"],
     }
     default = json.loads(build_router_configmap(spec, instance, REVISION)["data"]["backends.json"])
     assert default["contextLength"] == 8192
+    assert default["prefill"] == default["decode"] == []  # no pod has passed its pool check
 
 
 def test_stable_service_points_at_the_given_revisions_routers():

@@ -1,0 +1,81 @@
+"""kopf handlers: thin. One startup function holds every setting; one timer runs the
+level-based reconcile (reconcile.Reconciler) and writes its status and events."""
+
+import logging
+import os
+from typing import Any
+
+import kopf
+from kubernetes import client, config
+from pydantic import ValidationError
+
+from .conditions import set_condition
+from .kube import Kube
+from .models import (
+    API_GROUP,
+    API_VERSION,
+    PLURAL,
+    ConditionStatus,
+    ConditionType,
+    InferenceDeploymentStatus,
+)
+from .reconcile import Reconciler
+
+RECONCILE_INTERVAL_ENV = "KVFENCE_RECONCILE_INTERVAL"
+OPERATOR_NAMESPACE_ENV = "OPERATOR_NAMESPACE"
+RECONCILE_INTERVAL = float(os.environ.get(RECONCILE_INTERVAL_ENV, "5"))
+
+
+def api_client() -> client.ApiClient:
+    """In a pod: the service account. Elsewhere: $KUBECONFIG or ~/.kube/config."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    settings.persistence.finalizer = f"{API_GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=API_GROUP, key="last-handled-configuration"
+    )
+    # Without timeouts a watch can stall silently behind a load balancer.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 10
+    settings.posting.level = logging.WARNING  # events come from our own kopf.event calls
+    settings.scanning.disabled = True  # namespaces come from the command line
+    memo.reconciler = Reconciler(
+        Kube(api_client()), os.environ.get(OPERATOR_NAMESPACE_ENV, "kvfence-system")
+    )
+
+
+@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=0)
+def reconcile(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    try:
+        outcome = memo.reconciler.reconcile(body)
+    except ValidationError as exc:
+        # The API server validates the same schema, so this is a spec the CRD let through
+        # (an older CRD, or a cluster without CEL): say so and stop retrying it.
+        _report_invalid(body, patch, str(exc))
+        raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+    patch.status.update(outcome.status.model_dump(mode="json", by_alias=True))
+    for event in outcome.events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+        logger.info("%s: %s", event.reason, event.message)
+
+
+def _report_invalid(body: kopf.Body, patch: kopf.Patch, message: str) -> None:
+    status = InferenceDeploymentStatus.model_validate(body.get("status") or {})
+    generation = int(body["metadata"].get("generation") or 1)
+    conditions = set_condition(
+        status.conditions, ConditionType.READY, ConditionStatus.FALSE, "InvalidSpec",
+        message[:1000], generation,
+    )  # fmt: skip
+    patch.status["conditions"] = [c.model_dump(mode="json", by_alias=True) for c in conditions]
+    patch.status["observedGeneration"] = generation

@@ -1,0 +1,152 @@
+"""The few Kubernetes API verbs the operator uses, on plain dict manifests.
+
+Dicts in and out, so the builders' output is exactly what gets sent.
+"""
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+
+from .models import API_GROUP, API_VERSION, KIND, PLURAL
+
+MERGE_PATCH = "application/merge-patch+json"
+
+# (apiVersion, kind) -> plural; every kind the operator manages is namespaced.
+_PLURALS: dict[tuple[str, str], str] = {
+    ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Secret"): "secrets",
+    ("v1", "Service"): "services",
+    ("v1", "Pod"): "pods",
+    ("apps/v1", "Deployment"): "deployments",
+    ("batch/v1", "Job"): "jobs",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    (f"{API_GROUP}/{API_VERSION}", KIND): PLURAL,
+}
+
+
+class KubeError(RuntimeError):
+    def __init__(self, status: int, method: str, path: str, body: str) -> None:
+        super().__init__(f"{method} {path} answered {status}: {body[:300]}")
+        self.status = status
+
+
+def label_selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def collection_path(api_version: str, kind: str, namespace: str) -> str:
+    try:
+        plural = _PLURALS[(api_version, kind)]
+    except KeyError:
+        raise ValueError(f"the operator does not manage {api_version} {kind}") from None
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    return f"{prefix}/namespaces/{namespace}/{plural}"
+
+
+@dataclass
+class Kube:
+    """Raw REST through the official client's ApiClient (its auth, TLS and kubeconfig
+    handling), without its typed models: manifests stay the builders' dicts."""
+
+    api: client.ApiClient
+    timeout: float = 10.0
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        query: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        request = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=list((query or {}).items()),
+            header_params=headers,
+            body=dict(body) if body is not None else None,
+            auth_settings=["BearerToken"],
+        )
+        response = self.api.call_api(*request, _request_timeout=self.timeout)
+        data = response.read() or b"{}"
+        if not 200 <= response.status < 300:
+            raise KubeError(response.status, method, path, data.decode(errors="replace"))
+        return dict(json.loads(data))
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", f"{collection_path(api_version, kind, namespace)}/{name}")
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list(
+        self, api_version: str, kind: str, namespace: str, labels: Mapping[str, str]
+    ) -> list[dict[str, Any]]:
+        found = self._call(
+            "GET",
+            collection_path(api_version, kind, namespace),
+            query={"labelSelector": label_selector(labels)},
+        )
+        # Filter again: a selector is a promise a server may not keep (test emulators).
+        return [
+            item
+            for item in found.get("items") or []
+            if all((item["metadata"].get("labels") or {}).get(k) == v for k, v in labels.items())
+        ]
+
+    def create(self, obj: Mapping[str, Any]) -> bool:
+        """True if created, False if it already existed (a restart, or a concurrent create)."""
+        path = collection_path(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"])
+        try:
+            self._call("POST", path, obj)
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        subresource: str = "",
+    ) -> None:
+        path = f"{collection_path(api_version, kind, namespace)}/{name}"
+        if subresource:
+            path += f"/{subresource}"
+        self._call("PATCH", path, patch, content_type=MERGE_PATCH)
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        path = f"{collection_path(api_version, kind, namespace)}/{name}"
+        try:
+            self._call("DELETE", path, {"propagationPolicy": "Background"})
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+
+
+def is_subset(wanted: Any, actual: Any) -> bool:
+    """Does `actual` already hold everything in `wanted`? Servers add defaults, so equality
+    would report a difference on every pass; a subset test does not."""
+    if isinstance(wanted, Mapping):
+        return isinstance(actual, Mapping) and all(
+            k in actual and is_subset(v, actual[k]) for k, v in wanted.items()
+        )
+    if isinstance(wanted, list):
+        return (
+            isinstance(actual, list)
+            and len(wanted) == len(actual)
+            and all(is_subset(w, a) for w, a in zip(wanted, actual, strict=True))
+        )
+    return bool(wanted == actual)

@@ -1,0 +1,285 @@
+"""One reconcile pass for an InferenceDeployment: observe the cluster, let the pure functions
+decide (pool.judge_pools, rollout.plan_rollout, status.compute_status), then close the gap.
+
+Level-based: every pass recomputes everything from the cluster and the status, so a pass can be
+repeated, interrupted or run by a freshly restarted operator with the same result.
+"""
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from .builders import build_revision_children
+from .canary import build_canary_job, canary_job_name
+from .credentials import RevisionCredentials, secret_name
+from .engines import ENGINE_ROLES
+from .kube import Kube, is_subset
+from .meta import KV_POOL_GATE, LABEL_REVISION, Instance, child_name, selector, service_url
+from .models import InferenceDeploymentSpec, InferenceDeploymentStatus, Role, RoleReplicas
+from .pool import PodGate, PodPool, judge_pools, read_pool
+from .revision import revision_of
+from .rollout import CanaryOutcome, Event, JobPhase, RevisionObservation, plan_rollout
+from .router import build_router_configmap, build_stable_service
+from .status import compute_status
+
+PoolReader = Callable[[str, str, str, str | None], PodPool]
+
+# Every kind a revision owns, for finding what a retired revision left behind.
+REVISION_KINDS = (
+    ("apps/v1", "Deployment"),
+    ("batch/v1", "Job"),
+    ("v1", "Service"),
+    ("v1", "ConfigMap"),
+    ("v1", "Secret"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+)
+UPDATABLE_KINDS = {"ConfigMap", "Deployment"}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    status: InferenceDeploymentStatus
+    events: list[Event] = field(default_factory=list)
+
+
+def pod_url(pod: Mapping[str, Any]) -> str | None:
+    """http://<pod IP>:<the container port named http>."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    for container in pod["spec"]["containers"]:
+        for port in container.get("ports") or []:
+            if port.get("name") == "http":
+                return f"http://{ip}:{port['containerPort']}"
+    return None
+
+
+def pod_condition(pod: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c.get("type") == kind), None)
+
+
+def canary_outcome(job: Mapping[str, Any], pods: list[dict[str, Any]]) -> CanaryOutcome:
+    """A Job's verdict, with the canary's one-line summary from its termination message."""
+    name = job["metadata"]["name"]
+    conditions = {
+        c.get("type"): c
+        for c in (job.get("status") or {}).get("conditions") or []
+        if c.get("status") == "True"
+    }
+    message = ""
+    for pod in pods:
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            terminated = (status.get("state") or {}).get("terminated") or {}
+            message = (terminated.get("message") or message).strip()
+    if "Complete" in conditions:
+        return CanaryOutcome(name, JobPhase.SUCCEEDED, message)
+    if "Failed" in conditions:
+        reason = conditions["Failed"].get("message") or conditions["Failed"].get("reason", "")
+        return CanaryOutcome(name, JobPhase.FAILED, message or f"job failed: {reason}")
+    return CanaryOutcome(name, JobPhase.RUNNING, message)
+
+
+@dataclass
+class Reconciler:
+    kube: Kube
+    operator_namespace: str
+    read_pool: PoolReader = read_pool
+
+    def reconcile(self, body: Mapping[str, Any]) -> Outcome:
+        meta = body["metadata"]
+        spec = InferenceDeploymentSpec.model_validate(body["spec"])
+        instance = Instance(meta["name"], meta["namespace"], meta["uid"])
+        generation = int(meta.get("generation") or 1)
+        previous = InferenceDeploymentStatus.model_validate(body.get("status") or {})
+        desired = revision_of(spec)
+        events: list[Event] = []
+
+        self._ensure_revision(spec, instance, desired)
+        current = previous.revision.current if previous.revision else None
+        observed: dict[str, RevisionObservation] = {}
+        pools_of: dict[str, list[PodPool]] = {}
+        for revision in {r for r in (current, desired) if r is not None}:
+            observed[revision], pools_of[revision], gate_events = self._observe(
+                spec, instance, revision
+            )
+            events += gate_events
+
+        plan = plan_rollout(
+            desired, previous.revision, previous.canary, observed, spec.canary.enabled
+        )
+        events += plan.events
+        if plan.start_canary is not None:
+            context = observed[plan.start_canary].pools.effective_context
+            self.kube.create(build_canary_job(spec, instance, plan.start_canary, context))
+        endpoint = None
+        if plan.serve is not None:
+            self._serve(spec, instance, plan.serve)
+            endpoint = service_url(instance, instance.name, spec.router.service.port)
+        self._retire(instance, keep=set(plan.keep))
+        status = compute_status(
+            spec,
+            generation,
+            previous,
+            plan,
+            observed,
+            pools_of.get(plan.judged, []),
+            endpoint,
+            now=datetime.now(UTC),
+        )
+        return Outcome(status, events)
+
+    # ---- children ------------------------------------------------------------------------
+
+    def _ensure_revision(
+        self, spec: InferenceDeploymentSpec, instance: Instance, revision: str
+    ) -> None:
+        """Create what is missing; update only replica counts (revision-neutral by design).
+        The Secret is generated once: its credentials live as long as the revision."""
+        ns = instance.namespace
+        has_secret = self.kube.get("v1", "Secret", ns, secret_name(instance, revision))
+        credentials = RevisionCredentials.generate()
+        for child in build_revision_children(
+            spec, instance, revision, credentials, self.operator_namespace
+        ):
+            kind, name = child["kind"], child["metadata"]["name"]
+            if kind == "Secret" and has_secret:
+                continue
+            if kind == "ConfigMap":
+                continue  # written by _observe, from the pods' pools
+            if self.kube.create(child) or kind not in UPDATABLE_KINDS:
+                continue
+            wanted = {"spec": {"replicas": child["spec"]["replicas"]}}
+            existing = self.kube.get(child["apiVersion"], kind, ns, name)
+            if existing is not None and not is_subset(wanted, existing):
+                self.kube.patch(child["apiVersion"], kind, ns, name, wanted)
+
+    def _serve(self, spec: InferenceDeploymentSpec, instance: Instance, revision: str) -> None:
+        service = build_stable_service(spec, instance, revision)
+        if self.kube.create(service):
+            return
+        existing = self.kube.get("v1", "Service", instance.namespace, instance.name)
+        wanted = {"spec": {"selector": service["spec"]["selector"]}}
+        if existing is not None and not is_subset(wanted, existing):
+            self.kube.patch("v1", "Service", instance.namespace, instance.name, wanted)
+
+    def _retire(self, instance: Instance, keep: set[str]) -> None:
+        for api_version, kind in REVISION_KINDS:
+            for obj in self.kube.list(api_version, kind, instance.namespace, selector(instance)):
+                revision = (obj["metadata"].get("labels") or {}).get(LABEL_REVISION)
+                if revision is not None and revision not in keep:
+                    self.kube.delete(api_version, kind, instance.namespace, obj["metadata"]["name"])
+
+    # ---- observation ---------------------------------------------------------------------
+
+    def _observe(
+        self, spec: InferenceDeploymentSpec, instance: Instance, revision: str
+    ) -> tuple[RevisionObservation, list[PodPool], list[Event]]:
+        ns = instance.namespace
+        pods: list[dict[str, Any]] = []
+        pools: list[PodPool] = []
+        for role in ENGINE_ROLES:
+            for pod in self.kube.list("v1", "Pod", ns, selector(instance, revision, role)):
+                if pod["metadata"].get("deletionTimestamp"):
+                    continue
+                pods.append(pod)
+                pools.append(
+                    self.read_pool(pod["metadata"]["name"], str(role), revision, pod_url(pod))
+                )
+        decision = judge_pools(
+            pools, spec.pool_policy, spec.context_length, spec.min_context_length
+        )
+        events = [
+            event
+            for pod in pods
+            if (event := self._set_gate(ns, pod, decision.gates[pod["metadata"]["name"]]))
+        ]
+        urls: dict[str, list[str]] = {str(role): [] for role in ENGINE_ROLES}
+        for pod, pool in zip(pods, pools, strict=True):
+            url = pod_url(pod)
+            if decision.gates[pool.pod].sufficient and url is not None:
+                urls[pool.role].append(url)
+        self._write_backends(spec, instance, revision, decision.effective_context, urls)
+
+        replicas = {}
+        for role in (*ENGINE_ROLES, Role.ROUTER):
+            deployment = self.kube.get(
+                "apps/v1", "Deployment", ns, child_name(instance, revision, role)
+            )
+            replicas[str(role)] = RoleReplicas(
+                ready=int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0),
+                desired=int(((deployment or {}).get("spec") or {}).get("replicas") or 0),
+            )
+        job = self.kube.get("batch/v1", "Job", ns, canary_job_name(instance, revision))
+        canary = None
+        if job is not None:
+            job_pods = self.kube.list("v1", "Pod", ns, selector(instance, revision, Role.CANARY))
+            canary = canary_outcome(job, job_pods)
+        observation = RevisionObservation(revision, replicas, decision, canary)
+        return observation, pools, events
+
+    def _set_gate(self, namespace: str, pod: dict[str, Any], gate: PodGate) -> Event | None:
+        """Patch the pod's kvfence.dev/kv-pool condition when it changed. The whole list is
+        written (merge patch replaces lists), guarded by resourceVersion against a concurrent
+        kubelet update."""
+        status = "True" if gate.sufficient else "False"
+        old = pod_condition(pod, KV_POOL_GATE)
+        if old is not None and (old.get("status"), old.get("message")) == (status, gate.message):
+            return None
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        new = {
+            "type": KV_POOL_GATE,
+            "status": status,
+            "reason": gate.reason,
+            "message": gate.message,
+            "lastProbeTime": None,
+            "lastTransitionTime": (
+                old["lastTransitionTime"] if old and old.get("status") == status else now
+            ),
+        }
+        conditions = [
+            c
+            for c in (pod.get("status") or {}).get("conditions") or []
+            if c.get("type") != KV_POOL_GATE
+        ]
+        self.kube.patch(
+            "v1",
+            "Pod",
+            namespace,
+            pod["metadata"]["name"],
+            {
+                "metadata": {"resourceVersion": pod["metadata"].get("resourceVersion")},
+                "status": {"conditions": [*conditions, new]},
+            },
+            subresource="status",
+        )
+        if old is not None and old.get("status") == status:
+            return None
+        kind = "Normal" if gate.sufficient else "Warning"
+        return Event(kind, gate.reason, gate.message)
+
+    def _write_backends(
+        self,
+        spec: InferenceDeploymentSpec,
+        instance: Instance,
+        revision: str,
+        context: int | None,
+        urls: Mapping[str, list[str]],
+    ) -> None:
+        configmap = build_router_configmap(
+            spec,
+            instance,
+            revision,
+            context_length=context,
+            prefill_urls=urls[str(Role.PREFILL)],
+            decode_urls=urls[str(Role.DECODE)],
+        )
+        if self.kube.create(configmap):
+            return
+        name = configmap["metadata"]["name"]
+        existing = self.kube.get("v1", "ConfigMap", instance.namespace, name)
+        if existing is None or existing.get("data") != configmap["data"]:
+            self.kube.patch(
+                "v1", "ConfigMap", instance.namespace, name, {"data": configmap["data"]}
+            )

@@ -1,0 +1,178 @@
+"""The rollout state machine, as one pure function from what was observed to what to do.
+
+All state it needs is in the InferenceDeployment's status (current and candidate revision, the
+canary's result), so an operator restarted at any point makes the same decision again. The
+kopf handlers and `kvfence up` both call `plan_rollout`; neither decides on its own.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from .models import CanaryResult, CanaryStatus, RevisionStatus, RoleReplicas
+from .pool import PoolDecision
+
+
+class JobPhase(StrEnum):
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryOutcome:
+    job: str
+    phase: JobPhase
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RevisionObservation:
+    """One revision's children as observed this pass."""
+
+    revision: str
+    replicas: Mapping[str, RoleReplicas]  # prefill, decode, router
+    pools: PoolDecision
+    canary: CanaryOutcome | None = None
+
+    @property
+    def pods_ready(self) -> bool:
+        return all(r.desired > 0 and r.ready >= r.desired for r in self.replicas.values())
+
+    @property
+    def waiting_for(self) -> str:
+        late = [f"{role} {r.ready}/{r.desired}" for role, r in self.replicas.items()]
+        return "ready replicas: " + ", ".join(late)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutPlan:
+    revision: RevisionStatus
+    canary: CanaryStatus | None
+    keep: tuple[str, ...]  # revisions whose children must exist; every other one goes
+    start_canary: str | None  # revision whose canary Job must be created now
+    serve: str | None  # revision the stable Service selects
+    judged: str  # revision whose pools and readiness the conditions describe
+    events: list[Event] = field(default_factory=list)
+
+
+def plan_rollout(
+    desired: str,
+    previous: RevisionStatus | None,
+    previous_canary: CanaryStatus | None,
+    observed: Mapping[str, RevisionObservation],
+    canary_enabled: bool,
+) -> RolloutPlan:
+    """desired: the spec's revision. A new revision is promoted only when its pods are Ready,
+    every pool suffices, and its canary passed (or canaries are disabled)."""
+    current = previous.current if previous else None
+    candidate = desired if desired != current else None
+    events: list[Event] = []
+    if previous is not None and candidate is not None and previous.candidate != candidate:
+        events.append(Event("Normal", "RolloutStarted", f"new revision {candidate}"))
+    if candidate is None:
+        assert current is not None
+        return RolloutPlan(
+            RevisionStatus(current=current, candidate=None),
+            previous_canary,
+            (current,),
+            None,
+            current,
+            current,
+            events,
+        )
+
+    keep = tuple(r for r in (current, candidate) if r is not None)
+    seen = observed.get(candidate)
+    canary = _carried(previous_canary, candidate)
+
+    def stay(canary_status: CanaryStatus | None, start: str | None = None) -> RolloutPlan:
+        return RolloutPlan(
+            RevisionStatus(current=current, candidate=candidate),
+            canary_status,
+            keep,
+            start,
+            current,
+            candidate,
+            events,
+        )
+
+    if seen is None or not seen.pods_ready or not seen.pools.sufficient:
+        return stay(canary)
+    if not canary_enabled:
+        return _promote(
+            candidate,
+            current,
+            CanaryStatus(
+                revision=candidate, result=CanaryResult.SKIPPED, message="canary disabled in spec"
+            ),
+            events,
+        )
+    outcome = seen.canary
+    if outcome is None:
+        events.append(Event("Normal", "CanaryStarted", f"canary job for revision {candidate}"))
+        return stay(
+            CanaryStatus(revision=candidate, result=CanaryResult.RUNNING, message="starting"),
+            start=candidate,
+        )
+    if outcome.phase is JobPhase.RUNNING:
+        return stay(
+            CanaryStatus(
+                revision=candidate, job=outcome.job, result=CanaryResult.RUNNING, message="running"
+            )
+        )
+    if outcome.phase is JobPhase.FAILED:
+        failed = CanaryStatus(
+            revision=candidate,
+            job=outcome.job,
+            result=CanaryResult.FAILED,
+            message=outcome.message or "the canary job failed",
+        )
+        if canary is None or canary.result is not CanaryResult.FAILED:
+            events.append(
+                Event(
+                    "Warning",
+                    "CanaryFailed",
+                    f"revision {candidate} failed its canary: {failed.message}; "
+                    + (f"revision {current} keeps serving" if current else "nothing is served"),
+                )
+            )
+        return stay(failed)
+    passed = CanaryStatus(
+        revision=candidate,
+        job=outcome.job,
+        result=CanaryResult.PASSED,
+        message=outcome.message or "passed",
+    )
+    events.append(Event("Normal", "CanaryPassed", f"revision {candidate} passed its canary"))
+    return _promote(candidate, current, passed, events)
+
+
+def _carried(previous: CanaryStatus | None, candidate: str) -> CanaryStatus | None:
+    """A canary status about another revision says nothing about this candidate."""
+    if previous is not None and previous.revision == candidate:
+        return previous
+    return CanaryStatus(revision=candidate, result=CanaryResult.PENDING, message="waiting for pods")
+
+
+def _promote(
+    candidate: str, current: str | None, canary: CanaryStatus, events: list[Event]
+) -> RolloutPlan:
+    retired = f"; revision {current} is removed" if current else ""
+    events.append(Event("Normal", "Promoted", f"revision {candidate} now serves{retired}"))
+    return RolloutPlan(
+        RevisionStatus(current=candidate, candidate=None),
+        canary,
+        (candidate,),
+        None,
+        candidate,
+        candidate,
+        events,
+    )

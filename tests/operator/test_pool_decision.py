@@ -1,0 +1,130 @@
+"""The pool check's decisions, from /v1/kvpool answers to readiness gates and served context."""
+
+import httpx
+import pytest
+
+from kvfence_operator.models import PoolPolicy
+from kvfence_operator.pool import PodPool, judge_pools, parse_pool, read_pool
+
+
+def report(pool_tokens: int, role: str = "decode", revision: str = "r1", **extra) -> dict:
+    return {
+        "role": role,
+        "revision": revision,
+        "pool_tokens": pool_tokens,
+        "page_size": 16,
+        "num_pages": pool_tokens // 16,
+        "free_pages": pool_tokens // 16,
+        "context_length_effective": 1024,
+        "tag_check": True,
+        "deferred_release": True,
+        **extra,
+    }
+
+
+def pod(name: str, pool_tokens: int, role: str = "decode", **extra) -> PodPool:
+    return parse_pool(name, role, "r1", report(pool_tokens, role, **extra))
+
+
+def test_refuse_opens_the_gate_only_for_pods_whose_pool_holds_the_context():
+    decision = judge_pools(
+        [pod("p-0", 2048, "prefill"), pod("d-0", 1024), pod("d-1", 512)],
+        PoolPolicy.REFUSE,
+        context_length=1024,
+        min_context_length=None,
+    )
+    assert {name: g.sufficient for name, g in decision.gates.items()} == {
+        "p-0": True,
+        "d-0": True,
+        "d-1": False,
+    }
+    assert not decision.sufficient
+    assert decision.reason == "PoolTooSmall"
+    assert "d-1" in decision.message and "512" in decision.message and "1024" in decision.message
+    assert decision.min_pool_tokens == 512
+
+
+def test_lower_context_serves_the_smallest_pool_rounded_down_to_a_page():
+    decision = judge_pools(
+        [pod("p-0", 4096, "prefill"), pod("d-0", 1000 // 16 * 16)],
+        PoolPolicy.LOWER_CONTEXT,
+        context_length=2048,
+        min_context_length=512,
+    )
+    assert decision.sufficient
+    assert decision.effective_context == 992
+    assert all(g.sufficient for g in decision.gates.values())
+    assert "lowered from 2048" in decision.message
+
+
+def test_lower_context_never_serves_more_than_asked():
+    decision = judge_pools(
+        [pod("p-0", 8192, "prefill"), pod("d-0", 8192)], PoolPolicy.LOWER_CONTEXT, 2048, None
+    )
+    assert decision.effective_context == 2048
+
+
+def test_lower_context_below_min_context_length_refuses_every_pod():
+    decision = judge_pools(
+        [pod("p-0", 4096, "prefill"), pod("d-0", 256)], PoolPolicy.LOWER_CONTEXT, 2048, 512
+    )
+    assert not decision.sufficient
+    assert decision.effective_context is None
+    assert not any(g.sufficient for g in decision.gates.values())
+    assert "minContextLength 512" in decision.message
+
+
+@pytest.mark.parametrize(
+    ("payload", "needle"),
+    [
+        ("not json at all", "malformed"),
+        ({"role": "decode"}, "malformed"),
+        (report(-16), "malformed"),
+        ({**report(1024), "num_pages": 3}, "num_pages"),
+        (report(1024, role="prefill"), "expected 'decode'"),
+        (report(1024, revision="other"), "revision 'other'"),
+    ],
+)
+def test_a_garbage_pool_report_counts_as_not_sufficient_with_a_clear_message(payload, needle):
+    decision = judge_pools(
+        [parse_pool("d-0", "decode", "r1", payload)], PoolPolicy.REFUSE, 512, None
+    )
+    gate = decision.gates["d-0"]
+    assert not gate.sufficient and gate.reason == "PoolUnknown"
+    assert needle in gate.message
+    assert not decision.sufficient
+
+
+def test_an_engine_with_its_tag_check_off_is_never_sufficient():
+    decision = judge_pools([pod("d-0", 4096, tag_check=False)], PoolPolicy.REFUSE, 512, None)
+    assert not decision.gates["d-0"].sufficient
+    assert "tag check is off" in decision.gates["d-0"].message
+
+
+def test_an_unreachable_pod_counts_as_not_sufficient():
+    unreachable = read_pool("d-0", "decode", "r1", "http://127.0.0.1:9")  # discard port
+    assert unreachable.report is None and "unreachable" in (unreachable.error or "")
+    no_ip = read_pool("d-1", "decode", "r1", None)
+    decision = judge_pools(
+        [unreachable, no_ip, pod("p-0", 4096, "prefill")], PoolPolicy.REFUSE, 512, None
+    )
+    assert not decision.sufficient
+    assert not decision.gates["d-0"].sufficient and not decision.gates["d-1"].sufficient
+    assert decision.gates["p-0"].sufficient
+
+
+def test_read_pool_reports_an_error_status_and_non_json(monkeypatch):
+    def answer(status: int, text: str):
+        return lambda url, timeout: httpx.Response(
+            status, text=text, request=httpx.Request("GET", url)
+        )
+
+    monkeypatch.setattr(httpx, "get", answer(500, "boom"))
+    assert "answered 500" in (read_pool("d", "decode", "r1", "http://x").error or "")
+    monkeypatch.setattr(httpx, "get", answer(200, "<html>"))
+    assert "non-JSON" in (read_pool("d", "decode", "r1", "http://x").error or "")
+
+
+def test_no_engine_pods_is_not_sufficient():
+    decision = judge_pools([], PoolPolicy.REFUSE, 512, None)
+    assert not decision.sufficient and decision.reason == "NoEnginePods"

@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from kvfence_operator.command import add_operator_command
+from kvfence_operator.up import add_up_command
 
 from .faults import FAULTS
 from .units import parse_size
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router(sub)
     _add_crd(sub)
     add_operator_command(sub)
+    add_up_command(sub)
     return parser
 
 

@@ -129,7 +129,7 @@ def _model_schema(model: type[BaseModel], mode: JsonSchemaMode) -> dict[str, Any
     return structural(schema, defs)
 
 
-def _printer_columns() -> list[dict[str, Any]]:
+def printer_columns() -> list[dict[str, Any]]:
     def column(name: str, type_: str, path: str, description: str) -> dict[str, Any]:
         return {"name": name, "type": type_, "jsonPath": path, "description": description}
 
@@ -188,7 +188,7 @@ def build_crd() -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},
-                    "additionalPrinterColumns": _printer_columns(),
+                    "additionalPrinterColumns": printer_columns(),
                     "schema": {"openAPIV3Schema": root},
                 }
             ],

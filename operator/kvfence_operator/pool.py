@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvfence_engine.pool_plan import ContextPolicy, effective_context
+
 from .models import PoolPolicy
 
 PROBE_TIMEOUT_SECONDS = 3.0
@@ -156,7 +158,7 @@ def judge_pools(
         effective = None
         if min_pool is not None:
             page = max(r.page_size for r in reports.values())
-            lowered = min(context_length, min_pool) // page * page
+            lowered = effective_context(context_length, min_pool, page, ContextPolicy.LOWER)
             effective = lowered if lowered >= floor else None
         for pod, report in reports.items():
             if effective is None:

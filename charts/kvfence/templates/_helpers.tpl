@@ -1,0 +1,106 @@
+{{/*
+Name of the operator's Deployment, ServiceAccount and RBAC objects.
+*/}}
+{{- define "kvfence.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains "kvfence" .Release.Name -}}
+{{- printf "%s-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-kvfence-operator" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Cluster-scoped objects carry the release namespace: two releases of the same name in two
+namespaces must not share (and overwrite) one ClusterRole.
+*/}}
+{{- define "kvfence.clusterScopedName" -}}
+{{- printf "%s-%s" .Release.Namespace (include "kvfence.fullname" .) | trunc 253 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvfence.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvfence.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Selector labels. app.kubernetes.io/name: kvfence-operator is the label the engines'
+NetworkPolicies admit (OPERATOR_POD_LABELS in kvfence_operator/meta.py): without it the
+operator cannot read the engines' /v1/kvpool and no pod ever passes the pool check.
+*/}}
+{{- define "kvfence.selectorLabels" -}}
+app.kubernetes.io/name: kvfence-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvfence.labels" -}}
+{{ include "kvfence.selectorLabels" . }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: kvfence
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end -}}
+
+{{- define "kvfence.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/*
+RBAC rules, each commented as "framework" (what kopf itself needs) or "application" (what
+kvfence's handlers do). Every kind here is namespaced: the same rules go into a ClusterRole
+(all namespaces) or into a Role in each watched namespace. kopf needs nothing cluster-scoped:
+no peering objects (the operator runs --standalone), and no CRD or namespace watching, because
+the operator's startup disables kopf's scanning (namespaces come from the command line, the
+InferenceDeployment resource from API discovery, which every authenticated client may read).
+*/}}
+{{- define "kvfence.rules" -}}
+# framework: kopf posts events about its handlers' progress and errors.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+# application: InferenceDeployments are watched; the patch adds kvfence's finalizer and
+# kopf's annotations (handler progress lives in kvfence.dev/ annotations).
+- apiGroups: ["kvfence.dev"]
+  resources: ["inferencedeployments"]
+  verbs: ["get", "list", "watch", "patch"]
+# application: conditions, pools, revisions and the canary's result go to status.
+- apiGroups: ["kvfence.dev"]
+  resources: ["inferencedeployments/status"]
+  verbs: ["get", "patch"]
+# application: prefill, decode and router Deployments of each revision.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# application: engine headless Services, the revision and stable router Services, and the
+# routers' backend ConfigMaps.
+- apiGroups: [""]
+  resources: ["services", "configmaps"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# application: each revision's internal-token Secret and reading the user's apiKeysSecret,
+# by name only: no list or watch, so the operator cannot enumerate other Secrets.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch", "delete"]
+# application: engine pods are found to read their /v1/kvpool; canary pods for the verdict.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# application: the kvfence.dev/kv-pool readiness-gate condition on each engine pod.
+- apiGroups: [""]
+  resources: ["pods/status"]
+  verbs: ["patch"]
+# application: the isolation canary Job that gates each rollout.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+# application: NetworkPolicies that let only a revision's routers (and this operator) reach
+# its engines, and only its prefill pods reach decode's transfer port.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+{{- end -}}

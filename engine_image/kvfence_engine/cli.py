@@ -9,6 +9,7 @@ from kvfence_operator.command import add_operator_command
 from kvfence_operator.up import add_up_command
 
 from .faults import FAULTS
+from .preflight import add_preflight_command
 from .units import parse_size
 
 
@@ -253,14 +254,73 @@ def _crd(_: argparse.Namespace) -> int:
     return 0
 
 
+def _add_canary(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "canary",
+        help="try to make tenant B see tenant A's data; exit 0 pass, 1 fail, 2 could not run",
+    )
+    p.add_argument("--target", required=True, help="the router's URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--tenant-a-key", required=True, help="API key of the tenant who plants data")
+    p.add_argument("--tenant-b-key", required=True, help="API key of the tenant who probes")
+    p.add_argument(
+        "--context-length",
+        type=_positive,
+        default=None,
+        help="the served context to hold the target to (default: its max_model_len)",
+    )
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="FILE",
+        help="write the JSON report here (/dev/termination-log: the one-line summary)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds for the whole run (then exit 2)"
+    )
+    p.add_argument("--rounds", type=_positive, default=3, help="rounds of pool pollution")
+    p.set_defaults(func=_canary)
+
+
+def _canary(args: argparse.Namespace) -> int:
+    from .canary import (
+        EXIT_CANNOT_RUN,
+        CanaryConfig,
+        run_canary,
+        write_report,
+        write_termination_message,
+    )
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    try:
+        config = CanaryConfig(
+            target=args.target,
+            tenant_a_key=args.tenant_a_key,
+            tenant_b_key=args.tenant_b_key,
+            context_length=args.context_length,
+            timeout=args.timeout,
+            rounds=args.rounds,
+        )
+    except ValueError as exc:
+        print(f"kvfence canary: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    report = run_canary(config)
+    print(report.human())
+    if args.report:
+        write_report(report, args.report)
+    write_termination_message(report)
+    return report.exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_router(sub)
+    _add_canary(sub)
     _add_crd(sub)
     add_operator_command(sub)
     add_up_command(sub)
+    add_preflight_command(sub)
     return parser
 
 

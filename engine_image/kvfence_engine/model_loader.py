@@ -66,6 +66,23 @@ def load_model(source: str) -> LoadedModel:
     )
 
 
+def load_config(source: str) -> ModelConfig:
+    """Only the model's shape, from metadata (no weights): what pool arithmetic needs."""
+    if source == SMOLLM2:
+        source = str(smollm2_gguf_path())
+    if source == TINY_RANDOM:
+        return TINY_CONFIG
+    path = Path(source)
+    if path.suffix == ".gguf" and path.is_file():
+        from gguf import GGUFReader
+
+        return _gguf_config(GGUFReader(str(path)), path)[0]
+    if path.is_dir() and (path / "config.json").exists():
+        return _hf_config(path)
+    raise ValueError(f"cannot read model {source!r}: expected one of {', '.join(BUILTINS)}, "
+                     "a .gguf file, or a folder with config.json")  # fmt: skip
+
+
 def load_tokenizer(source: str) -> tuple[str, Tokenizer]:
     """Only the tokenizer (and the model's name) of a source: what the router needs."""
     if source == SMOLLM2:
@@ -131,11 +148,8 @@ def _hf_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
 
 
-def load_gguf(path: Path, name: str | None = None) -> LoadedModel:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(str(path))
+def _gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """The shape from GGUF metadata, and the metadata itself (the tokenizer lives there)."""
     fields = _gguf_fields(reader)
     arch = fields["general.architecture"]
     if arch not in ("llama", "qwen2"):
@@ -158,13 +172,23 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedModel:
         tie_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
     )
+    return config, fields
+
+
+def load_gguf(path: Path, name: str | None = None) -> LoadedModel:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    config, fields = _gguf_config(reader, path)
+    arch = fields["general.architecture"]
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
         # llama.cpp permutes Q/K only for the llama architecture (qwen2 keeps HF layout).
         if arch == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
-            n = heads if tensor.name.split(".")[-2] == "attn_q" else kv_heads
+            n = config.num_heads if tensor.name.split(".")[-2] == "attn_q" else config.num_kv_heads
             array = _unpermute_rope(array, n)
         weights[_hf_name(tensor.name)] = torch.from_numpy(np.array(array, dtype=np.float32))
     return LoadedModel(
@@ -183,9 +207,7 @@ def _eos_ids(config: dict[str, Any]) -> list[int]:
     return eos if isinstance(eos, list) else ([eos] if eos is not None else [])
 
 
-def load_hf_folder(folder: Path) -> LoadedModel:
-    from safetensors.torch import load_file
-
+def _hf_config(folder: Path) -> ModelConfig:
     raw = json.loads((folder / "config.json").read_text())
     arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
@@ -205,6 +227,13 @@ def load_hf_folder(folder: Path) -> LoadedModel:
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
     )
+    return config
+
+
+def load_hf_folder(folder: Path) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    config = _hf_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")
@@ -215,7 +244,9 @@ def load_hf_folder(folder: Path) -> LoadedModel:
         name=folder.name,
         config=config,
         weights=weights,
-        tokenizer=tokenizer_from_folder(folder, _eos_ids(raw)),
+        tokenizer=tokenizer_from_folder(
+            folder, _eos_ids(json.loads((folder / "config.json").read_text()))
+        ),
     )
 
 

@@ -20,7 +20,7 @@ PLURAL = "inferencedeployments"
 SINGULAR = "inferencedeployment"
 SHORT_NAME = "infd"
 
-DEFAULT_ENGINE_IMAGE = "kvfence/engine:0.1.0"
+DEFAULT_ENGINE_IMAGE = "ghcr.io/kvfence/kvfence-engine:0.1.0"
 MODEL_MOUNT_PATH = "/models"
 # Children are named <name>-<revision>-<component>; Service names are DNS-1035 labels of at
 # most 63 characters, which leaves 40 for the InferenceDeployment's own name.

@@ -25,13 +25,13 @@ from .status import compute_status
 
 PoolReader = Callable[[str, str, str, str | None], PodPool]
 
-# Every kind a revision owns, for finding what a retired revision left behind.
+# The kinds a revision owns that the operator may list. Secrets are deleted by name: the
+# operator has no list/watch on Secrets (least privilege), so they are found from the others.
 REVISION_KINDS = (
     ("apps/v1", "Deployment"),
     ("batch/v1", "Job"),
     ("v1", "Service"),
     ("v1", "ConfigMap"),
-    ("v1", "Secret"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
 )
 UPDATABLE_KINDS = {"ConfigMap", "Deployment"}
@@ -165,11 +165,15 @@ class Reconciler:
             self.kube.patch("v1", "Service", instance.namespace, instance.name, wanted)
 
     def _retire(self, instance: Instance, keep: set[str]) -> None:
+        retired: set[str] = set()
         for api_version, kind in REVISION_KINDS:
             for obj in self.kube.list(api_version, kind, instance.namespace, selector(instance)):
                 revision = (obj["metadata"].get("labels") or {}).get(LABEL_REVISION)
                 if revision is not None and revision not in keep:
+                    retired.add(revision)
                     self.kube.delete(api_version, kind, instance.namespace, obj["metadata"]["name"])
+        for revision in retired:
+            self.kube.delete("v1", "Secret", instance.namespace, secret_name(instance, revision))
 
     # ---- observation ---------------------------------------------------------------------
 

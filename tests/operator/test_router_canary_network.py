@@ -129,7 +129,7 @@ def test_canary_job_attacks_the_candidate_router_once_with_keys_from_the_secret(
     assert job["spec"]["backoffLimit"] == 0
     assert job["spec"]["activeDeadlineSeconds"] > 300
     assert pod_spec(job)["restartPolicy"] == "Never"
-    assert c["image"] == "kvfence/engine:0.1.0"
+    assert c["image"] == "ghcr.io/kvfence/kvfence-engine:0.1.0"
 
 
 def test_canary_image_defaults_to_the_engine_image_and_can_be_set():

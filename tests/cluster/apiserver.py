@@ -1,0 +1,378 @@
+"""The test Kubernetes API server: kmock's scaffold, with the store behind it.
+
+kmock provides the HTTP server, the URL parsing into group/version/plural/namespace/name,
+API discovery from its bundled resource list, and its reaction DSL (a test can still inject a
+fault with `server["patch", kmock.resource("v1", "pods")] << 500`). Its own object store
+(KubernetesEmulator) is replaced by store.Store, which behaves like a kube-apiserver where
+kopf, the kubernetes client and the operator depend on it (see store.py).
+"""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import attrs
+import kmock
+import yaml
+from kmock._internal import rendering
+
+from .selectors import SelectorError, parse_field_selector, parse_label_selector
+from .store import ApiError, ResourceType, Store, bad_request
+
+REPO = Path(__file__).resolve().parents[2]
+INFERENCE_DEPLOYMENT_CRD = REPO / "crds" / "inferencedeployment.yaml"
+CRD_TYPE = ResourceType(
+    "apiextensions.k8s.io",
+    "v1",
+    "customresourcedefinitions",
+    "CustomResourceDefinition",
+    namespaced=False,
+    subresources=frozenset({"status"}),
+)
+VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
+PodLogs = Callable[[str, str, str | None], str | None]  # namespace, pod, container -> text
+
+
+def _reply(payload: Any, status: int = 200, **headers: str) -> rendering.Response:
+    """Every answer carries its status explicitly: kmock copies the status (and merges the
+    headers) of a returned Response into the reaction it came from, so an implicit 200 would
+    inherit the last 404. Headers are therefore only set where they are always the same."""
+    return rendering.Response(status=status, headers=headers or None, payload=payload)
+
+
+def _not_served() -> ApiError:
+    return ApiError(404, "NotFound", "the server could not find the requested resource")
+
+
+@attrs.define(kw_only=True)
+class ApiServer(kmock.KubernetesScaffold):
+    store: Store = attrs.field(factory=Store)
+    pod_logs: PodLogs | None = None
+    _custom: set[tuple[str, str, str]] = attrs.field(factory=set, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.resources.load_bundled()
+        # Below kmock's discovery handlers and any reaction a test adds; above its catch-all 404.
+        self.fallback[kmock.action.WATCH] << self._serve_watch
+        self.fallback[kmock.action.LIST] << self._serve_list
+        self.fallback[kmock.action.FETCH] << self._serve_fetch
+        self.fallback[kmock.method.POST] << self._serve_create
+        self.fallback[kmock.method.PUT] << self._serve_replace
+        self.fallback[kmock.method.PATCH] << self._serve_patch
+        self.fallback[kmock.method.DELETE] << self._serve_delete
+
+    # ---- resources ------------------------------------------------------------------------
+
+    def resource_type(self, group: str, version: str, plural: str) -> ResourceType:
+        resource = kmock.resource(group, version, plural)
+        if resource not in self.resources:
+            raise _not_served()
+        info = self.resources[resource]
+        return ResourceType(
+            group=group,
+            version=version,
+            plural=plural,
+            kind=info.kind or plural.capitalize(),
+            namespaced=bool(info.namespaced),
+            subresources=frozenset(info.subresources),
+            custom=(group, version, plural) in self._custom,
+        )
+
+    def resource_types(self) -> list[ResourceType]:
+        return [
+            self.resource_type(r.group or "", r.version or "", r.plural)
+            for r in self.resources
+            if r.plural and r.version is not None
+        ]
+
+    def register_crd(self, crd: dict[str, Any]) -> None:
+        """Serve a CustomResourceDefinition's resources (discovery included)."""
+        spec = crd["spec"]
+        names = spec["names"]
+        for version in spec["versions"]:
+            if not version.get("served", True):
+                continue
+            key = (spec["group"], version["name"], names["plural"])
+            self.resources[kmock.resource(*key)] = kmock.ResourceInfo(
+                kind=names["kind"],
+                singular=names.get("singular") or names["kind"].lower(),
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                verbs=VERBS,
+                shortnames=set(names.get("shortNames") or []),
+                categories=set(names.get("categories") or []),
+                subresources=set(version.get("subresources") or {}),
+            )
+            self._custom.add(key)
+
+    def install_crd(self, crd: dict[str, Any]) -> dict[str, Any]:
+        """Create a CRD object as `kubectl apply` would, and mark it Established."""
+        created = self.store.create(CRD_TYPE, None, crd)
+        self._establish(created)
+        return created
+
+    def _establish(self, crd: dict[str, Any]) -> None:
+        self.register_crd(crd)
+        spec = crd["spec"]
+        conditions = [
+            {"type": kind, "status": "True", "reason": reason, "message": message}
+            for kind, reason, message in (
+                ("NamesAccepted", "NoConflicts", "no conflicts found"),
+                ("Established", "InitialNamesAccepted", "the initial names have been accepted"),
+            )
+        ]
+        status = {
+            "conditions": conditions,
+            "acceptedNames": spec["names"],
+            "storedVersions": [v["name"] for v in spec["versions"] if v.get("storage")],
+        }
+        self.store.update(
+            CRD_TYPE, None, crd["metadata"]["name"], lambda o: o.update(status=status), "status"
+        )
+
+    def install_crd_file(self, path: Path = INFERENCE_DEPLOYMENT_CRD) -> dict[str, Any]:
+        return self.install_crd(yaml.safe_load(path.read_text()))
+
+    # ---- request handling -----------------------------------------------------------------
+
+    def _target(self, request: rendering.Request) -> tuple[ResourceType, str | None]:
+        resource = request.resource
+        if resource is None or not resource.plural or resource.version is None:
+            raise _not_served()
+        rt = self.resource_type(resource.group or "", resource.version, resource.plural)
+        if not rt.namespaced and request.namespace:
+            raise _not_served()
+        return rt, request.namespace if rt.namespaced else None
+
+    @staticmethod
+    def _body(request: rendering.Request) -> Any:
+        if not request.body:
+            return None
+        try:
+            return json.loads(request.body)
+        except ValueError:
+            raise bad_request(
+                "the request body is not JSON (YAML and protobuf are not served)"
+            ) from None
+
+    @staticmethod
+    def _selectors(request: rendering.Request) -> tuple[Any, Any]:
+        try:
+            labels = parse_label_selector(request.params.get("labelSelector"))
+            fields = parse_field_selector(request.params.get("fieldSelector"))
+        except SelectorError as exc:
+            raise bad_request(str(exc)) from None
+        if request.name is not None:
+            fields = (*fields, *parse_field_selector(f"metadata.name={request.name}"))
+        return labels, fields
+
+    @staticmethod
+    def _failure(exc: ApiError) -> rendering.Response:
+        return _reply(exc.status(), exc.code)
+
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        try:
+            rt, namespace = self._target(request)
+            labels, fields = self._selectors(request)
+            items = self.store.list_objects(rt, namespace, labels, fields)
+        except ApiError as exc:
+            return self._failure(exc)
+        return _reply(
+            {
+                "kind": f"{rt.kind}List",
+                "apiVersion": rt.api_version,
+                "metadata": {"resourceVersion": self.store.resource_version, "continue": ""},
+                "items": items,
+            }
+        )
+
+    async def _serve_fetch(self, request: rendering.Request) -> Any:
+        try:
+            rt, namespace = self._target(request)
+            assert request.name is not None
+            obj = self.store.get(rt, namespace, request.name)
+            if request.subresource in (None, "status"):
+                return _reply(obj)
+            if request.subresource == "log" and rt.plural == "pods" and self.pod_logs:
+                text = self.pod_logs(namespace or "", request.name, request.params.get("container"))
+                if text is not None:
+                    return _reply(text.encode())
+            raise _not_served()
+        except ApiError as exc:
+            return self._failure(exc)
+
+    async def _serve_create(self, request: rendering.Request) -> Any:
+        try:
+            rt, namespace = self._target(request)
+            if request.name is not None:
+                raise ApiError(405, "MethodNotAllowed", f"POST to {request.url.path} is not served")
+            created = self.store.create(rt, namespace, self._body(request))
+            if (rt.group, rt.plural) == (CRD_TYPE.group, CRD_TYPE.plural):
+                self._establish(created)
+        except ApiError as exc:
+            return self._failure(exc)
+        return _reply(created, 201)
+
+    async def _serve_replace(self, request: rendering.Request) -> Any:
+        try:
+            rt, namespace = self._target(request)
+            if request.name is None:
+                raise ApiError(405, "MethodNotAllowed", "PUT needs an object name")
+            return _reply(
+                self.store.replace(
+                    rt, namespace, request.name, self._body(request), request.subresource
+                )
+            )
+        except ApiError as exc:
+            return self._failure(exc)
+
+    async def _serve_patch(self, request: rendering.Request) -> Any:
+        try:
+            rt, namespace = self._target(request)
+            if request.name is None:
+                raise ApiError(405, "MethodNotAllowed", "PATCH needs an object name")
+            content_type = request.headers.get("Content-Type", "")
+            return _reply(
+                self.store.patch(
+                    rt,
+                    namespace,
+                    request.name,
+                    self._body(request),
+                    content_type,
+                    request.subresource,
+                )
+            )
+        except ApiError as exc:
+            return self._failure(exc)
+
+    async def _serve_delete(self, request: rendering.Request) -> Any:
+        try:
+            rt, namespace = self._target(request)
+            options = self._body(request) or {}
+            propagation = options.get("propagationPolicy") or request.params.get(
+                "propagationPolicy"
+            )
+            if options.get("orphanDependents") or request.params.get("orphanDependents") == "true":
+                propagation = "Orphan"
+            if request.name is None:
+                labels, fields = self._selectors(request)
+                items = self.store.delete_collection(rt, namespace, labels, fields, propagation)
+                return _reply(
+                    {"kind": f"{rt.kind}List", "apiVersion": rt.api_version, "items": items}
+                )
+            before = self.store.get(rt, namespace, request.name)
+            remaining = self.store.delete(
+                rt, namespace, request.name, propagation, options.get("preconditions")
+            )
+        except ApiError as exc:
+            return self._failure(exc)
+        if remaining is not None or (rt.plural == "pods" and not rt.group):
+            return _reply(remaining or before)  # pods, and objects held by finalizers
+        return _reply(
+            {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Success",
+                "details": {
+                    "name": request.name,
+                    "group": rt.group,
+                    "kind": rt.plural,
+                    "uid": before["metadata"]["uid"],
+                },
+            }
+        )
+
+    async def _serve_watch(self, request: rendering.Request) -> Any:
+        try:
+            rt, namespace = self._target(request)
+            labels, fields = self._selectors(request)
+            first, watcher = self.store.watch(
+                rt, namespace, labels, fields, request.params.get("resourceVersion")
+            )
+        except ApiError as exc:
+            if exc.code != 410:
+                return self._failure(exc)
+            # Too old: Kubernetes answers 200 with one ERROR event; kopf then re-lists.
+            return _reply((b"", {"type": "ERROR", "object": exc.status()}))
+        timeout = request.params.get("timeoutSeconds")
+        bookmark = None
+        if request.params.get("sendInitialEvents") == "true":
+            bookmark = {
+                "type": "BOOKMARK",
+                "object": {
+                    "kind": rt.kind,
+                    "apiVersion": rt.api_version,
+                    "metadata": {
+                        "resourceVersion": self.store.resource_version,
+                        "annotations": {"k8s.io/initial-events-end": "true"},
+                    },
+                },
+            }
+        events = self._stream(first, watcher, float(timeout) if timeout else None, bookmark)
+        return _reply(events, **{"Content-Type": "application/json"})
+
+    async def _stream(
+        self,
+        first: list[dict[str, Any]],
+        watcher: Any,
+        timeout: float | None,
+        bookmark: dict[str, Any] | None,
+    ) -> AsyncIterator[Any]:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        try:
+            yield b""  # send the headers now, even if nothing happens for a while
+            for event in first:
+                yield event
+            if bookmark is not None:
+                yield bookmark
+            while deadline is None or loop.time() < deadline:
+                remaining = None if deadline is None else deadline - loop.time()
+                try:
+                    yield await asyncio.wait_for(watcher.queue.get(), remaining)
+                except TimeoutError:
+                    return
+        finally:
+            self.store.unwatch(watcher)
+
+    async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
+        if isinstance(exc, ApiError):
+            return aiohttp.web.json_response(exc.status(), status=exc.code)
+        return await super()._render_error(exc)
+
+    def internal_errors(self) -> list[Exception]:
+        """Exceptions raised while serving (bugs here, not API errors like 404)."""
+        try:
+            errors = self.errors
+        except RuntimeError:
+            return []
+        return [e for e in errors if not isinstance(e, kmock.KubernetesError | ApiError)]
+
+
+def write_kubeconfig(path: Path, server_url: str, namespace: str = "default") -> Path:
+    """A kubeconfig for the test server, for `KUBECONFIG=` subprocesses and
+    `kubernetes.config.load_kube_config(config_file=...)`. The token is never checked."""
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "kvfence-test", "cluster": {"server": server_url}}],
+        "users": [{"name": "kvfence-test", "user": {"token": "kvfence-test-token"}}],
+        "contexts": [
+            {
+                "name": "kvfence-test",
+                "context": {
+                    "cluster": "kvfence-test",
+                    "user": "kvfence-test",
+                    "namespace": namespace,
+                },
+            }
+        ],
+        "current-context": "kvfence-test",
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path

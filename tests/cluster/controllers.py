@@ -1,0 +1,259 @@
+"""The Deployment and Job controllers, reduced to what kvfence uses.
+
+Level-based: each pass looks at every Deployment and Job and closes the gap to its pods.
+Deployments own their pods directly (no ReplicaSets); a template change replaces all pods at
+once, as with `strategy: Recreate`. Jobs run one pod at a time, with backoffLimit and
+activeDeadlineSeconds, and report conditions as the real Job controller (1.31+) does.
+"""
+
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from .selectors import selector_from_label_selector
+from .store import ApiError, ResourceType, Store, now_rfc3339, random_suffix
+
+POD_TEMPLATE_HASH = "pod-template-hash"
+NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+
+
+def controller_uid(obj: dict[str, Any]) -> str | None:
+    for ref in obj["metadata"].get("ownerReferences") or []:
+        if ref.get("controller"):
+            return ref.get("uid")
+    return None
+
+
+def condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next(
+        (c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == kind),
+        None,
+    )
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    ready = condition(pod, "Ready")
+    return ready is not None and ready.get("status") == "True"
+
+
+def set_condition(
+    conditions: list[dict[str, Any]],
+    kind: str,
+    status: str,
+    reason: str | None = None,
+    message: str | None = None,
+    **extra: Any,
+) -> list[dict[str, Any]]:
+    """Replace one condition; lastTransitionTime moves only when the status flips. A reason or
+    message of None is left out (the kubelet writes none on True pod conditions)."""
+    old = next((c for c in conditions if c.get("type") == kind), None)
+    wanted = (status, reason, message)
+    if old is not None and (old.get("status"), old.get("reason"), old.get("message")) == wanted:
+        return conditions
+    changed = old is None or old.get("status") != status
+    new: dict[str, Any] = {"type": kind, "status": status}
+    new.update({k: v for k, v in (("reason", reason), ("message", message)) if v is not None})
+    new.update(extra)
+    new["lastTransitionTime"] = now_rfc3339() if changed else old["lastTransitionTime"]
+    return [new if c is old else c for c in conditions] if old is not None else [*conditions, new]
+
+
+def template_hash(template: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).digest()
+    return "".join(NAME_ALPHABET[b % len(NAME_ALPHABET)] for b in digest[:10])
+
+
+def _owner(owner: dict[str, Any]) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def pod_from_template(
+    owner: dict[str, Any], name: str, extra_labels: dict[str, str]
+) -> dict[str, Any]:
+    template = owner["spec"]["template"]
+    meta = template.get("metadata") or {}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": owner["metadata"]["namespace"],
+            "labels": {**(meta.get("labels") or {}), **extra_labels},
+            "annotations": dict(meta.get("annotations") or {}),
+            "ownerReferences": [_owner(owner)],
+        },
+        "spec": json.loads(json.dumps(template.get("spec") or {})),
+    }
+
+
+class Controllers:
+    def __init__(
+        self, store: Store, resource_type: Callable[[str, str, str], ResourceType]
+    ) -> None:
+        self.store = store
+        self.pods = resource_type("", "v1", "pods")
+        self.deployments = resource_type("apps", "v1", "deployments")
+        self.jobs = resource_type("batch", "v1", "jobs")
+
+    def reconcile(self) -> None:
+        pods_by_owner: dict[str, list[dict[str, Any]]] = {}
+        for pod in self.store.list_objects(self.pods):
+            if (uid := controller_uid(pod)) is not None:
+                pods_by_owner.setdefault(uid, []).append(pod)
+        for deployment in self.store.list_objects(self.deployments):
+            if not deployment["metadata"].get("deletionTimestamp"):
+                self._deployment(deployment, pods_by_owner.get(deployment["metadata"]["uid"], []))
+        for job in self.store.list_objects(self.jobs):
+            if not job["metadata"].get("deletionTimestamp"):
+                self._job(job, pods_by_owner.get(job["metadata"]["uid"], []))
+
+    def _delete_pod(self, pod: dict[str, Any]) -> None:
+        with contextlib.suppress(ApiError):  # already gone
+            self.store.delete(self.pods, pod["metadata"]["namespace"], pod["metadata"]["name"])
+
+    # ---- Deployments ----------------------------------------------------------------------
+
+    def _deployment(self, deployment: dict[str, Any], pods: list[dict[str, Any]]) -> None:
+        meta, spec = deployment["metadata"], deployment["spec"]
+        wanted = int(spec.get("replicas", 1))
+        current_hash = template_hash(spec["template"])
+        selector = selector_from_label_selector(spec.get("selector"))
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        current = []
+        for pod in live:
+            labels = pod["metadata"].get("labels") or {}
+            if labels.get(POD_TEMPLATE_HASH) == current_hash and all(
+                r.matches(labels) for r in selector
+            ):
+                current.append(pod)
+            else:
+                self._delete_pod(pod)
+        # Surplus: not-ready pods first, then the newest (as the ReplicaSet controller does).
+        current.sort(key=lambda p: (pod_ready(p), -_created(p)), reverse=True)
+        for pod in current[wanted:]:
+            self._delete_pod(pod)
+        current = current[:wanted]
+        for _ in range(wanted - len(current)):
+            name = f"{meta['name']}-{current_hash}-{random_suffix()}"
+            pod = pod_from_template(deployment, name, {POD_TEMPLATE_HASH: current_hash})
+            current.append(self.store.create(self.pods, meta["namespace"], pod))
+        ready = sum(pod_ready(p) for p in current)
+        status: dict[str, Any] = {"observedGeneration": meta.get("generation", 1)}
+        counts = {
+            "replicas": len(current),
+            "updatedReplicas": len(current),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "unavailableReplicas": max(wanted - ready, 0),
+        }
+        status.update({k: v for k, v in counts.items() if v})  # zero counts are omitted
+        conditions = (deployment.get("status") or {}).get("conditions") or []
+        available = ready >= wanted
+        conditions = set_condition(
+            conditions,
+            "Available",
+            "True" if available else "False",
+            "MinimumReplicasAvailable" if available else "MinimumReplicasUnavailable",
+            "Deployment has minimum availability."
+            if available
+            else "Deployment does not have minimum availability.",
+            lastUpdateTime=now_rfc3339(),
+        )
+        conditions = set_condition(
+            conditions,
+            "Progressing",
+            "True",
+            "NewReplicaSetAvailable" if available else "ReplicaSetUpdated",
+            f'ReplicaSet "{meta["name"]}-{current_hash}" '
+            + ("has successfully progressed." if available else "is progressing."),
+            lastUpdateTime=now_rfc3339(),
+        )
+        status["conditions"] = conditions
+        self.store.update(
+            self.deployments,
+            meta["namespace"],
+            meta["name"],
+            lambda d: d.update(status=status),
+            "status",
+        )
+
+    # ---- Jobs -----------------------------------------------------------------------------
+
+    def _job(self, job: dict[str, Any], pods: list[dict[str, Any]]) -> None:
+        meta, spec = job["metadata"], job["spec"]
+        status = dict(job.get("status") or {})
+        conditions = list(status.get("conditions") or [])
+        if any(c["type"] in ("Complete", "Failed") and c["status"] == "True" for c in conditions):
+            return
+        phases = [(p.get("status") or {}).get("phase") for p in pods]
+        succeeded, failed = phases.count("Succeeded"), phases.count("Failed")
+        active = [
+            p for p, phase in zip(pods, phases, strict=True) if phase not in ("Succeeded", "Failed")
+        ]
+        status.setdefault("startTime", now_rfc3339())
+        started = datetime.strptime(status["startTime"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+        deadline = spec.get("activeDeadlineSeconds")
+        finished: tuple[str, str, str] | None = None
+        if succeeded >= int(spec.get("completions", 1)):
+            finished = (
+                "Complete",
+                "CompletionsReached",
+                "Reached expected number of succeeded pods",
+            )
+        elif failed > int(spec.get("backoffLimit", 6)):
+            finished = (
+                "Failed",
+                "BackoffLimitExceeded",
+                "Job has reached the specified backoff limit",
+            )
+        elif deadline is not None and time.time() - started.timestamp() >= float(deadline):
+            finished = (
+                "Failed",
+                "DeadlineExceeded",
+                "Job was active longer than specified deadline",
+            )
+            for pod in active:
+                self._delete_pod(pod)
+            active = []
+        elif not active:
+            name = f"{meta['name']}-{random_suffix()}"
+            extra = {"batch.kubernetes.io/job-name": meta["name"], "job-name": meta["name"]}
+            active = [
+                self.store.create(self.pods, meta["namespace"], pod_from_template(job, name, extra))
+            ]
+        if finished is not None:
+            kind, reason, message = finished
+            interim = "SuccessCriteriaMet" if kind == "Complete" else "FailureTarget"
+            for step in (interim, kind):
+                conditions = set_condition(
+                    conditions, step, "True", reason, message, lastProbeTime=now_rfc3339()
+                )
+            if kind == "Complete":
+                status["completionTime"] = now_rfc3339()
+        counts = {"active": len(active), "succeeded": succeeded, "failed": failed}
+        status.update(counts)
+        status = {k: v for k, v in status.items() if v or k not in counts}
+        status["ready"] = sum(pod_ready(p) for p in active)
+        status["terminating"] = 0
+        if conditions:
+            status["conditions"] = conditions
+        self.store.update(
+            self.jobs, meta["namespace"], meta["name"], lambda j: j.update(status=status), "status"
+        )
+
+
+def _created(pod: dict[str, Any]) -> float:
+    stamp = pod["metadata"].get("creationTimestamp", "1970-01-01T00:00:00Z")
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()

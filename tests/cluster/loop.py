@@ -1,0 +1,35 @@
+"""An asyncio event loop in a daemon thread: the API server and the kubelet live there, the
+test's own code stays synchronous and reaches them over HTTP (or with `run`)."""
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class BackgroundLoop:
+    def __init__(self, name: str = "test-cluster") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        # Let cancelled tasks and async generators finish their cleanup before closing.
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+    def start(self) -> "BackgroundLoop":
+        self._thread.start()
+        return self
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60.0) -> T:
+        """Run a coroutine on the loop and wait for its result from this thread."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout)

@@ -1,0 +1,102 @@
+"""A child process in its own process group, logging to a file: what a container is to the test
+kubelet, and what the operator is to a test (stop it, or kill it to simulate a crash)."""
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ManagedProcess:
+    argv: Sequence[str]
+    log_path: Path
+    env: Mapping[str, str] | None = None
+    cwd: Path | None = None
+    popen: subprocess.Popen[bytes] | None = field(default=None, init=False)
+
+    def start(self) -> "ManagedProcess":
+        assert self.popen is None, "a ManagedProcess starts once; make a new one to restart"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"[cluster] starting: {' '.join(self.argv)}\n".encode())
+            log.flush()
+            # Its own session: stopping it also stops whatever it started (sh -c ...).
+            self.popen = subprocess.Popen(
+                list(self.argv),
+                env=dict(self.env) if self.env is not None else None,
+                cwd=self.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None, "not started"
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        """The exit code once it has exited, else None."""
+        return None if self.popen is None else self.popen.poll()
+
+    @property
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        if self.popen is None:
+            return
+        # The group we created: our child and whatever it started.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self, grace: float = 5.0) -> int | None:
+        """SIGTERM, then SIGKILL after `grace` seconds. Returns the exit code."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(grace)
+        return self.kill()
+
+    async def astop(self, grace: float = 5.0) -> int | None:
+        """stop() without blocking the event loop."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while self.popen.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        return self.kill()
+
+    def kill(self) -> int | None:
+        """SIGKILL the whole group at once (a crash, as far as the process can tell)."""
+        if self.popen is None:
+            return None
+        self._signal_group(signal.SIGKILL)  # also reaps stragglers left by an exited leader
+        return self.popen.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def describe(self) -> str:
+        state = "not started" if self.popen is None else f"pid {self.popen.pid}"
+        if (code := self.poll()) is not None:
+            state += f", exited {code}"
+        return f"{' '.join(self.argv)} ({state}; log: {self.log_path})"
+
+    def __enter__(self) -> "ManagedProcess":
+        return self if self.popen is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -5,7 +5,8 @@ from .apiserver import ApiServer, write_kubeconfig
 from .fixtures import Cluster, ClusterApiError, cluster_fixture, start_cluster
 from .kubelet import Kubelet, KubeletOptions
 from .processes import ManagedProcess
-from .store import ApiError, ResourceType, Store
+from .resources import ApiError, ResourceType
+from .store import Store
 
 __all__ = [
     "ApiError",

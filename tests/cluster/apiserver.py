@@ -19,8 +19,9 @@ import kmock
 import yaml
 from kmock._internal import rendering
 
+from .resources import ApiError, ResourceType, bad_request
 from .selectors import SelectorError, parse_field_selector, parse_label_selector
-from .store import ApiError, ResourceType, Store, bad_request
+from .store import Store
 
 REPO = Path(__file__).resolve().parents[2]
 INFERENCE_DEPLOYMENT_CRD = REPO / "crds" / "inferencedeployment.yaml"

@@ -14,8 +14,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from .resources import ApiError, ResourceType, now_rfc3339, random_suffix
 from .selectors import selector_from_label_selector
-from .store import ApiError, ResourceType, Store, now_rfc3339, random_suffix
+from .store import Store
 
 POD_TEMPLATE_HASH = "pod-template-hash"
 NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"

@@ -26,8 +26,9 @@ from .controllers import condition
 from .kubelet import Kubelet, KubeletOptions
 from .loop import BackgroundLoop
 from .processes import ManagedProcess
+from .resources import ResourceType
 from .sandbox import VENV_BIN
-from .store import MERGE_PATCH, ResourceType
+from .store import MERGE_PATCH
 
 T = TypeVar("T")
 PATCH_TYPES = {
@@ -364,6 +365,8 @@ def start_cluster(
             loop.run(stack.aclose(), timeout=60)
         finally:
             loop.stop()
+            if running is not None and running.kubelet is not None:
+                running.kubelet.kill_all()  # whatever a failed shutdown left running
 
 
 @pytest.fixture(name="cluster")

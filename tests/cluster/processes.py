@@ -44,17 +44,27 @@ class ManagedProcess:
         return self.popen.pid
 
     def poll(self) -> int | None:
-        """The exit code once it has exited, else None."""
-        return None if self.popen is None else self.popen.poll()
+        """The exit code once it has exited, else None. As when a container's main process
+        exits, whatever it left behind in its group is killed before the exit is collected."""
+        if self.popen is None:
+            return None
+        if self.popen.returncode is None:
+            try:  # exited? look without reaping: until reaped, the group id is still ours
+                exited = os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                exited = None
+            if exited is not None:
+                self._signal_group(signal.SIGKILL)
+        return self.popen.poll()
 
     @property
     def running(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
+        return self.popen is not None and self.poll() is None
 
     def _signal_group(self, sig: signal.Signals) -> None:
-        if self.popen is None:
+        # Only while the leader is unreaped: afterwards its number may be someone else's group.
+        if self.popen is None or self.popen.returncode is not None:
             return
-        # The group we created: our child and whatever it started.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, sig)
 
@@ -62,28 +72,27 @@ class ManagedProcess:
         """SIGTERM, then SIGKILL after `grace` seconds. Returns the exit code."""
         if self.popen is None:
             return None
-        if self.popen.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(grace)
+        self._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         return self.kill()
 
     async def astop(self, grace: float = 5.0) -> int | None:
         """stop() without blocking the event loop."""
         if self.popen is None:
             return None
-        if self.popen.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            while self.popen.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+        self._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while self.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         return self.kill()
 
     def kill(self) -> int | None:
         """SIGKILL the whole group at once (a crash, as far as the process can tell)."""
         if self.popen is None:
             return None
-        self._signal_group(signal.SIGKILL)  # also reaps stragglers left by an exited leader
+        self._signal_group(signal.SIGKILL)
         return self.popen.wait()
 
     def log(self) -> str:

@@ -1,0 +1,336 @@
+"""One pod's life on the test kubelet: admit it (ports, pod IP, volumes), run a process per
+container, restart per restartPolicy with back-off, probe readiness, and write the pod's status
+as the real kubelet computes it."""
+
+import asyncio
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .controllers import set_condition
+from .processes import ManagedProcess
+from .resources import now_rfc3339
+from .sandbox import (
+    POD_IP,
+    NotReadyToStart,
+    PodSandbox,
+    Unsupported,
+    allocate_ports,
+    container_launch,
+)
+from .store import FULL, Store
+from .volumes import materialize_volumes
+
+if TYPE_CHECKING:
+    from .kubelet import Kubelet
+
+TERMINATION_MESSAGE_LIMIT = 4096  # bytes, as in Kubernetes
+KUBELET_CONDITIONS = (
+    "PodScheduled",
+    "PodReadyToStartContainers",
+    "Initialized",
+    "ContainersReady",
+    "Ready",
+)
+
+
+@dataclass
+class Container:
+    spec: dict[str, Any]
+    process: ManagedProcess | None = None
+    restarts: int = 0
+    ready: bool = False
+    probe_failures: int = 0
+    state: dict[str, Any] = field(
+        default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}}
+    )
+    last_state: dict[str, Any] = field(default_factory=dict)
+    restart_at: float | None = None
+    finished: bool = False  # terminated and will not restart
+
+    @property
+    def name(self) -> str:
+        return str(self.spec["name"])
+
+    def status(self) -> dict[str, Any]:
+        running = "running" in self.state
+        status = {
+            "name": self.name,
+            "image": self.spec.get("image", ""),
+            "imageID": "",
+            "ready": self.ready,
+            "started": running,
+            "restartCount": self.restarts,
+            "state": self.state,
+            "lastState": self.last_state,
+        }
+        if self.process is not None and self.process.popen is not None:
+            status["containerID"] = f"kvfence-test://{self.process.pid}"
+        return status
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code  # killed by signal N: 128+N, as container runtimes say
+
+
+class PodRuntime:
+    def __init__(self, kubelet: "Kubelet", pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        self.kubelet = kubelet
+        self.uid, self.namespace, self.name = meta["uid"], meta["namespace"], meta["name"]
+        self.sandbox = PodSandbox(kubelet.pods_dir / f"{self.namespace}_{self.name}_{self.uid[:8]}")
+        self.containers = [Container(c) for c in pod["spec"].get("containers") or []]
+        self.restart_policy = pod["spec"].get("restartPolicy", "Always")
+        self.grace = min(
+            float(pod["spec"].get("terminationGracePeriodSeconds", 30)), kubelet.options.grace_cap
+        )
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def store(self) -> Store:
+        return self.kubelet.store
+
+    def log_path(self, container: str) -> Path:
+        return self.kubelet.logs_dir / f"{self.namespace}_{self.name}_{container}.log"
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._run(), name=f"pod {self.namespace}/{self.name}")
+
+    async def _run(self) -> None:
+        try:
+            if not await self._admit():
+                return
+            while True:
+                for container in self.containers:
+                    await self._step(container)
+                if self.kubelet.resync_volumes(self) is None:
+                    return
+                if self._write_status() is None:
+                    return  # the pod is gone; the kubelet stops us
+                if all(c.finished for c in self.containers):
+                    return
+                await asyncio.sleep(self.kubelet.options.probe_period)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.kubelet.errors.append(
+                f"pod {self.namespace}/{self.name}: {traceback.format_exc()}"
+            )
+            raise
+
+    async def _admit(self) -> bool:
+        """Scheduled to our node with a pod IP and local ports; then volumes (retried until the
+        Secrets and ConfigMaps exist, as the kubelet keeps a pod in ContainerCreating)."""
+        self.sandbox.root.mkdir(parents=True, exist_ok=True)
+        node = self.kubelet.options.node_name
+
+        def admit(pod: dict[str, Any]) -> None:
+            allocate_ports(pod, self.sandbox, self.kubelet.ports_given)
+            pod["spec"]["nodeName"] = node
+            status = pod.setdefault("status", {})
+            status.update(
+                phase="Pending",
+                hostIP=POD_IP,
+                hostIPs=[{"ip": POD_IP}],
+                podIP=POD_IP,
+                podIPs=[{"ip": POD_IP}],
+                startTime=now_rfc3339(),
+            )
+
+        if self.store.update(self.kubelet.pods, self.namespace, self.name, admit, FULL) is None:
+            return False
+        while True:
+            try:
+                pod = self.store.get(self.kubelet.pods, self.namespace, self.name)
+                if pod["spec"].get("initContainers"):
+                    raise Unsupported("initContainers are not run by the test kubelet")
+                materialize_volumes(pod, self.sandbox, self.kubelet, self.kubelet.options.claims)
+                return True
+            except (NotReadyToStart, Unsupported) as exc:
+                reason = exc.reason if isinstance(exc, NotReadyToStart) else "ContainerCreating"
+                for container in self.containers:
+                    container.state = {"waiting": {"reason": reason, "message": str(exc)}}
+                if self._write_status() is None:
+                    return False
+            await asyncio.sleep(self.kubelet.options.probe_period * 4)
+
+    def _start(self, container: Container, pod: dict[str, Any]) -> None:
+        try:
+            launch = container_launch(
+                pod,
+                container.spec,
+                self.sandbox,
+                self.kubelet,
+                self.kubelet.resolve_service,
+                self.kubelet.base_env(),
+                list(self.kubelet.options.default_command),
+            )
+        except (NotReadyToStart, Unsupported) as exc:
+            reason = (
+                exc.reason if isinstance(exc, NotReadyToStart) else "CreateContainerConfigError"
+            )
+            container.state = {"waiting": {"reason": reason, "message": str(exc)}}
+            container.restart_at = time.monotonic() + self.kubelet.options.probe_period * 4
+            return
+        log_path = self.log_path(container.name)
+        if launch.notes:
+            with open(log_path, "a") as log:
+                log.writelines(f"[kubelet] {note}\n" for note in launch.notes)
+        self.sandbox.termination_log(container.name).write_bytes(b"")
+        container.process = ManagedProcess(launch.argv, log_path, launch.env, launch.cwd)
+        self.kubelet.processes.append(container.process)
+        container.probe_failures, container.ready, container.restart_at = 0, False, None
+        try:
+            container.process.start()
+        except OSError as exc:  # no such executable: what container runtimes call StartError
+            container.process = None
+            self._terminated(container, 128, "StartError", str(exc), now_rfc3339())
+            return
+        container.state = {"running": {"startedAt": now_rfc3339()}}
+
+    def _termination_message(self, container: Container, code: int) -> str:
+        message = self.sandbox.termination_log(container.name).read_bytes()[
+            :TERMINATION_MESSAGE_LIMIT
+        ]
+        text = message.decode(errors="replace")
+        if (
+            not text.strip()
+            and code
+            and container.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError"
+        ):
+            lines = self.log_path(container.name).read_text(errors="replace").splitlines()[-80:]
+            text = "\n".join(lines)[-2048:]
+        return text
+
+    def _terminated(
+        self, container: Container, code: int, reason: str, message: str, started: str
+    ) -> None:
+        terminated = {
+            "exitCode": code,
+            "reason": reason,
+            "startedAt": started,
+            "finishedAt": now_rfc3339(),
+        }
+        if message:
+            terminated["message"] = message
+        restart = self.restart_policy == "Always" or (
+            self.restart_policy == "OnFailure" and code != 0
+        )
+        container.ready = False
+        if not restart:
+            container.state, container.finished = {"terminated": terminated}, True
+            return
+        options = self.kubelet.options
+        delay = min(options.restart_backoff * 2**container.restarts, options.max_restart_backoff)
+        container.last_state = {"terminated": terminated}
+        container.state = {
+            "waiting": {
+                "reason": "CrashLoopBackOff",
+                "message": f"back-off {delay:g}s restarting failed container={container.name} "
+                f"pod={self.name}_{self.namespace}({self.uid})",
+            }
+        }
+        container.restart_at = time.monotonic() + delay
+
+    async def _step(self, container: Container) -> None:
+        if container.finished:
+            return
+        if container.process is None or container.restart_at is not None:
+            if container.restart_at is None or time.monotonic() >= container.restart_at:
+                if container.state.get("waiting", {}).get("reason") == "CrashLoopBackOff":
+                    container.restarts += 1
+                pod = self.store.find(self.kubelet.pods, self.namespace, self.name)
+                if pod is not None:
+                    self._start(container, pod)
+            return
+        code = container.process.poll()
+        if code is not None:
+            started = container.state.get("running", {}).get("startedAt", now_rfc3339())
+            code = _exit_code(code)
+            self._terminated(
+                container,
+                code,
+                "Completed" if code == 0 else "Error",
+                self._termination_message(container, code),
+                started,
+            )
+            return
+        succeeded = await self.kubelet.probe(self, container)
+        threshold = int((container.spec.get("readinessProbe") or {}).get("failureThreshold", 3))
+        container.probe_failures = 0 if succeeded else container.probe_failures + 1
+        if succeeded:
+            container.ready = True
+        elif container.probe_failures >= threshold or not container.ready:
+            container.ready = False
+
+    def _phase(self) -> str:
+        if self.containers and all(c.finished for c in self.containers):
+            codes = [c.state["terminated"]["exitCode"] for c in self.containers]
+            return "Succeeded" if not any(codes) else "Failed"
+        if any(c.process is not None for c in self.containers):
+            return "Running"
+        return "Pending"
+
+    def _write_status(self) -> dict[str, Any] | None:
+        phase = self._phase()
+        statuses = [c.status() for c in self.containers]
+
+        def update(pod: dict[str, Any]) -> None:
+            status = pod.setdefault("status", {})
+            status.update(phase=phase, containerStatuses=statuses)
+            status["conditions"] = self._conditions(pod, phase)
+
+        return self.store.update(self.kubelet.pods, self.namespace, self.name, update, "status")
+
+    def _conditions(self, pod: dict[str, Any], phase: str) -> list[dict[str, Any]]:
+        conditions = list((pod.get("status") or {}).get("conditions") or [])
+        unready = [c.name for c in self.containers if not c.ready]
+        started = any(c.process is not None for c in self.containers)
+
+        def put(kind: str, ok: bool, reason: str | None = None, message: str | None = None) -> None:
+            nonlocal conditions
+            extra = {} if ok else {"reason": reason or "", "message": message or ""}
+            conditions = set_condition(
+                conditions, kind, "True" if ok else "False", lastProbeTime=None, **extra
+            )
+
+        put("PodScheduled", True)
+        put("PodReadyToStartContainers", True)
+        put("Initialized", True)
+        if phase in ("Succeeded", "Failed"):
+            put("ContainersReady", False, "PodCompleted", "")
+            put("Ready", False, "PodCompleted", "")
+        elif unready or not started:
+            message = f"containers with unready status: [{' '.join(unready)}]"
+            put("ContainersReady", False, "ContainersNotReady", message)
+            put("Ready", False, "ContainersNotReady", message)
+        else:
+            put("ContainersReady", True)
+            gates = []
+            for gate in pod["spec"].get("readinessGates") or []:
+                kind = gate["conditionType"]
+                found = next((c for c in conditions if c.get("type") == kind), None)
+                if found is None:
+                    gates.append(
+                        f'corresponding condition of pod readiness gate "{kind}" does not exist.'
+                    )
+                elif found.get("status") != "True":
+                    gates.append(
+                        f'the status of pod readiness gate "{kind}" is not "True", '
+                        f"but {found.get('status')}"
+                    )
+            put("Ready", not gates, "ReadinessGatesNotReady", ", ".join(gates))
+        order = {kind: n for n, kind in enumerate(KUBELET_CONDITIONS)}
+        return sorted(conditions, key=lambda c: order.get(c.get("type", ""), len(order)))
+
+    async def terminate(self) -> None:
+        """Kill the containers (SIGTERM, SIGKILL after the grace period), drop the directory."""
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        await asyncio.gather(
+            *(c.process.astop(self.grace) for c in self.containers if c.process is not None)
+        )
+        self.sandbox.remove()

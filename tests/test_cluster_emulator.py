@@ -601,7 +601,7 @@ def test_engine_pods_from_the_operators_builders_serve_and_are_ready_only_past_t
     assert pool["transfer_port"] == ports["transfer"], "--transfer-port follows the pod's port"
     assert cluster.pod_condition(pod, "ContainersReady")["status"] == "True"
     not_ready = cluster.pod_condition(pod, "Ready")
-    assert (not_ready["status"], not_ready["reason"]) == ("False", "ReadinessGatesNotReady")
+    assert (not_ready["status"], not_ready.get("reason")) == ("False", "ReadinessGatesNotReady")
     assert KV_POOL_GATE in not_ready["message"]
     assert (
         cluster.get("Deployment", deployment["metadata"]["name"])["status"].get("readyReplicas")

@@ -146,6 +146,13 @@ class ApiServer(kmock.KubernetesScaffold):
         rt = self.resource_type(resource.group or "", resource.version, resource.plural)
         if not rt.namespaced and request.namespace:
             raise _not_served()
+        served = {
+            None,
+            *rt.subresources,
+            *(["log"] if rt.plural == "pods" and not rt.group else []),
+        }
+        if request.subresource not in served:
+            raise _not_served()
         return rt, request.namespace if rt.namespaced else None
 
     @staticmethod

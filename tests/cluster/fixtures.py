@@ -80,6 +80,7 @@ class Cluster:
         self._http = httpx.Client(base_url=url, timeout=30.0)
         self._api_client: client.ApiClient | None = None
         self._processes: list[ManagedProcess] = []
+        self._kinds: dict[tuple[str, str | None], ResourceType] = {}
 
     @property
     def api_client(self) -> client.ApiClient:
@@ -91,6 +92,13 @@ class Cluster:
     # ---- raw API ----------------------------------------------------------------------------
 
     def resource(self, kind: str, api_version: str | None = None) -> ResourceType:
+        """A kind ("Deployment") or plural ("deployments"); the core group wins, then custom
+        resources, where a name is ambiguous (give api_version to choose)."""
+        if (kind, api_version) not in self._kinds:
+            self._kinds[kind, api_version] = self.loop.run(self._resolve(kind, api_version))
+        return self._kinds[kind, api_version]
+
+    async def _resolve(self, kind: str, api_version: str | None) -> ResourceType:
         candidates = [
             rt
             for rt in self.server.resource_types()

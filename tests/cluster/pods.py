@@ -262,7 +262,7 @@ class PodRuntime:
         container.probe_failures = 0 if succeeded else container.probe_failures + 1
         if succeeded:
             container.ready = True
-        elif container.probe_failures >= threshold or not container.ready:
+        elif container.probe_failures >= threshold:
             container.ready = False
 
     def _phase(self) -> str:

@@ -220,6 +220,8 @@ class Store:
             raise bad_request(f"a {rt.kind} must be a JSON object with metadata")
         obj = copy.deepcopy(body)
         meta = obj.setdefault("metadata", {})
+        if meta.get("resourceVersion"):
+            raise bad_request("resourceVersion should not be set on objects to be created")
         ns = self._namespace_for(rt, namespace, meta.get("namespace"))
         name = meta.get("name") or ""
         if not name:

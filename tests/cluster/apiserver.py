@@ -33,6 +33,7 @@ CRD_TYPE = ResourceType(
     namespaced=False,
     subresources=frozenset({"status"}),
 )
+REQUESTS_KEPT = 1000
 VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
 PodLogs = Callable[[str, str, str | None], str | None]  # namespace, pod, container -> text
 
@@ -138,6 +139,15 @@ class ApiServer(kmock.KubernetesScaffold):
         return self.install_crd(yaml.safe_load(path.read_text()))
 
     # ---- request handling -----------------------------------------------------------------
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        try:
+            return await super().__call__(raw_request)
+        finally:
+            # kmock keeps every request (and its body) for assertions; an operator polling for
+            # minutes would grow that without bound. Keep the recent ones.
+            for holder in (self, *self._payloads):
+                del holder._requests[:-REQUESTS_KEPT]
 
     def _target(self, request: rendering.Request) -> tuple[ResourceType, str | None]:
         resource = request.resource

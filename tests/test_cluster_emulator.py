@@ -428,7 +428,12 @@ def test_a_container_that_exits_is_restarted_with_its_exit_code_recorded(cluster
     assert status["lastState"]["terminated"]["exitCode"] == 5
     assert status["lastState"]["terminated"]["reason"] == "Error"
     assert pod["status"]["phase"] == "Running" and status["ready"] is False
-    assert cluster.pod_log(pod["metadata"]["name"]).count("bye") >= 2
+    name = pod["metadata"]["name"]
+    core = client.CoreV1Api(cluster.api_client)
+    assert core.read_namespaced_pod_log(name, "default").count("bye") >= 2
+    cluster.delete("Deployment", "crash")
+    cluster.wait_gone("Pod", name)
+    assert cluster.pod_log(name).count("bye") >= 2, "logs outlive the pod, for diagnosis"
 
 
 def test_a_failed_job_reports_the_termination_message(cluster: Cluster):

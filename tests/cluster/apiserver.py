@@ -60,6 +60,7 @@ class ApiServer(kmock.KubernetesScaffold):
         self.resources.load_bundled()
         # Below kmock's discovery handlers and any reaction a test adds; above its catch-all 404.
         self.fallback[kmock.action.WATCH] << self._serve_watch
+        self.fallback[kmock.action.FETCH, kmock.subresource("log")] << self._serve_log
         self.fallback[kmock.action.LIST] << self._serve_list
         self.fallback[kmock.action.FETCH] << self._serve_fetch
         self.fallback[kmock.method.POST] << self._serve_create
@@ -189,7 +190,7 @@ class ApiServer(kmock.KubernetesScaffold):
 
     @staticmethod
     def _failure(exc: ApiError) -> rendering.Response:
-        return _reply(exc.status(), exc.code)
+        return _reply(exc.status(), exc.code, **{"Content-Type": "application/json"})
 
     async def _serve_list(self, request: rendering.Request) -> Any:
         try:
@@ -211,16 +212,24 @@ class ApiServer(kmock.KubernetesScaffold):
         try:
             rt, namespace = self._target(request)
             assert request.name is not None
-            obj = self.store.get(rt, namespace, request.name)
-            if request.subresource in (None, "status"):
-                return _reply(obj)
-            if request.subresource == "log" and rt.plural == "pods" and self.pod_logs:
-                text = self.pod_logs(namespace or "", request.name, request.params.get("container"))
-                if text is not None:
-                    return _reply(text.encode())
-            raise _not_served()
+            return _reply(self.store.get(rt, namespace, request.name))
         except ApiError as exc:
             return self._failure(exc)
+
+    async def _serve_log(self, request: rendering.Request) -> Any:
+        try:
+            rt, namespace = self._target(request)
+            assert request.name is not None
+            self.store.get(rt, namespace, request.name)
+            container = request.params.get("container")
+            text = (
+                self.pod_logs(namespace or "", request.name, container) if self.pod_logs else None
+            )
+            if text is None:
+                raise ApiError(400, "BadRequest", f"no log for container {container!r}")
+        except ApiError as exc:
+            return self._failure(exc)
+        return _reply(text.encode(), **{"Content-Type": "text/plain; charset=utf-8"})
 
     async def _serve_create(self, request: rendering.Request) -> Any:
         try:

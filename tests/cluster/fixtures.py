@@ -258,10 +258,16 @@ class Cluster:
         return condition(dict(pod), kind)
 
     def pod_log(self, name: str, namespace: str = "default", container: str | None = None) -> str:
+        """A container's log (the first container's by default), through the API while the pod
+        exists, from the logs directory after it was deleted."""
         params = {"container": container} if container else None
         response = self.request(
             "GET", f"/api/v1/namespaces/{namespace}/pods/{name}/log", params=params
         )
+        if response.status_code == 404:
+            files = sorted(self.logs_dir.glob(f"{namespace}_{name}_{container or '*'}.log"))
+            if files:
+                return files[0].read_text(errors="replace")
         if response.status_code >= 400:
             raise ClusterApiError(response)
         return response.text

@@ -64,7 +64,7 @@ class PodSandbox:
     root: Path
     port_map: dict[int, int] = field(default_factory=dict)  # declared containerPort -> local port
     volume_paths: dict[str, Path] = field(default_factory=dict)
-    # The objects behind each projected file volume, by resourceVersion, for resyncing.
+    # The objects behind each file volume (kind, name) -> resourceVersion, for resyncing.
     volume_sources: dict[str, dict[tuple[str, str], str]] = field(default_factory=dict)
     volume_files: dict[str, set[str]] = field(default_factory=dict)
 

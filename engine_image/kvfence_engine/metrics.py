@@ -4,6 +4,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
+# Counters that move only when a KV isolation defence acted. In Kubernetes only the router is
+# reachable from outside the engines' NetworkPolicy, so it re-exports them per backend under
+# BACKEND_PREFIX (kvfence_kv_tag_mismatch_total -> kvfence_backend_kv_tag_mismatch_total).
+ISOLATION_COUNTERS = (
+    "kvfence_kv_tag_mismatch",
+    "kvfence_kv_unwritten_read",
+    "kvfence_transfer_checksum_failed",
+    "kvfence_transfer_count_mismatch",
+    "kvfence_late_writes_dropped",
+)
+BACKEND_PREFIX = "kvfence_backend_"
+
 
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:

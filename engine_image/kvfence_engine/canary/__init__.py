@@ -1,0 +1,31 @@
+"""The canary isolation check: tenant B tries to see tenant A's data through a deployment.
+
+    report = run_canary(CanaryConfig(target=URL, tenant_a_key=K1, tenant_b_key=K2))
+    report.exit_code   # 0 pass, 1 an isolation or status check failed, 2 could not run
+
+It talks HTTP only (httpx) and never imports torch: it runs in a small Job."""
+
+from .checks import CheckResult
+from .config import CanaryConfig
+from .report import (
+    EXIT_CANNOT_RUN,
+    EXIT_FAIL,
+    EXIT_PASS,
+    CanaryReport,
+    write_report,
+    write_termination_message,
+)
+from .run import run_canary, run_canary_async
+
+__all__ = [
+    "EXIT_CANNOT_RUN",
+    "EXIT_FAIL",
+    "EXIT_PASS",
+    "CanaryConfig",
+    "CanaryReport",
+    "CheckResult",
+    "run_canary",
+    "run_canary_async",
+    "write_report",
+    "write_termination_message",
+]

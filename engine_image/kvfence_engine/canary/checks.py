@@ -1,0 +1,297 @@
+"""The canary's verdicts: pure functions of what it recorded, one per check of DESIGN section 5.
+
+Each returns a CheckResult with the inputs it judged. A check that had nothing to judge fails
+(a canary that cannot fail is worse than none), except the latency floor, which states plainly
+when no prefill on this target is long enough to tell a shortcut from noise."""
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .counters import INFORMATIONAL, MUST_NOT_RISE, CounterSnapshot
+from .latency import PrefillCalibration
+from .observations import (
+    CALIBRATION,
+    MARKER_SIZING,
+    POLLUTION_FILL,
+    POLLUTION_MARKER,
+    TENANT_B,
+    Answer,
+)
+
+MARKER = "marker"
+DIFFERENTIAL_REPLAY = "differential_replay"
+STATUS_CODES = "status_codes"
+HONEST_USAGE = "honest_usage"
+LATENCY_FLOOR = "latency_floor"
+ENGINE_COUNTERS = "engine_counters"
+# 4xx answers that say nothing about the prompt's length: they do not count as a refusal.
+NOT_A_REFUSAL = (401, 403, 404, 408, 429)
+
+
+@dataclass(slots=True)
+class CheckResult:
+    name: str
+    passed: bool
+    reason: str  # why it failed (the first finding), or what passing covered
+    inputs: dict[str, Any]
+    findings: list[str] = field(default_factory=list)  # every violation seen
+
+
+def _verdict(
+    name: str, inputs: dict[str, Any], findings: list[str], passed: str, vacuous: str | None
+) -> CheckResult:
+    if findings:
+        more = f" (+{len(findings) - 1} more)" if len(findings) > 1 else ""
+        return CheckResult(name, False, findings[0] + more, inputs, findings)
+    if vacuous is not None:
+        return CheckResult(name, False, vacuous, inputs)
+    return CheckResult(name, True, passed, inputs)
+
+
+def _b_answers(answers: Sequence[Answer]) -> list[Answer]:
+    return [a for a in answers if a.tenant == TENANT_B]
+
+
+def check_marker(answers: Sequence[Answer], marker: str) -> CheckResult:
+    """No text of tenant B may contain A's marker, or 8 hex digits in a row of it."""
+    secret = marker.removeprefix("CANARY-").lower()
+    pieces = {secret[i : i + 8] for i in range(len(secret) - 7)}
+    pattern = re.compile("|".join(sorted(pieces)))
+    planted = [a for a in answers if a.probe in (MARKER_SIZING, POLLUTION_MARKER) and a.ok]
+    inspected = [a for a in _b_answers(answers) if a.text or a.tokens]
+    findings = []
+    for a in inspected:
+        seen = (a.text + "\n" + "".join(a.tokens)).lower()
+        if match := pattern.search(seen):
+            findings.append(
+                f"tenant B's answer to {a.probe} ({a.context}) contains {match.group()!r} of "
+                f"tenant A's marker: {a.text[:80]!r}"
+            )
+    vacuous = None
+    if not planted:
+        vacuous = "tenant A's marker was never planted: every marker request failed"
+    elif not inspected:
+        vacuous = "tenant B got no answer whose text could be inspected"
+    inputs = {"marker": marker, "planted_by": len(planted), "answers_inspected": len(inspected)}
+    passed = (
+        f"tenant A's marker ({len(planted)} requests) is in none of tenant B's "
+        f"{len(inspected)} answers"
+    )
+    return _verdict(MARKER, inputs, findings, passed, vacuous)
+
+
+def check_differential_replay(answers: Sequence[Answer], tolerance: float) -> CheckResult:
+    """Each of B's prompts, answered greedily after A's marker pollution, after neutral
+    pollution and with nothing before it, must get the same tokens, with logprobs within
+    `tolerance`. A difference means B's answer depends on what another request left in the
+    pool."""
+    groups: dict[str, list[Answer]] = {}
+    for a in _b_answers(answers):
+        if a.ok and a.probe != CALIBRATION:
+            groups.setdefault(a.probe, []).append(a)
+    findings, compared = [], 0
+    for probe, group in groups.items():
+        reference = group[0]
+        for other in group[1:]:
+            compared += 1
+            if difference := _difference(reference, other, tolerance):
+                findings.append(
+                    f"{probe}: the answer {other.context} differs from the answer "
+                    f"{reference.context}: {difference}"
+                )
+    polluted = {
+        flavour: sum(
+            1
+            for a in answers
+            if a.flavour == flavour and a.ok and a.probe in (POLLUTION_MARKER, POLLUTION_FILL)
+        )
+        for flavour in ("A", "N")
+    }
+    vacuous = None
+    if compared == 0:
+        vacuous = "no prompt of tenant B was answered twice: there was nothing to compare"
+    elif not all(polluted.values()):
+        vacuous = f"the pool was never polluted by both kinds of request: {polluted}"
+    inputs = {
+        "logprob_tolerance": tolerance,
+        "probes": {probe: [a.context for a in group] for probe, group in groups.items()},
+        "comparisons": compared,
+        "pollution_answers": polluted,
+    }
+    passed = (
+        f"{compared} replays of {len(groups)} prompts of tenant B agree token for token "
+        f"(logprobs within {tolerance:g}) whatever was in the pool before them"
+    )
+    return _verdict(DIFFERENTIAL_REPLAY, inputs, findings, passed, vacuous)
+
+
+def _difference(a: Answer, b: Answer, tolerance: float) -> str | None:
+    if a.tokens != b.tokens:
+        i = next(
+            (i for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)) if x != y),
+            min(len(a.tokens), len(b.tokens)),
+        )
+        mine = b.tokens[i] if i < len(b.tokens) else "<end>"
+        theirs = a.tokens[i] if i < len(a.tokens) else "<end>"
+        return f"token {i} is {mine!r} instead of {theirs!r}"
+    if a.text != b.text:
+        return f"text {b.text[:60]!r} instead of {a.text[:60]!r}"
+    if len(a.logprobs) != len(b.logprobs):
+        return f"{len(b.logprobs)} logprobs instead of {len(a.logprobs)}"
+    for i, (x, y) in enumerate(zip(a.logprobs, b.logprobs, strict=True)):
+        if abs(x - y) > tolerance:
+            return (
+                f"the logprob of token {i} is {y:.6f} instead of {x:.6f} (tolerance {tolerance:g})"
+            )
+    return None
+
+
+def check_status_codes(answers: Sequence[Answer], limit: int) -> CheckResult:
+    """Every prompt of B within the limit is answered (200, no error mid-stream); every prompt
+    over it is refused with a 4xx: a 200 served it anyway, a 5xx means a check fired only after
+    work (pages, a transfer) had started."""
+    findings, within, over, refusals = [], 0, 0, set()
+    for a in _b_answers(answers):
+        assert a.prompt_tokens is not None, "B's prompts are token ids"
+        where = f"{a.probe} ({a.prompt_tokens} tokens, {a.context})"
+        if a.prompt_tokens <= limit:
+            within += 1
+            if not a.ok:
+                findings.append(f"{where} is within the {limit}-token limit but got {a.describe()}")
+            continue
+        over += 1
+        if a.status == 200:
+            findings.append(
+                f"{where} is over the {limit}-token limit but was answered {a.describe()}; it "
+                "must be refused with a 4xx"
+            )
+        elif a.status >= 500 or a.status < 400:
+            findings.append(
+                f"{where} is over the {limit}-token limit and got {a.describe()}: a "
+                f"{a.status} where a 4xx refusal was due"
+            )
+        elif a.status in NOT_A_REFUSAL:
+            findings.append(f"{where} got {a.describe()}, which is not a refusal of the prompt")
+        else:
+            refusals.add(f"{a.status} {a.error_code}")
+    vacuous = None
+    if not within or not over:
+        vacuous = f"tenant B sent {within} prompts within the limit and {over} over it; both needed"
+    inputs = {"limit": limit, "within_limit": within, "over_limit": over}
+    passed = (
+        f"{within} answers within the {limit}-token limit were 200; {over} prompts over it were "
+        f"refused ({', '.join(sorted(refusals))})"
+    )
+    return _verdict(STATUS_CODES, inputs, findings, passed, vacuous)
+
+
+def check_honest_usage(answers: Sequence[Answer]) -> CheckResult:
+    """usage.prompt_tokens of every answered token-id prompt is that prompt's exact length."""
+    judged = [a for a in answers if a.ok and a.prompt_tokens is not None]
+    findings = []
+    for a in judged:
+        if a.usage_prompt_tokens != a.prompt_tokens:
+            said = "no usage" if a.usage_prompt_tokens is None else a.usage_prompt_tokens
+            findings.append(
+                f"{a.probe} ({a.context}): usage.prompt_tokens is {said} for a prompt of "
+                f"{a.prompt_tokens} tokens"
+            )
+    vacuous = None if judged else "no token-id prompt was answered: nothing to compare usage with"
+    inputs = {"answers_judged": len(judged)}
+    passed = f"usage.prompt_tokens matched the prompt length in all {len(judged)} answers"
+    return _verdict(HONEST_USAGE, inputs, findings, passed, vacuous)
+
+
+def check_latency_floor(
+    answers: Sequence[Answer], factor: float, min_prefill: float
+) -> CheckResult:
+    """No first token of B may arrive sooner than the overhead plus 1/factor of the time a
+    prefill of a calibrated prompt no longer than it took. The factor absorbs a calibration run
+    slowed by a busy machine; a shortcut (1-token placeholder, cache) is faster by far more.
+    Lengths whose calibrated prefill is under min_prefill are not judged: there the prefill is
+    lost in the request-to-request jitter."""
+    calibration = PrefillCalibration.from_answers(answers)
+    if calibration is None:
+        inputs: dict[str, Any] = {"factor": factor, "min_prefill": min_prefill}
+        return _verdict(LATENCY_FLOOR, inputs, [], "", "no 1-token calibration prompt was answered")
+    findings, judged = [], 0
+    for a in _b_answers(answers):
+        if a.probe == CALIBRATION or a.status != 200 or a.ttft is None:
+            continue
+        assert a.prompt_tokens is not None
+        ref = calibration.reference(a.prompt_tokens)
+        if ref is None or ref.prefill < min_prefill:
+            continue
+        judged += 1
+        floor = calibration.overhead + ref.prefill / factor
+        if a.ttft < floor:
+            findings.append(
+                f"{a.probe} ({a.prompt_tokens} tokens, {a.context}): first token after "
+                f"{a.ttft:.3f}s, but prefilling {ref.length} tokens takes {ref.prefill:.3f}s "
+                f"here on top of {calibration.overhead:.3f}s; nothing that really read the "
+                f"prompt answers before {floor:.3f}s"
+            )
+    longest = calibration.reference(max(calibration.fastest))
+    inputs = {
+        "factor": factor,
+        "min_prefill": min_prefill,
+        "overhead": calibration.overhead,
+        "fastest_first_token": calibration.fastest,
+        "answers_judged": judged,
+    }
+    if judged:
+        passed = (
+            f"{judged} first tokens of tenant B all came later than 1/{factor:g} of the "
+            "calibrated prefill"
+        )
+    else:
+        prefill = longest.prefill if longest else 0.0
+        passed = (
+            f"no answer could be judged: the longest calibrated prefill ({prefill:.3f}s) is "
+            f"under {min_prefill:g}s, inside this target's request jitter"
+        )
+    return _verdict(LATENCY_FLOOR, inputs, findings, passed, None)
+
+
+def check_engine_counters(
+    before: CounterSnapshot | None, after: CounterSnapshot | None
+) -> CheckResult:
+    """The engines' isolation counters must not rise during the run."""
+    inputs: dict[str, Any] = {
+        "must_not_rise": list(MUST_NOT_RISE),
+        "before": before.as_dict() if before else None,
+        "after": after.as_dict() if after else None,
+    }
+    if before is None or after is None:
+        return _verdict(ENGINE_COUNTERS, inputs, [], "", "the target's /metrics could not be read")
+    findings = [
+        f"could not read the counters of {source} ({when} the run)"
+        for when, snapshot in (("before", before), ("after", after))
+        for source in snapshot.unreadable
+    ]
+    findings += [
+        f"the target exposes no {counter}_total"
+        for counter in MUST_NOT_RISE
+        if counter not in before.counters() or counter not in after.counters()
+    ]
+    moved: dict[str, float] = {}
+    for (counter, source), value in after.values.items():
+        rise = value - before.values.get((counter, source), 0.0)
+        if rise:
+            moved[f"{counter}_total {source}"] = rise
+        if rise < 0:
+            findings.append(
+                f"{counter}_total on {source} went down ({rise:g}): the engine restarted during "
+                "the run, so what it counted before is lost"
+            )
+        elif rise > 0 and counter in MUST_NOT_RISE:
+            findings.append(f"{counter}_total on {source} rose by {rise:g} during the run")
+    inputs["moved"] = moved
+    sources = {source for _, source in after.values}
+    quiet = [f"{c}_total" for c in INFORMATIONAL]
+    passed = (
+        f"no isolation counter rose on {len(sources)} engines ({', '.join(quiet)} reported only)"
+    )
+    return _verdict(ENGINE_COUNTERS, inputs, findings, passed, None)

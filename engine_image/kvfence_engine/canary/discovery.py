@@ -1,0 +1,118 @@
+"""What the canary learns from the target before it sends a probe: the model, the context it
+advertises, and every engine's real pool and context (the router summarises its backends')."""
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .config import CanaryConfig
+from .observations import TENANT_A, TENANT_B
+from .target import CannotRun, TargetClient
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePool:
+    role: str
+    url: str  # "" when the target is itself a combined engine
+    pool_tokens: int
+    context_length_effective: int
+    page_size: int
+
+    @property
+    def limit(self) -> int:
+        """The longest prompt this engine can hold: its context, or its whole pool if smaller."""
+        return min(self.context_length_effective, self.pool_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetFacts:
+    model: str
+    advertised_context: int  # max_model_len of GET /v1/models
+    context_length: int  # the context the canary holds the target to
+    context_source: str  # "--context-length" or "max_model_len"
+    engines: tuple[EnginePool, ...]
+    unreachable: tuple[str, ...] = ()  # backends the router could not read
+
+    @property
+    def limit(self) -> int:
+        """The longest prompt that must be answered; anything longer must be refused."""
+        return min(self.context_length, *(engine.limit for engine in self.engines))
+
+    @property
+    def pool_tokens(self) -> int:
+        return min(engine.pool_tokens for engine in self.engines)
+
+    @property
+    def page_size(self) -> int:
+        return min(engine.page_size for engine in self.engines)
+
+    @property
+    def decode_pool_tokens(self) -> int:
+        """KV slots that hold requests while they generate: what pollution has to fill."""
+        pools = [e.pool_tokens for e in self.engines if e.role in ("decode", "combined")]
+        return sum(pools) if pools else self.pool_tokens
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "limit": self.limit,
+            "pool_tokens": self.pool_tokens,
+            "page_size": self.page_size,
+            "decode_pool_tokens": self.decode_pool_tokens,
+        }
+
+
+async def discover(target: TargetClient, config: CanaryConfig) -> TargetFacts:
+    models: dict[str, Any] = {}
+    for tenant in (TENANT_A, TENANT_B):
+        r = await target.get("/v1/models", tenant)
+        if r.status_code in (401, 403):
+            raise CannotRun(
+                f"tenant {tenant}'s key was refused by {target.base}/v1/models "
+                f"({r.status_code}): check --tenant-{tenant.lower()}-key"
+            )
+        if r.status_code != 200:
+            raise CannotRun(f"{target.base}/v1/models answered {r.status_code}: {r.text[:200]}")
+        models = r.json()
+    try:
+        model = models["data"][0]
+        target.model = str(model["id"])
+        advertised = int(model["max_model_len"])
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise CannotRun(f"{target.base}/v1/models has no model with a max_model_len") from exc
+    r = await target.get("/v1/kvpool", TENANT_B)
+    if r.status_code != 200:
+        raise CannotRun(
+            f"{target.base}/v1/kvpool answered {r.status_code}: the canary needs every engine's "
+            "real pool size to place its probes (point --target at a kvfence router or engine)"
+        )
+    engines, unreachable = parse_pools(r.json())
+    if config.context_length is not None:
+        context, source = config.context_length, "--context-length"
+    else:
+        context, source = advertised, "max_model_len"
+    return TargetFacts(target.model, advertised, context, source, engines, unreachable)
+
+
+def parse_pools(report: dict[str, Any]) -> tuple[tuple[EnginePool, ...], tuple[str, ...]]:
+    """An engine's own /v1/kvpool, or the router's summary with one entry per backend."""
+    try:
+        if "backends" not in report:
+            return (_pool(report["role"], "", report),), ()
+        engines = tuple(
+            _pool(b["role"], b["url"], b["report"]) for b in report["backends"] if "report" in b
+        )
+        unreachable = tuple(f"{b['role']} {b['url']}" for b in report["backends"] if "error" in b)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CannotRun(f"cannot read the target's /v1/kvpool: {exc!r}") from exc
+    if not engines:
+        raise CannotRun("the target's /v1/kvpool lists no engine that reported its pool")
+    return engines, unreachable
+
+
+def _pool(role: str, url: str, report: dict[str, Any]) -> EnginePool:
+    return EnginePool(
+        role=str(role),
+        url=str(url),
+        pool_tokens=int(report["pool_tokens"]),
+        context_length_effective=int(report["context_length_effective"]),
+        page_size=int(report["page_size"]),
+    )

@@ -1,0 +1,99 @@
+"""The canary's report: a JSON document with every check, its inputs, verdict and reason; a
+human summary; a one-line summary for /dev/termination-log; and the exit code."""
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .checks import CheckResult
+
+EXIT_PASS = 0
+EXIT_FAIL = 1  # an isolation or status check failed
+EXIT_CANNOT_RUN = 2  # no verdict: target down, key refused, out of time or requests
+TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_LIMIT = 4000  # bytes; Kubernetes keeps at most 4096 of a termination message
+
+
+@dataclass(slots=True)
+class CanaryReport:
+    target: str
+    outcome: str  # pass | fail | error
+    exit_code: int
+    reason: str  # one line: what failed, why it could not run, or what passing covered
+    complete: bool  # every step ran (False after an error: the checks saw part of the run)
+    started_at: str
+    seconds: float
+    requests: int
+    seed: int
+    facts: dict[str, Any] | None
+    plan: dict[str, Any] | None
+    checks: list[CheckResult]
+    answers: list[dict[str, Any]]
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == EXIT_PASS
+
+    def summary_line(self) -> str:
+        head = {"pass": "PASS", "fail": "FAIL", "error": "ERROR"}[self.outcome]
+        line = f"kvfence canary {head}: {self.reason}"
+        return line.encode()[:TERMINATION_LIMIT].decode(errors="ignore")
+
+    def human(self) -> str:
+        lines = [
+            f"kvfence canary against {self.target}: {self.outcome.upper()} "
+            f"(exit {self.exit_code}) in {self.seconds:.1f}s, {self.requests} requests",
+        ]
+        if self.facts:
+            f = self.facts
+            lines.append(
+                f"  model {f['model']}: limit {f['limit']} tokens (context {f['context_length']} "
+                f"from {f['context_source']}, engines' pools >= {f['pool_tokens']} tokens)"
+            )
+        for check in self.checks:
+            mark = "PASS" if check.passed else "FAIL"
+            lines.append(f"  {mark} {check.name:<20} {check.reason}")
+            lines += [f"         - {finding}" for finding in check.findings[1:6]]
+        if self.outcome == "error":
+            lines.append(f"  could not finish: {self.reason}")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, default=str)
+
+
+def decide(
+    checks: list[CheckResult], error: str | None, seconds: float, requests: int
+) -> tuple[str, int, str]:
+    """(outcome, exit code, reason). An error stops the run without a verdict, but violations
+    it already saw are named, so a timeout does not hide a leak."""
+    failed = [c for c in checks if not c.passed]
+    if error is not None:
+        seen = [f"{c.name}: {c.reason}" for c in failed if c.findings]
+        reason = error + (f"; before that: {'; '.join(seen)}" if seen else "")
+        return "error", EXIT_CANNOT_RUN, reason
+    if failed:
+        return "fail", EXIT_FAIL, "; ".join(f"{c.name}: {c.reason}" for c in failed)
+    return (
+        "pass",
+        EXIT_PASS,
+        f"all {len(checks)} checks passed in {seconds:.1f}s ({requests} requests)",
+    )
+
+
+def write_report(report: CanaryReport, path: str) -> None:
+    """--report FILE: the JSON report, or the one-line summary when FILE is the termination log
+    (what the operator's Job passes: the pod's status then carries the reason)."""
+    is_log = os.path.abspath(path) == TERMINATION_LOG
+    with open(path, "w") as f:
+        f.write(report.summary_line() if is_log else report.to_json() + "\n")
+
+
+def write_termination_message(report: CanaryReport, path: str = TERMINATION_LOG) -> bool:
+    """The one-line summary, when running where a termination log exists (a Kubernetes Job)."""
+    if not (os.path.exists(path) and os.access(path, os.W_OK)):
+        return False
+    with open(path, "w") as f:
+        f.write(report.summary_line())
+    return True

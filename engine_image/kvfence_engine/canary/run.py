@@ -1,0 +1,306 @@
+"""One canary run: discover the target, size A's marker prompt, calibrate prefill time, then
+probe B's boundary lengths with nothing before them (baseline) and after each of several rounds
+of pool pollution, marker (A) and neutral (N) in turn, with one long answer of B generated while
+A fills the pool around it. Every request is recorded; the checks judge the records."""
+
+import asyncio
+import contextlib
+import logging
+import math
+import secrets
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from .checks import (
+    CheckResult,
+    check_differential_replay,
+    check_engine_counters,
+    check_honest_usage,
+    check_latency_floor,
+    check_marker,
+    check_status_codes,
+)
+from .config import CanaryConfig
+from .counters import CounterSnapshot, parse_counters
+from .discovery import TargetFacts, discover
+from .latency import decode_seconds_per_token
+from .observations import (
+    BASELINE,
+    CALIBRATION,
+    MARKER_SIZING,
+    POLLUTION_FILL,
+    POLLUTION_MARKER,
+    TENANT_A,
+    TENANT_B,
+    Answer,
+    after,
+    during,
+)
+from .prompts import (
+    MARKER_SHARE,
+    Probe,
+    boundary_probes,
+    concurrent_probe,
+    make_marker,
+    marker_unit,
+    pollution_lengths,
+    token_prompt,
+)
+from .report import CanaryReport, decide
+from .target import CannotRun, TargetClient
+
+log = logging.getLogger(__name__)
+FLAVOURS = ("A", "N")  # A: tenant A's marker prompts; N: neutral token ids of the same lengths
+
+
+class CanaryRun:
+    def __init__(self, config: CanaryConfig, seed: int) -> None:
+        self.config = config
+        self.seed = seed
+        self.marker = make_marker(seed)
+        self.target = TargetClient(config)
+        self.answers: list[Answer] = []
+        self.step = "starting"
+        self.facts: TargetFacts | None = None
+        self.probes: tuple[Probe, ...] = ()
+        self.concurrent: Probe | None = None
+        self.marker_prompt: str | None = None
+        self.marker_tokens: int | None = None
+        self.before: CounterSnapshot | None = None
+        self.after: CounterSnapshot | None = None
+
+    async def execute(self) -> None:
+        async with self.target:
+            self._at("discovering the target")
+            facts = self.facts = await discover(self.target, self.config)
+            self.probes = boundary_probes(
+                facts.limit,
+                facts.context_length,
+                facts.advertised_context,
+                facts.pool_tokens,
+                self.config.answer_tokens,
+            )
+            self._at("reading engine counters")
+            self.before = await self.read_counters()
+            self._at("sizing tenant A's marker prompt")
+            await self.size_marker_prompt(facts.limit)
+            self._at("calibrating prefill time")
+            await self.calibrate(facts.limit)
+            per_token = decode_seconds_per_token(self.answers) or 0.05
+            decode_tokens = math.ceil(self.config.concurrent_decode_seconds / per_token)
+            self.concurrent = concurrent_probe(facts.limit, facts.page_size, decode_tokens)
+            self._at("baseline")
+            await self.phase(None, 0)
+            for round_ in range(1, self.config.rounds + 1):
+                for flavour in FLAVOURS:
+                    self._at(f"round {round_} of {self.config.rounds}, {flavour} pollution")
+                    await self.phase(flavour, round_)
+            self._at("reading engine counters")
+            self.after = await self.read_counters()
+
+    def _at(self, step: str) -> None:
+        self.step = step
+        log.info("canary: %s", step)
+
+    async def read_counters(self) -> CounterSnapshot | None:
+        r = await self.target.get("/metrics")
+        if r.status_code != 200:
+            return None
+        try:
+            return parse_counters(r.text)
+        except ValueError:
+            return None
+
+    async def ask(
+        self,
+        tenant: str,
+        prompt: str | list[int],
+        max_tokens: int,
+        probe: str,
+        context: str,
+        flavour: str | None = None,
+        on_first_token: Any = None,
+    ) -> Answer:
+        answer = await self.target.complete(
+            tenant,
+            prompt,
+            max_tokens=max_tokens,
+            probe=probe,
+            context=context,
+            flavour=flavour,
+            on_first_token=on_first_token,
+        )
+        self.answers.append(answer)
+        return answer
+
+    async def ask_b(self, probe: Probe, context: str, on_first_token: Any = None) -> Answer:
+        prompt = token_prompt(self.seed, probe.name, probe.length)
+        return await self.ask(
+            TENANT_B, prompt, probe.max_tokens, probe.name, context, None, on_first_token
+        )
+
+    async def size_marker_prompt(self, limit: int) -> None:
+        """Repeat A's marker sentence to about MARKER_SHARE of the context, measured by usage."""
+        unit = marker_unit(self.marker)
+        goal = int(limit * MARKER_SHARE)
+
+        async def tokens(repeats: int) -> int | None:
+            a = await self.ask(TENANT_A, unit * repeats, 1, MARKER_SIZING, CALIBRATION)
+            return a.usage_prompt_tokens if a.ok else None
+
+        one = await tokens(1)
+        if one is None or one > goal:
+            return  # the context is too short for a marker sentence: the marker check says so
+        five = await tokens(5) if 5 * one <= limit else None
+        per_unit = max(1.0, (five - one) / 4) if five is not None else float(one)
+        repeats = max(1, int((goal - one) / per_unit) + 1)
+        for _ in range(3):
+            n = await tokens(repeats)
+            if n is not None and n <= goal:
+                self.marker_prompt, self.marker_tokens = unit * repeats, n
+                return
+            repeats = max(1, repeats - 1 - int(((n or limit + 1) - goal) / per_unit))
+        self.marker_prompt, self.marker_tokens = unit, one
+
+    async def calibrate(self, limit: int) -> None:
+        """First-token times of fresh prompts: 1 token (the overhead; 8 tokens out, for the
+        decode rate), half the limit and the limit, interleaved so noise spreads over all."""
+        lengths = [1, limit // 2, limit] * 2 + [1]
+        for i, length in enumerate(n for n in lengths if n >= 1):
+            prompt = token_prompt(self.seed, f"calibration-{i}", length)
+            await self.ask(TENANT_B, prompt, 8 if length == 1 else 1, CALIBRATION, CALIBRATION)
+
+    async def phase(self, flavour: str | None, round_: int) -> None:
+        """Pollute (unless baseline), B's boundary probes, then B's long answer with a second
+        pollution burst of the same flavour running next to it."""
+        context = BASELINE if flavour is None else after(flavour, round_)
+        if flavour is not None:
+            await self.pollute(flavour, round_, context, keep_free=0)
+        for probe in self.probes:
+            await self.ask_b(probe, context)
+        await self.concurrent_answer(flavour, round_)
+
+    async def concurrent_answer(self, flavour: str | None, round_: int) -> None:
+        probe = self.concurrent
+        assert probe is not None
+        if flavour is None:
+            await self.ask_b(probe, BASELINE)
+            return
+        context = during(flavour, round_)
+        first = asyncio.Event()
+        answer = asyncio.ensure_future(self.ask_b(probe, context, first.set))
+        started = asyncio.ensure_future(first.wait())
+        try:
+            await asyncio.wait({answer, started}, return_when=asyncio.FIRST_COMPLETED)
+            if first.is_set():
+                await self.pollute(
+                    flavour, round_, context, keep_free=probe.length + probe.max_tokens
+                )
+            await answer
+        finally:
+            for task in (answer, started):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, CannotRun):
+                    await task
+
+    async def pollute(self, flavour: str, round_: int, context: str, keep_free: int) -> None:
+        """Fill the decode pools at once with A's requests: the marker prompt (A) or neutral
+        token ids of the same lengths (N), leaving `keep_free` tokens for B's running answer."""
+        facts = self.facts
+        assert facts is not None
+        page = facts.page_size
+        fill = facts.decode_pool_tokens - math.ceil(keep_free / page) * page
+        size = self.marker_tokens or int(facts.limit * MARKER_SHARE)
+        lengths = pollution_lengths(fill, size, page, self.config.max_pollution_requests)
+        requests = []
+        for i, length in enumerate(lengths):
+            if flavour == "A" and self.marker_prompt is not None and length == self.marker_tokens:
+                requests.append(
+                    self.ask(TENANT_A, self.marker_prompt, 1, POLLUTION_MARKER, context, flavour)
+                )
+            else:
+                ids = token_prompt(self.seed, f"{context}-{flavour}-{i}", length)
+                requests.append(self.ask(TENANT_A, ids, 1, POLLUTION_FILL, context, flavour))
+        await asyncio.gather(*requests)
+
+    def checks(self) -> list[CheckResult]:
+        if self.facts is None:
+            return []
+        c = self.config
+        return [
+            check_marker(self.answers, self.marker),
+            check_differential_replay(self.answers, c.logprob_tolerance),
+            check_status_codes(self.answers, self.facts.limit),
+            check_honest_usage(self.answers),
+            check_latency_floor(self.answers, c.latency_factor, c.latency_min_prefill),
+            check_engine_counters(self.before, self.after),
+        ]
+
+    def plan(self) -> dict[str, Any] | None:
+        if self.facts is None:
+            return None
+        c = self.config
+        return {
+            "rounds": c.rounds,
+            "marker": self.marker,
+            "marker_prompt_tokens": self.marker_tokens,
+            "probes": [_probe_dict(p) for p in self.probes],
+            "concurrent_probe": _probe_dict(self.concurrent) if self.concurrent else None,
+            "logprob_tolerance": c.logprob_tolerance,
+            "latency_factor": c.latency_factor,
+            "latency_min_prefill": c.latency_min_prefill,
+            "timeout": c.timeout,
+            "max_requests": c.max_requests,
+        }
+
+
+def _probe_dict(probe: Probe) -> dict[str, Any]:
+    return {
+        "name": probe.name,
+        "length": probe.length,
+        "within_limit": probe.within_limit,
+        "why": probe.why,
+        "max_tokens": probe.max_tokens,
+    }
+
+
+async def run_canary_async(config: CanaryConfig) -> CanaryReport:
+    """Run the canary against config.target; never raises for a target's misbehaviour, which
+    is what the report is for."""
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    start = time.monotonic()
+    seed = config.seed if config.seed is not None else secrets.randbits(32)
+    run = CanaryRun(config, seed)
+    error = None
+    try:
+        async with asyncio.timeout(config.timeout):
+            await run.execute()
+    except TimeoutError:
+        error = f"timed out after {config.timeout:g}s (--timeout) while {run.step}"
+    except CannotRun as exc:
+        error = f"could not run: {exc} (while {run.step})"
+    seconds = time.monotonic() - start
+    checks = run.checks()
+    outcome, exit_code, reason = decide(checks, error, seconds, run.target.requests)
+    log.info("canary: %s", reason)
+    return CanaryReport(
+        target=config.target,
+        outcome=outcome,
+        exit_code=exit_code,
+        reason=reason,
+        complete=error is None,
+        started_at=started_at,
+        seconds=round(seconds, 3),
+        requests=run.target.requests,
+        seed=seed,
+        facts=run.facts.as_dict() if run.facts else None,
+        plan=run.plan(),
+        checks=checks,
+        answers=[a.compact() for a in run.answers],
+    )
+
+
+def run_canary(config: CanaryConfig) -> CanaryReport:
+    """The blocking entry point (CLI, `kvfence up`); async callers use run_canary_async."""
+    return asyncio.run(run_canary_async(config))

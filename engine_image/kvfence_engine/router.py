@@ -5,6 +5,9 @@ decode and prefill check again), reserve pages on a decode instance (a refusal t
 request before prefill is touched), have a prefill instance compute the prompt's KV and stream
 it to that decode instance, then relay decode's tokens. A client that leaves before the first
 token exists does not cancel the work mid-transfer: both halves are cancelled once it exists.
+
+The engines sit behind a NetworkPolicy, so the router also shows what a canary must check:
+GET /v1/kvpool summarises the backends' pools and /metrics re-exports their isolation counters.
 """
 
 import asyncio
@@ -14,7 +17,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +25,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from . import errors
 from .backends import Backend, Backends
@@ -29,6 +35,7 @@ from .deltas import Delta
 from .detokenizer import Detokenizer
 from .errors import EngineError
 from .internal_api import TOKEN_HEADER, delta_from_json
+from .metrics import BACKEND_PREFIX, ISOLATION_COUNTERS
 from .openai_api import (
     OpenAIOutput,
     chat_logprobs,
@@ -42,6 +49,7 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 DEFAULT_TENANT = "default"
+BACKEND_READ_TIMEOUT = 2.0  # a slow engine must not stall the router's /metrics or /v1/kvpool
 
 
 def read_api_keys(paths: list[str]) -> dict[str, str] | None:
@@ -161,7 +169,17 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        scraped = await _read_backends(state, "/metrics", lambda r: r.text)
+        backends = CollectorRegistry(auto_describe=False)
+        backends.register(BackendCounters(scraped))
+        text = generate_latest(state.metrics.registry) + generate_latest(backends)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/kvpool")
+    async def kvpool(request: Request) -> dict[str, Any]:
+        state.tenant(request)
+        reports = await _read_backends(state, "/v1/kvpool", lambda r: dict(r.json()))
+        return summarise_pools(reports, await state.served_context())
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -188,6 +206,95 @@ def create_router_app(state: RouterState) -> FastAPI:
         )
 
     return app
+
+
+BackendRead = tuple[str, str, Any]  # (role, url, what was read or None)
+
+
+async def _read_backends(
+    state: RouterState, path: str, parse: Callable[[httpx.Response], Any]
+) -> list[BackendRead]:
+    """GET path from every backend at once; a backend that fails or is slow reads as None."""
+    state.backends.refresh()
+    targets = [
+        (pool.role, backend.url)
+        for pool in (state.backends.prefill, state.backends.decode)
+        for backend in pool.backends
+    ]
+
+    async def read(url: str) -> Any:
+        try:
+            r = await state.client.get(url + path, timeout=BACKEND_READ_TIMEOUT)
+            return parse(r) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    results = await asyncio.gather(*(read(url) for _, url in targets))
+    return [(role, url, result) for (role, url), result in zip(targets, results, strict=True)]
+
+
+def summarise_pools(reports: list[BackendRead], served_context: int) -> dict[str, Any]:
+    """The router's /v1/kvpool: each backend's own report, and the numbers that bound every
+    request whichever instances it lands on (the smallest pool, the smallest context)."""
+    read = [report for _, _, report in reports if report is not None]
+    if not read:
+        raise errors.overloaded("no backend instance reported its KV pool", 2)
+    return {
+        "role": "router",
+        "context_length_served": served_context,
+        "context_length_effective": min(r["context_length_effective"] for r in read),
+        "pool_tokens": min(r["pool_tokens"] for r in read),
+        "page_size": min(r["page_size"] for r in read),
+        "tag_check": all(r["tag_check"] for r in read),
+        "kv_checksum": all(r["kv_checksum"] for r in read),
+        "deferred_release": all(r["deferred_release"] for r in read),
+        "backends": [
+            {"role": role, "url": url, "report": report}
+            if report is not None
+            else {"role": role, "url": url, "error": "unreachable or not ready"}
+            for role, url, report in reports
+        ],
+    }
+
+
+class BackendCounters(Collector):
+    """Each engine's isolation counters as scraped just now, labelled by role and backend, and
+    whether its /metrics could be read at all (a canary must not mistake "unreadable" for 0)."""
+
+    def __init__(self, scraped: list[BackendRead]) -> None:
+        self.scraped = scraped
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "backend"]
+        up = GaugeMetricFamily(
+            BACKEND_PREFIX + "up", "1 if the router just read this engine's /metrics", labels=labels
+        )
+        counters = {
+            name: CounterMetricFamily(
+                BACKEND_PREFIX + name.removeprefix("kvfence_"),
+                f"{name}_total of each engine, read by the router",
+                labels=labels,
+            )
+            for name in ISOLATION_COUNTERS
+        }
+        for role, url, text in self.scraped:
+            families = _parse_metrics(text)
+            up.add_metric([role, url], 0.0 if families is None else 1.0)
+            for family in families or ():
+                for sample in family.samples if family.name in counters else ():
+                    if sample.name == family.name + "_total":
+                        counters[family.name].add_metric([role, url], sample.value)
+        yield up
+        yield from counters.values()
+
+
+def _parse_metrics(text: str | None) -> list[Metric] | None:
+    if text is None:
+        return None
+    try:
+        return list(text_string_to_metric_families(text))
+    except ValueError:
+        return None
 
 
 async def _route(

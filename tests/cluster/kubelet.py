@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -51,6 +52,9 @@ class KubeletOptions:
     claims: Mapping[str, Path] = field(default_factory=dict)  # PVC name -> local directory
     node_name: str = "kvfence-test-node"
     default_command: tuple[str, ...] = ("kvfence",)  # for containers without `command`
+    # What a test changes in a pod's command line before it starts: e.g. an --unsafe-fault in
+    # one revision's engines, which no InferenceDeployment can ask for (the CRD forbids it).
+    amend_argv: Callable[[dict[str, Any], list[str]], list[str]] | None = None
 
 
 class Kubelet:

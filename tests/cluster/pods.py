@@ -174,12 +174,14 @@ class PodRuntime:
             container.state = {"waiting": {"reason": reason, "message": str(exc)}}
             container.restart_at = time.monotonic() + self.kubelet.options.probe_period * 4
             return
+        amend = self.kubelet.options.amend_argv
+        argv = amend(pod, launch.argv) if amend is not None else launch.argv
         log_path = self.log_path(container.name)
         if launch.notes:
             with open(log_path, "a") as log:
                 log.writelines(f"[kubelet] {note}\n" for note in launch.notes)
         self.sandbox.termination_log(container.name).write_bytes(b"")
-        container.process = ManagedProcess(launch.argv, log_path, launch.env, launch.cwd)
+        container.process = ManagedProcess(argv, log_path, launch.env, launch.cwd)
         self.kubelet.processes.append(container.process)
         container.probe_failures, container.ready, container.restart_at = 0, False, None
         try:

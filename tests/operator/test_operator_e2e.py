@@ -8,7 +8,8 @@ from typing import Any
 import openai
 import pytest
 
-from cluster.fixtures import Cluster, cluster_fixture  # noqa: F401
+from cluster.fixtures import Cluster, cluster_fixture, start_cluster  # noqa: F401
+from cluster.kubelet import KubeletOptions
 from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION, Instance, selector
 from kvfence_operator.models import InferenceDeploymentSpec, Role
 from kvfence_operator.revision import revision_of
@@ -213,3 +214,88 @@ def test_lower_context_serves_the_smallest_pool_and_refuses_below_min_context(cl
         "every pod's kv-pool gate to close",
         until=lambda gates: gates == ["False", "False"],
     )
+
+
+def test_rollouts_promote_on_a_passed_canary_survive_an_operator_crash_and_stop_on_a_failed_one(
+    tmp_path,
+):
+    bad = manifest(engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--max-num-seqs", "16"]})
+    bad_revision = revision_of(InferenceDeploymentSpec.model_validate(bad["spec"]))
+
+    def early_release_in_bad_decode(pod: dict[str, Any], argv: list[str]) -> list[str]:
+        labels = pod["metadata"].get("labels") or {}
+        if (
+            labels.get(LABEL_REVISION) == bad_revision
+            and labels.get("kvfence.dev/role") == "decode"
+        ):
+            return [*argv, "--unsafe-fault", "early-release"]
+        return argv
+
+    options = KubeletOptions(amend_argv=early_release_in_bad_decode)
+    with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
+        cluster.create(api_keys_secret())
+        env = {"KVFENCE_RECONCILE_INTERVAL": "1"}
+        args = ["--standalone", "--namespace", "default"]
+        operator = cluster.start_operator(args, env=env)
+
+        first = cluster.create(manifest())
+        r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
+        wait_condition(cluster, "Ready", "True", timeout=240)
+
+        # A new revision: it comes up beside r1, the operator crashes mid-rollout and resumes.
+        second = manifest(engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--max-num-seqs", "32"]})
+        r2 = revision_of(InferenceDeploymentSpec.model_validate(second["spec"]))
+        cluster.patch(*KIND[:1], NAME, {"spec": second["spec"]}, api_version=KIND[1])
+        cluster.wait_for(
+            lambda: engine_pods(cluster, r2),
+            "the new revision's pods beside the old ones",
+            until=lambda pods: len(pods) == 2 and len(engine_pods(cluster, r1)) == 2,
+        )
+        cluster.wait_for(
+            lambda: infd(cluster)["status"]["revision"],
+            "status to record the rollout",
+            until=lambda revision: revision == {"current": r1, "candidate": r2},
+        )
+        operator.kill()
+        operator = cluster.start_operator(args, env=env)
+        promoted = cluster.wait_for(
+            lambda: infd(cluster),
+            "promotion of the new revision after the restart",
+            timeout=240,
+            until=lambda o: (
+                o["status"]["revision"].get("current") == r2
+                and condition(o, "Ready").get("status") == "True"
+            ),
+        )
+        assert promoted["status"]["canary"]["revision"] == r2
+        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
+        cluster.wait_for(
+            lambda: cluster.list("Deployment", "default", {LABEL_REVISION: r1}),
+            "the old revision's Deployments to be removed",
+            until=lambda found: found == [],
+        )
+        for role in ("prefill", "decode", "router"):
+            found = cluster.list(
+                "Deployment", "default", {LABEL_REVISION: r2, "kvfence.dev/role": role}
+            )
+            assert len(found) == 1, f"{role}: {[d['metadata']['name'] for d in found]}"
+        assert len(cluster.list("Job", "default", selector_for(r2, Role.CANARY))) == 1
+
+        # A revision whose decode releases pages early: its canary fails, r2 keeps serving.
+        cluster.patch(*KIND[:1], NAME, {"spec": bad["spec"]}, api_version=KIND[1])
+        failed = wait_condition(cluster, "CanaryPassed", "False", timeout=240)
+        status = failed["status"]
+        assert status["revision"] == {"current": r2, "candidate": bad_revision}
+        assert status["canary"]["result"] == "Failed"
+        message = condition(failed, "CanaryPassed")["message"]
+        assert bad_revision in message and "FAIL" in message, message
+        degraded = wait_condition(cluster, "Degraded", "True", reason="CanaryFailed")
+        assert condition(degraded, "Ready")["status"] == "False"
+        assert f"revision {r2} keeps serving" in condition(degraded, "Ready")["message"]
+        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
+        answer = router_client(cluster, r2).completions.create(
+            model="tiny-random", prompt="still here", max_tokens=2, temperature=0
+        )
+        assert answer.usage.completion_tokens == 2
+        operator.stop()
+        assert not cluster.problems()

@@ -94,6 +94,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--page-size", type=_positive, default=16)
     p.add_argument("--revision", default="dev")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument(
+        "--weight-dtype",
+        choices=["float32", "bfloat16", "float16", "int8"],
+        default=None,
+        help="default float32 on CPU, bfloat16 on CUDA; on CPU float16 and int8 pack the "
+        "linear weights (fewer bytes per step) and compute in float32",
+    )
     p.add_argument("--max-num-seqs", type=_positive, default=64)
     p.add_argument("--max-batched-tokens", type=_positive, default=4096)
     p.add_argument(
@@ -142,6 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
         context_length=args.context_length,
         context_policy=ContextPolicy(args.context_policy),
         device=args.device,
+        weight_dtype=args.weight_dtype,
         max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens,
         max_waiting=args.max_waiting,

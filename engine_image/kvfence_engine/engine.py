@@ -18,6 +18,7 @@ from .model import LlamaModel
 from .model_loader import LoadedModel
 from .model_runner import ModelRunner, PreparedStep
 from .pool_plan import ContextPolicy, PoolPlan, admission_limit, effective_context, plan_pool
+from .quantization import pack_linears, resolve_precision
 from .sampler import sample
 from .scheduler import Scheduler
 from .sequence import InboundKV, SamplingParams, Sequence, Status, TokenLogprob, is_terminal
@@ -35,6 +36,7 @@ class EngineArgs:
     context_length: int | None = None
     context_policy: ContextPolicy = ContextPolicy.REFUSE
     device: str = "cpu"
+    weight_dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA (quantization.py)
     max_num_seqs: int = 64
     max_batched_tokens: int = 4096
     max_waiting: int = 512
@@ -44,11 +46,6 @@ class EngineArgs:
     kv_checksum: bool = True  # per-page XXH3-64 checksum on KV transfers (both ends must agree)
     reserve_timeout: float = 60.0  # decode role: a reservation whose KV never starts expires
     faults: Faults = field(default_factory=Faults)
-
-
-def _dtype_for(device: torch.device) -> torch.dtype:
-    # CPU bf16 matmuls are slow on these machines; fp32 there, bf16 on CUDA.
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def _available_memory(device: torch.device) -> int:
@@ -85,8 +82,11 @@ class LLMEngine:
         self.faults = args.faults
         self.metrics = metrics or EngineMetrics()
         self.device = torch.device(args.device)
-        dtype = _dtype_for(self.device)
+        self.precision = resolve_precision(args.weight_dtype, self.device)
+        dtype = self.precision.compute
         model = LlamaModel(loaded.config, loaded.weights).to(self.device, dtype)
+        if self.precision.packed is not None:
+            pack_linears(model, self.precision.packed)
         loaded.weights.clear()  # the model holds them now
         requested = args.context_length or loaded.config.max_positions
         if requested > loaded.config.max_positions:
@@ -474,6 +474,7 @@ class LLMEngine:
             "free_pages": self.pool.num_free,
             "kv_bytes_per_token": self.plan.kv_bytes_per_token,
             "kv_dtype": self.kv_dtype,
+            "weight_dtype": str(self.precision.weights),
             "context_length_requested": self.context_requested,
             "context_length_effective": self.context_effective,
             "context_policy": str(self.args.context_policy),

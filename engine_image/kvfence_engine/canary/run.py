@@ -1,7 +1,8 @@
 """One canary run: discover the target, size A's marker prompt, calibrate prefill time, then
 probe B's boundary lengths with nothing before them (baseline) and after each of several rounds
 of pool pollution, marker (A) and neutral (N) in turn, with one long answer of B generated while
-A fills the pool around it. Every request is recorded; the checks judge the records."""
+A fills the pool around it; calibrate again. Every request is recorded; the checks judge the
+records."""
 
 import asyncio
 import contextlib
@@ -86,7 +87,7 @@ class CanaryRun:
             self._at("sizing tenant A's marker prompt")
             await self.size_marker_prompt(facts.limit)
             self._at("calibrating prefill time")
-            await self.calibrate(facts.limit)
+            await self.calibrate(facts.limit, "calibration-start")
             per_token = decode_seconds_per_token(self.answers) or 0.05
             decode_tokens = math.ceil(self.config.concurrent_decode_seconds / per_token)
             self.concurrent = concurrent_probe(facts.limit, facts.page_size, decode_tokens)
@@ -96,6 +97,8 @@ class CanaryRun:
                 for flavour in FLAVOURS:
                     self._at(f"round {round_} of {self.config.rounds}, {flavour} pollution")
                     await self.phase(flavour, round_)
+            self._at("calibrating prefill time again")
+            await self.calibrate(facts.limit, "calibration-end")
             self._at("reading engine counters")
             self.after = await self.read_counters()
 
@@ -163,12 +166,14 @@ class CanaryRun:
             repeats = max(1, repeats - 1 - int(((n or limit + 1) - goal) / per_unit))
         self.marker_prompt, self.marker_tokens = unit, one
 
-    async def calibrate(self, limit: int) -> None:
+    async def calibrate(self, limit: int, label: str) -> None:
         """First-token times of fresh prompts: 1 token (the overhead; 8 tokens out, for the
-        decode rate), half the limit and the limit, interleaved so noise spreads over all."""
+        decode rate), half the limit and the limit, interleaved so noise spreads over all.
+        Done before and after the probes: the floor keeps the fastest of each length, so a
+        machine that was busy during one calibration does not raise it."""
         lengths = [1, limit // 2, limit] * 2 + [1]
         for i, length in enumerate(n for n in lengths if n >= 1):
-            prompt = token_prompt(self.seed, f"calibration-{i}", length)
+            prompt = token_prompt(self.seed, f"{label}-{i}", length)
             await self.ask(TENANT_B, prompt, 8 if length == 1 else 1, CALIBRATION, CALIBRATION)
 
     async def phase(self, flavour: str | None, round_: int) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvfence_engine.canary import report as report_module
+from kvfence_engine.canary import run_canary
 from kvfence_engine.canary.checks import (
     CheckResult,
     check_differential_replay,
@@ -36,6 +37,7 @@ from kvfence_engine.canary.prompts import (
 )
 from kvfence_engine.canary.report import CanaryReport, decide
 from kvfence_engine.cli import main
+from kvfence_engine.localproc import free_port
 
 MARKER = "CANARY-0123456789abcdef"
 
@@ -353,3 +355,11 @@ def test_the_canary_does_not_import_torch() -> None:
         "import sys, kvfence_engine.canary, kvfence_engine.cli; assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_callers_are_told_each_step_and_a_down_target_is_exit_code_2() -> None:
+    steps: list[str] = []
+    url = f"http://127.0.0.1:{free_port()}"
+    report = run_canary(CanaryConfig(url, "a", "b", progress=steps.append))
+    assert steps == ["discovering the target"]
+    assert report.exit_code == 2 and report.summary.startswith("kvfence canary ERROR: could not")

@@ -1,5 +1,6 @@
 """What a canary run is asked to do, and the bounds it must stay within."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -25,6 +26,7 @@ class CanaryConfig:
     concurrent_decode_seconds: float = 0.5  # how long B keeps decoding while A pollutes
     max_pollution_requests: int = 32  # per pollution burst
     seed: int | None = None  # prompts and marker; random when None (recorded in the report)
+    progress: Callable[[str], None] | None = None  # told each step as it starts (`kvfence up`)
 
     def __post_init__(self) -> None:
         problems = []

@@ -35,7 +35,9 @@ class CanaryReport:
     def passed(self) -> bool:
         return self.exit_code == EXIT_PASS
 
-    def summary_line(self) -> str:
+    @property
+    def summary(self) -> str:
+        """One line: the verdict and its reason (what the termination log carries)."""
         head = {"pass": "PASS", "fail": "FAIL", "error": "ERROR"}[self.outcome]
         line = f"kvfence canary {head}: {self.reason}"
         return line.encode()[:TERMINATION_LIMIT].decode(errors="ignore")
@@ -87,7 +89,7 @@ def write_report(report: CanaryReport, path: str) -> None:
     (what the operator's Job passes: the pod's status then carries the reason)."""
     is_log = os.path.abspath(path) == TERMINATION_LOG
     with open(path, "w") as f:
-        f.write(report.summary_line() if is_log else report.to_json() + "\n")
+        f.write(report.summary if is_log else report.to_json() + "\n")
 
 
 def write_termination_message(report: CanaryReport, path: str = TERMINATION_LOG) -> bool:
@@ -95,5 +97,5 @@ def write_termination_message(report: CanaryReport, path: str = TERMINATION_LOG)
     if not (os.path.exists(path) and os.access(path, os.W_OK)):
         return False
     with open(path, "w") as f:
-        f.write(report.summary_line())
+        f.write(report.summary)
     return True

@@ -105,6 +105,8 @@ class CanaryRun:
     def _at(self, step: str) -> None:
         self.step = step
         log.info("canary: %s", step)
+        if self.config.progress is not None:
+            self.config.progress(step)
 
     async def read_counters(self) -> CounterSnapshot | None:
         r = await self.target.get("/metrics")

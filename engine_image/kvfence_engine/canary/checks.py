@@ -291,7 +291,6 @@ def check_engine_counters(
     inputs["moved"] = moved
     sources = {source for _, source in after.values}
     quiet = [f"{c}_total" for c in INFORMATIONAL]
-    passed = (
-        f"no isolation counter rose on {len(sources)} engines ({', '.join(quiet)} reported only)"
-    )
+    engines = f"{len(sources)} engine{'s' if len(sources) != 1 else ''}"
+    passed = f"no isolation counter rose on {engines} ({', '.join(quiet)} reported only)"
     return _verdict(ENGINE_COUNTERS, inputs, findings, passed, None)

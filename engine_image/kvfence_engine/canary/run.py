@@ -10,6 +10,7 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -70,6 +71,7 @@ class CanaryRun:
         self.marker_tokens: int | None = None
         self.before: CounterSnapshot | None = None
         self.after: CounterSnapshot | None = None
+        self._prompts: dict[str, list[int]] = {}  # B's probes, replayed identically
 
     async def execute(self) -> None:
         async with self.target:
@@ -125,7 +127,7 @@ class CanaryRun:
         probe: str,
         context: str,
         flavour: str | None = None,
-        on_first_token: Any = None,
+        on_first_token: Callable[[], None] | None = None,
     ) -> Answer:
         answer = await self.target.complete(
             tenant,
@@ -139,8 +141,12 @@ class CanaryRun:
         self.answers.append(answer)
         return answer
 
-    async def ask_b(self, probe: Probe, context: str, on_first_token: Any = None) -> Answer:
-        prompt = token_prompt(self.seed, probe.name, probe.length)
+    async def ask_b(
+        self, probe: Probe, context: str, on_first_token: Callable[[], None] | None = None
+    ) -> Answer:
+        prompt = self._prompts.get(probe.name)
+        if prompt is None:
+            prompt = self._prompts[probe.name] = token_prompt(self.seed, probe.name, probe.length)
         return await self.ask(
             TENANT_B, prompt, probe.max_tokens, probe.name, context, None, on_first_token
         )
@@ -229,7 +235,10 @@ class CanaryRun:
             else:
                 ids = token_prompt(self.seed, f"{context}-{flavour}-{i}", length)
                 requests.append(self.ask(TENANT_A, ids, 1, POLLUTION_FILL, context, flavour))
-        await asyncio.gather(*requests)
+        # every request ends before a failure is raised: none is left running behind the run
+        for result in await asyncio.gather(*requests, return_exceptions=True):
+            if isinstance(result, BaseException):
+                raise result
 
     def checks(self) -> list[CheckResult]:
         if self.facts is None:

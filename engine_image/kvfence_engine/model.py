@@ -1,5 +1,7 @@
 """A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over the paged pool."""
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,12 +31,22 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "RopeAngles":
+        """This step's cos/sin rows, looked up once and shared by every layer."""
+        return RopeAngles(
+            self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        )
+
+
+class RopeAngles(NamedTuple):
+    cos: torch.Tensor  # [T, 1, D]
+    sin: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] -> rotated by each token's position."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return x * self.cos + rotated * self.sin
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
@@ -50,7 +62,6 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size = c.num_heads * c.head_dim
-        self.kv_size = c.num_kv_heads * c.head_dim
         attn = prefix + "self_attn."
         qkv_bias = None
         if c.attention_bias:
@@ -66,17 +77,16 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
+        rope: RopeAngles,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         batch: StepBatch,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv(self.input_norm(x)).split([self.q_size, self.kv_size, self.kv_size], -1)
-        q = rotary(q.view(tokens, self.num_heads, self.head_dim), positions)
-        k = rotary(k.view(tokens, self.num_kv_heads, self.head_dim), positions)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        heads = self.qkv(self.input_norm(x)).view(tokens, -1, self.head_dim)
+        qk = rope.rotate(heads[:, : self.num_heads + self.num_kv_heads])  # q and k in one go
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = heads[:, self.num_heads + self.num_kv_heads :]
         attn = paged_attention(q, k, v, k_cache, v_cache, batch)
         x = x + self.o_proj(attn.reshape(tokens, self.q_size))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
@@ -108,6 +118,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Run a flat batch of tokens; returns logits (float32) for the rows in logits_rows."""
         x = F.embedding(input_ids, self.embed)
+        rope = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, k_pool[i], v_pool[i], batch)
+            x = layer(x, rope, k_pool[i], v_pool[i], batch)
         return self.lm_head(self.norm(x[logits_rows])).float()

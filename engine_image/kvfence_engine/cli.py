@@ -280,7 +280,14 @@ def _add_canary(sub: argparse._SubParsersAction) -> None:
         "--report",
         default=None,
         metavar="FILE",
-        help="write the JSON report here (/dev/termination-log: the one-line summary)",
+        help="write the JSON report here",
+    )
+    p.add_argument(
+        "--termination-log",
+        default="/dev/termination-log",
+        metavar="FILE",
+        help="the one-line summary, if FILE exists and is writable (Kubernetes shows it as the "
+        "pod's termination message)",
     )
     p.add_argument(
         "--timeout", type=float, default=300.0, help="seconds for the whole run (then exit 2)"
@@ -315,7 +322,7 @@ def _canary(args: argparse.Namespace) -> int:
     print(report.human())
     if args.report:
         write_report(report, args.report)
-    write_termination_message(report)
+    write_termination_message(report, args.termination_log)
     return report.exit_code
 
 

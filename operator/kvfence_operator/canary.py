@@ -10,7 +10,7 @@ from .pods import container_security_context, home_in_tmp, pod_template, tmp_vol
 
 TENANT_A_ENV = "KVFENCE_CANARY_TENANT_A_KEY"
 TENANT_B_ENV = "KVFENCE_CANARY_TENANT_B_KEY"
-REPORT_FILE = "/dev/termination-log"  # the operator reads the result from the pod's status
+TERMINATION_LOG = "/dev/termination-log"  # the operator reads the verdict from the pod status
 # Past the canary's own --timeout, so the canary reports its timeout before the Job is killed.
 DEADLINE_GRACE_SECONDS = 60
 CANARY_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}}
@@ -31,7 +31,7 @@ def canary_args(
         "--tenant-a-key", f"$({TENANT_A_ENV})",
         "--tenant-b-key", f"$({TENANT_B_ENV})",
         "--context-length", str(context_length),
-        "--report", REPORT_FILE,
+        "--termination-log", TERMINATION_LOG,
         "--timeout", str(spec.canary.timeout_seconds),
     ]  # fmt: skip
 

@@ -101,16 +101,14 @@ def operator(cluster: Cluster) -> Iterator[Any]:
     process.stop()
 
 
-def test_apply_with_enough_pool_becomes_ready_after_its_canary_passes(cluster, operator):
-    created = cluster.create(manifest())
-    revision = revision_of(InferenceDeploymentSpec.model_validate(created["spec"]))
+def check_first_rollout(cluster: Cluster, created: dict[str, Any], revision: str) -> None:
+    """Children owned by the InferenceDeployment, gates open, canary passed, stable Service on
+    the revision, status complete, and the router serving."""
     ready = wait_condition(cluster, "Ready", "True", timeout=240)
     status = ready["status"]
 
-    assert (
-        status["revision"] == {"current": revision, "candidate": None}
-        or status["revision"].get("current") == revision
-    )
+    assert status["revision"]["current"] == revision
+    assert status["revision"].get("candidate") is None
     assert status["canary"]["result"] == "Passed"
     assert status["contextLength"] == {"requested": 1024, "effective": 1024}
     assert status["minPoolTokens"] == 1536
@@ -216,7 +214,7 @@ def test_lower_context_serves_the_smallest_pool_and_refuses_below_min_context(cl
     )
 
 
-def test_rollouts_promote_on_a_passed_canary_survive_an_operator_crash_and_stop_on_a_failed_one(
+def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on_a_bad_canary(
     tmp_path,
 ):
     bad = manifest(engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--max-num-seqs", "16"]})
@@ -240,7 +238,7 @@ def test_rollouts_promote_on_a_passed_canary_survive_an_operator_crash_and_stop_
 
         first = cluster.create(manifest())
         r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
-        wait_condition(cluster, "Ready", "True", timeout=240)
+        check_first_rollout(cluster, first, r1)
 
         # A new revision: it comes up beside r1, the operator crashes mid-rollout and resumes.
         second = manifest(engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--max-num-seqs", "32"]})

@@ -114,7 +114,8 @@ def test_canary_job_attacks_the_candidate_router_once_with_keys_from_the_secret(
     assert args[0] == "canary"
     assert flag(args, "--target") == f"http://cpu-demo-{REVISION}-router.default.svc:8000"
     assert flag(args, "--context-length") == "3072"
-    assert flag(args, "--report") == "/dev/termination-log"
+    assert flag(args, "--termination-log") == "/dev/termination-log"
+    assert "--report" not in args  # the human summary goes to the pod log
     assert flag(args, "--timeout") == "300"
     assert flag(args, "--tenant-a-key") == "$(KVFENCE_CANARY_TENANT_A_KEY)"
     assert flag(args, "--tenant-b-key") == "$(KVFENCE_CANARY_TENANT_B_KEY)"

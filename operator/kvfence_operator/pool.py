@@ -131,7 +131,9 @@ def judge_pools(
     reports: dict[str, KvPoolReport] = {}
     for pool in pools:
         if pool.report is None:
-            gates[pool.pod] = PodGate(pool.pod, False, "PoolUnknown", pool.error or "no report")
+            gates[pool.pod] = PodGate(
+                pool.pod, False, "PoolUnknown", f"pod {pool.pod}: {pool.error or 'no report'}"
+            )
             continue
         weak = _defences_off(pool.report)
         if weak is not None:

@@ -14,7 +14,7 @@ from .builders import build_revision_children
 from .canary import build_canary_job, canary_job_name
 from .credentials import RevisionCredentials, secret_name
 from .engines import ENGINE_ROLES
-from .kube import Kube, is_subset
+from .kube import Kube, KubeError, is_subset
 from .meta import KV_POOL_GATE, LABEL_REVISION, Instance, child_name, selector, service_url
 from .models import InferenceDeploymentSpec, InferenceDeploymentStatus, Role, RoleReplicas
 from .pool import PodGate, PodPool, judge_pools, read_pool
@@ -35,6 +35,7 @@ REVISION_KINDS = (
     ("networking.k8s.io/v1", "NetworkPolicy"),
 )
 UPDATABLE_KINDS = {"ConfigMap", "Deployment"}
+GATE_WRITE_ATTEMPTS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,36 @@ def pod_url(pod: Mapping[str, Any]) -> str | None:
 def pod_condition(pod: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
     conditions = (pod.get("status") or {}).get("conditions") or []
     return next((c for c in conditions if c.get("type") == kind), None)
+
+
+def gate_patch(pod: Mapping[str, Any], gate: PodGate) -> dict[str, Any] | None:
+    """The pods/status merge patch that sets the gate condition, or None if it is already
+    set. Merge patch replaces lists, so the whole conditions list is written, with the
+    resourceVersion it was read at."""
+    status = "True" if gate.sufficient else "False"
+    old = pod_condition(pod, KV_POOL_GATE)
+    if old is not None and (old.get("status"), old.get("message")) == (status, gate.message):
+        return None
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    new = {
+        "type": KV_POOL_GATE,
+        "status": status,
+        "reason": gate.reason,
+        "message": gate.message,
+        "lastProbeTime": None,
+        "lastTransitionTime": (
+            old["lastTransitionTime"] if old and old.get("status") == status else now
+        ),
+    }
+    others = [
+        c
+        for c in (pod.get("status") or {}).get("conditions") or []
+        if c.get("type") != KV_POOL_GATE
+    ]
+    return {
+        "metadata": {"resourceVersion": pod["metadata"].get("resourceVersion")},
+        "status": {"conditions": [*others, new]},
+    }
 
 
 def canary_outcome(job: Mapping[str, Any], pods: list[dict[str, Any]]) -> CanaryOutcome:
@@ -224,44 +255,31 @@ class Reconciler:
         return observation, pools, events
 
     def _set_gate(self, namespace: str, pod: dict[str, Any], gate: PodGate) -> Event | None:
-        """Patch the pod's kvfence.dev/kv-pool condition when it changed. The whole list is
-        written (merge patch replaces lists), guarded by resourceVersion against a concurrent
-        kubelet update."""
-        status = "True" if gate.sufficient else "False"
+        """Set the pod's kvfence.dev/kv-pool condition when it changed, with an Event when its
+        status flips. The kubelet writes the same conditions list, so the write is guarded by
+        resourceVersion; on a conflict the pod is read again and the write retried."""
+        name = pod["metadata"]["name"]
         old = pod_condition(pod, KV_POOL_GATE)
-        if old is not None and (old.get("status"), old.get("message")) == (status, gate.message):
+        for _ in range(GATE_WRITE_ATTEMPTS):
+            patch = gate_patch(pod, gate)
+            if patch is None:
+                return None
+            try:
+                self.kube.patch("v1", "Pod", namespace, name, patch, subresource="status")
+                break
+            except KubeError as exc:
+                if exc.status != 409:
+                    raise
+                fresh = self.kube.get("v1", "Pod", namespace, name)
+                if fresh is None:
+                    return None
+                pod = fresh
+        else:
+            return None  # still contended: the next pass writes it
+        flipped = old is None or old.get("status") != ("True" if gate.sufficient else "False")
+        if not flipped:
             return None
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        new = {
-            "type": KV_POOL_GATE,
-            "status": status,
-            "reason": gate.reason,
-            "message": gate.message,
-            "lastProbeTime": None,
-            "lastTransitionTime": (
-                old["lastTransitionTime"] if old and old.get("status") == status else now
-            ),
-        }
-        conditions = [
-            c
-            for c in (pod.get("status") or {}).get("conditions") or []
-            if c.get("type") != KV_POOL_GATE
-        ]
-        self.kube.patch(
-            "v1",
-            "Pod",
-            namespace,
-            pod["metadata"]["name"],
-            {
-                "metadata": {"resourceVersion": pod["metadata"].get("resourceVersion")},
-                "status": {"conditions": [*conditions, new]},
-            },
-            subresource="status",
-        )
-        if old is not None and old.get("status") == status:
-            return None
-        kind = "Normal" if gate.sufficient else "Warning"
-        return Event(kind, gate.reason, gate.message)
+        return Event("Normal" if gate.sufficient else "Warning", gate.reason, gate.message)
 
     def _write_backends(
         self,

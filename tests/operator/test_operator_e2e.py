@@ -2,7 +2,9 @@
 runs every pod as a real engine, router or canary process with builtin:tiny-random."""
 
 import base64
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -297,3 +299,43 @@ def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on
         assert answer.usage.completion_tokens == 2
         operator.stop()
         assert not cluster.problems()
+
+
+def test_a_pod_with_a_garbage_or_unreachable_pool_report_is_not_sufficient(tmp_path):
+    fake = Path(__file__).with_name("fake_pool_server.py")
+
+    def impostors(pod: dict[str, Any], argv: list[str]) -> list[str]:
+        role = (pod["metadata"].get("labels") or {}).get("kvfence.dev/role")
+        if role not in ("prefill", "decode"):
+            return argv
+        port = argv[argv.index("--port") + 1]
+        return [sys.executable, str(fake), "garbage" if role == "decode" else "drop", port]
+
+    with start_cluster(
+        tmp_path / "cluster", kubelet=KubeletOptions(amend_argv=impostors)
+    ) as cluster:
+        cluster.create(api_keys_secret())
+        operator = cluster.start_operator(
+            ["--standalone", "--namespace", "default"], env={"KVFENCE_RECONCILE_INTERVAL": "1"}
+        )
+        cluster.create(manifest(canary={"enabled": False}))
+        obj = cluster.wait_for(
+            lambda: infd(cluster),
+            "both impostor pods to be judged",
+            timeout=60,
+            until=lambda o: (
+                "malformed /v1/kvpool" in condition(o, "PoolSufficient").get("message", "")
+                and "unreachable" in condition(o, "PoolSufficient").get("message", "")
+            ),
+        )
+        pool = condition(obj, "PoolSufficient")
+        assert pool["status"] == "False" and pool["reason"] == "PoolUnknown"
+        assert "malformed /v1/kvpool (role: " in pool["message"]  # which field was wrong
+        for role in ("prefill", "decode"):
+            assert f"pod {NAME}-" in pool["message"] and f"-{role}-" in pool["message"]
+        assert condition(obj, "Ready")["status"] == "False"
+        assert cluster.get("Service", NAME) is None
+        for pod in cluster.list("Pod", "default", {"app.kubernetes.io/instance": NAME}):
+            if pod["metadata"]["labels"]["kvfence.dev/role"] in ("prefill", "decode"):
+                assert cluster.pod_condition(pod, KV_POOL_GATE)["status"] == "False"
+        operator.stop()

@@ -317,6 +317,10 @@ class ConditionType(StrEnum):
     DEGRADED = "Degraded"
     POOL_SUFFICIENT = "PoolSufficient"
     CANARY_PASSED = "CanaryPassed"
+    # kstatus (Flux, kpt, cli-utils) reads these two abnormal-true conditions, not Ready:
+    # they mirror Progressing and Degraded so GitOps tools judge health without extra config.
+    RECONCILING = "Reconciling"
+    STALLED = "Stalled"
 
 
 class ConditionStatus(StrEnum):

@@ -106,6 +106,13 @@ def compute_status(
         put(ConditionType.READY, F, "ServingRevisionUnready",
             f"revision {plan.serve} is not ready")  # fmt: skip
 
+    for source, mirror in (
+        (ConditionType.PROGRESSING, ConditionType.RECONCILING),
+        (ConditionType.DEGRADED, ConditionType.STALLED),
+    ):
+        c = next(c for c in conditions if c.type == source)
+        put(mirror, c.status, c.reason, c.message)
+
     effective = decision.effective_context if decision else None
     return InferenceDeploymentStatus(
         observed_generation=generation,

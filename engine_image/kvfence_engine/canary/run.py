@@ -1,7 +1,7 @@
-"""One canary run: discover the target, size A's marker prompt, calibrate prefill time, then
-probe B's boundary lengths with nothing before them (baseline) and after each of several rounds
-of pool pollution, marker (A) and neutral (N) in turn, with one long answer of B generated while
-A fills the pool around it; calibrate again. Every request is recorded; the checks judge the
+"""One canary run: discover the target, size A's marker prompt, calibrate prefill time; then a
+baseline and several rounds of two phases, A (tenant A's marker) and N (neutral ids of the same
+lengths). A phase: B's long answer while A's burst fills the pool around it, then B's boundary
+probes into the polluted pool. Calibrate again. Every request is recorded; the checks judge the
 records."""
 
 import asyncio
@@ -185,21 +185,26 @@ class CanaryRun:
             await self.ask(TENANT_B, prompt, 8 if length == 1 else 1, CALIBRATION, CALIBRATION)
 
     async def phase(self, flavour: str | None, round_: int) -> None:
-        """Pollute (unless baseline), B's boundary probes, then B's long answer with a second
-        pollution burst of the same flavour running next to it."""
-        context = BASELINE if flavour is None else after(flavour, round_)
-        if flavour is not None:
-            await self.pollute(flavour, round_, context, keep_free=0)
-        for probe in self.probes:
-            await self.ask_b(probe, context)
-        await self.concurrent_answer(flavour, round_)
-
-    async def concurrent_answer(self, flavour: str | None, round_: int) -> None:
+        """B's long answer with a pollution burst filling the pool around it (none at
+        baseline); then a top-up of the same flavour into the pages B's answer just released,
+        which the LIFO free list hands out first; then B's boundary probes, longest first, into
+        a pool that holds this phase's pollution throughout."""
         probe = self.concurrent
         assert probe is not None
         if flavour is None:
             await self.ask_b(probe, BASELINE)
-            return
+            context = BASELINE
+        else:
+            await self.concurrent_answer(probe, flavour, round_)
+            context = after(flavour, round_)
+            assert self.facts is not None
+            top_up = min(probe.length + probe.max_tokens, self.facts.limit)
+            await self.pollute(flavour, context, [top_up])
+        for boundary in self.probes:
+            await self.ask_b(boundary, context)
+
+    async def concurrent_answer(self, probe: Probe, flavour: str, round_: int) -> None:
+        """B's answer, with the burst sent the moment its first token arrives."""
         context = during(flavour, round_)
         first = asyncio.Event()
         answer = asyncio.ensure_future(self.ask_b(probe, context, first.set))
@@ -207,9 +212,8 @@ class CanaryRun:
         try:
             await asyncio.wait({answer, started}, return_when=asyncio.FIRST_COMPLETED)
             if first.is_set():
-                await self.pollute(
-                    flavour, round_, context, keep_free=probe.length + probe.max_tokens
-                )
+                keep_free = probe.length + probe.max_tokens
+                await self.pollute(flavour, context, self.burst_lengths(keep_free))
             await answer
         finally:
             for task in (answer, started):
@@ -217,15 +221,18 @@ class CanaryRun:
                 with contextlib.suppress(asyncio.CancelledError, CannotRun):
                     await task
 
-    async def pollute(self, flavour: str, round_: int, context: str, keep_free: int) -> None:
-        """Fill the decode pools at once with A's requests: the marker prompt (A) or neutral
-        token ids of the same lengths (N), leaving `keep_free` tokens for B's running answer."""
+    def burst_lengths(self, keep_free: int) -> list[int]:
+        """Prompt lengths that fill the decode pools at once, but `keep_free` tokens' pages."""
         facts = self.facts
         assert facts is not None
         page = facts.page_size
         fill = facts.decode_pool_tokens - math.ceil(keep_free / page) * page
         size = self.marker_tokens or int(facts.limit * MARKER_SHARE)
-        lengths = pollution_lengths(fill, size, page, self.config.max_pollution_requests)
+        return pollution_lengths(fill, size, page, self.config.max_pollution_requests)
+
+    async def pollute(self, flavour: str, context: str, lengths: list[int]) -> None:
+        """Tenant A's requests, all at once: the marker prompt where its length fits (A), or
+        token ids (N, and the rest of A's): the two flavours differ in content only."""
         requests = []
         for i, length in enumerate(lengths):
             if flavour == "A" and self.marker_prompt is not None and length == self.marker_tokens:

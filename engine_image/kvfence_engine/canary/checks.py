@@ -153,9 +153,11 @@ def check_status_codes(answers: Sequence[Answer], limit: int) -> CheckResult:
     over it is refused with a 4xx: a 200 served it anyway, a 5xx means a check fired only after
     work (pages, a transfer) had started."""
     findings, within, over, refusals = [], 0, 0, set()
+    lengths: dict[str, set[int]] = {"within": set(), "over": set()}
     for a in _b_answers(answers):
         assert a.prompt_tokens is not None, "B's prompts are token ids"
         where = f"{a.probe} ({a.prompt_tokens} tokens, {a.context})"
+        lengths["within" if a.prompt_tokens <= limit else "over"].add(a.prompt_tokens)
         if a.prompt_tokens <= limit:
             within += 1
             if not a.ok:
@@ -179,7 +181,13 @@ def check_status_codes(answers: Sequence[Answer], limit: int) -> CheckResult:
     vacuous = None
     if not within or not over:
         vacuous = f"tenant B sent {within} prompts within the limit and {over} over it; both needed"
-    inputs = {"limit": limit, "within_limit": within, "over_limit": over}
+    inputs = {
+        "limit": limit,
+        "answers_within_limit": within,
+        "answers_over_limit": over,
+        "lengths_within_limit": sorted(lengths["within"]),
+        "lengths_over_limit": sorted(lengths["over"]),
+    }
     passed = (
         f"{within} answers within the {limit}-token limit were 200; {over} prompts over it were "
         f"refused ({', '.join(sorted(refusals))})"

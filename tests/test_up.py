@@ -140,3 +140,39 @@ def test_pod_paths_and_ports_are_replaced_not_duplicated():
     assert override_flags(args, {"--api-keys": ["/local"], "--port": []}) == [
         "router", "--model", "m", "--api-keys", "/local",
     ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_smollm2_example_serves_paris_after_its_canary_and_comes_back_quickly(tmp_path):
+    """The README's first command: examples/smollm2-local.yaml through `kvfence up`."""
+    example = Path(__file__).parents[1] / "examples" / "smollm2-local.yaml"
+    up = Up(example, tmp_path)
+    try:
+        up.wait_for("serving: http", timeout=600)
+        out = up.output
+        assert "pool check (Refuse): every engine pool holds the served context 1024" in out
+        assert "canary: tenant B tries to see tenant A's secret" in out
+        assert "kvfence canary PASS" in out or "Passed" in out
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{up.port}/v1", api_key="kvfence-local", max_retries=0
+        )
+        answer = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_tokens=24,
+        )
+        assert "Paris" in answer.choices[0].message.content
+        assert up.interrupt() == 0
+    finally:
+        up.kill()
+
+    again = Up(example, tmp_path)  # same state dir: the revision's canary already passed
+    try:
+        started = time.monotonic()
+        again.wait_for("serving: http", timeout=300)
+        assert "canary: passed for this revision" in again.output
+        assert time.monotonic() - started < 60
+        assert again.interrupt() == 0
+    finally:
+        again.kill()

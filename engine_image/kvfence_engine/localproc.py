@@ -4,6 +4,7 @@ Used by `kvfence up`, the benchmarks and the tests: one way to start a server an
 answers, instead of one per caller.
 """
 
+import ctypes
 import os
 import signal
 import socket
@@ -15,6 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this child when the thread that started it dies, even by SIGKILL, so a
+    killed `kvfence up` (or test run) never leaves engines running behind it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -45,7 +55,13 @@ class LocalProcess:
         command = [sys.executable, "-m", "kvfence_engine.cli", *self.args, "--port", str(self.port)]
         env = {**os.environ, **(self.env or {})}
         out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            command,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
         return self
 
     def wait_ready(self, timeout: float = 120.0, path: str = "/readyz") -> "LocalProcess":

@@ -1,8 +1,14 @@
 """Output tokens/s of the kvfence engine against Hugging Face transformers `generate`.
 
-Both systems run the same SmolLM2-135M-Instruct GGUF (dequantized to float32), with 2 CPU
-threads, on the same token-id prompts (chat template applied), greedy, and produce exactly the
-same number of tokens per request:
+Every system runs the same SmolLM2-135M-Instruct GGUF (dequantized to float32), with 2 CPU
+threads, on the same token-id prompts (chat template applied), greedy, and produces exactly the
+same number of tokens per request. Our engine runs three times, side by side: float32 weights
+(the default), and the opt-in packed weights `--weight-dtype int8` and `--weight-dtype float16`
+(fewer bytes per step; activations and the KV pool stay float32). Their accuracy against
+float32 is measured in tests/test_int8_weights.py (numbers in its docstring); here each
+engine's greedy tokens are compared with transformers' at concurrency 1. Transformers keeps
+its best settings here: float32 (bf16 matmuls are slow on these CPUs), 2 threads, one
+left-padded batch.
 
 - concurrency 1: N requests sent one at a time to a real `kvfence serve` over HTTP, against
   transformers generating the same N prompts one at a time (batch 1);
@@ -21,9 +27,10 @@ the same greedy path and the token-for-token
 comparison at concurrency 1 is meaningful (float32 differences can still flip rare near-ties,
 so mismatches are reported, not asserted).
 
-The two sides never run at the same time (2 cores): the transformers model lives in this
-process and is idle while the engine serves, the engine is idle while transformers generates.
-Rounds interleave the systems (ours, theirs, ours, theirs ...) and the median is reported.
+No two systems run at the same time (2 cores): the transformers model lives in this process
+and is idle while an engine serves, the engines are idle while transformers generates. Rounds
+interleave the systems (each engine, then transformers, per scenario) and the median is
+reported.
 The machine may be shared: a round during which other processes used CPU is left out (see
 _common.undisturbed), and the output says so.
 """
@@ -51,6 +58,13 @@ from _common import (
 THREADS = 2
 CONCURRENCY = 16
 TARGETS = {1: 1.0, CONCURRENCY: 1.3}
+# our engines: name -> extra `kvfence serve` arguments
+ENGINES = {
+    "float32": [],
+    "int8": ["--weight-dtype", "int8"],
+    "float16": ["--weight-dtype", "float16"],
+}
+THEIRS = "transformers"
 
 
 @dataclass(slots=True)
@@ -176,17 +190,29 @@ def parse_args() -> argparse.Namespace:
         "--sequential-prompts", type=int, help="N for the concurrency-1 scenario (default 8)"
     )
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
+    parser.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help=f"which of our engines to run, comma-separated (default {','.join(ENGINES)})",
+    )
     args = parser.parse_args()
+    args.engines = args.engines.split(",")
+    unknown = set(args.engines) - set(ENGINES)
+    if unknown:
+        parser.error(f"--engines: unknown {sorted(unknown)}; choose from {list(ENGINES)}")
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.sequential_prompts = args.sequential_prompts or (4 if args.quick else 8)
     return args
 
 
-async def warm_up(ours: EngineClient, theirs: Transformers, prompts: list[list[int]]) -> None:
+async def warm_up(
+    ours: dict[str, EngineClient], theirs: Transformers, prompts: list[list[int]]
+) -> None:
     """One untimed pass of each measured shape, at full length: first calls pay for lazy
     allocation (the KV pool is touched page by page), allocator growth and kernel selection."""
-    await ours.one_at_a_time(prompts[:1])
-    await ours.all_at_once(prompts)
+    for engine in ours.values():
+        await engine.one_at_a_time(prompts[:1])
+        await engine.all_at_once(prompts)
     theirs.one_at_a_time(prompts[:1])
     theirs.batch(prompts)
 
@@ -204,34 +230,36 @@ def agreement(ours: list[list[str]], theirs: list[list[str]]) -> tuple[int, list
     return same, notes
 
 
-def report(rounds: list[Round], foreign_cores: list[float]) -> None:
+def report(rounds: list[Round], foreign_cores: list[float], engines: list[str]) -> None:
     kept, note = undisturbed(rounds, foreign_cores)
     print()
-    print(f"{'scenario':<16}{'ours tok/s':>12}{'transformers tok/s':>20}{'ratio':>9}  target")
+    print(f"{'scenario':<16}{'system':<16}{'tok/s':>9}{'vs transformers':>17}  target")
     for concurrency, target in TARGETS.items():
-        ours = statistics.median(r[("ours", concurrency)] for r in kept)
-        theirs = statistics.median(r[("transformers", concurrency)] for r in kept)
-        ratio = ours / theirs
-        verdict = "met" if ratio >= target else "NOT MET"
-        print(
-            f"{'concurrency ' + str(concurrency):<16}{ours:>12.1f}{theirs:>20.1f}"
-            f"{ratio:>8.3f}x  >={target:.1f}x {verdict}"
-        )
+        theirs = statistics.median(r[(THEIRS, concurrency)] for r in kept)
+        scenario = f"concurrency {concurrency}"
+        print(f"{scenario:<16}{THEIRS:<16}{theirs:>9.1f}")
+        for name in engines:
+            ours = statistics.median(r[(name, concurrency)] for r in kept)
+            ratio = ours / theirs
+            verdict = "met" if ratio >= target else "NOT MET"
+            system = "ours " + name
+            print(f"{'':<16}{system:<16}{ours:>9.1f}{ratio:>16.3f}x  >={target:.1f}x {verdict}")
     print(f"(median over {len(kept)} of {len(rounds)} rounds; {note})")
     print()
-    print("per round (tokens/s; the ratio pairs the two systems within a round):")
+    print("per round (tokens/s; ratios pair a system with transformers within a round):")
     for concurrency in TARGETS:
-        ours = [r[("ours", concurrency)] for r in rounds]
-        theirs = [r[("transformers", concurrency)] for r in rounds]
-        for label, row in (
-            ("ours", ours),
-            ("transformers", theirs),
-            ("ratio", [a / b for a, b in zip(ours, theirs, strict=True)]),
-        ):
-            cells = "  ".join(f"{x:6.2f}" if label == "ratio" else f"{x:6.1f}" for x in row)
-            print(f"  concurrency {concurrency:<3} {label:<13} {cells}")
+        theirs = [r[(THEIRS, concurrency)] for r in rounds]
+        lines: list[tuple[str, list[float]]] = [(THEIRS, theirs)]
+        for name in engines:
+            ours = [r[(name, concurrency)] for r in rounds]
+            ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+            lines += [(name, ours), (name + " ratio", ratios)]
+        for label, row in lines:
+            fmt = "6.2f" if label.endswith("ratio") else "6.1f"
+            cells = "  ".join(f"{x:{fmt}}" for x in row)
+            print(f"  concurrency {concurrency:<3} {label:<19} {cells}")
     cells = "  ".join(f"{c:6.2f}" for c in foreign_cores)
-    print(f"  other processes (cores)       {cells}")
+    print(f"  other processes (cores)             {cells}")
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -243,19 +271,22 @@ async def run(args: argparse.Namespace) -> None:
     concurrent = prompts[:CONCURRENCY]
     theirs = Transformers(tokenizer, args.max_tokens)
     limits = httpx.Limits(max_connections=2 * CONCURRENCY)
-    server_args = ["--threads", str(THREADS)]
-    with running_servers([("engine", server_args, {})]) as servers:
-        server = servers["engine"]
-        assert server.proc is not None
+    specs = [(name, ["--threads", str(THREADS), *ENGINES[name]], {}) for name in args.engines]
+    with running_servers(specs) as servers:
+        pids = [server.proc.pid for server in servers.values() if server.proc is not None]
         async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
-            ours = EngineClient(client, server.url, args.max_tokens)
+            ours = {
+                name: EngineClient(client, servers[name].url, args.max_tokens)
+                for name in args.engines
+            }
             setup = time.perf_counter() - t0
-            print(f"setup (tokenizer, transformers model, engine server): {setup:.0f}s")
+            print(f"setup (tokenizer, transformers model, engine servers): {setup:.0f}s")
             lengths = [len(p) for p in concurrent]
             print(
                 f"{args.sequential_prompts} sequential prompts, {CONCURRENCY} concurrent prompts "
                 f"({min(lengths)}-{max(lengths)} prompt tokens), {args.max_tokens} new tokens "
-                f"each, greedy, {THREADS} threads, {args.rounds} round(s), median reported"
+                f"each, greedy, {THREADS} threads, {args.rounds} round(s), median reported; "
+                f"our engines: {', '.join(args.engines)}"
             )
             await warm_up(ours, theirs, concurrent)
             rounds: list[Round] = []
@@ -263,32 +294,39 @@ async def run(args: argparse.Namespace) -> None:
             their_sequential_ids: list[list[int]] = []
             for round_no in range(args.rounds):
                 t = time.perf_counter()
-                foreign = ForeignCpu([server.proc.pid])
-                ours_1 = await ours.one_at_a_time(sequential)
+                foreign = ForeignCpu(pids)
+                result: Round = {}
+                for name, engine in ours.items():
+                    result[(name, 1)] = (await engine.one_at_a_time(sequential)).tokens_per_s
                 theirs_1, their_sequential_ids = theirs.one_at_a_time(sequential)
-                ours_16 = await ours.all_at_once(concurrent)
-                theirs_16 = theirs.batch(concurrent)
-                rounds.append(
-                    {
-                        ("ours", 1): ours_1.tokens_per_s,
-                        ("transformers", 1): theirs_1.tokens_per_s,
-                        ("ours", CONCURRENCY): ours_16.tokens_per_s,
-                        ("transformers", CONCURRENCY): theirs_16.tokens_per_s,
-                    }
-                )
+                result[(THEIRS, 1)] = theirs_1.tokens_per_s
+                for name, engine in ours.items():
+                    timing = await engine.all_at_once(concurrent)
+                    result[(name, CONCURRENCY)] = timing.tokens_per_s
+                result[(THEIRS, CONCURRENCY)] = theirs.batch(concurrent).tokens_per_s
+                rounds.append(result)
                 foreign_cores.append(foreign.cores())
                 print(f"round {round_no + 1}/{args.rounds}: {time.perf_counter() - t:.0f}s")
-            our_tokens = [await ours.token_strings(p) for p in sequential]
+            our_tokens = {
+                name: [await engine.token_strings(p) for p in sequential]
+                for name, engine in ours.items()
+            }
     their_tokens = [[theirs.token_string(t) for t in ids] for ids in their_sequential_ids]
-    report(rounds, foreign_cores)
-    same, notes = agreement(our_tokens, their_tokens)
+    report(rounds, foreign_cores, args.engines)
     print()
     print(
-        f"greedy agreement at concurrency 1: {same}/{len(sequential)} prompts produce the same "
-        f"{args.max_tokens} tokens (compared token by token, as token strings)"
+        f"greedy agreement with transformers at concurrency 1 ({args.max_tokens} tokens, "
+        "compared token by token, as token strings):"
     )
-    for note in notes:
-        print(f"  {note}")
+    for name, tokens in our_tokens.items():
+        same, notes = agreement(tokens, their_tokens)
+        print(f"  ours {name}: {same}/{len(sequential)} prompts identical")
+        for note in notes:
+            print(f"    {note}")
+    print(
+        "packed weights' accuracy against float32 (logits over ~1300 positions, greedy "
+        "agreement on these prompts): tests/test_int8_weights.py"
+    )
     print(f"total time: {time.perf_counter() - t0:.0f}s")
 
 

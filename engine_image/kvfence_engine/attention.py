@@ -31,8 +31,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D]; k_cache/v_cache [pages, page_size, Hkv, D] (one layer)."""
     _, page_size, kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+    # The pool may hold KV in a narrower dtype than the model computes in (--kv-cache-dtype).
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
     if batch.is_prefill:
         # A prefill's keys are exactly the ones it just wrote: attend to them directly.
         outs = []
@@ -54,8 +55,8 @@ def paged_attention(
     values = v_cache.index_select(0, flat).view(rows, cols * page_size, kv_heads, head_dim)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
+        keys.transpose(1, 2).to(q.dtype),
+        values.transpose(1, 2).to(q.dtype),
         attn_mask=batch.key_mask,
         enable_gqa=True,
     )

@@ -101,6 +101,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="default float32 on CPU, bfloat16 on CUDA; on CPU float16 and int8 pack the "
         "linear weights (fewer bytes per step) and compute in float32",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default="auto",
+        help="dtype of the KV pool (auto: the model's compute dtype); a narrower one holds "
+        "more tokens in the same --kv-cache-memory",
+    )
     p.add_argument("--max-num-seqs", type=_positive, default=64)
     p.add_argument("--max-batched-tokens", type=_positive, default=4096)
     p.add_argument(
@@ -150,6 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
         context_policy=ContextPolicy(args.context_policy),
         device=args.device,
         weight_dtype=args.weight_dtype,
+        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens,
         max_waiting=args.max_waiting,

@@ -37,6 +37,7 @@ class EngineArgs:
     context_policy: ContextPolicy = ContextPolicy.REFUSE
     device: str = "cpu"
     weight_dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA (quantization.py)
+    kv_cache_dtype: str | None = None  # None: the compute dtype; else float32|float16|bfloat16
     max_num_seqs: int = 64
     max_batched_tokens: int = 4096
     max_waiting: int = 512
@@ -96,10 +97,11 @@ class LLMEngine:
             )
         if requested < 1:
             raise ValueError("--context-length must be >= 1")
+        kv_dtype = dtype if args.kv_cache_dtype is None else getattr(torch, args.kv_cache_dtype)
         self.plan: PoolPlan = plan_pool(
             loaded.config,
             page_size=args.page_size,
-            dtype_bytes=torch.finfo(dtype).bits // 8,
+            dtype_bytes=torch.finfo(kv_dtype).bits // 8,
             budget_bytes=kv_budget(args, self.device),
         )
         self.pool = KVPool(
@@ -108,11 +110,11 @@ class LLMEngine:
             page_size=args.page_size,
             num_kv_heads=loaded.config.num_kv_heads,
             head_dim=loaded.config.head_dim,
-            dtype=dtype,
+            dtype=kv_dtype,
             device=self.device,
             scrub_on_free=args.scrub_on_free,
         )
-        self.kv_dtype = str(dtype).removeprefix("torch.")
+        self.kv_dtype = str(kv_dtype).removeprefix("torch.")
         self.context_requested = requested
         self.context_effective = effective_context(
             requested, self.pool.pool_tokens, args.page_size, args.context_policy

@@ -4,13 +4,15 @@ Accuracy on SmolLM2-135M (slow): the 16 chat prompts of bench/engine_throughput.
 the float32 engine's 32 greedy tokens as continuation, fed to every engine (teacher forcing):
 logits compared at every prompt position (batched prefill) and every continuation position
 (decode steps at batch 16), then each engine's own greedy output compared with float32's.
-Measured (2 AVX2 cores, torch 2.13), and the tolerances asserted:
+Measured over 1279 positions (2 AVX2 cores, torch 2.13), and the tolerances asserted:
 
-  float16  max |dlogit| 0.04, top-1 99.9%, greedy 16/16 identical  -> <= 0.15, >= 99.5%, >= 15
-  int8     max |dlogit| 2.1,  top-1 96%,   greedy 7/16 identical   -> <= 3.5,  >= 94%,   >= 4
+  float16  max |dlogit| 0.043, top-1 99.9%, greedy 16/16 identical  -> <= 0.15, >= 99.5%, >= 15
+  int8     max |dlogit| 2.2,   top-1 96.4%, greedy 8/16 identical   -> <= 3.5,  >= 94%,   >= 4
 
-(logits of SmolLM2 are of magnitude ~20). int8 is weight-only and per output channel; what
-kernel runs and why is in kvfence_engine/quantization.py.
+(logits of SmolLM2 are of magnitude ~20; an int8 greedy run that differs does so after a
+median of ~20 identical tokens, at a near-tie). int8 is weight-only, per output channel; which
+kernel runs and why, and the rejected dynamic-activation int8 (top-1 45%), are in
+kvfence_engine/quantization.py.
 
 Fast (tiny-random): the packed engines serve, over HTTP too, stay close to float32, and the
 isolation check still fails a reassigned page closed.

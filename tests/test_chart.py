@@ -547,7 +547,7 @@ def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
     reconciler = Reconciler(kube, NAMESPACE, read_pool=sufficient_pool)  # type: ignore[arg-type]
     roll_out(reconciler, kube, body)
     # A spec change: a second revision rolls out and the first one is retired.
-    body["spec"] = {**body["spec"], "contextLength": 1024}
+    body["spec"] = {**body["spec"], "contextLength": body["spec"]["contextLength"] // 2}
     body["metadata"]["generation"] = 2
     roll_out(reconciler, kube, body)
 

@@ -27,9 +27,11 @@ def canary_args(
     return [
         "canary",
         "--target", target,
-        # $(VAR) is expanded by the kubelet, so the keys never appear in the Job's spec.
-        "--tenant-a-key", f"$({TENANT_A_ENV})",
-        "--tenant-b-key", f"$({TENANT_B_ENV})",
+        # $(VAR) is expanded by the kubelet, so the keys never appear in the Job's spec. The
+        # = form matters: a generated key may start with "-", which argparse would otherwise
+        # take for an option.
+        f"--tenant-a-key=$({TENANT_A_ENV})",
+        f"--tenant-b-key=$({TENANT_B_ENV})",
         "--context-length", str(context_length),
         "--termination-log", TERMINATION_LOG,
         "--timeout", str(spec.canary.timeout_seconds),

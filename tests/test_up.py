@@ -150,7 +150,7 @@ def test_the_smollm2_example_serves_paris_after_its_canary_and_comes_back_quickl
     try:
         up.wait_for("serving: http", timeout=600)
         out = up.output
-        assert "pool check (Refuse): every engine pool holds the served context 1024" in out
+        assert "pool check (Refuse): every engine pool holds the served context 512" in out
         assert "canary: tenant B tries to see tenant A's secret" in out
         assert "kvfence canary PASS" in out or "Passed" in out
         client = openai.OpenAI(

@@ -219,7 +219,9 @@ def test_lower_context_serves_the_smallest_pool_and_refuses_below_min_context(cl
 def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on_a_bad_canary(
     tmp_path,
 ):
-    bad = manifest(engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--max-num-seqs", "16"]})
+    bad = manifest(
+        engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1", "--max-num-seqs", "16"]}
+    )
     bad_revision = revision_of(InferenceDeploymentSpec.model_validate(bad["spec"]))
 
     def early_release_in_bad_decode(pod: dict[str, Any], argv: list[str]) -> list[str]:
@@ -243,7 +245,12 @@ def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on
         check_first_rollout(cluster, first, r1)
 
         # A new revision: it comes up beside r1, the operator crashes mid-rollout and resumes.
-        second = manifest(engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--max-num-seqs", "32"]})
+        second = manifest(
+            engine={
+                "kvCacheMemory": ENOUGH,
+                "extraArgs": ["--threads", "1", "--max-num-seqs", "32"],
+            }
+        )
         r2 = revision_of(InferenceDeploymentSpec.model_validate(second["spec"]))
         cluster.patch(*KIND[:1], NAME, {"spec": second["spec"]}, api_version=KIND[1])
         cluster.wait_for(

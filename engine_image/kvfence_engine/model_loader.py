@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .cache import cache_root
 from .model_config import ModelConfig
 from .tokenizer import (
     Tokenizer,
@@ -254,14 +255,12 @@ def load_hf_folder(folder: Path) -> LoadedModel:
 
 
 def _cache_dir() -> Path | None:
-    root = os.environ.get("KVFENCE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvfence"
-    )
+    root = cache_root()
     try:
         os.makedirs(root, exist_ok=True)
     except OSError:
         return None  # read-only file system: no cache, just slower starts
-    return Path(root) if os.access(root, os.W_OK) else None
+    return root if os.access(root, os.W_OK) else None
 
 
 @lru_cache(maxsize=4)

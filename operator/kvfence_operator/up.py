@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from kvfence_engine.cache import cache_root
 from kvfence_engine.localproc import LocalProcess, ProcessFailed, free_port
 
 from .credentials import RevisionCredentials
@@ -352,10 +353,7 @@ def _wait_for_interrupt(local: LocalDeployment, say: Callable[[str], None]) -> N
 
 
 def default_state_dir() -> Path:
-    root = os.environ.get("KVFENCE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvfence"
-    )
-    return Path(root) / "up"
+    return cache_root() / "up"
 
 
 def add_up_command(sub: Any) -> None:

@@ -33,7 +33,11 @@ CRD_TYPE = ResourceType(
     namespaced=False,
     subresources=frozenset({"status"}),
 )
-REQUESTS_KEPT = 1000
+# kmock matches every request against every reaction by scanning the kept request history
+# (`request in reaction`), so each request costs O(kept x reactions): 1000 kept made a call
+# take ~60 ms and an operator's reconcile pass ~2 s. A request is matched right after it is
+# recorded, so a short history is enough.
+REQUESTS_KEPT = 16
 VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
 PodLogs = Callable[[str, str, str | None], str | None]  # namespace, pod, container -> text
 
@@ -146,7 +150,7 @@ class ApiServer(kmock.KubernetesScaffold):
             return await super().__call__(raw_request)
         finally:
             # kmock keeps every request (and its body) for assertions; an operator polling for
-            # minutes would grow that without bound. Keep the recent ones.
+            # minutes would grow that without bound, and matching slows with it (REQUESTS_KEPT).
             for holder in (self, *self._payloads):
                 del holder._requests[:-REQUESTS_KEPT]
 

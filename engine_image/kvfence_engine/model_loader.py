@@ -5,6 +5,7 @@ config.json + *.safetensors + tokenizer.json.
 """
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
 from .cache import cache_root
 from .model_config import ModelConfig
@@ -75,6 +77,10 @@ def load_config(source: str) -> ModelConfig:
         return TINY_CONFIG
     path = Path(source)
     if path.suffix == ".gguf" and path.is_file():
+        converted = _converted_path(path)
+        if converted is not None and converted.exists():
+            with contextlib.suppress(*_UNREADABLE):
+                return _converted_header(converted)[0]
         from gguf import GGUFReader
 
         return _gguf_config(GGUFReader(str(path)), path)[0]
@@ -177,6 +183,66 @@ def _gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
 
 
 def load_gguf(path: Path, name: str | None = None) -> LoadedModel:
+    """A GGUF model, dequantized to float32. Parsing and dequantizing take seconds (the header
+    alone holds the whole vocabulary), so the converted weights are kept in the cache as
+    safetensors, keyed by the file and CONVERSION; a cache that cannot be read is rebuilt."""
+    converted = _converted_path(path)
+    if converted is not None and converted.exists():
+        with contextlib.suppress(*_UNREADABLE):
+            return _load_converted(converted, path, name)
+    loaded = _convert_gguf(path)
+    if converted is not None:
+        with contextlib.suppress(OSError):
+            _save_converted(loaded, converted)
+    if name is not None:
+        loaded.name = name
+    return loaded
+
+
+# Bump when what _convert_gguf produces changes: older cached conversions are then ignored.
+CONVERSION = 1
+_UNREADABLE = (OSError, ValueError, KeyError, TypeError, SafetensorError)
+
+
+def _converted_path(path: Path) -> Path | None:
+    cache = _cache_dir()
+    key = _file_key(path, f"conversion {CONVERSION}")
+    return cache / f"weights-{key}.safetensors" if cache else None
+
+
+def _save_converted(loaded: LoadedModel, target: Path) -> None:
+    """Written under a temporary name and renamed: a reader never sees half a file, and two
+    engines converting at once both succeed."""
+    from safetensors.torch import save_file
+
+    metadata = {"name": loaded.name, "config": json.dumps(dataclasses.asdict(loaded.config))}
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        save_file(loaded.weights, str(partial), metadata=metadata)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _converted_header(converted: Path) -> tuple[ModelConfig, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(converted), framework="pt") as f:
+        metadata = f.metadata()
+    return ModelConfig(**json.loads(metadata["config"])), metadata["name"]
+
+
+def _load_converted(converted: Path, path: Path, name: str | None) -> LoadedModel:
+    from safetensors.torch import load_file
+
+    config, stored_name = _converted_header(converted)
+    weights = load_file(str(converted))
+    return LoadedModel(
+        name=name or stored_name, config=config, weights=weights, tokenizer=gguf_tokenizer(path)
+    )
+
+
+def _convert_gguf(path: Path) -> LoadedModel:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -193,10 +259,10 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedModel:
             array = _unpermute_rope(array, n)
         weights[_hf_name(tensor.name)] = torch.from_numpy(np.array(array, dtype=np.float32))
     return LoadedModel(
-        name=name or str(fields.get("general.name", path.stem)),
+        name=str(fields.get("general.name", path.stem)),
         config=config,
         weights=weights,
-        tokenizer=tokenizer_from_gguf(fields),
+        tokenizer=_remember_tokenizer(path, tokenizer_from_gguf(fields)),
     )
 
 
@@ -254,6 +320,13 @@ def load_hf_folder(folder: Path) -> LoadedModel:
 # --- tiny random ------------------------------------------------------------------------------
 
 
+def _file_key(path: Path, salt: str = "") -> str:
+    """Names what is cached of a file: its path, size and modification time (and salt)."""
+    stat = path.stat()
+    text = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return hashlib.sha256((text + (f":{salt}" if salt else "")).encode()).hexdigest()[:16]
+
+
 def _cache_dir() -> Path | None:
     root = cache_root()
     try:
@@ -267,16 +340,22 @@ def _cache_dir() -> Path | None:
 def gguf_tokenizer(path: Path) -> Tokenizer:
     """A GGUF file's tokenizer. Parsing a GGUF header takes seconds; the tokenizer built from
     it is cached on disk, keyed by the file's path, size and modification time."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    cache = _cache_dir()
-    cached = cache / f"tokenizer-{key.hexdigest()[:16]}.json" if cache else None
+    cached = _tokenizer_cache(path)
     if cached is not None and cached.exists():
         with contextlib.suppress(ValueError, KeyError, OSError):
             return load_saved_tokenizer(cached)
     from gguf import GGUFReader
 
-    tokenizer = tokenizer_from_gguf(_gguf_fields(GGUFReader(str(path))))
+    return _remember_tokenizer(path, tokenizer_from_gguf(_gguf_fields(GGUFReader(str(path)))))
+
+
+def _tokenizer_cache(path: Path) -> Path | None:
+    cache = _cache_dir()
+    return cache / f"tokenizer-{_file_key(path)}.json" if cache else None
+
+
+def _remember_tokenizer(path: Path, tokenizer: Tokenizer) -> Tokenizer:
+    cached = _tokenizer_cache(path)
     if cached is not None:
         with contextlib.suppress(OSError):
             save_tokenizer(tokenizer, cached)

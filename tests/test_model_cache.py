@@ -1,0 +1,108 @@
+"""What kvfence keeps of a GGUF file in its cache: the tokenizer (a GGUF header takes seconds
+to parse) and the dequantized weights (seconds more), each keyed by the file; a cache entry
+that cannot be read is rebuilt, never trusted, and a cache that cannot be written only costs
+time."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvfence_engine import model_loader
+from kvfence_engine.model_loader import (
+    LoadedModel,
+    gguf_tokenizer,
+    load_config,
+    load_gguf,
+    smollm2_gguf_path,
+)
+
+TEXT = "Hello, world! 12345 héllo <|im_start|>user"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LoadedModel]:
+    """SmolLM2 converted from its GGUF into an empty cache (the slow path, once): weights and
+    tokenizer, both built from the GGUF itself."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVFENCE_CACHE_DIR", str(cache))
+        return cache, load_gguf(smollm2_gguf_path(), name="smollm2")
+
+
+@pytest.fixture
+def cache(converted: tuple[Path, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv("KVFENCE_CACHE_DIR", str(converted[0]))
+    gguf_tokenizer.cache_clear()
+    yield converted[0]
+    gguf_tokenizer.cache_clear()
+
+
+def test_the_cached_tokenizer_behaves_like_the_one_built_from_the_gguf(
+    cache: Path, converted: tuple[Path, LoadedModel]
+) -> None:
+    built = converted[1].tokenizer
+    assert len(list(cache.glob("tokenizer-*.json"))) == 1
+    loaded = gguf_tokenizer(smollm2_gguf_path())
+    assert loaded is not built
+    assert loaded.encode(TEXT) == built.encode(TEXT)
+    assert loaded.decode(built.encode(TEXT)) == built.decode(built.encode(TEXT))
+    assert loaded.eos_ids == built.eos_ids and loaded.chat_template == built.chat_template
+
+
+def test_a_corrupt_cache_file_is_rebuilt_not_trusted(cache: Path) -> None:
+    (cached,) = cache.glob("tokenizer-*.json")
+    cached.write_text("{not json")
+    assert gguf_tokenizer(smollm2_gguf_path()).encode("Paris") == [38634]
+    assert cached.read_text().startswith('{"tokenizer"')
+
+
+def test_an_unwritable_cache_location_only_costs_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_loader, "_cache_dir", lambda: None)
+    gguf_tokenizer.cache_clear()
+    try:
+        assert gguf_tokenizer(smollm2_gguf_path()).encode("Paris") == [38634]
+    finally:
+        gguf_tokenizer.cache_clear()
+
+
+def test_converted_weights_load_from_the_cache_exactly_as_converted(
+    cache: Path, converted: tuple[Path, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fresh = converted[1]
+    monkeypatch.setattr(model_loader, "_convert_gguf", _must_not_convert)
+    cached = load_gguf(smollm2_gguf_path())
+    assert fresh.name == "smollm2" and cached.name.startswith("Smollm2 135M")  # the GGUF's
+    assert cached.config == fresh.config == load_config(str(smollm2_gguf_path()))
+    assert cached.weights.keys() == fresh.weights.keys()
+    for key, tensor in fresh.weights.items():
+        assert torch.equal(cached.weights[key], tensor), key
+    assert cached.tokenizer.encode(TEXT) == fresh.tokenizer.encode(TEXT)
+    assert not list(cache.glob("*.partial"))
+
+
+def test_a_corrupt_weights_cache_is_converted_again_and_replaced(
+    cache: Path, converted: tuple[Path, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fresh = converted[1]
+    (stored,) = cache.glob("weights-*.safetensors")
+    conversions: list[Path] = []
+
+    def convert(path: Path) -> LoadedModel:  # the conversion itself is the test above
+        conversions.append(path)
+        return LoadedModel(fresh.name, fresh.config, dict(fresh.weights), fresh.tokenizer)
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", convert)
+    for damage in (b"{not safetensors", stored.read_bytes()[: stored.stat().st_size // 2]):
+        stored.write_bytes(damage)
+        loaded = load_gguf(smollm2_gguf_path())
+        assert torch.equal(loaded.weights["model.norm.weight"], fresh.weights["model.norm.weight"])
+        replaced = load_file(stored)  # a whole conversion again
+        assert replaced.keys() == fresh.weights.keys()
+    assert len(conversions) == 2
+
+
+def _must_not_convert(path: Path) -> LoadedModel:
+    raise AssertionError(f"{path} was converted again despite a valid cache entry")

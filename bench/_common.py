@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvfence_engine.localproc import LocalProcess
-from kvfence_engine.model_loader import SMOLLM2, smollm2_gguf_path
+from kvfence_engine.tokenizer_source import SMOLLM2, smollm2_gguf_path
 
 READY_TIMEOUT_S = 120.0
 

@@ -22,8 +22,9 @@ import torch
 from kvfence_engine.engine import EngineArgs, LLMEngine
 from kvfence_engine.kv_receiver import KVReceiver
 from kvfence_engine.localproc import LocalProcess
-from kvfence_engine.model_loader import SMOLLM2, load_model
+from kvfence_engine.model_loader import load_model
 from kvfence_engine.sequence import SamplingParams
+from kvfence_engine.tokenizer_source import SMOLLM2
 from kvfence_engine.transfer import send_kv
 
 

@@ -304,3 +304,30 @@ def test_kvfence_operator_help_works_without_torch() -> None:
     assert result.returncode == 0, result.stderr
     for option in ("--namespace", "--all-namespaces", "--standalone", "--liveness", "--verbose"):
         assert option in result.stdout, f"`kvfence operator` lacks {option}"
+
+
+def test_the_router_tokenizes_and_routes_without_torch() -> None:
+    """The router is a front: it must start (and answer) without loading torch, which would
+    cost it seconds of start-up and hundreds of MB per replica."""
+    result = run_without_torch(
+        """
+        from fastapi.testclient import TestClient
+        from kvfence_engine.backends import Backends
+        from kvfence_engine.router import RouterState, create_router_app
+        from kvfence_engine.tokenizer_source import SMOLLM2, load_tokenizer
+
+        name, tokenizer = load_tokenizer(SMOLLM2)
+        backends = Backends.create(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], None)
+        app = create_router_app(RouterState(name, tokenizer, backends, None, None, 512))
+        with TestClient(app) as client:
+            chat = {"model": name, "messages": [{"role": "user", "content": "Hi"}]}
+            answer = client.post("/v1/chat/completions", json=chat)
+            print(answer.status_code, answer.json()["error"]["code"])
+            too_long = {"model": name, "prompt": "word " * 600}
+            print(client.post("/v1/completions", json=too_long).json()["error"]["code"])
+        assert "torch" not in sys.modules
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    status, code, over = result.stdout.split()
+    assert status in ("502", "503") and over == "context_length_exceeded", result.stdout

@@ -18,9 +18,9 @@ from gguf import GGUFReader
 from lupa import lua51
 
 from kvfence_engine.model_config import ModelConfig
-from kvfence_engine.model_loader import smollm2_gguf_path
 from kvfence_engine.pool_plan import ContextPolicy, effective_context, plan_pool
 from kvfence_engine.router import read_api_keys
+from kvfence_engine.tokenizer_source import smollm2_gguf_path
 from kvfence_engine.units import parse_size
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.canary import build_canary_job

@@ -27,9 +27,10 @@ import torch
 
 from conftest import generate, make_tiny_engine, prompt_of, run_until_done, serve, submit
 from kvfence_engine.engine import EngineArgs, LLMEngine
-from kvfence_engine.model_loader import SMOLLM2, load_model
+from kvfence_engine.model_loader import load_model
 from kvfence_engine.quantization import Float16Linear, Int8Linear, resolve_precision
 from kvfence_engine.sequence import SamplingParams
+from kvfence_engine.tokenizer_source import SMOLLM2
 
 PACKED = ["int8", "float16"]
 PACKED_CLASS = {"int8": Int8Linear, "float16": Float16Linear}

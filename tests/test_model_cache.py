@@ -10,14 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kvfence_engine import cache as kvfence_cache
 from kvfence_engine import model_loader
-from kvfence_engine.model_loader import (
-    LoadedModel,
-    gguf_tokenizer,
-    load_config,
-    load_gguf,
-    smollm2_gguf_path,
-)
+from kvfence_engine.model_loader import LoadedModel, load_config, load_gguf
+from kvfence_engine.tokenizer_source import gguf_tokenizer, smollm2_gguf_path
 
 TEXT = "Hello, world! 12345 héllo <|im_start|>user"
 
@@ -33,7 +29,9 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LoadedMod
 
 
 @pytest.fixture
-def cache(converted: tuple[Path, LoadedModel], monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def cache_dir(
+    converted: tuple[Path, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Path]:
     monkeypatch.setenv("KVFENCE_CACHE_DIR", str(converted[0]))
     gguf_tokenizer.cache_clear()
     yield converted[0]
@@ -41,10 +39,10 @@ def cache(converted: tuple[Path, LoadedModel], monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_cached_tokenizer_behaves_like_the_one_built_from_the_gguf(
-    cache: Path, converted: tuple[Path, LoadedModel]
+    cache_dir: Path, converted: tuple[Path, LoadedModel]
 ) -> None:
     built = converted[1].tokenizer
-    assert len(list(cache.glob("tokenizer-*.json"))) == 1
+    assert len(list(cache_dir.glob("tokenizer-*.json"))) == 1
     loaded = gguf_tokenizer(smollm2_gguf_path())
     assert loaded is not built
     assert loaded.encode(TEXT) == built.encode(TEXT)
@@ -52,15 +50,15 @@ def test_the_cached_tokenizer_behaves_like_the_one_built_from_the_gguf(
     assert loaded.eos_ids == built.eos_ids and loaded.chat_template == built.chat_template
 
 
-def test_a_corrupt_cache_file_is_rebuilt_not_trusted(cache: Path) -> None:
-    (cached,) = cache.glob("tokenizer-*.json")
+def test_a_corrupt_cache_file_is_rebuilt_not_trusted(cache_dir: Path) -> None:
+    (cached,) = cache_dir.glob("tokenizer-*.json")
     cached.write_text("{not json")
     assert gguf_tokenizer(smollm2_gguf_path()).encode("Paris") == [38634]
     assert cached.read_text().startswith('{"tokenizer"')
 
 
 def test_an_unwritable_cache_location_only_costs_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_loader, "_cache_dir", lambda: None)
+    monkeypatch.setattr(kvfence_cache, "writable_cache_dir", lambda: None)
     gguf_tokenizer.cache_clear()
     try:
         assert gguf_tokenizer(smollm2_gguf_path()).encode("Paris") == [38634]
@@ -69,7 +67,7 @@ def test_an_unwritable_cache_location_only_costs_time(monkeypatch: pytest.Monkey
 
 
 def test_converted_weights_load_from_the_cache_exactly_as_converted(
-    cache: Path, converted: tuple[Path, LoadedModel], monkeypatch: pytest.MonkeyPatch
+    cache_dir: Path, converted: tuple[Path, LoadedModel], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fresh = converted[1]
     monkeypatch.setattr(model_loader, "_convert_gguf", _must_not_convert)
@@ -80,14 +78,14 @@ def test_converted_weights_load_from_the_cache_exactly_as_converted(
     for key, tensor in fresh.weights.items():
         assert torch.equal(cached.weights[key], tensor), key
     assert cached.tokenizer.encode(TEXT) == fresh.tokenizer.encode(TEXT)
-    assert not list(cache.glob("*.partial"))
+    assert not list(cache_dir.glob("*.partial"))
 
 
 def test_a_corrupt_weights_cache_is_converted_again_and_replaced(
-    cache: Path, converted: tuple[Path, LoadedModel], monkeypatch: pytest.MonkeyPatch
+    cache_dir: Path, converted: tuple[Path, LoadedModel], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fresh = converted[1]
-    (stored,) = cache.glob("weights-*.safetensors")
+    (stored,) = cache_dir.glob("weights-*.safetensors")
     conversions: list[Path] = []
 
     def convert(path: Path) -> LoadedModel:  # the conversion itself is the test above

@@ -17,10 +17,10 @@ from kvfence_engine.model_loader import (
     LoadedModel,
     load_hf_folder,
     load_model,
-    smollm2_gguf_path,
     tiny_random,
 )
 from kvfence_engine.sequence import SamplingParams
+from kvfence_engine.tokenizer_source import smollm2_gguf_path
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,7 +4,7 @@ import openai
 import pytest
 
 from kvfence_engine.localproc import LocalProcess
-from kvfence_engine.model_loader import smollm2_gguf_path
+from kvfence_engine.tokenizer_source import smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

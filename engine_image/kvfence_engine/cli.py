@@ -238,8 +238,8 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
 
 def _router(args: argparse.Namespace) -> int:
     from .backends import Backends
-    from .model_loader import load_tokenizer
     from .router import RouterState, create_router_app, read_api_keys
+    from .tokenizer_source import load_tokenizer
 
     if not (args.prefill and args.decode) and not args.backends_file:
         print(

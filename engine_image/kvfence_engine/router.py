@@ -34,7 +34,7 @@ from .backends import Backend, Backends
 from .deltas import Delta
 from .detokenizer import Detokenizer
 from .errors import EngineError
-from .internal_api import TOKEN_HEADER, delta_from_json
+from .internal_wire import TOKEN_HEADER, delta_from_json
 from .metrics import BACKEND_PREFIX, ISOLATION_COUNTERS
 from .openai_api import (
     OpenAIOutput,

@@ -1,12 +1,18 @@
-"""A request as the engine tracks it, and the one predicate every stage uses to ask "done?"."""
+"""A request as the engine tracks it, and the one predicate every stage uses to ask "done?".
+
+No torch at import time: the router shares these types and never loads torch."""
+
+from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import EngineError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Status(Enum):

@@ -330,4 +330,5 @@ def test_the_router_tokenizes_and_routes_without_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     status, code, over = result.stdout.split()
-    assert status in ("502", "503") and over == "context_length_exceeded", result.stdout
+    assert status in ("502", "503") and code in ("overloaded", "backend_unavailable"), result.stdout
+    assert over == "context_length_exceeded", result.stdout

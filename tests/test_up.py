@@ -38,9 +38,9 @@ def manifest(tmp_path: Path, **spec) -> Path:
 class Up:
     """`kvfence up` as a user runs it: a process whose output we read line by line."""
 
-    def __init__(self, path: Path, tmp_path: Path) -> None:
+    def __init__(self, path: Path, tmp_path: Path, log: str = "up.out") -> None:
         self.port = free_port()
-        self.log = tmp_path / "up.out"
+        self.log = tmp_path / log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvfence_engine.cli", "up", str(path), "--port",
              str(self.port), "--state-dir", str(tmp_path / "state")],
@@ -167,7 +167,8 @@ def test_the_smollm2_example_serves_paris_after_its_canary_and_comes_back_quickl
     finally:
         up.kill()
 
-    again = Up(example, tmp_path)  # same state dir: the revision's canary already passed
+    # same state dir: the revision's canary already passed
+    again = Up(example, tmp_path, "again.out")
     try:
         started = time.monotonic()
         again.wait_for("serving: http", timeout=300)

@@ -18,6 +18,7 @@ from .pods import (
     CREDENTIALS_DIR,
     INTERNAL_TOKEN_FILE,
     container_security_context,
+    cpu_threads,
     engine_resources,
     home_in_tmp,
     http_port,
@@ -43,8 +44,12 @@ def engine_args(spec: InferenceDeploymentSpec, role: Role, revision: str, device
     pool check and the isolation defences depend on, win (argparse keeps the last value)."""
     _check_role(role)
     engine = spec.engine
+    role_spec = spec.prefill if role is Role.PREFILL else spec.decode
+    threads = cpu_threads(engine_resources(role_spec.resources))
     args = [
         "serve",
+        # the pod's CPUs, before extraArgs so that a --threads there wins
+        *(["--threads", str(threads)] if threads is not None else []),
         *engine.extra_args,
         "--role", str(role),
         "--model", spec.model.source,

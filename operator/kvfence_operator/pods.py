@@ -1,9 +1,12 @@
 """Pod pieces every kvfence workload shares: security context, scratch space, the model
 volume, probes, resources and the user's pod overrides."""
 
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
 
 from .meta import HTTP_PORT
 from .models import MODEL_MOUNT_PATH, ModelSpec, PodOverrides, Resources
@@ -103,6 +106,17 @@ def requests_gpu(resources: dict[str, Any]) -> bool:
         for section in ("requests", "limits")
         for name, quantity in resources.get(section, {}).items()
     )
+
+
+def cpu_threads(resources: dict[str, Any]) -> int | None:
+    """Torch CPU threads for a container: its CPU limit, else its CPU request, rounded up.
+    Torch otherwise starts a thread per core of the node, and engines sharing cores then
+    stall each other at every parallel region (their threads spin while waiting)."""
+    for section in ("limits", "requests"):
+        quantity = resources.get(section, {}).get("cpu")
+        if quantity is not None and _positive(quantity):
+            return max(1, math.ceil(parse_quantity(quantity)))
+    return None
 
 
 def pod_template(

@@ -192,3 +192,21 @@ def test_router_is_not_an_engine_role(builder):
         args = (spec, instance_for("minimal"), REVISION, Role.ROUTER)
     with pytest.raises(ValueError, match="prefill or decode"):
         builder(*args)
+
+
+@pytest.mark.parametrize(
+    ("resources", "threads"),
+    [
+        (Resources(requests={"cpu": "500m"}), "1"),  # rounded up, never 0
+        (Resources(requests={"cpu": "2"}, limits={"cpu": "3"}), "3"),  # the limit, if any
+        (Resources(requests={"cpu": "1.5", "memory": "2Gi"}), "2"),
+        (Resources(limits={"nvidia.com/gpu": 1}), None),  # no CPU asked: torch's default
+    ],
+)
+def test_engine_threads_follow_the_pods_cpus(resources: Resources, threads: str | None) -> None:
+    spec = sample_spec("minimal")
+    spec.decode = EngineRoleSpec(resources=resources)
+    args = engine_args(spec, Role.DECODE, REVISION, "cpu")
+    assert (flag(args, "--threads") if "--threads" in args else None) == threads
+    spec.engine.extra_args = ["--threads", "8"]
+    assert flag(engine_args(spec, Role.DECODE, REVISION, "cpu"), "--threads") == "8"  # user's

@@ -16,6 +16,14 @@ requests, at p50 and p99 (p99 catches a stall that an average hides: here, mostl
 steps that wait while late arrivals are prefilled). The check is meant to cost under 2% of
 throughput.
 
+Two measures of that cost. Side by side: the throughput lost against 'off', which on this
+machine is buried in run-to-run noise of several percent. Timed by the engine: each server
+counts the seconds of its steps and of the read check inside them (kvfence_engine_step_seconds
+and kvfence_kv_read_check_seconds in /metrics), so under the same load the check's share of
+step time is measured directly, free of the noise between runs. The check's inputs (held tags
+per sequence) are built with the step's page tables and are not in that share; they are a few
+small tensors per step.
+
 All three servers are started (one after another) and stay up, but only one is loaded at a
 time. Each round runs the three once, in a rotated order so no variant always goes first. The
 table gives medians over rounds with their min-max spread. A cost is the throughput lost
@@ -35,6 +43,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from _common import (
     ForeignCpu,
@@ -50,6 +59,9 @@ THREADS = 2
 CONCURRENCY = 16
 TAG_CHECK_TARGET_PCT = 2.0
 UNSAFE_ENV = {"KVFENCE_ALLOW_UNSAFE": "1"}
+# the engine's own timing of the check (counters; prometheus names the families without _total)
+READ_CHECK_SECONDS = "kvfence_kv_read_check_seconds"
+STEP_SECONDS = "kvfence_engine_step_seconds"
 VARIANTS: list[tuple[str, list[str], dict[str, str]]] = [
     ("on", ["--threads", str(THREADS)], {}),
     ("off", ["--threads", str(THREADS), "--unsafe-fault", "no-tag-check"], UNSAFE_ENV),
@@ -69,6 +81,7 @@ class Run:
     tpot_p50_ms: float
     tpot_p99_ms: float
     ttft_p50_ms: float
+    check_share_pct: float  # the engine's own timing: read check seconds / step seconds
 
 
 Round = dict[str, Run]  # variant name -> its run in that round
@@ -138,16 +151,31 @@ async def burst(
     client: httpx.AsyncClient, server: LocalProcess, prompts: list[list[int]], max_tokens: int
 ) -> Run:
     url = f"{server.url}/v1/completions"
+    before = await engine_seconds(client, server)
     start = time.perf_counter()
     results = await asyncio.gather(*(stream_one(client, url, p, max_tokens) for p in prompts))
     wall = time.perf_counter() - start
+    after = await engine_seconds(client, server)
+    check, step = (a - b for a, b in zip(after, before, strict=True))
     tpot = [t for _, per_token in results for t in per_token]
     return Run(
         tokens_per_s=len(prompts) * max_tokens / wall,
         tpot_p50_ms=percentile(tpot, 50) * 1000,
         tpot_p99_ms=percentile(tpot, 99) * 1000,
         ttft_p50_ms=percentile([ttft for ttft, _ in results], 50) * 1000,
+        check_share_pct=check / step * 100,
     )
+
+
+async def engine_seconds(client: httpx.AsyncClient, server: LocalProcess) -> tuple[float, float]:
+    """(read check seconds, step seconds) the engine has counted so far (/metrics)."""
+    text = (await client.get(f"{server.url}/metrics")).text
+    values = {
+        family.name: family.samples[0].value
+        for family in text_string_to_metric_families(text)
+        if family.name in (READ_CHECK_SECONDS, STEP_SECONDS)
+    }
+    return values[READ_CHECK_SECONDS], values[STEP_SECONDS]
 
 
 def check_variant(name: str, server: LocalProcess) -> None:
@@ -201,7 +229,15 @@ def report(rounds: list[Round]) -> None:
         verdict = "NOT MET"
     else:
         verdict = "unresolved: the rounds straddle the target (noise; add --rounds)"
-    print(f"tag check overhead {mid:.1f}%, target < {TAG_CHECK_TARGET_PCT:.0f}%: {verdict}")
+    print(f"tag check overhead, side by side: {mid:.1f}%, target < {TAG_CHECK_TARGET_PCT:.0f}%: "
+          f"{verdict}")  # fmt: skip
+    share, share_lo, share_hi = medians(rounds, "on", "check_share_pct")
+    verdict = "met" if share_hi < TAG_CHECK_TARGET_PCT else "NOT MET"
+    print(
+        f"tag check overhead, timed by the engine under this load: {share:.2f}% of step time "
+        f"(rounds {share_lo:.2f} .. {share_hi:.2f}), target < {TAG_CHECK_TARGET_PCT:.0f}%: "
+        f"{verdict}"
+    )
     mid, low, high, _ = costs["scrub"]
     print(f"scrub-on-free (tag check included) costs {mid:.1f}% (rounds {low:.1f} .. {high:.1f})")
 

@@ -194,6 +194,24 @@ def test_metrics_expose_every_contract_series(
     assert metric(tiny_server.url, "kvfence_kv_pool_tokens") == 1024
 
 
+def test_the_engine_times_its_steps_and_the_read_check_inside_them(
+    tiny_server: LocalProcess, client: openai.OpenAI
+) -> None:
+    """What bench/isolation_overhead.py reads to measure the check's share of step time."""
+
+    def seconds() -> tuple[float, float]:
+        return (
+            metric(tiny_server.url, "kvfence_kv_read_check_seconds_total"),
+            metric(tiny_server.url, "kvfence_engine_step_seconds_total"),
+        )
+
+    check_before, step_before = seconds()
+    client.completions.create(model="tiny", prompt=[500] * 50, max_tokens=8, temperature=0)
+    check_after, step_after = seconds()
+    check, step = check_after - check_before, step_after - step_before
+    assert 0 < check < step, (check, step)
+
+
 def test_a_client_that_disconnects_mid_stream_gets_its_pages_released(
     tiny_server: LocalProcess,
 ) -> None:

@@ -207,6 +207,13 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """One scheduler step. Returns every sequence whose state changed."""
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.metrics.step_seconds.inc(time.perf_counter() - started)
+
+    def _step(self) -> list[Sequence]:
         finished = self.scheduler.remove_finished()
         seqs, is_prefill = self.scheduler.schedule()
         changed = list(finished)
@@ -239,6 +246,7 @@ class LLMEngine:
         """Fail closed every sequence whose page table does not cover what it will read."""
         if "no-tag-check" in self.faults:
             return seqs
+        started = time.perf_counter()
         check = check_reads(
             self.pool.tags,
             self.pool.fill,
@@ -249,7 +257,9 @@ class LLMEngine:
             step.read_len,
             self.pool.page_size,
         )
-        if not bool(check.failed.any()):
+        failed = bool(check.failed.any())
+        self.metrics.read_check_seconds.inc(time.perf_counter() - started)
+        if not failed:
             return seqs
         safe = []
         for seq, tag_bad, unwritten in zip(

@@ -79,5 +79,16 @@ class EngineMetrics:
         self.preemptions = Counter(
             "kvfence_preemptions", "sequences preempted to free pages", registry=r
         )
+        # What the read check costs, measured where it runs: its share of the step time.
+        self.step_seconds = Counter(
+            "kvfence_engine_step_seconds",
+            "time in engine steps: scheduling, read check, forward pass, sampling",
+            registry=r,
+        )
+        self.read_check_seconds = Counter(
+            "kvfence_kv_read_check_seconds",
+            "time in the per-step KV read check (tags and fill counts of every held page)",
+            registry=r,
+        )
         self.running = Gauge("kvfence_requests_running", "sequences decoding", registry=r)
         self.waiting = Gauge("kvfence_requests_waiting", "sequences waiting", registry=r)

@@ -324,7 +324,7 @@ async def run(args: argparse.Namespace) -> None:
         for note in notes:
             print(f"    {note}")
     print(
-        "packed weights' accuracy against float32 (logits over ~1300 positions, greedy "
+        "packed weights' accuracy against float32 (logits over ~1000 positions, greedy "
         "agreement on these prompts): tests/test_int8_weights.py"
     )
     print(f"total time: {time.perf_counter() - t0:.0f}s")

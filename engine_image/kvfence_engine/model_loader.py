@@ -195,7 +195,9 @@ def _load_converted(converted: Path, path: Path, name: str | None) -> LoadedMode
     from safetensors.torch import load_file
 
     config, stored_name = _converted_header(converted)
-    weights = load_file(str(converted))
+    # load_file maps the file; copies in anonymous memory cannot be evicted under memory
+    # pressure and re-read from disk in the middle of serving.
+    weights = {key: tensor.clone() for key, tensor in load_file(str(converted)).items()}
     return LoadedModel(
         name=name or stored_name, config=config, weights=weights, tokenizer=gguf_tokenizer(path)
     )

@@ -30,7 +30,7 @@ serve: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist worksteal
 
 bench: setup
 	$(PY) bench/engine_throughput.py

@@ -15,7 +15,8 @@ from kvfence_engine.localproc import LocalProcess
 from kvfence_engine.model_loader import TINY_CONFIG, tiny_random
 from kvfence_engine.sequence import SamplingParams, Sequence, is_terminal
 
-torch.set_num_threads(2)
+# Two CPUs: in-process models use both, unless two xdist workers share them.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 TINY_TOKEN_BYTES = TINY_CONFIG.kv_bytes_per_token(4)
 
@@ -117,6 +118,12 @@ def smollm2_server(logs_dir: Path) -> Iterator[LocalProcess]:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first: with two xdist workers (`make test`), a long test that starts last
+    would run alone at the end while the other worker idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def metric(url: str, name: str) -> float:

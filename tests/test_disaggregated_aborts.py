@@ -119,6 +119,7 @@ def test_a_decode_dying_mid_transfer_gives_prefill_a_quick_error_and_no_pages(
     fake_decode.close()
 
 
+@pytest.mark.slow
 def test_killing_an_engine_mid_request_ends_the_request_with_an_error_not_a_hang(
     logs_dir: Path,
 ) -> None:

@@ -106,6 +106,7 @@ def test_without_the_count_check_the_read_check_still_fails_it_closed(logs_dir: 
         d.stop()
 
 
+@pytest.mark.slow
 def test_with_count_and_tag_checks_off_the_victim_reads_another_tenants_kv(
     logs_dir: Path,
 ) -> None:

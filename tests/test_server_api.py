@@ -180,6 +180,8 @@ CONTRACT_METRICS = [
     "kvfence_requests_rejected_total",
     "kvfence_time_to_first_token_seconds_bucket",
     "kvfence_prompt_tokens_total",
+    "kvfence_engine_step_seconds_total",
+    "kvfence_kv_read_check_seconds_total",
     "kvfence_generation_tokens_total",
 ]
 

@@ -216,6 +216,7 @@ def test_lower_context_serves_the_smallest_pool_and_refuses_below_min_context(cl
     )
 
 
+@pytest.mark.slow
 def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on_a_bad_canary(
     tmp_path,
 ):

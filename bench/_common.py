@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvfence_engine.localproc import LocalProcess
-from kvfence_engine.tokenizer_source import SMOLLM2, smollm2_gguf_path
+from kvfence_engine.loading.tokenizer_source import SMOLLM2, smollm2_gguf_path
+from kvfence_engine.tools.localproc import LocalProcess
 
 READY_TIMEOUT_S = 120.0
 

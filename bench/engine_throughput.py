@@ -129,7 +129,7 @@ class Transformers:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
-        from kvfence_engine.tokenizer_source import smollm2_gguf_path
+        from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
 
         hf_logging.set_verbosity_error()
         gguf = smollm2_gguf_path()

@@ -53,7 +53,7 @@ from _common import (
     running_servers,
     undisturbed,
 )
-from kvfence_engine.localproc import LocalProcess
+from kvfence_engine.tools.localproc import LocalProcess
 
 THREADS = 2
 CONCURRENCY = 16

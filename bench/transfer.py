@@ -19,13 +19,13 @@ from pathlib import Path
 import httpx
 import torch
 
-from kvfence_engine.engine import EngineArgs, LLMEngine
-from kvfence_engine.kv_receiver import KVReceiver
-from kvfence_engine.localproc import LocalProcess
-from kvfence_engine.model_loader import load_model
-from kvfence_engine.sequence import SamplingParams
-from kvfence_engine.tokenizer_source import SMOLLM2
-from kvfence_engine.transfer import send_kv
+from kvfence_engine.core.engine import EngineArgs, LLMEngine
+from kvfence_engine.core.request import SamplingParams
+from kvfence_engine.disagg.receiver import KVReceiver
+from kvfence_engine.disagg.transfer import send_kv
+from kvfence_engine.loading.loader import load_model
+from kvfence_engine.loading.tokenizer_source import SMOLLM2
+from kvfence_engine.tools.localproc import LocalProcess
 
 
 def raw_copy(num_bytes: int) -> float:

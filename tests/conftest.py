@@ -9,11 +9,11 @@ import httpx
 import pytest
 import torch
 
-from kvfence_engine.engine import EngineArgs, LLMEngine
-from kvfence_engine.faults import Faults
-from kvfence_engine.localproc import LocalProcess
-from kvfence_engine.model_loader import TINY_CONFIG, tiny_random
-from kvfence_engine.sequence import SamplingParams, Sequence, is_terminal
+from kvfence_engine.core.engine import EngineArgs, LLMEngine
+from kvfence_engine.core.faults import Faults
+from kvfence_engine.core.request import Request, SamplingParams, is_terminal
+from kvfence_engine.loading.loader import TINY_CONFIG, tiny_random
+from kvfence_engine.tools.localproc import LocalProcess
 
 # Two CPUs: in-process models use both, unless two xdist workers share them.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
@@ -44,7 +44,7 @@ def tiny_engine() -> Callable[..., LLMEngine]:
 
 def submit(
     engine: LLMEngine, prompt_ids: list[int], max_tokens: int | None = 8, **params: object
-) -> Sequence:
+) -> Request:
     """Admit and enqueue; returns the sequence (terminal at once if rejected)."""
     sp = SamplingParams(max_tokens=1, **params)  # type: ignore[arg-type]
     seq = engine.admit(prompt_ids, sp, max_tokens=max_tokens)
@@ -63,7 +63,7 @@ def run_until_done(engine: LLMEngine, max_steps: int = 10_000) -> None:
 
 def generate(
     engine: LLMEngine, prompt_ids: list[int], max_tokens: int = 8, **params: object
-) -> Sequence:
+) -> Request:
     seq = submit(engine, prompt_ids, max_tokens, **params)
     run_until_done(engine)
     return seq

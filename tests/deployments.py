@@ -7,7 +7,7 @@ from pathlib import Path
 import openai
 
 from conftest import serve, tiny_budget
-from kvfence_engine.localproc import LocalProcess
+from kvfence_engine.tools.localproc import LocalProcess
 
 
 @dataclass

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvfence_cli.main import main
 from kvfence_engine.canary import report as report_module
 from kvfence_engine.canary import run_canary
 from kvfence_engine.canary.checks import (
@@ -36,8 +37,7 @@ from kvfence_engine.canary.prompts import (
     token_prompt,
 )
 from kvfence_engine.canary.report import CanaryReport, decide
-from kvfence_engine.cli import main
-from kvfence_engine.localproc import free_port
+from kvfence_engine.tools.localproc import free_port
 
 MARKER = "CANARY-0123456789abcdef"
 
@@ -351,9 +351,7 @@ def test_bad_configuration_is_refused_with_exit_code_2(capsys: pytest.CaptureFix
 
 
 def test_the_canary_does_not_import_torch() -> None:
-    code = (
-        "import sys, kvfence_engine.canary, kvfence_engine.cli; assert 'torch' not in sys.modules"
-    )
+    code = "import sys, kvfence_engine.canary, kvfence_cli.main; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -22,9 +22,9 @@ from fastapi.responses import Response, StreamingResponse
 from conftest import prompt_of
 from deployments import Deployment, start_deployment
 from kvfence_engine.canary import CanaryConfig, CanaryReport, run_canary
-from kvfence_engine.localproc import free_port
-from kvfence_engine.model_loader import TINY_CONFIG
-from kvfence_engine.transfer import Handle, Layout, Sender, page_views
+from kvfence_engine.disagg.transfer import Handle, Layout, Sender, page_views
+from kvfence_engine.loading.loader import TINY_CONFIG
+from kvfence_engine.tools.localproc import free_port
 
 KEY_A, KEY_B = "canary-key-a", "canary-key-b"
 HEALTHY_CONTEXT = 1536  # long enough that a tiny-random prefill (~0.3 s) stands out of noise
@@ -343,7 +343,7 @@ def test_a_front_that_leaks_a_tenants_text_into_another_answer_fails_the_marker(
     with serving(wrong_front(healthy.router.url, "leak")) as url:
         cli = subprocess.run(
             [
-                sys.executable, "-m", "kvfence_engine.cli", "canary", "--target", url,
+                sys.executable, "-m", "kvfence_cli", "canary", "--target", url,
                 "--tenant-a-key", KEY_A, "--tenant-b-key", KEY_B, "--rounds", str(BROKEN_ROUNDS),
                 "--report", str(report_file),
             ],
@@ -363,7 +363,7 @@ def test_a_front_that_leaks_a_tenants_text_into_another_answer_fails_the_marker(
 def test_a_target_that_is_down_is_exit_code_2_with_the_reason() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     cli = subprocess.run(
-        [sys.executable, "-m", "kvfence_engine.cli", "canary", "--target", url,
+        [sys.executable, "-m", "kvfence_cli", "canary", "--target", url,
          "--tenant-a-key", KEY_A, "--tenant-b-key", KEY_B],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -12,8 +12,8 @@ import torch
 from conftest import prompt_of
 from deployments import Deployment, start_deployment
 from kvfence_engine.canary.counters import parse_counters
-from kvfence_engine.model_loader import TINY_CONFIG
-from kvfence_engine.transfer import Handle, Layout, Sender, TransferError, page_views
+from kvfence_engine.disagg.transfer import Handle, Layout, Sender, TransferError, page_views
+from kvfence_engine.loading.loader import TINY_CONFIG
 
 KEY = "router-view-key"
 PAGE = 16

@@ -18,13 +18,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvfence_engine.cli import build_parser
-from kvfence_operator.crd import render_crd_yaml
+from kvfence_cli.main import build_parser
+from kvfence_operator.builders.pod_template import RUN_AS_ID
+from kvfence_operator.crd.schema import render_crd_yaml
+from kvfence_operator.crd.types import API_GROUP, PLURAL, InferenceDeployment
 from kvfence_operator.handlers import OPERATOR_NAMESPACE_ENV
 from kvfence_operator.meta import OPERATOR_POD_LABELS
-from kvfence_operator.models import API_GROUP, PLURAL, InferenceDeployment
-from kvfence_operator.pods import RUN_AS_ID
-from kvfence_operator.pool import KvPoolReport, PodPool
+from kvfence_operator.pool_gate import KvPoolReport, PodPool
 from kvfence_operator.reconcile import Reconciler
 from kvfence_operator.revision import revision_of
 

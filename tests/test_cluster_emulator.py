@@ -13,10 +13,13 @@ from kubernetes import client, watch
 
 from cluster.fixtures import Cluster, ClusterApiError, cluster_fixture  # noqa: F401
 from cluster.sandbox import VENV_BIN
-from kvfence_operator.credentials import RevisionCredentials, build_revision_secret
-from kvfence_operator.engines import build_engine_deployment, build_engine_service
+from kvfence_operator.builders.engine_deployment import (
+    build_engine_deployment,
+    build_engine_service,
+)
+from kvfence_operator.builders.secret import RevisionCredentials, build_revision_secret
+from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import KV_POOL_GATE, Instance, selector
-from kvfence_operator.models import InferenceDeploymentSpec, Role
 from kvfence_operator.revision import revision_of
 
 GROUP, VERSION, PLURAL = "kvfence.dev", "v1alpha1", "inferencedeployments"

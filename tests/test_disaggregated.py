@@ -11,7 +11,7 @@ import pytest
 
 from conftest import metric
 from deployments import Deployment, start_deployment
-from kvfence_engine.localproc import LocalProcess
+from kvfence_engine.tools.localproc import LocalProcess
 
 CONTEXT = 512
 PROMPTS = ["Hello there", "The capital of France is", "word " * 150, "1 2 3 4 5 6 7 8 9 10"]

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import metric, prompt_of
 from deployments import Deployment, start_deployment
-from kvfence_engine.transfer import Sender
+from kvfence_engine.disagg.transfer import Sender
 from test_disaggregated_faults import LAYOUT, kv_pages, reserve
 
 SETTLE_S = 10.0  # the stated bound: pages are back (or the client has its error) within this

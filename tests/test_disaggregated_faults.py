@@ -13,8 +13,8 @@ import torch
 
 from conftest import metric, prompt_of
 from deployments import Deployment, start_deployment
-from kvfence_engine.model_loader import TINY_CONFIG
-from kvfence_engine.transfer import Handle, Layout, Sender, page_views
+from kvfence_engine.disagg.transfer import Handle, Layout, Sender, page_views
+from kvfence_engine.loading.loader import TINY_CONFIG
 
 ENGINE_CONTEXT = 128
 ROUTER_CONTEXT = 1024  # the router advertises more than the engines serve: over-long prompts

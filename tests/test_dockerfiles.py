@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvfence_engine.cli import build_parser
+from kvfence_cli.main import build_parser
 from kvfence_operator.builders import build_revision_children
-from kvfence_operator.canary import build_canary_job
-from kvfence_operator.credentials import RevisionCredentials
+from kvfence_operator.builders.canary_job import build_canary_job
+from kvfence_operator.builders.pod_template import RUN_AS_ID
+from kvfence_operator.builders.secret import RevisionCredentials
+from kvfence_operator.crd.types import InferenceDeployment
 from kvfence_operator.meta import Instance
-from kvfence_operator.models import InferenceDeployment
-from kvfence_operator.pods import RUN_AS_ID
 from kvfence_operator.revision import revision_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,13 +122,13 @@ def test_every_copy_source_exists_and_reaches_the_build_context(image: str) -> N
 
 
 def test_dockerignore_sends_the_sources_but_not_caches_or_the_venv() -> None:
-    assert in_build_context("engine_image/kvfence_engine/cli.py")
-    assert in_build_context("operator/kvfence_operator/models.py")
+    assert in_build_context("engine_image/kvfence_cli/main.py")
+    assert in_build_context("operator/kvfence_operator/crd/types.py")
     for kept_out in (
         ".venv/bin/python",
         ".git/config",
         "tests/conftest.py",
-        "engine_image/kvfence_engine/__pycache__/cli.cpython-311.pyc",
+        "engine_image/kvfence_cli/__pycache__/main.cpython-311.pyc",
         "kvfence.egg-info/PKG-INFO",
     ):
         assert not in_build_context(kept_out), kept_out
@@ -244,7 +244,7 @@ TORCH_BLOCKER = textwrap.dedent(
             return None
 
     sys.meta_path.insert(0, NoTorch())
-    from kvfence_engine.cli import main
+    from kvfence_cli.main import main
     """
 )
 
@@ -264,7 +264,7 @@ def test_torch_blocker_really_blocks() -> None:
     result = run_without_torch(
         """
         try:
-            from kvfence_engine import engine
+            from kvfence_engine.core import engine
         except ImportError as exc:
             print("blocked:", exc)
         """
@@ -312,9 +312,9 @@ def test_the_router_tokenizes_and_routes_without_torch() -> None:
     result = run_without_torch(
         """
         from fastapi.testclient import TestClient
-        from kvfence_engine.backends import Backends
-        from kvfence_engine.router import RouterState, create_router_app
-        from kvfence_engine.tokenizer_source import SMOLLM2, load_tokenizer
+        from kvfence_engine.router.backends import Backends
+        from kvfence_engine.router.app import RouterState, create_router_app
+        from kvfence_engine.loading.tokenizer_source import SMOLLM2, load_tokenizer
 
         name, tokenizer = load_tokenizer(SMOLLM2)
         backends = Backends.create(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], None)

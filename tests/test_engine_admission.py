@@ -3,9 +3,9 @@
 import pytest
 
 from conftest import generate, make_tiny_engine, prompt_of, run_until_done, submit
-from kvfence_engine.faults import Faults, UnsafeFaultRefused
-from kvfence_engine.pool_plan import ContextPolicy
-from kvfence_engine.sequence import is_terminal
+from kvfence_engine.core.faults import Faults, UnsafeFaultRefused
+from kvfence_engine.core.pool_plan import ContextPolicy
+from kvfence_engine.core.request import is_terminal
 
 CONTEXT = 128
 

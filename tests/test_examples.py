@@ -17,25 +17,25 @@ import yaml
 from gguf import GGUFReader
 from lupa import lua51
 
-from kvfence_engine.model_config import ModelConfig
-from kvfence_engine.pool_plan import ContextPolicy, effective_context, plan_pool
-from kvfence_engine.router import read_api_keys
-from kvfence_engine.tokenizer_source import smollm2_gguf_path
-from kvfence_engine.units import parse_size
+from kvfence_engine.core.model_config import ModelConfig
+from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, plan_pool
+from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
+from kvfence_engine.router.app import read_api_keys
+from kvfence_engine.tools.units import parse_size
 from kvfence_operator.builders import build_revision_children
-from kvfence_operator.canary import build_canary_job
-from kvfence_operator.credentials import USER_API_KEYS_KEY, RevisionCredentials
-from kvfence_operator.meta import Instance
-from kvfence_operator.models import (
+from kvfence_operator.builders.canary_job import build_canary_job
+from kvfence_operator.builders.pod_template import GPU_RESOURCE
+from kvfence_operator.builders.router_deployment import build_stable_service
+from kvfence_operator.builders.secret import USER_API_KEYS_KEY, RevisionCredentials
+from kvfence_operator.crd.types import (
     API_GROUP,
     KIND,
     InferenceDeployment,
     InferenceDeploymentSpec,
     PoolPolicy,
 )
-from kvfence_operator.pods import GPU_RESOURCE
+from kvfence_operator.meta import Instance
 from kvfence_operator.revision import revision_of
-from kvfence_operator.router import build_stable_service
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

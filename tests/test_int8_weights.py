@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from conftest import generate, make_tiny_engine, prompt_of, run_until_done, serve, submit
-from kvfence_engine.engine import EngineArgs, LLMEngine
-from kvfence_engine.model_loader import load_model
-from kvfence_engine.quantization import Float16Linear, Int8Linear, resolve_precision
-from kvfence_engine.sequence import SamplingParams
-from kvfence_engine.tokenizer_source import SMOLLM2
+from kvfence_engine.core.engine import EngineArgs, LLMEngine
+from kvfence_engine.core.quantization import Float16Linear, Int8Linear, resolve_precision
+from kvfence_engine.core.request import SamplingParams
+from kvfence_engine.loading.loader import load_model
+from kvfence_engine.loading.tokenizer_source import SMOLLM2
 
 PACKED = ["int8", "float16"]
 GREEDY_TOKENS = 16  # per prompt: the continuation teacher-forced, and each greedy run

@@ -2,7 +2,7 @@
 
 import torch
 
-from kvfence_engine.isolation import check_reads
+from kvfence_engine.core.isolation import check_reads
 
 PAGE = 4
 

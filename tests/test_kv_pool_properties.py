@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvfence_engine.isolation import check_reads
-from kvfence_engine.kv_pool import FREE, KVPool, PoolExhausted
+from kvfence_engine.core.isolation import check_reads
+from kvfence_engine.core.kv_pool import FREE, KVPool, PoolExhausted
 
 PAGES = 12
 

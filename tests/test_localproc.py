@@ -14,7 +14,7 @@ def test_an_engine_started_by_a_process_killed_with_sigkill_stops_too():
     parent = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent("""
             import time
-            from kvfence_engine.localproc import LocalProcess
+            from kvfence_engine.tools.localproc import LocalProcess
             args = ["serve", "--model", "builtin:tiny-random", "--kv-cache-memory", "1Mi"]
             p = LocalProcess(args)
             print(p.start().proc.pid, flush=True)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvfence_engine import cache as kvfence_cache
-from kvfence_engine import model_loader
-from kvfence_engine.model_loader import LoadedModel, load_config, load_gguf
-from kvfence_engine.tokenizer_source import gguf_tokenizer, smollm2_gguf_path
+from kvfence_engine.loading import loader as model_loader
+from kvfence_engine.loading.loader import LoadedModel, load_config, load_gguf
+from kvfence_engine.loading.tokenizer_source import gguf_tokenizer, smollm2_gguf_path
+from kvfence_engine.tools import cache_dir as kvfence_cache
 
 TEXT = "Hello, world! 12345 héllo <|im_start|>user"
 

@@ -12,15 +12,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvfence_engine.engine import EngineArgs, LLMEngine
-from kvfence_engine.model_loader import (
+from kvfence_engine.core.engine import EngineArgs, LLMEngine
+from kvfence_engine.core.request import SamplingParams
+from kvfence_engine.loading.loader import (
     LoadedModel,
     load_hf_folder,
     load_model,
     tiny_random,
 )
-from kvfence_engine.sequence import SamplingParams
-from kvfence_engine.tokenizer_source import smollm2_gguf_path
+from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
 
 transformers = pytest.importorskip("transformers")
 

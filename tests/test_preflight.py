@@ -1,7 +1,7 @@
 """`kvfence preflight`: the engine's own pool arithmetic, before anything starts."""
 
 from conftest import tiny_budget
-from kvfence_engine.cli import main
+from kvfence_cli.main import main
 
 
 def test_preflight_estimate_equals_the_pool_a_running_engine_allocates(tiny_server, capsys):

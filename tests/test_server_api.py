@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from conftest import TINY_TOKEN_BYTES, metric, serve, tiny_budget
-from kvfence_engine.localproc import LocalProcess
-from kvfence_engine.model_loader import tiny_random
+from kvfence_engine.loading.loader import tiny_random
+from kvfence_engine.tools.localproc import LocalProcess
 
 CONTEXT = 512
 

@@ -3,8 +3,8 @@
 import openai
 import pytest
 
-from kvfence_engine.localproc import LocalProcess
-from kvfence_engine.tokenizer_source import smollm2_gguf_path
+from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
+from kvfence_engine.tools.localproc import LocalProcess
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -1,6 +1,6 @@
 import pytest
 
-from kvfence_engine.units import format_size, parse_size
+from kvfence_engine.tools.units import format_size, parse_size
 
 
 @pytest.mark.parametrize(

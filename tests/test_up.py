@@ -11,7 +11,7 @@ import openai
 import pytest
 import yaml
 
-from kvfence_engine.localproc import free_port
+from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.up import UpError, load_manifest, override_flags
 
 TINY = {
@@ -42,7 +42,7 @@ class Up:
         self.port = free_port()
         self.log = tmp_path / log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvfence_engine.cli", "up", str(path), "--port",
+            [sys.executable, "-m", "kvfence_cli", "up", str(path), "--port",
              str(self.port), "--state-dir", str(tmp_path / "state")],
             stdout=open(self.log, "wb"),  # noqa: SIM115
             stderr=subprocess.STDOUT,

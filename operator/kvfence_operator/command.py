@@ -4,33 +4,12 @@ import argparse
 import sys
 
 
-def add_operator_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("operator", help="run the InferenceDeployment operator (kopf)")
-    scope = p.add_mutually_exclusive_group()
-    scope.add_argument(
-        "--namespace", action="append", default=[], metavar="NS", help="watch NS (repeatable)"
-    )
-    scope.add_argument(
-        "--all-namespaces", action="store_true", help="watch every namespace (the default)"
-    )
-    p.add_argument(
-        "--standalone",
-        action="store_true",
-        help="no peering: the chart runs one replica with strategy Recreate",
-    )
-    p.add_argument(
-        "--liveness", default=None, metavar="URL", help="e.g. http://0.0.0.0:8080/healthz"
-    )
-    p.add_argument("--verbose", action="store_true")
-    p.set_defaults(func=run_operator)
-
-
 def run_operator(args: argparse.Namespace) -> int:
     import logging
 
     import kopf
 
-    from . import handlers  # noqa: F401  (registers the handlers)
+    from kvfence_operator import handlers  # noqa: F401  (registers the handlers)
 
     if args.verbose:
         logging.getLogger().setLevel(logging.DEBUG)

@@ -4,7 +4,7 @@ whole, so the operator always writes the full list this helper returns."""
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from .models import Condition, ConditionStatus, ConditionType
+from kvfence_operator.crd.types import Condition, ConditionStatus, ConditionType
 
 
 def find_condition(conditions: Sequence[Condition], type_: ConditionType | str) -> Condition | None:

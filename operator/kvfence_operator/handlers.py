@@ -9,9 +9,8 @@ import kopf
 from kubernetes import client, config
 from pydantic import ValidationError
 
-from .conditions import set_condition
-from .kube import Kube
-from .models import (
+from kvfence_operator.conditions import set_condition
+from kvfence_operator.crd.types import (
     API_GROUP,
     API_VERSION,
     PLURAL,
@@ -19,7 +18,8 @@ from .models import (
     ConditionType,
     InferenceDeploymentStatus,
 )
-from .reconcile import Reconciler
+from kvfence_operator.kube import Kube
+from kvfence_operator.reconcile import Reconciler
 
 RECONCILE_INTERVAL_ENV = "KVFENCE_RECONCILE_INTERVAL"
 OPERATOR_NAMESPACE_ENV = "OPERATOR_NAMESPACE"

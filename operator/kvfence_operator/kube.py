@@ -10,7 +10,7 @@ from typing import Any
 
 from kubernetes import client
 
-from .models import API_GROUP, API_VERSION, KIND, PLURAL
+from kvfence_operator.crd.types import API_GROUP, API_VERSION, KIND, PLURAL
 
 MERGE_PATCH = "application/merge-patch+json"
 

@@ -4,7 +4,14 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .models import API_GROUP, API_VERSION, KIND, NAME_MAX_LENGTH, NAME_PATTERN, Role
+from kvfence_operator.crd.types import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    NAME_MAX_LENGTH,
+    NAME_PATTERN,
+    Role,
+)
 
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"

@@ -7,7 +7,7 @@ from typing import Any
 
 from jsonpath_ng.ext import parse
 
-from .crd import printer_columns
+from kvfence_operator.crd.schema import printer_columns
 
 
 def _age(timestamp: str, now: datetime) -> str:

@@ -10,18 +10,36 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from .builders import build_revision_children
-from .canary import build_canary_job, canary_job_name
-from .credentials import RevisionCredentials, secret_name
-from .engines import ENGINE_ROLES
-from .kube import Kube, KubeError, is_subset
-from .meta import KV_POOL_GATE, LABEL_REVISION, Instance, child_name, selector, service_url
-from .models import InferenceDeploymentSpec, InferenceDeploymentStatus, Role, RoleReplicas
-from .pool import PodGate, PodPool, judge_pools, read_pool
-from .revision import revision_of
-from .rollout import CanaryOutcome, Event, JobPhase, RevisionObservation, plan_rollout
-from .router import build_router_configmap, build_stable_service
-from .status import compute_status
+from kvfence_operator.builders import build_revision_children
+from kvfence_operator.builders.canary_job import build_canary_job, canary_job_name
+from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
+from kvfence_operator.builders.router_deployment import build_router_configmap, build_stable_service
+from kvfence_operator.builders.secret import RevisionCredentials, secret_name
+from kvfence_operator.crd.types import (
+    InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
+    Role,
+    RoleReplicas,
+)
+from kvfence_operator.kube import Kube, KubeError, is_subset
+from kvfence_operator.meta import (
+    KV_POOL_GATE,
+    LABEL_REVISION,
+    Instance,
+    child_name,
+    selector,
+    service_url,
+)
+from kvfence_operator.pool_gate import PodGate, PodPool, judge_pools, read_pool
+from kvfence_operator.revision import revision_of
+from kvfence_operator.rollout import (
+    CanaryOutcome,
+    Event,
+    JobPhase,
+    RevisionObservation,
+    plan_rollout,
+)
+from kvfence_operator.status import compute_status
 
 PoolReader = Callable[[str, str, str, str | None], PodPool]
 

@@ -8,7 +8,7 @@ applied in place to the current revision.
 import hashlib
 import json
 
-from .models import InferenceDeploymentSpec
+from kvfence_operator.crd.types import InferenceDeploymentSpec
 
 REVISION_LENGTH = 10
 

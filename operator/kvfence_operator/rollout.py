@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from .models import CanaryResult, CanaryStatus, RevisionStatus, RoleReplicas
-from .pool import PoolDecision
+from kvfence_operator.crd.types import CanaryResult, CanaryStatus, RevisionStatus, RoleReplicas
+from kvfence_operator.pool_gate import PoolDecision
 
 
 class JobPhase(StrEnum):

@@ -7,8 +7,8 @@ unless their status flips (conditions.set_condition).
 from collections.abc import Mapping
 from datetime import datetime
 
-from .conditions import set_condition
-from .models import (
+from kvfence_operator.conditions import set_condition
+from kvfence_operator.crd.types import (
     CanaryResult,
     CanaryStatus,
     Condition,
@@ -20,8 +20,8 @@ from .models import (
     PoolReport,
     Role,
 )
-from .pool import PodPool
-from .rollout import RevisionObservation, RolloutPlan
+from kvfence_operator.pool_gate import PodPool
+from kvfence_operator.rollout import RevisionObservation, RolloutPlan
 
 T, F, U = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
 

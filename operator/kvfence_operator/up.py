@@ -7,7 +7,6 @@ lines, the pool decision (pool.judge_pools), the canary gate and the promotion d
 
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -21,21 +20,28 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from kvfence_engine.cache import cache_root
-from kvfence_engine.localproc import LocalProcess, ProcessFailed, free_port
-
-from .credentials import RevisionCredentials
-from .engines import ENGINE_ROLES, engine_args
-from .models import InferenceDeployment, InferenceDeploymentStatus, Role, RoleReplicas
-from .pool import PodPool, PoolDecision, judge_pools, read_pool
-from .printer import table
-from .revision import revision_of
-from .rollout import CanaryOutcome, JobPhase, RevisionObservation, plan_rollout
-from .router import backends_file_content, router_args, router_backends
-from .status import compute_status
+from kvfence_engine.tools.cache_dir import cache_root
+from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed, free_port
+from kvfence_operator.builders.engine_deployment import ENGINE_ROLES, engine_args
+from kvfence_operator.builders.router_deployment import (
+    backends_file_content,
+    router_args,
+    router_backends,
+)
+from kvfence_operator.builders.secret import RevisionCredentials
+from kvfence_operator.crd.types import (
+    InferenceDeployment,
+    InferenceDeploymentStatus,
+    Role,
+    RoleReplicas,
+)
+from kvfence_operator.pool_gate import PodPool, PoolDecision, judge_pools, read_pool
+from kvfence_operator.printer import table
+from kvfence_operator.revision import revision_of
+from kvfence_operator.rollout import CanaryOutcome, JobPhase, RevisionObservation, plan_rollout
+from kvfence_operator.status import compute_status
 
 LOCAL_TENANT = "local"
-DEFAULT_LOCAL_KEY = "kvfence-local"
 START_TIMEOUT_SECONDS = 900.0
 
 
@@ -356,21 +362,7 @@ def default_state_dir() -> Path:
     return cache_root() / "up"
 
 
-def add_up_command(sub: Any) -> None:
-    p = sub.add_parser("up", help="run an InferenceDeployment manifest on this machine")
-    p.add_argument("manifest", type=Path, metavar="FILE.yaml")
-    p.add_argument("--port", type=int, default=8000, help="the router's (OpenAI API) port")
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("KVFENCE_API_KEY", DEFAULT_LOCAL_KEY),
-        help=f"key for the local tenant (default ${{KVFENCE_API_KEY}} or {DEFAULT_LOCAL_KEY})",
-    )
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--state-dir", type=Path, default=None, help="logs, credentials, canary cache")
-    p.set_defaults(func=_up_main)
-
-
-def _up_main(args: Any) -> int:
+def run_up(args: Any) -> int:
     state_dir = args.state_dir or default_state_dir()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe is noise here
     try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvfence_engine.localproc import free_port
+from kvfence_engine.tools.localproc import free_port
 
 POD_IP = "127.0.0.1"
 TERMINATION_LOG = "/dev/termination-log"

@@ -5,12 +5,12 @@ from typing import Any
 from crd_admission import load_sample
 
 from kvfence_operator.builders import build_revision_children
-from kvfence_operator.canary import build_canary_job
-from kvfence_operator.credentials import RevisionCredentials
+from kvfence_operator.builders.canary_job import build_canary_job
+from kvfence_operator.builders.router_deployment import build_stable_service
+from kvfence_operator.builders.secret import RevisionCredentials
+from kvfence_operator.crd.types import InferenceDeployment, InferenceDeploymentSpec
 from kvfence_operator.meta import Instance
-from kvfence_operator.models import InferenceDeployment, InferenceDeploymentSpec
 from kvfence_operator.revision import revision_of
-from kvfence_operator.router import build_stable_service
 
 OPERATOR_NAMESPACE = "kvfence-system"
 CREDENTIALS = RevisionCredentials(

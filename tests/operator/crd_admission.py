@@ -17,7 +17,7 @@ import celpy
 import jsonschema
 import yaml
 
-from kvfence_operator.crd import build_crd
+from kvfence_operator.crd.schema import build_crd
 
 SAMPLES = Path(__file__).parent / "samples"
 SAMPLE_NAMES = sorted(p.stem for p in SAMPLES.glob("*.yaml"))

@@ -6,7 +6,7 @@ import pytest
 from crd_admission import crd_admission
 
 from kvfence_operator.conditions import find_condition, set_condition
-from kvfence_operator.models import (
+from kvfence_operator.crd.types import (
     ConditionStatus,
     ConditionType,
     InferenceDeploymentStatus,

@@ -10,8 +10,8 @@ import yaml
 from crd_admission import openapi_schema
 from pydantic import BaseModel
 
-from kvfence_operator.crd import CRD_PATH, build_crd, render_crd_yaml, structural
-from kvfence_operator.models import InferenceDeploymentStatus, RoleReplicas
+from kvfence_operator.crd.schema import CRD_PATH, build_crd, render_crd_yaml, structural
+from kvfence_operator.crd.types import InferenceDeploymentStatus, RoleReplicas
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = build_crd()
@@ -22,7 +22,7 @@ def test_committed_crd_yaml_matches_the_models():
     committed = (REPO / CRD_PATH).read_text()
     assert committed == render_crd_yaml(), (
         f"{CRD_PATH} is out of date with operator/kvfence_operator/models.py; regenerate it with "
-        f"`kvfence crd > {CRD_PATH}` (or `python -m kvfence_operator.crd > {CRD_PATH}`)"
+        f"`kvfence crd > {CRD_PATH}` (or `python -m kvfence_operator.crd.schema > {CRD_PATH}`)"
     )
 
 
@@ -177,7 +177,7 @@ def test_kvfence_crd_prints_the_committed_yaml():
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "kvfence_engine.cli", "crd"],
+        [sys.executable, "-m", "kvfence_cli", "crd"],
         check=True,
         capture_output=True,
         text=True,

@@ -9,7 +9,7 @@ import pytest
 from crd_admission import SAMPLE_NAMES, crd_admission, load_sample
 from pydantic import ValidationError
 
-from kvfence_operator.models import (
+from kvfence_operator.crd.types import (
     InferenceDeployment,
     InferenceDeploymentSpec,
     KvCacheDtype,

@@ -4,8 +4,12 @@ role, context, policy, pool budget, ports and internal token the spec implies.""
 import pytest
 from builder_fixtures import container, flag, instance_for, pod_spec, sample_spec
 
-from kvfence_operator.engines import build_engine_deployment, build_engine_service, engine_args
-from kvfence_operator.models import EngineRoleSpec, PodOverrides, Resources, Role
+from kvfence_operator.builders.engine_deployment import (
+    build_engine_deployment,
+    build_engine_service,
+    engine_args,
+)
+from kvfence_operator.crd.types import EngineRoleSpec, PodOverrides, Resources, Role
 
 REVISION = "0123456789"
 ENGINE_ROLES = [Role.PREFILL, Role.DECODE]

@@ -12,8 +12,8 @@ import pytest
 
 from cluster.fixtures import Cluster, cluster_fixture, start_cluster  # noqa: F401
 from cluster.kubelet import KubeletOptions
+from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION, Instance, selector
-from kvfence_operator.models import InferenceDeploymentSpec, Role
 from kvfence_operator.revision import revision_of
 
 NAME = "tiny"

@@ -3,8 +3,8 @@
 import httpx
 import pytest
 
-from kvfence_operator.models import PoolPolicy
-from kvfence_operator.pool import PodPool, judge_pools, parse_pool, read_pool
+from kvfence_operator.crd.types import PoolPolicy
+from kvfence_operator.pool_gate import PodPool, judge_pools, parse_pool, read_pool
 
 
 def report(pool_tokens: int, role: str = "decode", revision: str = "r1", **extra) -> dict:

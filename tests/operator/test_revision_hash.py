@@ -6,7 +6,7 @@ import pytest
 from builder_fixtures import sample_spec
 from crd_admission import load_sample
 
-from kvfence_operator.models import InferenceDeployment, InferenceDeploymentSpec
+from kvfence_operator.crd.types import InferenceDeployment, InferenceDeploymentSpec
 from kvfence_operator.revision import revision_of
 
 

@@ -1,13 +1,13 @@
 """The rollout state machine: promotion only after pods, pools and the canary; state in status."""
 
-from kvfence_operator.models import (
+from kvfence_operator.crd.types import (
     CanaryResult,
     CanaryStatus,
     PoolPolicy,
     RevisionStatus,
     RoleReplicas,
 )
-from kvfence_operator.pool import judge_pools, parse_pool
+from kvfence_operator.pool_gate import judge_pools, parse_pool
 from kvfence_operator.rollout import CanaryOutcome, JobPhase, RevisionObservation, plan_rollout
 
 

@@ -14,15 +14,15 @@ from builder_fixtures import (
     sample_spec,
 )
 
-from kvfence_operator.canary import build_canary_job
-from kvfence_operator.credentials import RevisionCredentials, build_revision_secret
-from kvfence_operator.network import build_network_policies
-from kvfence_operator.router import (
+from kvfence_operator.builders.canary_job import build_canary_job
+from kvfence_operator.builders.network_policy import build_network_policies
+from kvfence_operator.builders.router_deployment import (
     build_router_configmap,
     build_router_deployment,
     build_router_service,
     build_stable_service,
 )
+from kvfence_operator.builders.secret import RevisionCredentials, build_revision_secret
 
 REVISION = "abcdef0123"
 
@@ -218,7 +218,7 @@ def test_only_the_revisions_prefill_pods_reach_decode_transfer_port():
 def test_canary_keys_that_start_with_a_dash_still_reach_the_canary():
     """token_urlsafe keys start with "-" one time in 32: as a separate argument argparse took
     such a key for an option, and that revision's canary failed for no isolation reason."""
-    from kvfence_engine.cli import build_parser
+    from kvfence_cli.main import build_parser
 
     job = build_canary_job(sample_spec("minimal"), instance_for("minimal"), REVISION)
     keys = {"KVFENCE_CANARY_TENANT_A_KEY": "-a" * 20, "KVFENCE_CANARY_TENANT_B_KEY": "--b" * 20}

@@ -5,7 +5,7 @@ from datetime import UTC, datetime
 
 from test_rollout_plan import observation
 
-from kvfence_operator.models import (
+from kvfence_operator.crd.types import (
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
     RevisionStatus,

@@ -5,9 +5,9 @@
 
 It talks HTTP only (httpx) and never imports torch: it runs in a small Job."""
 
-from .checks import CheckResult
-from .config import CanaryConfig
-from .report import (
+from kvfence_engine.canary.checks import CheckResult
+from kvfence_engine.canary.config import CanaryConfig
+from kvfence_engine.canary.report import (
     EXIT_CANNOT_RUN,
     EXIT_FAIL,
     EXIT_PASS,
@@ -15,7 +15,7 @@ from .report import (
     write_report,
     write_termination_message,
 )
-from .run import run_canary, run_canary_async
+from kvfence_engine.canary.run import run_canary, run_canary_async
 
 __all__ = [
     "EXIT_CANNOT_RUN",

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .counters import INFORMATIONAL, MUST_NOT_RISE, CounterSnapshot
-from .latency import PrefillCalibration
-from .observations import (
+from kvfence_engine.canary.counters import INFORMATIONAL, MUST_NOT_RISE, CounterSnapshot
+from kvfence_engine.canary.latency import PrefillCalibration
+from kvfence_engine.canary.observations import (
     CALIBRATION,
     MARKER_SIZING,
     POLLUTION_FILL,

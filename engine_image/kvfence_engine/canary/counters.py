@@ -6,7 +6,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..metrics import BACKEND_PREFIX, ISOLATION_COUNTERS
+from kvfence_engine.core.metrics import BACKEND_PREFIX, ISOLATION_COUNTERS
 
 # A rise in any of these means a defence caught a request reading or receiving KV it does not
 # own: the revision is not safe, even though the defence failed that request closed.

@@ -4,9 +4,9 @@ advertises, and every engine's real pool and context (the router summarises its 
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .config import CanaryConfig
-from .observations import TENANT_A, TENANT_B
-from .target import CannotRun, TargetClient
+from kvfence_engine.canary.config import CanaryConfig
+from kvfence_engine.canary.observations import TENANT_A, TENANT_B
+from kvfence_engine.canary.target import CannotRun, TargetClient
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .observations import CALIBRATION, TENANT_B, Answer
+from kvfence_engine.canary.observations import CALIBRATION, TENANT_B, Answer
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .checks import CheckResult
+from kvfence_engine.canary.checks import CheckResult
 
 EXIT_PASS = 0
 EXIT_FAIL = 1  # an isolation or status check failed

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from .checks import (
+from kvfence_engine.canary.checks import (
     CheckResult,
     check_differential_replay,
     check_engine_counters,
@@ -23,11 +23,11 @@ from .checks import (
     check_marker,
     check_status_codes,
 )
-from .config import CanaryConfig
-from .counters import CounterSnapshot, parse_counters
-from .discovery import TargetFacts, discover
-from .latency import decode_seconds_per_token
-from .observations import (
+from kvfence_engine.canary.config import CanaryConfig
+from kvfence_engine.canary.counters import CounterSnapshot, parse_counters
+from kvfence_engine.canary.discovery import TargetFacts, discover
+from kvfence_engine.canary.latency import decode_seconds_per_token
+from kvfence_engine.canary.observations import (
     BASELINE,
     CALIBRATION,
     MARKER_SIZING,
@@ -39,7 +39,7 @@ from .observations import (
     after,
     during,
 )
-from .prompts import (
+from kvfence_engine.canary.prompts import (
     MARKER_SHARE,
     Probe,
     boundary_probes,
@@ -49,8 +49,8 @@ from .prompts import (
     pollution_lengths,
     token_prompt,
 )
-from .report import CanaryReport, decide
-from .target import CannotRun, TargetClient
+from kvfence_engine.canary.report import CanaryReport, decide
+from kvfence_engine.canary.target import CannotRun, TargetClient
 
 log = logging.getLogger(__name__)
 FLAVOURS = ("A", "N")  # A: tenant A's marker prompts; N: neutral token ids of the same lengths

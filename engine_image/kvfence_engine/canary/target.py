@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
-from .config import CanaryConfig
-from .observations import TENANT_A, TENANT_B, Answer
+from kvfence_engine.canary.config import CanaryConfig
+from kvfence_engine.canary.observations import TENANT_A, TENANT_B, Answer
 
 
 class CannotRun(Exception):

@@ -1,0 +1,71 @@
+"""`kvfence canary`: try to make tenant B see tenant A's data."""
+
+import argparse
+import logging
+import sys
+
+from kvfence_cli.common import Subparsers, positive
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "canary",
+        help="try to make tenant B see tenant A's data; exit 0 pass, 1 fail, 2 could not run",
+    )
+    p.add_argument("--target", required=True, help="the router's URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--tenant-a-key", required=True, help="API key of the tenant who plants data")
+    p.add_argument("--tenant-b-key", required=True, help="API key of the tenant who probes")
+    p.add_argument(
+        "--context-length",
+        type=positive,
+        default=None,
+        help="the served context to hold the target to (default: its max_model_len)",
+    )
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="FILE",
+        help="write the JSON report here",
+    )
+    p.add_argument(
+        "--termination-log",
+        default="/dev/termination-log",
+        metavar="FILE",
+        help="the one-line summary, if FILE exists and is writable (Kubernetes shows it as the "
+        "pod's termination message)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds for the whole run (then exit 2)"
+    )
+    p.add_argument("--rounds", type=positive, default=3, help="rounds of pool pollution")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvfence_engine.canary import (
+        EXIT_CANNOT_RUN,
+        CanaryConfig,
+        run_canary,
+        write_report,
+        write_termination_message,
+    )
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    try:
+        config = CanaryConfig(
+            target=args.target,
+            tenant_a_key=args.tenant_a_key,
+            tenant_b_key=args.tenant_b_key,
+            context_length=args.context_length,
+            timeout=args.timeout,
+            rounds=args.rounds,
+        )
+    except ValueError as exc:
+        print(f"kvfence canary: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    report = run_canary(config)
+    print(report.human())
+    if args.report:
+        write_report(report, args.report)
+    write_termination_message(report, args.termination_log)
+    return report.exit_code

@@ -1,0 +1,24 @@
+"""`kvfence preflight`: does the KV pool hold the context? (no GPU needed)"""
+
+import argparse
+
+from kvfence_cli.common import Subparsers
+from kvfence_engine.tools.preflight import DTYPE_BYTES
+from kvfence_engine.tools.units import parse_size
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("preflight", help="does the KV pool hold the context? (no GPU needed)")
+    p.add_argument("--model", help="builtin:..., a .gguf file or a folder (for the estimate)")
+    p.add_argument("--kv-cache-memory", type=parse_size, help="pool budget, e.g. 512Mi")
+    p.add_argument("--context-length", type=int, required=True)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-cache-dtype", choices=sorted(DTYPE_BYTES), default="float32")
+    p.add_argument("--target", help="a running engine: read its live /v1/kvpool too")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvfence_engine.tools.preflight import run_preflight
+
+    return run_preflight(args)

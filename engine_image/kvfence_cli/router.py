@@ -1,0 +1,62 @@
+"""`kvfence router`: the OpenAI front of prefill + decode engines."""
+
+import argparse
+import sys
+
+from kvfence_cli.common import Subparsers, positive, read_token, serve_http
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("router", help="the OpenAI front of prefill + decode instances")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill", action="append", default=[], metavar="URL")
+    p.add_argument("--decode", action="append", default=[], metavar="URL")
+    p.add_argument(
+        "--backends-file",
+        default=None,
+        help='JSON {"prefill": [URL], "decode": [URL], "contextLength": N}, re-read '
+        "when it changes",
+    )
+    p.add_argument(
+        "--api-keys",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="'KEY TENANT' per line; without it every request is tenant 'default'",
+    )
+    p.add_argument(
+        "--context-length",
+        type=positive,
+        default=None,
+        help="served context (default: from the backends file or the decode pools)",
+    )
+    p.add_argument(
+        "--model",
+        default="builtin:smollm2-135m-instruct",
+        help="where the tokenizer and chat template come from",
+    )
+    p.add_argument("--internal-token-file", default=None)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvfence_engine.loading.tokenizer_source import load_tokenizer
+    from kvfence_engine.router.app import RouterState, create_router_app, read_api_keys
+    from kvfence_engine.router.backends import Backends
+
+    if not (args.prefill and args.decode) and not args.backends_file:
+        print(
+            "kvfence router: give --prefill and --decode URLs or --backends-file", file=sys.stderr
+        )
+        return 2
+    try:
+        token = read_token(args.internal_token_file)
+        keys = read_api_keys(args.api_keys)
+        name, tokenizer = load_tokenizer(args.model)
+        backends = Backends.create(args.prefill, args.decode, args.backends_file)
+    except (OSError, ValueError) as exc:
+        print(f"kvfence router: {exc}", file=sys.stderr)
+        return 2
+    state = RouterState(name, tokenizer, backends, keys, token, args.context_length)
+    return serve_http(create_router_app(state), args)

@@ -1,0 +1,165 @@
+"""`kvfence serve`: one engine process (combined, prefill or decode role)."""
+
+import argparse
+import logging
+import sys
+
+from kvfence_cli.common import Subparsers, positive, read_token, serve_http, size
+from kvfence_engine.core.faults import FAULTS
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("serve", help="run an engine (combined, prefill or decode role)")
+    p.add_argument("--role", choices=["combined", "prefill", "decode"], default="combined")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="builtin:smollm2-135m-instruct, builtin:tiny-random, FILE.gguf or a folder",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--transfer-port",
+        type=int,
+        default=8001,
+        help="decode role: TCP port prefill streams KV to (0: any free port)",
+    )
+    p.add_argument(
+        "--internal-token-file",
+        default=None,
+        help="require this token on internal endpoints and KV transfers",
+    )
+    p.add_argument(
+        "--no-kv-checksum",
+        dest="kv_checksum",
+        action="store_false",
+        help="skip per-page checksums on KV transfers (prefill and decode must agree)",
+    )
+    p.add_argument(
+        "--reserve-timeout",
+        type=float,
+        default=60.0,
+        help="decode role: seconds a reservation may wait for its KV and first token",
+    )
+    p.add_argument(
+        "--context-length",
+        type=positive,
+        default=None,
+        help="advertised context (default: the model's max positions)",
+    )
+    p.add_argument("--context-policy", choices=["refuse", "lower"], default="refuse")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument(
+        "--kv-cache-memory",
+        type=size,
+        default=None,
+        help="KV pool budget in bytes, e.g. 512Mi (CPU default 512Mi)",
+    )
+    budget.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=None,
+        help="KV pool budget as a fraction of free device memory",
+    )
+    p.add_argument("--page-size", type=positive, default=16)
+    p.add_argument("--revision", default="dev")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument(
+        "--weight-dtype",
+        choices=["float32", "bfloat16", "float16", "int8"],
+        default=None,
+        help="default float32 on CPU, bfloat16 on CUDA; on CPU float16 and int8 pack the "
+        "linear weights (fewer bytes per step) and compute in float32",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default="auto",
+        help="dtype of the KV pool (auto: the model's compute dtype); a narrower one holds "
+        "more tokens in the same --kv-cache-memory",
+    )
+    p.add_argument("--max-num-seqs", type=positive, default=64)
+    p.add_argument("--max-batched-tokens", type=positive, default=4096)
+    p.add_argument(
+        "--max-waiting",
+        type=positive,
+        default=512,
+        help="queue length beyond which requests get 503 + Retry-After",
+    )
+    p.add_argument("--scrub-on-free", action="store_true", help="zero pages when released")
+    p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--unsafe-fault",
+        action="append",
+        default=[],
+        choices=sorted(FAULTS),
+        metavar="NAME",
+        help="TEST ONLY; refused unless KVFENCE_ALLOW_UNSAFE=1",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvfence_engine.core.engine import EngineArgs, LLMEngine
+    from kvfence_engine.core.faults import Faults, UnsafeFaultRefused
+    from kvfence_engine.core.metrics import EngineMetrics
+    from kvfence_engine.core.pool_plan import ContextPolicy
+    from kvfence_engine.loading.loader import load_model
+    from kvfence_engine.serving.app import create_app
+    from kvfence_engine.serving.async_engine import AsyncEngine
+    from kvfence_engine.serving.state import ServerState
+
+    try:
+        faults = Faults.from_names(args.unsafe_fault)
+        token = read_token(args.internal_token_file)
+    except (UnsafeFaultRefused, OSError, ValueError) as exc:
+        print(f"kvfence serve: {exc}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine_args = EngineArgs(
+        role=args.role,
+        page_size=args.page_size,
+        kv_cache_memory=args.kv_cache_memory,
+        memory_fraction=args.memory_fraction,
+        context_length=args.context_length,
+        context_policy=ContextPolicy(args.context_policy),
+        device=args.device,
+        weight_dtype=args.weight_dtype,
+        kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens,
+        max_waiting=args.max_waiting,
+        scrub_on_free=args.scrub_on_free,
+        revision=args.revision,
+        transfer_port=args.transfer_port,
+        reserve_timeout=args.reserve_timeout,
+        kv_checksum=args.kv_checksum,
+        faults=faults,
+    )
+    if faults.enabled:
+        logging.warning("UNSAFE FAULTS ENABLED: %s (test only)", ", ".join(sorted(faults.enabled)))
+
+    def build(metrics: EngineMetrics) -> AsyncEngine:
+        return AsyncEngine(LLMEngine(load_model(args.model), engine_args, metrics))
+
+    state = ServerState(role=args.role, internal_token=token)
+    if args.role == "decode":
+
+        def start_receiver(engine: AsyncEngine) -> None:
+            from kvfence_engine.disagg.receiver import KVReceiver
+
+            receiver = KVReceiver(engine.engine, args.host, args.transfer_port, token)
+            engine.engine.args.transfer_port = receiver.port
+            receiver.start()
+
+        state.on_ready.append(start_receiver)
+    state.load_in_background(build)
+    app = create_app(state)
+    if args.role in ("prefill", "decode"):
+        from kvfence_engine.disagg.internal_api import internal_router
+
+        app.include_router(internal_router(state))
+    return serve_http(app, args)

@@ -1,0 +1,518 @@
+"""The engine: admission, then a step loop of schedule -> check -> run -> postprocess."""
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from kvfence_engine.core import errors
+from kvfence_engine.core.errors import EngineError
+from kvfence_engine.core.faults import Faults
+from kvfence_engine.core.isolation import check_reads
+from kvfence_engine.core.kv_pool import KVPool, PoolExhausted
+from kvfence_engine.core.metrics import EngineMetrics
+from kvfence_engine.core.model import LlamaModel
+from kvfence_engine.core.pool_plan import (
+    ContextPolicy,
+    PoolPlan,
+    admission_limit,
+    effective_context,
+    plan_pool,
+)
+from kvfence_engine.core.quantization import pack_linears, resolve_precision
+from kvfence_engine.core.request import (
+    InboundKV,
+    Request,
+    SamplingParams,
+    Status,
+    TokenLogprob,
+    is_terminal,
+)
+from kvfence_engine.core.runner import ModelRunner, PreparedStep
+from kvfence_engine.core.sampler import sample
+from kvfence_engine.core.scheduler import Scheduler
+from kvfence_engine.disagg.transfer import Handle, Layout
+from kvfence_engine.loading.loader import LoadedModel
+
+DEFAULT_CPU_KV_MEMORY = 512 * 1024**2
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    role: str = "combined"
+    page_size: int = 16
+    kv_cache_memory: int | None = None
+    memory_fraction: float | None = None
+    context_length: int | None = None
+    context_policy: ContextPolicy = ContextPolicy.REFUSE
+    device: str = "cpu"
+    weight_dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA (quantization.py)
+    kv_cache_dtype: str | None = None  # None: the compute dtype; else float32|float16|bfloat16
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 4096
+    max_waiting: int = 512
+    scrub_on_free: bool = False
+    revision: str = "dev"
+    transfer_port: int = 0  # decode role: where prefill streams KV to
+    kv_checksum: bool = True  # per-page XXH3-64 checksum on KV transfers (both ends must agree)
+    reserve_timeout: float = 60.0  # decode role: a reservation whose KV never starts expires
+    faults: Faults = field(default_factory=Faults)
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def kv_budget(args: EngineArgs, device: torch.device) -> int:
+    if args.kv_cache_memory is not None:
+        return args.kv_cache_memory
+    if args.memory_fraction is not None:
+        if not 0.0 < args.memory_fraction <= 1.0:
+            raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
+        return int(_available_memory(device) * args.memory_fraction)
+    if device.type == "cuda":
+        return int(_available_memory(device) * 0.9)
+    return DEFAULT_CPU_KV_MEMORY
+
+
+class LLMEngine:
+    def __init__(
+        self, loaded: LoadedModel, args: EngineArgs, metrics: EngineMetrics | None = None
+    ) -> None:
+        self.args = args
+        self.loaded = loaded
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.faults = args.faults
+        self.metrics = metrics or EngineMetrics()
+        self.device = torch.device(args.device)
+        self.precision = resolve_precision(args.weight_dtype, self.device)
+        dtype = self.precision.compute
+        model = LlamaModel(loaded.config, loaded.weights).to(self.device, dtype)
+        if self.precision.packed is not None:
+            pack_linears(model, self.precision.packed)
+        loaded.weights.clear()  # the model holds them now
+        requested = args.context_length or loaded.config.max_positions
+        if requested > loaded.config.max_positions:
+            raise ValueError(
+                f"--context-length {requested} exceeds the model's {loaded.config.max_positions} "
+                "positions"
+            )
+        if requested < 1:
+            raise ValueError("--context-length must be >= 1")
+        kv_dtype = dtype if args.kv_cache_dtype is None else getattr(torch, args.kv_cache_dtype)
+        self.plan: PoolPlan = plan_pool(
+            loaded.config,
+            page_size=args.page_size,
+            dtype_bytes=torch.finfo(kv_dtype).bits // 8,
+            budget_bytes=kv_budget(args, self.device),
+        )
+        self.pool = KVPool(
+            num_layers=loaded.config.num_layers,
+            num_pages=self.plan.num_pages,
+            page_size=args.page_size,
+            num_kv_heads=loaded.config.num_kv_heads,
+            head_dim=loaded.config.head_dim,
+            dtype=kv_dtype,
+            device=self.device,
+            scrub_on_free=args.scrub_on_free,
+        )
+        self.kv_dtype = str(kv_dtype).removeprefix("torch.")
+        self.context_requested = requested
+        self.context_effective = effective_context(
+            requested, self.pool.pool_tokens, args.page_size, args.context_policy
+        )
+        if self.context_effective < 1:
+            raise ValueError(
+                f"the KV pool ({self.pool.pool_tokens} tokens) holds less than one page of context"
+            )
+        self.limit = admission_limit(self.context_effective, self.pool.pool_tokens)
+        self.scheduler = Scheduler(
+            self.pool, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens
+        )
+        self.runner = ModelRunner(model, self.pool, self.device, self.faults)
+        self._ids = itertools.count(1)
+        self.reserved: dict[str, Request] = {}  # decode role: waiting for KV or first token
+        self.by_request: dict[str, Request] = {}  # decode role: every live request by its id
+        self.layout = Layout(
+            layers=loaded.config.num_layers,
+            page_size=args.page_size,
+            kv_heads=loaded.config.num_kv_heads,
+            head_dim=loaded.config.head_dim,
+            dtype=self.kv_dtype,
+        )
+        m = self.metrics
+        m.pool_tokens.set(self.pool.pool_tokens)
+        m.pages_total.set(self.pool.num_pages)
+        m.context_length.set(self.context_effective)
+        m.pages_used.set_function(lambda: self.pool.num_used)
+
+    # --- admission (any thread; allocates nothing) ---------------------------------------------
+
+    def admit(
+        self, prompt_ids: list[int], params: SamplingParams | None = None, *, max_tokens: int | None
+    ) -> Request:
+        """Build a sequence and decide whether it may run. A rejected sequence comes back
+        terminal (finish_reason "error") and must not be scheduled; nothing was allocated."""
+        params = params or SamplingParams(max_tokens=1)
+        seq = Request(next(self._ids), list(prompt_ids), params)
+        n = len(prompt_ids)
+        error: EngineError | None = None
+        if n == 0:
+            error = errors.invalid_request("the prompt is empty", "prompt")
+        elif min(prompt_ids) < 0 or max(prompt_ids) >= self.config.vocab_size:
+            # checked here, for every role: a bad id would otherwise fail the whole batch
+            error = errors.invalid_request(
+                f"prompt token ids must be in [0, {self.config.vocab_size})", "prompt"
+            )
+        elif max_tokens is not None and max_tokens < 1:
+            error = errors.invalid_request("max_tokens must be at least 1", "max_tokens")
+        elif n > self.limit:
+            what = "the served context" if self.limit == self.context_effective else "the KV pool"
+            error = errors.context_length_exceeded(n, self.limit, what)
+            if "reject-placeholder" in self.faults and n <= self.pool.pool_tokens:
+                # The incident: the rejection lands in a field is_terminal() does not read.
+                seq.placeholder_rejection = error
+                room = self.pool.pool_tokens - n + 1
+                seq.params = _with_max_tokens(params, min(max_tokens or 16, room))
+                return seq
+        elif len(self.scheduler.waiting) >= self.args.max_waiting:
+            error = errors.overloaded(
+                f"{len(self.scheduler.waiting)} requests are already waiting; retry shortly"
+            )
+        if error is not None:
+            seq.finish("error", error)
+            self.metrics.rejected.labels(reason=error.code).inc()
+            return seq
+        # A sequence may hold at most `limit` KV slots: prompt + generated - 1.
+        room = self.limit - n + 1
+        seq.params = _with_max_tokens(params, min(max_tokens or room, room))
+        if params.seed is not None or not params.greedy:
+            seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4))
+            seq.generator = torch.Generator().manual_seed(seed)
+        return seq
+
+    # --- the step loop (engine thread only) ----------------------------------------------------
+
+    def add(self, seq: Request) -> None:
+        assert not is_terminal(seq)
+        self.scheduler.add(seq)
+        self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+
+    def abort(self, seq: Request) -> None:
+        if seq.request_id is not None and self.reserved.get(seq.request_id) is seq:
+            self._drop_reserved(self.reserved.pop(seq.request_id), "abort", None)
+        else:
+            seq.finish("abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Request]:
+        """One scheduler step. Returns every sequence whose state changed."""
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.metrics.step_seconds.inc(time.perf_counter() - started)
+
+    def _step(self) -> list[Request]:
+        finished = self.scheduler.remove_finished()
+        seqs, is_prefill = self.scheduler.schedule()
+        changed = list(finished)
+        if seqs:
+            step = self.runner.prepare(seqs, is_prefill)
+            safe = self._refuse_unsafe_reads(seqs, step, changed)
+            if safe:
+                # page tables only change between steps: the checked batch is the one that runs
+                self._run(safe, is_prefill, step if len(safe) == len(seqs) else None)
+                changed += safe
+        done = self.scheduler.remove_finished(seqs)
+        changed += done
+        for seq in done:
+            if seq.request_id is not None:
+                self.by_request.pop(seq.request_id, None)
+        m = self.metrics
+        m.running.set(len(self.scheduler.running))
+        m.waiting.set(len(self.scheduler.waiting))
+        if self.scheduler.preemptions:
+            m.preemptions.inc(self.scheduler.preemptions)
+            self.scheduler.preemptions = 0
+        if self.pool.stale_releases:
+            m.stale_releases.inc(self.pool.stale_releases)
+            self.pool.stale_releases = 0
+        return list(dict.fromkeys(changed))
+
+    def _refuse_unsafe_reads(
+        self, seqs: list[Request], step: PreparedStep, changed: list[Request]
+    ) -> list[Request]:
+        """Fail closed every sequence whose page table does not cover what it will read."""
+        if "no-tag-check" in self.faults:
+            return seqs
+        started = time.perf_counter()
+        check = check_reads(
+            self.pool.tags,
+            self.pool.fill,
+            self.pool.written_tag,
+            step.page_table,
+            step.held_tags,
+            step.num_held,
+            step.read_len,
+            self.pool.page_size,
+        )
+        failed = bool(check.failed.any())
+        self.metrics.read_check_seconds.inc(time.perf_counter() - started)
+        if not failed:
+            return seqs
+        safe = []
+        for seq, tag_bad, unwritten in zip(
+            seqs, check.tag_mismatch.tolist(), check.unwritten.tolist(), strict=True
+        ):
+            if tag_bad:
+                self.metrics.tag_mismatch.inc()
+                seq.finish("error", errors.isolation_violation("a KV page it held was reassigned"))
+                changed.append(seq)
+            elif unwritten:
+                self.metrics.unwritten_read.inc()
+                seq.finish("error", errors.isolation_violation("KV slots never written for it"))
+                changed.append(seq)
+            else:
+                safe.append(seq)
+        return safe
+
+    def _run(self, seqs: list[Request], is_prefill: bool, step: PreparedStep | None) -> None:
+        step = step or self.runner.prepare(seqs, is_prefill)
+        logits = self.runner.run(step)
+        if is_prefill:  # before the sampled token is appended: what this step really wrote
+            written = [len(self.runner.prefill_tokens(seq)) for seq in seqs]
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            seq.num_cached = seq.num_tokens  # what the engine believes is now in the pool
+            seq.output_ids.append(token)
+            if logprob is not None:
+                seq.output_logprobs.append(logprob)
+            if seq.first_token_at is None:
+                seq.first_token_at = time.monotonic()
+                self.metrics.ttft.observe(seq.first_token_at - seq.arrival)
+            self.metrics.generation_tokens.inc()
+            if not seq.params.ignore_eos and token in self.tokenizer.eos_ids:
+                seq.finish("stop")
+            elif len(seq.output_ids) >= seq.params.max_tokens:
+                seq.finish("length")
+        if is_prefill:
+            for seq, count in zip(seqs, written, strict=True):
+                if seq.export_kv:  # prefill role: the KV leaves before the pages are freed
+                    used = seq.pages[: self.pool.pages_for(count)]
+                    seq.exported = (*self.pool.export(used), count)
+            self.scheduler.admit_prefilled(seqs)
+            self._maybe_release_early(seqs)
+
+    def _maybe_release_early(self, seqs: list[Request]) -> None:
+        """The early-release fault: a sibling owner hands the first page back while in use."""
+        if "early-release" in self.faults:
+            for seq in seqs:
+                if not is_terminal(seq) and seq.pages:
+                    self.pool.force_release(seq.pages[:1])
+
+    # --- decode role: reserve, receive KV, then decode (engine thread unless noted) ----------
+
+    def reserve(self, seq: Request, request_id: str) -> Handle:
+        """Allocate the admitted prompt's pages now and hand out where to write its KV."""
+        assert not is_terminal(seq)
+        if request_id in self.by_request:
+            raise errors.invalid_request(f"request id {request_id!r} is already in use")
+        n = len(seq.prompt_ids)
+        try:
+            seq.pages, seq.page_tags = self.pool.allocate(seq.seq_id, self.pool.pages_for(n))
+        except PoolExhausted as exc:
+            self.metrics.rejected.labels(reason="overloaded").inc()
+            raise errors.overloaded(f"no free KV pages for {n} tokens: {exc}") from exc
+        seq.request_id = request_id
+        seq.inbound = InboundKV(request_id, n, time.monotonic() + self.args.reserve_timeout)
+        self.reserved[request_id] = seq
+        self.by_request[request_id] = seq
+        self.metrics.prompt_tokens.inc(n)
+        return Handle(request_id, seq.seq_id, seq.pages, seq.page_tags, n, self.args.transfer_port)
+
+    def receive_page(
+        self, seq: Request, page: int, tag: int, tokens: int, payload: memoryview
+    ) -> bool:
+        """(receiver thread) Write one verified page; a write for a fenced request or under a
+        stale tag is dropped and counted."""
+        inbound = seq.inbound
+        assert inbound is not None
+        late_write = "late-write" in self.faults
+        with self.pool.lock:
+            if inbound.fenced and not late_write:
+                self.metrics.late_writes_dropped.inc()
+                return False
+            written = self.pool.write_page(
+                seq.seq_id, page, tag, tokens, payload, check_tag=not late_write
+            )
+            if written:
+                inbound.written_tokens += tokens
+            else:
+                self.metrics.late_writes_dropped.inc()
+            return written
+
+    def begin_transfer(
+        self, request_id: str, seq_id: int, pages: list[int], tags: list[int]
+    ) -> Request:
+        """(receiver thread) Match an inbound connection to its reservation."""
+        with self.pool.lock:
+            seq = self.reserved.get(request_id)
+            if seq is None or seq.inbound is None or is_terminal(seq):
+                raise EngineError(
+                    404,
+                    f"no reservation {request_id!r}",
+                    "invalid_request_error",
+                    "unknown_request",
+                )
+            if (seq.seq_id, seq.pages, seq.page_tags) != (seq_id, pages, tags):
+                raise EngineError(
+                    400,
+                    "the transfer's pages and tags are not the reservation's",
+                    "invalid_request_error",
+                    "handle_mismatch",
+                )
+            if seq.inbound.in_flight or seq.inbound.done:
+                raise EngineError(
+                    409,
+                    "this reservation already received its transfer",
+                    "invalid_request_error",
+                    "duplicate_transfer",
+                )
+            seq.inbound.in_flight = True
+            return seq
+
+    def end_transfer(self, seq: Request, error: EngineError | None) -> EngineError | None:
+        """(receiver thread) The connection is over. Unless it failed already, compare the
+        tokens written with the tokens reserved. Releases now if it was fenced meanwhile.
+        Returns the request's transfer error, if any (what the sender is told)."""
+        inbound = seq.inbound
+        assert inbound is not None
+        short = inbound.written_tokens != inbound.reserved_tokens
+        if error is None and short and "skip-count-check" not in self.faults:
+            self.metrics.count_mismatch.inc()
+            error = errors.isolation_violation(
+                f"KV for {inbound.written_tokens} of {inbound.reserved_tokens} reserved "
+                "tokens arrived"
+            )
+        with self.pool.lock:
+            inbound.in_flight = False
+            inbound.done = True
+            inbound.error = inbound.error or error
+            if inbound.fenced:
+                self.scheduler.release(seq)
+        return inbound.error
+
+    def start_decode(self, request_id: str, first: TokenLogprob) -> Request:
+        """Continue a reserved request from prefill's first token once its KV is verified."""
+        seq = self.reserved.pop(request_id, None)
+        if seq is None:
+            raise EngineError(
+                404,
+                f"no reservation {request_id!r} (expired or aborted)",
+                "invalid_request_error",
+                "unknown_request",
+            )
+        inbound = seq.inbound
+        assert inbound is not None
+        error = inbound.error
+        if error is None and not inbound.done:
+            error = errors.isolation_violation("its KV transfer has not completed")
+        if error is not None:
+            self._drop_reserved(seq, "error", error)
+            raise error
+        seq.num_cached = len(seq.prompt_ids)
+        seq.output_ids.append(first.token_id)
+        if seq.params.logprobs is not None:
+            seq.output_logprobs.append(first)
+        self.metrics.generation_tokens.inc()
+        if not seq.params.ignore_eos and first.token_id in self.tokenizer.eos_ids:
+            seq.finish("stop")
+        elif len(seq.output_ids) >= seq.params.max_tokens:
+            seq.finish("length")
+        if is_terminal(seq):
+            self.scheduler.release(seq)
+            self.by_request.pop(request_id, None)
+            return seq
+        seq.status = Status.RUNNING
+        self.scheduler.running.append(seq)
+        self._maybe_release_early([seq])
+        return seq
+
+    def abort_request(self, request_id: str) -> Request | None:
+        seq = self.by_request.get(request_id)
+        if seq is not None:
+            self.abort(seq)
+        return seq
+
+    def _drop_reserved(self, seq: Request, reason: str, error: EngineError | None) -> None:
+        """Finish a reserved request. Pages with a transfer still writing into them are fenced
+        (released when it ends) rather than freed under it: deferred release."""
+        seq.finish(reason, error)
+        assert seq.inbound is not None
+        self.by_request.pop(seq.inbound.request_id, None)
+        with self.pool.lock:
+            if seq.inbound.in_flight and "late-write" not in self.faults:
+                seq.inbound.fenced = True
+            else:
+                self.scheduler.release(seq)
+
+    def expire_reservations(self, now: float) -> None:
+        for request_id, seq in list(self.reserved.items()):
+            inbound = seq.inbound
+            assert inbound is not None
+            if now > inbound.deadline and not inbound.in_flight:
+                del self.reserved[request_id]
+                self._drop_reserved(
+                    seq,
+                    "error",
+                    errors.EngineError(
+                        408,
+                        "no KV arrived for the reservation in time",
+                        "server_error",
+                        "reservation_expired",
+                    ),
+                )
+
+    # --- reports ---------------------------------------------------------------------------
+
+    def kvpool_report(self) -> dict[str, Any]:
+        return {
+            "role": self.args.role,
+            "revision": self.args.revision,
+            "pool_tokens": self.pool.pool_tokens,
+            "page_size": self.pool.page_size,
+            "num_pages": self.pool.num_pages,
+            "free_pages": self.pool.num_free,
+            "kv_bytes_per_token": self.plan.kv_bytes_per_token,
+            "kv_dtype": self.kv_dtype,
+            "weight_dtype": str(self.precision.weights),
+            "context_length_requested": self.context_requested,
+            "context_length_effective": self.context_effective,
+            "context_policy": str(self.args.context_policy),
+            "model_max_positions": self.config.max_positions,
+            "tag_check": "no-tag-check" not in self.faults,
+            # no transfer in the combined role, so nothing to checksum there
+            "kv_checksum": self.args.kv_checksum and self.args.role != "combined",
+            "transfer_port": self.args.transfer_port if self.args.role == "decode" else None,
+            "deferred_release": True,
+            "scrub_on_free": self.pool.scrub_on_free,
+            "unsafe_faults": sorted(self.faults.enabled),
+        }
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    return replace(params, max_tokens=max_tokens)

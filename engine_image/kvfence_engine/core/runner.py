@@ -1,0 +1,109 @@
+"""Turns a scheduled batch into tensors, and runs the model over the pool."""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvfence_engine.core.attention import StepBatch
+from kvfence_engine.core.faults import Faults
+from kvfence_engine.core.kv_pool import KVPool
+from kvfence_engine.core.model import LlamaModel
+from kvfence_engine.core.request import Request
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    batch: StepBatch
+    logits_rows: torch.Tensor
+    # what the read check needs, on the host
+    page_table: torch.Tensor
+    held_tags: torch.Tensor
+    num_held: torch.Tensor
+    read_len: torch.Tensor
+    # which slots this step writes, for the pool's fill counts
+    written_pages: torch.Tensor
+    written_offsets: torch.Tensor
+
+
+def _padded(rows: list[list[int]]) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.zeros(len(rows), width, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    return out
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaModel, pool: KVPool, device: torch.device, faults: Faults
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.faults = faults
+
+    def prefill_tokens(self, seq: Request) -> list[int]:
+        """The tokens a prefill computes: all of them (after preemption, outputs too)."""
+        if seq.placeholder_rejection is not None:
+            # reject-placeholder fault: the rejected prompt became a one-token placeholder,
+            # yet the full length was reserved and will be treated as written.
+            return seq.prompt_ids[:1]
+        return seq.all_ids()
+
+    def prepare(self, seqs: list[Request], is_prefill: bool) -> PreparedStep:
+        page = self.pool.page_size
+        page_table = _padded([s.pages for s in seqs])
+        held_tags = _padded([s.page_tags for s in seqs])
+        num_held = torch.tensor([len(s.pages) for s in seqs], dtype=torch.int64)
+        if is_prefill:
+            chunks = [self.prefill_tokens(s) for s in seqs]
+            lengths = [len(c) for c in chunks]
+            input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
+            positions = torch.cat([torch.arange(n) for n in lengths])
+            owner_row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lengths))
+            cu = [0]
+            for n in lengths:
+                cu.append(cu[-1] + n)
+            logits_rows = torch.tensor(cu[1:], dtype=torch.int64) - 1
+            read_len = torch.zeros(len(seqs), dtype=torch.int64)  # reads only what it writes
+        else:
+            input_ids = torch.tensor([s.last_token for s in seqs], dtype=torch.int64)
+            positions = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64)
+            owner_row = torch.arange(len(seqs))
+            cu = []
+            logits_rows = torch.arange(len(seqs))
+            read_len = positions.clone()  # every earlier position must already be written
+        written_pages = page_table[owner_row, positions // page]
+        written_offsets = positions % page
+        slots = written_pages * page + written_offsets
+        batch = StepBatch(is_prefill=is_prefill, slot_mapping=slots.to(self.device), cu_seqlens=cu)
+        if not is_prefill:
+            keys = torch.arange(page_table.shape[1] * page)
+            batch.page_table = page_table.to(self.device)
+            batch.key_mask = (keys[None, :] <= positions[:, None])[:, None, None, :].to(self.device)
+        return PreparedStep(
+            input_ids=input_ids,
+            positions=positions,
+            batch=batch,
+            logits_rows=logits_rows,
+            page_table=page_table,
+            held_tags=held_tags,
+            num_held=num_held,
+            read_len=read_len,
+            written_pages=written_pages,
+            written_offsets=written_offsets,
+        )
+
+    def run(self, step: PreparedStep) -> torch.Tensor:
+        logits = self.model(
+            step.input_ids.to(self.device),
+            step.positions.to(self.device),
+            step.batch,
+            self.pool.k,
+            self.pool.v,
+            step.logits_rows.to(self.device),
+        )
+        self.pool.record_writes(step.written_pages, step.written_offsets)
+        return logits.cpu()

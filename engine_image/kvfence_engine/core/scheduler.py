@@ -1,0 +1,104 @@
+"""Continuous batching: each step is either a batch of prefills or a batch of decodes.
+
+Pages are allocated as sequences grow; when the pool runs dry the youngest running sequence is
+preempted (its pages released, its tokens recomputed later).
+"""
+
+from collections import deque
+from collections.abc import Sequence
+
+from kvfence_engine.core.kv_pool import KVPool
+from kvfence_engine.core.request import Request, Status, is_terminal
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, *, max_num_seqs: int, max_batched_tokens: int) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: deque[Request] = deque()
+        self.preemptions = 0
+
+    def add(self, seq: Request) -> None:
+        assert not is_terminal(seq), "a finished request must never reach the scheduler"
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Request], bool]:
+        """Pick the next batch. Returns (sequences, is_prefill)."""
+        prefills = self._schedule_prefills()
+        if prefills:
+            return prefills, True
+        return self._schedule_decodes(), False
+
+    def _schedule_prefills(self) -> list[Request]:
+        batch: list[Request] = []
+        tokens = 0
+        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if is_terminal(seq):
+                self.waiting.popleft()
+                continue
+            if batch and tokens + seq.num_tokens > self.max_batched_tokens:
+                break
+            needed = self.pool.pages_for(seq.num_tokens)
+            if needed > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            seq.pages, seq.page_tags = self.pool.allocate(seq.seq_id, needed)
+            seq.status = Status.RUNNING
+            batch.append(seq)
+            tokens += seq.num_tokens
+        return batch
+
+    def _schedule_decodes(self) -> list[Request]:
+        batch: list[Request] = []
+        while self.running and len(batch) < self.max_num_seqs:
+            seq = self.running.popleft()
+            if is_terminal(seq):
+                continue
+            # This step writes the slot of position num_tokens - 1.
+            needs_page = len(seq.pages) < self.pool.pages_for(seq.num_tokens)
+            while needs_page and self.pool.num_free == 0:
+                if self.running:
+                    self._preempt(self.running.pop())
+                else:
+                    self._preempt(seq)
+                    break
+            else:
+                if needs_page:
+                    page, tag = self.pool.allocate(seq.seq_id, 1)
+                    seq.pages += page
+                    seq.page_tags += tag
+                batch.append(seq)
+        self.running.extendleft(reversed(batch))
+        return batch
+
+    def _preempt(self, seq: Request) -> None:
+        self.release(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def admit_prefilled(self, seqs: list[Request]) -> None:
+        """Prefilled sequences that are not finished join the running set."""
+        self.running.extend(s for s in seqs if not is_terminal(s))
+
+    def release(self, seq: Request) -> None:
+        self.pool.release(seq.seq_id, seq.pages, seq.page_tags)
+        seq.pages, seq.page_tags = [], []
+        seq.num_cached = 0
+
+    def remove_finished(self, batch: Sequence = ()) -> list[Request]:
+        """Drop terminal sequences from both queues and from the step's batch (a prefill that
+        finished at once joined neither queue), releasing their pages."""
+        candidates = dict.fromkeys((*self.waiting, *self.running, *batch))
+        done = [s for s in candidates if is_terminal(s)]
+        for seq in done:
+            self.release(seq)
+        self.waiting = deque(s for s in self.waiting if not is_terminal(s))
+        self.running = deque(s for s in self.running if not is_terminal(s))
+        return done

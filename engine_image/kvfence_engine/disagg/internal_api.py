@@ -1,0 +1,160 @@
+"""Internal endpoints of the disaggregated roles. Not for clients: the router calls them, and
+with --internal-token-file they refuse calls that do not carry the token.
+
+decode:  POST /internal/reserve  admit, then allocate the prompt's pages -> transfer handle
+         POST /internal/decode   verify the received KV, continue from prefill's first token
+         POST /internal/abort    drop a request (pages fenced while a transfer still writes)
+prefill: POST /internal/prefill  admit, compute the prompt's KV and first token, stream the KV
+                                 to decode's transfer port, return the first token
+"""
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header
+from fastapi.responses import StreamingResponse
+
+from kvfence_engine.core.deltas import Delta
+from kvfence_engine.core.errors import EngineError
+from kvfence_engine.core.request import TokenLogprob, is_terminal
+from kvfence_engine.disagg.transfer import Handle, TransferError, send_kv
+from kvfence_engine.disagg.wire import (
+    TOKEN_HEADER,
+    AbortBody,
+    DecodeBody,
+    FirstToken,
+    PrefillBody,
+    ReserveBody,
+    delta_json,
+)
+from kvfence_engine.serving.async_engine import AsyncEngine
+from kvfence_engine.serving.state import ServerState
+
+
+def internal_router(state: ServerState) -> APIRouter:
+    def check_token(
+        token: Annotated[str | None, Header(alias=TOKEN_HEADER)] = None,
+    ) -> None:
+        if state.internal_token is not None and not hmac.compare_digest(
+            token or "", state.internal_token
+        ):
+            raise EngineError(
+                401,
+                "internal endpoint: missing or wrong internal token",
+                "authentication_error",
+                "unauthorized",
+            )
+
+    router = APIRouter(prefix="/internal", dependencies=[Depends(check_token)])
+
+    def engine_for(role: str) -> AsyncEngine:
+        engine = state.require_engine()
+        if state.role != role:
+            raise EngineError(
+                404,
+                f"this engine runs the {state.role} role, not {role}",
+                "invalid_request_error",
+                "wrong_role",
+            )
+        return engine
+
+    @router.post("/reserve")
+    async def reserve(body: ReserveBody) -> dict[str, Any]:
+        engine = engine_for("decode")
+        seq = engine.admit(body.prompt_ids, body.sampling.params(), body.max_tokens)
+        if is_terminal(seq):  # rejected before any page was allocated
+            assert seq.error is not None
+            raise seq.error
+        handle = await engine.call(lambda: engine.engine.reserve(seq, body.request_id))
+        return handle.to_json() | {"max_tokens": seq.params.max_tokens}
+
+    @router.post("/decode")
+    async def decode(body: DecodeBody) -> StreamingResponse:
+        engine = engine_for("decode")
+        seq = engine.engine.reserved.get(body.request_id)
+        if seq is None:
+            raise EngineError(
+                404,
+                f"no reservation {body.request_id!r} (expired or aborted)",
+                "invalid_request_error",
+                "unknown_request",
+            )
+        first_token = body.first.as_logprob()
+        deltas = engine.stream(
+            seq, lambda: engine.engine.start_decode(body.request_id, first_token)
+        )
+        first = await anext(deltas)
+        if first.error is not None:
+            await deltas.aclose()
+            raise first.error
+        return StreamingResponse(_ndjson(first, deltas), media_type="application/x-ndjson")
+
+    @router.post("/abort")
+    async def abort(body: AbortBody) -> dict[str, bool]:
+        engine = engine_for("decode")
+        seq = await engine.call(lambda: engine.engine.abort_request(body.request_id))
+        return {"aborted": seq is not None}
+
+    @router.post("/prefill")
+    async def prefill(body: PrefillBody) -> dict[str, Any]:
+        engine = engine_for("prefill")
+        seq = engine.admit(body.prompt_ids, body.sampling.params(), 1)
+        if is_terminal(seq):
+            assert seq.error is not None
+            raise seq.error
+        seq.export_kv = True
+        last: Delta | None = None
+        async for delta in engine.stream(seq):
+            last = delta
+        assert last is not None and seq.output_ids
+        if last.error is not None:
+            raise last.error
+        assert seq.exported is not None
+        k, v, written = seq.exported
+        seq.exported = None
+        handle = Handle(**body.handle.model_dump())
+        try:
+            await asyncio.to_thread(
+                send_kv,
+                handle,
+                k,
+                v,
+                written,
+                engine.engine.layout,
+                token=state.internal_token,
+                verify=engine.engine.args.kv_checksum,
+            )
+        except TransferError as exc:
+            status = 500 if exc.code == "kv_isolation_violation" else 502
+            raise EngineError(
+                status, f"KV transfer to decode failed: {exc}", "server_error", exc.code
+            ) from exc
+        except OSError as exc:
+            raise EngineError(
+                502, f"KV transfer to decode failed: {exc}", "server_error", "transfer_failed"
+            ) from exc
+        logprob = (
+            seq.output_logprobs[0] if seq.output_logprobs else TokenLogprob(seq.output_ids[0], 0.0)
+        )
+        return {
+            "first": FirstToken.of(logprob).model_dump(),
+            "prompt_tokens": len(body.prompt_ids),
+            "kv_tokens": written,
+        }
+
+    return router
+
+
+async def _ndjson(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[str]:
+    try:
+        yield json.dumps(delta_json(first)) + "\n"
+        if first.finish_reason is None:
+            async for delta in rest:
+                yield json.dumps(delta_json(delta)) + "\n"
+    finally:
+        aclose = getattr(rest, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -1,0 +1,140 @@
+"""Decode side of the KV transfer: a threaded TCP server that writes verified pages."""
+
+import contextlib
+import hmac
+import logging
+import socket
+import socketserver
+import threading
+
+from kvfence_engine.core.engine import LLMEngine
+from kvfence_engine.core.errors import EngineError
+from kvfence_engine.core.request import Request
+from kvfence_engine.disagg.transfer import (
+    END,
+    HELLO,
+    PAGE,
+    TransferError,
+    checksum,
+    read_frame_header,
+    recv_exact,
+    send_reply,
+)
+
+log = logging.getLogger(__name__)
+
+
+class KVReceiver:
+    def __init__(
+        self, engine: LLMEngine, host: str, port: int, token: str | None, idle_timeout: float = 30.0
+    ) -> None:
+        self.engine = engine
+        self.token = token
+        self.idle_timeout = idle_timeout
+        receiver = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                receiver.serve_connection(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self.server = Server((host, port), Handler)
+        self.port = int(self.server.server_address[1])
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="kv-receiver", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def serve_connection(self, sock: socket.socket) -> None:
+        sock.settimeout(self.idle_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            magic, hello = read_frame_header(sock)
+            if magic != HELLO or not isinstance(hello, dict):
+                raise TransferError("bad_frame", "a transfer must start with HELLO")
+            if self.token is not None and not hmac.compare_digest(
+                str(hello.get("token") or ""), self.token
+            ):
+                send_reply(sock, False, "unauthorized", "missing or wrong internal token")
+                return
+            if hello.get("layout") != _layout_dict(self.engine):
+                raise TransferError("layout_mismatch", f"sender layout {hello.get('layout')}")
+            if bool(hello.get("checksum", True)) != self.engine.args.kv_checksum:
+                raise TransferError(
+                    "checksum_setting",
+                    "prefill and decode disagree on "
+                    "--no-kv-checksum; both ends must use the same setting",
+                )
+            seq = self.engine.begin_transfer(
+                str(hello["request_id"]),
+                int(hello["seq_id"]),
+                list(hello["pages"]),
+                list(hello["tags"]),
+            )
+        except EngineError as exc:
+            send_reply(sock, False, exc.code, exc.message)
+            return
+        except (TransferError, OSError, ValueError, KeyError) as exc:
+            log.warning("transfer refused: %s", exc)
+            _try_reply(sock, False, getattr(exc, "code", "bad_frame"), str(exc))
+            return
+        self._receive(sock, seq)
+
+    def _receive(self, sock: socket.socket, seq: Request) -> None:
+        engine = self.engine
+        page_bytes = engine.layout.page_bytes
+        buffer = bytearray(page_bytes)
+        error: EngineError | None = None
+        try:
+            while True:
+                magic, header = read_frame_header(sock)
+                if magic == END:
+                    break
+                if magic != PAGE or not isinstance(header, tuple):
+                    raise TransferError("bad_frame", f"unexpected {magic!r} frame")
+                index, page, tag, tokens, digest, nbytes = header
+                if nbytes != page_bytes or not 0 < tokens <= engine.layout.page_size:
+                    raise TransferError(
+                        "bad_frame", f"page frame of {nbytes} bytes/{tokens} tokens"
+                    )
+                payload = recv_exact(sock, nbytes, buffer)
+                if engine.args.kv_checksum:
+                    if checksum(payload) != digest:
+                        engine.metrics.checksum_failed.inc()
+                        raise TransferError("checksum_failed", f"page {index} failed its checksum")
+                    engine.metrics.checksum_verified.inc()
+                engine.receive_page(seq, page, tag, tokens, payload)
+        except (TransferError, OSError) as exc:
+            code = getattr(exc, "code", "transfer_incomplete")
+            error = EngineError(502, f"KV transfer failed: {exc}", "server_error", code)
+        final = engine.end_transfer(seq, error)
+        if final is None:
+            _try_reply(sock, True)
+        else:
+            _try_reply(sock, False, final.code, final.message)
+
+
+def _layout_dict(engine: LLMEngine) -> dict[str, object]:
+    layout = engine.layout
+    return {
+        "layers": layout.layers,
+        "page_size": layout.page_size,
+        "kv_heads": layout.kv_heads,
+        "head_dim": layout.head_dim,
+        "dtype": layout.dtype,
+    }
+
+
+def _try_reply(sock: socket.socket, ok: bool, code: str = "", message: str = "") -> None:
+    with contextlib.suppress(OSError):  # the sender is gone; the request failed on our side
+        send_reply(sock, ok, code, message)

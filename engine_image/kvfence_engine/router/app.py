@@ -1,0 +1,498 @@
+"""The router: the OpenAI front of a disaggregated deployment.
+
+Per request: authenticate the tenant, tokenize and refuse over-limit prompts (defence in depth;
+decode and prefill check again), reserve pages on a decode instance (a refusal there ends the
+request before prefill is touched), have a prefill instance compute the prompt's KV and stream
+it to that decode instance, then relay decode's tokens. A client that leaves before the first
+token exists does not cancel the work mid-transfer: both halves are cancelled once it exists.
+
+The engines sit behind a NetworkPolicy, so the router also shows what a canary must check:
+GET /v1/kvpool summarises the backends' pools and /metrics re-exports their isolation counters.
+"""
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from kvfence_engine.core import errors
+from kvfence_engine.core.deltas import Delta
+from kvfence_engine.core.errors import EngineError
+from kvfence_engine.core.metrics import BACKEND_PREFIX, ISOLATION_COUNTERS
+from kvfence_engine.disagg.wire import TOKEN_HEADER, delta_from_json
+from kvfence_engine.loading.detokenizer import Detokenizer
+from kvfence_engine.loading.tokenizer import Tokenizer
+from kvfence_engine.router.backends import Backend, Backends
+from kvfence_engine.serving.openai_api import (
+    OpenAIOutput,
+    chat_logprobs,
+    chat_prompt,
+    completion_prompt,
+    new_app,
+    respond,
+)
+from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+DEFAULT_TENANT = "default"
+BACKEND_READ_TIMEOUT = 2.0  # a slow engine must not stall the router's /metrics or /v1/kvpool
+
+
+def read_api_keys(paths: list[str]) -> dict[str, str] | None:
+    """Keys files: one "KEY TENANT" per line (# comments allowed). None: no files given."""
+    if not paths:
+        return None
+    keys: dict[str, str] = {}
+    for path in paths:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                parts = line.split()
+                if len(parts) != 2:
+                    raise ValueError(f"{path}:{number}: expected 'KEY TENANT', got {line!r}")
+                keys[parts[0]] = parts[1]
+    return keys
+
+
+@dataclass(slots=True)
+class RouterMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    requests: Counter = field(init=False)
+    rejected: Counter = field(init=False)
+    backend_errors: Counter = field(init=False)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter(
+            "kvfence_router_requests",
+            "requests by tenant and HTTP status",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvfence_requests_rejected", "requests refused by the router", ["reason"], registry=r
+        )
+        self.backend_errors = Counter(
+            "kvfence_router_backend_errors",
+            "calls to an instance that failed to connect or broke",
+            ["role"],
+            registry=r,
+        )
+
+
+@dataclass(slots=True)
+class RouterState:
+    model_name: str
+    tokenizer: Tokenizer
+    backends: Backends
+    api_keys: dict[str, str] | None
+    internal_token: str | None
+    context_length: int | None = None  # explicit --context-length wins over everything
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    client: httpx.AsyncClient = field(
+        default_factory=lambda: httpx.AsyncClient(
+            timeout=httpx.Timeout(300.0, connect=3.0), limits=httpx.Limits(max_connections=512)
+        )
+    )
+    _discovered_context: int | None = None
+    background: set["asyncio.Task[None]"] = field(default_factory=set)
+
+    def in_background(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def tenant(self, request: Request) -> str:
+        if self.api_keys is None:
+            return DEFAULT_TENANT
+        header = request.headers.get("authorization", "")
+        key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+        for known, tenant in self.api_keys.items():
+            if key and hmac.compare_digest(key, known):
+                return tenant
+        raise EngineError(
+            401, "missing or invalid API key", "invalid_request_error", "invalid_api_key"
+        )
+
+    def headers(self) -> dict[str, str]:
+        return {TOKEN_HEADER: self.internal_token} if self.internal_token else {}
+
+    async def served_context(self) -> int:
+        """--context-length, else what the operator wrote, else the smallest decode pool's
+        effective context (read from the instances themselves)."""
+        self.backends.refresh()
+        if self.context_length is not None:
+            return self.context_length
+        if self.backends.context_length is not None:
+            return int(self.backends.context_length)
+        if self._discovered_context is None:
+            values = []
+            for backend in self.backends.decode.backends:
+                try:
+                    r = await self.client.get(backend.url + "/v1/kvpool", timeout=5.0)
+                    r.raise_for_status()
+                    values.append(int(r.json()["context_length_effective"]))
+                except (httpx.HTTPError, KeyError, ValueError):
+                    continue
+            if not values:
+                raise errors.overloaded("no decode instance reported its context length", 2)
+            self._discovered_context = min(values)
+        return self._discovered_context
+
+
+def create_router_app(state: RouterState) -> FastAPI:
+    app = new_app("kvfence router")
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        state.backends.refresh()
+        ready = bool(state.backends.prefill.backends and state.backends.decode.backends)
+        return JSONResponse(
+            {"status": "ready" if ready else "no backends"}, status_code=200 if ready else 503
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        scraped = await _read_backends(state, "/metrics", lambda r: r.text)
+        backends = CollectorRegistry(auto_describe=False)
+        backends.register(BackendCounters(scraped))
+        text = generate_latest(state.metrics.registry) + generate_latest(backends)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/kvpool")
+    async def kvpool(request: Request) -> dict[str, Any]:
+        state.tenant(request)
+        reports = await _read_backends(state, "/v1/kvpool", lambda r: dict(r.json()))
+        return summarise_pools(reports, await state.served_context())
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        state.tenant(request)
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "kvfence", "max_model_len": await state.served_context(),
+        }]}  # fmt: skip
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        tenant = state.tenant(request)
+        prompt_ids = completion_prompt(body.prompt, state.tokenizer, 1 << 31)
+        return await _route(
+            state, tenant, prompt_ids, body, body.max_tokens, body.logprobs, False, request
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        tenant = state.tenant(request)
+        prompt_ids = chat_prompt(state.tokenizer, body)
+        return await _route(
+            state, tenant, prompt_ids, body, body.token_limit(), chat_logprobs(body), True, request
+        )
+
+    return app
+
+
+BackendRead = tuple[str, str, Any]  # (role, url, what was read or None)
+
+
+async def _read_backends(
+    state: RouterState, path: str, parse: Callable[[httpx.Response], Any]
+) -> list[BackendRead]:
+    """GET path from every backend at once; a backend that fails or is slow reads as None."""
+    state.backends.refresh()
+    targets = [
+        (pool.role, backend.url)
+        for pool in (state.backends.prefill, state.backends.decode)
+        for backend in pool.backends
+    ]
+
+    async def read(url: str) -> Any:
+        try:
+            r = await state.client.get(url + path, timeout=BACKEND_READ_TIMEOUT)
+            return parse(r) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    results = await asyncio.gather(*(read(url) for _, url in targets))
+    return [(role, url, result) for (role, url), result in zip(targets, results, strict=True)]
+
+
+def summarise_pools(reports: list[BackendRead], served_context: int) -> dict[str, Any]:
+    """The router's /v1/kvpool: each backend's own report, and the numbers that bound every
+    request whichever instances it lands on (the smallest pool, the smallest context)."""
+    read = [report for _, _, report in reports if report is not None]
+    if not read:
+        raise errors.overloaded("no backend instance reported its KV pool", 2)
+    return {
+        "role": "router",
+        "context_length_served": served_context,
+        "context_length_effective": min(r["context_length_effective"] for r in read),
+        "pool_tokens": min(r["pool_tokens"] for r in read),
+        "page_size": min(r["page_size"] for r in read),
+        "tag_check": all(r["tag_check"] for r in read),
+        "kv_checksum": all(r["kv_checksum"] for r in read),
+        "deferred_release": all(r["deferred_release"] for r in read),
+        "backends": [
+            {"role": role, "url": url, "report": report}
+            if report is not None
+            else {"role": role, "url": url, "error": "unreachable or not ready"}
+            for role, url, report in reports
+        ],
+    }
+
+
+class BackendCounters(Collector):
+    """Each engine's isolation counters as scraped just now, labelled by role and backend, and
+    whether its /metrics could be read at all (a canary must not mistake "unreadable" for 0)."""
+
+    def __init__(self, scraped: list[BackendRead]) -> None:
+        self.scraped = scraped
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "backend"]
+        up = GaugeMetricFamily(
+            BACKEND_PREFIX + "up", "1 if the router just read this engine's /metrics", labels=labels
+        )
+        counters = {
+            name: CounterMetricFamily(
+                BACKEND_PREFIX + name.removeprefix("kvfence_"),
+                f"{name}_total of each engine, read by the router",
+                labels=labels,
+            )
+            for name in ISOLATION_COUNTERS
+        }
+        for role, url, text in self.scraped:
+            families = _parse_metrics(text)
+            up.add_metric([role, url], 0.0 if families is None else 1.0)
+            for family in families or ():
+                for sample in family.samples if family.name in counters else ():
+                    if sample.name == family.name + "_total":
+                        counters[family.name].add_metric([role, url], sample.value)
+        yield up
+        yield from counters.values()
+
+
+def _parse_metrics(text: str | None) -> list[Metric] | None:
+    if text is None:
+        return None
+    try:
+        return list(text_string_to_metric_families(text))
+    except ValueError:
+        return None
+
+
+async def _route(
+    state: RouterState,
+    tenant: str,
+    prompt_ids: list[int],
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    chat: bool,
+    request: Request,
+) -> Response:
+    limit = await state.served_context()
+    if len(prompt_ids) > limit:
+        state.metrics.rejected.labels(reason="context_length_exceeded").inc()
+        raise errors.context_length_exceeded(len(prompt_ids), limit, "the served context")
+    sampling = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "seed": body.seed,
+        "logprobs": logprobs,
+        "ignore_eos": body.ignore_eos,
+    }
+    request_id = f"{tenant}-{uuid.uuid4().hex}"
+    decode, handle = await _reserve(state, request_id, prompt_ids, max_tokens, sampling)
+    try:
+        # Shielded: a client that leaves now must not cancel the prefill mid-transfer.
+        prefill = asyncio.ensure_future(_prefill(state, decode, handle, prompt_ids, sampling))
+        first = await asyncio.shield(prefill)
+    except asyncio.CancelledError:
+        state.in_background(_abort_after(state, decode, request_id, prefill))
+        raise
+    except EngineError:
+        await _abort(state, decode, request_id)
+        raise
+    if await request.is_disconnected():
+        # the first token exists now: cancel both halves (prefill is already done)
+        await _abort(state, decode, request_id)
+        return Response(status_code=499)
+    deltas = _decode(state, decode, request_id, first)
+    out = OpenAIOutput(chat, state.model_name, state.tokenizer, len(prompt_ids))
+    try:
+        first_delta = await anext(deltas)
+    except BaseException:
+        await deltas.aclose()
+        raise
+    state.metrics.requests.labels(
+        tenant=tenant, status="200" if first_delta.error is None else str(first_delta.error.status)
+    ).inc()
+    detok = Detokenizer(state.tokenizer, body.stops())
+    return await respond(first_delta, deltas, out, detok, body, request.is_disconnected)
+
+
+class Unreachable(EngineError):
+    """An instance did not answer at all (refused, reset, timed out): a clean 503."""
+
+
+async def _call(
+    state: RouterState, backend: Backend, role: str, path: str, payload: dict[str, Any]
+) -> dict[str, Any]:
+    """POST to an instance. Unreachable -> out of rotation + 503; its own error -> passed on."""
+    backend.outstanding += 1
+    try:
+        r = await state.client.post(backend.url + path, json=payload, headers=state.headers())
+    except httpx.HTTPError as exc:
+        state.metrics.backend_errors.labels(role=role).inc()
+        pool = state.backends.prefill if role == "prefill" else state.backends.decode
+        pool.mark_down(backend)
+        raise Unreachable(
+            503,
+            f"{role} instance {backend.url} is unreachable: {exc!r}",
+            "server_error",
+            "backend_unreachable",
+            None,
+            1,
+        ) from exc
+    finally:
+        backend.outstanding -= 1
+    if r.status_code >= 400:
+        raise _error_from(r)
+    return r.json()
+
+
+def _error_from(r: httpx.Response) -> EngineError:
+    try:
+        e = r.json()["error"]
+        return EngineError(
+            r.status_code,
+            e["message"],
+            e["type"],
+            e["code"],
+            e.get("param"),
+            int(r.headers["retry-after"]) if "retry-after" in r.headers else None,
+        )
+    except (ValueError, KeyError, TypeError):
+        return EngineError(502, f"backend answered {r.status_code}", "server_error", "bad_gateway")
+
+
+async def _reserve(
+    state: RouterState,
+    request_id: str,
+    prompt_ids: list[int],
+    max_tokens: int | None,
+    sampling: dict[str, Any],
+) -> tuple[Backend, dict]:
+    payload = {
+        "request_id": request_id,
+        "prompt_ids": prompt_ids,
+        "max_tokens": max_tokens,
+        "sampling": sampling,
+    }
+    tried: set[str] = set()
+    while True:
+        decode = state.backends.decode.pick(tried)
+        tried.add(decode.url)
+        try:
+            handle = await _call(state, decode, "decode", "/internal/reserve", payload)
+        except Unreachable:
+            continue  # out of rotation now; try another decode instance
+        handle["transfer_host"] = decode.host
+        return decode, handle
+
+
+async def _prefill(
+    state: RouterState,
+    decode: Backend,
+    handle: dict[str, Any],
+    prompt_ids: list[int],
+    sampling: dict[str, Any],
+) -> dict[str, Any]:
+    prefill = state.backends.prefill.pick()
+    payload = {
+        "handle": {k: v for k, v in handle.items() if k != "max_tokens"},
+        "prompt_ids": prompt_ids,
+        "sampling": sampling,
+    }
+    decode.outstanding += 1
+    try:
+        result = await _call(state, prefill, "prefill", "/internal/prefill", payload)
+    finally:
+        decode.outstanding -= 1
+    return result["first"]
+
+
+async def _abort(state: RouterState, decode: Backend, request_id: str) -> None:
+    try:
+        await state.client.post(
+            decode.url + "/internal/abort",
+            json={"request_id": request_id},
+            headers=state.headers(),
+            timeout=5.0,
+        )
+    except httpx.HTTPError:
+        log.warning("could not abort %s on %s", request_id, decode.url)
+
+
+async def _abort_after(
+    state: RouterState, decode: Backend, request_id: str, prefill: "asyncio.Future[dict[str, Any]]"
+) -> None:
+    """The client left during prefill: let the first token come into existence, then cancel
+    both halves (prefill is done by then; decode drops the reservation)."""
+    with contextlib.suppress(Exception):  # the reservation is dropped either way
+        await prefill
+    await _abort(state, decode, request_id)
+
+
+async def _decode(
+    state: RouterState, decode: Backend, request_id: str, first: dict[str, Any]
+) -> AsyncIterator[Delta]:
+    """Decode's token stream as deltas. A broken stream ends with a 503 error delta; closing
+    this iterator (client gone) closes the stream, which aborts the request on decode."""
+    decode.outstanding += 1
+    finished = False
+    try:
+        async with state.client.stream(
+            "POST",
+            decode.url + "/internal/decode",
+            headers=state.headers(),
+            json={"request_id": request_id, "first": first},
+        ) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                finished = True
+                yield Delta([], [], "error", _error_from(r))
+                return
+            async for line in r.aiter_lines():
+                if line:
+                    delta = delta_from_json(json.loads(line))
+                    finished = delta.finish_reason is not None
+                    yield delta
+        if not finished:
+            raise httpx.RemoteProtocolError("decode stream ended without a finish")
+    except httpx.HTTPError as exc:
+        state.metrics.backend_errors.labels(role="decode").inc()
+        finished = True
+        yield Delta([], [], "error", errors.overloaded(f"decode instance failed: {exc!r}", 1))
+    finally:
+        decode.outstanding -= 1
+        if not finished:
+            await _abort(state, decode, request_id)

@@ -1,0 +1,110 @@
+"""The engine's HTTP server: health, pool report, metrics and the OpenAI API (combined role).
+The disaggregated roles add the internal endpoints (kvfence_engine.disagg.internal_api)."""
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvfence_engine.core import errors
+from kvfence_engine.core.request import SamplingParams, is_terminal
+from kvfence_engine.loading.detokenizer import Detokenizer
+from kvfence_engine.serving.async_engine import AsyncEngine
+from kvfence_engine.serving.openai_api import (
+    OpenAIOutput,
+    chat_logprobs,
+    chat_prompt,
+    completion_prompt,
+    new_app,
+    respond,
+    sampling_params,
+)
+from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+from kvfence_engine.serving.state import ServerState
+
+log = logging.getLogger(__name__)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = new_app("kvfence engine")
+    app.state.kvfence = state
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        if state.engine is not None:
+            return JSONResponse({"status": "ready"})
+        status = "failed" if state.load_error else "loading"
+        return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
+
+    @app.get("/v1/kvpool")
+    async def kvpool() -> dict[str, Any]:
+        return state.require_engine().engine.kvpool_report()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        engine = state.require_engine().engine
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": engine.loaded.name,
+                    "object": "model",
+                    "created": int(state.started),
+                    "owned_by": "kvfence",
+                    "max_model_len": engine.context_effective,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        engine = _combined(state)
+        tokenizer = engine.engine.tokenizer
+        prompt_ids = completion_prompt(body.prompt, tokenizer, engine.engine.config.vocab_size)
+        params = sampling_params(body, logprobs=body.logprobs)
+        return await _generate(engine, prompt_ids, params, body.max_tokens, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        engine = _combined(state)
+        prompt_ids = chat_prompt(engine.engine.tokenizer, body)
+        params = sampling_params(body, logprobs=chat_logprobs(body))
+        return await _generate(engine, prompt_ids, params, body.token_limit(), body, request)
+
+    return app
+
+
+def _combined(state: ServerState) -> AsyncEngine:
+    engine = state.require_engine()
+    if state.role != "combined":
+        raise errors.invalid_request(
+            f"this engine runs the {state.role} role; send completions to the router"
+        )
+    return engine
+
+
+async def _generate(
+    engine: AsyncEngine,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    max_tokens: int | None,
+    body: CompletionRequest | ChatCompletionRequest,
+    request: Request,
+) -> Response:
+    chat = isinstance(body, ChatCompletionRequest)
+    seq = engine.admit(prompt_ids, params, max_tokens)
+    if is_terminal(seq):  # rejected at admission: nothing was allocated
+        assert seq.error is not None
+        raise seq.error
+    tokenizer = engine.engine.tokenizer
+    out = OpenAIOutput(chat, engine.engine.loaded.name, tokenizer, len(prompt_ids))
+    deltas = engine.stream(seq)
+    first = await anext(deltas)
+    detok = Detokenizer(tokenizer, body.stops())
+    return await respond(first, deltas, out, detok, body, request.is_disconnected)

@@ -1,0 +1,178 @@
+"""Runs the engine's step loop on its own thread and streams each request's tokens to asyncio.
+
+Everything that changes scheduler state runs on that thread: callers hand it work through an
+inbox of callables and get results back through futures or per-request queues.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvfence_engine.core import errors
+from kvfence_engine.core.deltas import Delta
+from kvfence_engine.core.engine import LLMEngine
+from kvfence_engine.core.errors import EngineError
+from kvfence_engine.core.request import Request, SamplingParams, is_terminal
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Delta]
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+
+
+@dataclass(slots=True)
+class AsyncEngine:
+    engine: LLMEngine
+    _inbox: queue.SimpleQueue[Callable[[], None]] = field(default_factory=queue.SimpleQueue)
+    _streams: dict[int, _Stream] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stopped: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def admit(
+        self, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None
+    ) -> Request:
+        return self.engine.admit(prompt_ids, params, max_tokens=max_tokens)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run fn on the engine thread and await its result (or exception)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the awaiting coroutine
+                loop.call_soon_threadsafe(_set_exception, future, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, future, result)
+
+        self._inbox.put(run)
+        return await future
+
+    async def stream(
+        self, seq: Request, start: Callable[[], None] | None = None
+    ) -> AsyncIterator[Delta]:
+        """Run a sequence; yields deltas until it finishes. `start` (engine thread) puts it to
+        work; by default it joins the scheduler's waiting queue. Closing the iterator early
+        (client gone) aborts the sequence and releases its pages."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._streams[seq.seq_id] = stream
+        self._inbox.put(lambda: self._start(seq, start))
+        finished = False
+        try:
+            while not finished:
+                delta = await stream.queue.get()
+                finished = delta.finish_reason is not None
+                yield delta
+        finally:
+            if not finished:
+                self.abort(seq)
+
+    def abort(self, seq: Request) -> None:
+        def run() -> None:
+            self.engine.abort(seq)
+            self._deliver(seq)
+
+        self._inbox.put(run)
+
+    # --- engine thread -----------------------------------------------------------------------
+
+    def _start(self, seq: Request, start: Callable[[], None] | None) -> None:
+        try:
+            if is_terminal(seq):  # aborted before it ever started
+                pass
+            elif start is None:
+                self.engine.add(seq)
+            else:
+                start()
+        except EngineError as exc:
+            seq.finish("error", exc)
+        self._deliver(seq)
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._drain_inbox(block=not self.engine.has_work())
+                if self.engine.has_work():
+                    for seq in self.engine.step():
+                        self._deliver(seq)
+                if self.engine.reserved:
+                    self.engine.expire_reservations(time.monotonic())
+            except Exception:  # keep serving; fail the requests that were in flight
+                log.exception("engine step failed")
+                self._fail_all(
+                    errors.EngineError(
+                        500, "internal engine error", "server_error", "internal_error"
+                    )
+                )
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            work = self._inbox.get(timeout=0.2) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            work()
+            try:
+                work = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_all(self, error: EngineError) -> None:
+        sched = self.engine.scheduler
+        for seq in (*sched.waiting, *sched.running):
+            seq.finish("error", error)
+            self._deliver(seq)
+        sched.remove_finished()
+
+    def _deliver(self, seq: Request) -> None:
+        with self._lock:
+            stream = self._streams.get(seq.seq_id)
+            if stream is None:
+                return
+            terminal = is_terminal(seq)
+            if terminal:
+                del self._streams[seq.seq_id]
+        # A request that failed closed gets no tokens from the failing step (there are none).
+        delta = Delta(
+            token_ids=seq.output_ids[stream.sent_tokens :],
+            logprobs=seq.output_logprobs[stream.sent_logprobs :],
+            finish_reason=seq.finish_reason if terminal else None,
+            error=seq.error if terminal else None,
+        )
+        stream.sent_tokens = len(seq.output_ids)
+        stream.sent_logprobs = len(seq.output_logprobs)
+        if delta.token_ids or terminal:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+
+
+def _set_result(future: asyncio.Future[T], value: T) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future[T], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

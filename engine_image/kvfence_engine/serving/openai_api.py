@@ -1,0 +1,286 @@
+"""The OpenAI-compatible surface shared by the engine and the router: request parsing, error
+shape, and turning a stream of token deltas into completion / chat objects or SSE chunks."""
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvfence_engine.core import errors
+from kvfence_engine.core.deltas import Delta
+from kvfence_engine.core.errors import EngineError
+from kvfence_engine.core.request import SamplingParams, TokenLogprob
+from kvfence_engine.loading.detokenizer import Detokenizer
+from kvfence_engine.loading.tokenizer import Tokenizer
+from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def error_response(error: EngineError) -> JSONResponse:
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def new_app(title: str) -> FastAPI:
+    """A FastAPI app with OpenAI-shaped errors and a liveness probe."""
+    app = FastAPI(title=title, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in the OpenAI shape."""
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+            for e in exc.errors()
+        )
+        return error_response(errors.invalid_request(message, ".".join(loc) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else "http_error"
+        return error_response(
+            EngineError(exc.status_code, str(exc.detail), "invalid_request_error", code)
+        )
+
+
+def completion_prompt(
+    prompt: str | list[int] | list[str], tokenizer: Tokenizer, vocab: int
+) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if prompt and all(isinstance(p, int) for p in prompt):
+        ids = [int(p) for p in prompt]
+        if any(not 0 <= t < vocab for t in ids):
+            raise errors.invalid_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return ids
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return tokenizer.encode(prompt[0])
+    raise errors.invalid_request("exactly one prompt per request is supported", "prompt")
+
+
+def sampling_params(
+    body: CompletionRequest | ChatCompletionRequest, logprobs: int | None
+) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=1,  # replaced by admission, which clamps to the context
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        logprobs=logprobs,
+        ignore_eos=body.ignore_eos,
+    )
+
+
+@dataclass(slots=True)
+class OpenAIOutput:
+    """Formats one request's deltas as OpenAI completion or chat objects."""
+
+    chat: bool
+    model: str
+    tokenizer: Tokenizer
+    prompt_tokens: int
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    completion_tokens: int = 0
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    def logprobs(self, items: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
+        if not items:
+            return None
+        text = self.tokenizer.token_text
+        if self.chat:
+            return {
+                "content": [
+                    {
+                        "token": text(lp.token_id),
+                        "logprob": lp.logprob,
+                        "bytes": list(text(lp.token_id).encode()),
+                        "top_logprobs": [
+                            {"token": text(t), "logprob": v, "bytes": list(text(t).encode())}
+                            for t, v in lp.top
+                        ],
+                    }
+                    for lp in items
+                ]
+            }
+        offsets, pos = [], offset
+        for lp in items:
+            offsets.append(pos)
+            pos += len(text(lp.token_id))
+        return {
+            "tokens": [text(lp.token_id) for lp in items],
+            "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": [{text(t): v for t, v in lp.top} for lp in items],
+            "text_offset": offsets,
+        }
+
+    def _object(
+        self,
+        kind: str,
+        content: dict[str, Any],
+        logprobs: dict[str, Any] | None,
+        finish: str | None,
+    ) -> dict[str, Any]:
+        choice = {"index": 0, **content, "logprobs": logprobs, "finish_reason": finish}
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    def chunk(
+        self, text: str, logprobs: dict[str, Any] | None, finish: str | None, first: bool = False
+    ) -> dict[str, Any]:
+        if not self.chat:
+            return self._object("text_completion", {"text": text}, logprobs, finish)
+        delta = (
+            {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        )
+        return self._object("chat.completion.chunk", {"delta": delta}, logprobs, finish)
+
+    def whole(self, text: str, logprobs: dict[str, Any] | None, finish: str) -> dict[str, Any]:
+        if self.chat:
+            content = {"message": {"role": "assistant", "content": text}}
+            body = self._object("chat.completion", content, logprobs, finish)
+        else:
+            body = self._object("text_completion", {"text": text}, logprobs, finish)
+        return body | {"usage": self.usage()}
+
+
+def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        prompt = tokenizer.apply_chat_template(messages)
+    except Exception as exc:
+        raise errors.invalid_request(f"cannot apply the chat template: {exc}", "messages") from exc
+    return tokenizer.encode(prompt)
+
+
+def chat_logprobs(body: ChatCompletionRequest) -> int | None:
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+async def _close(deltas: AsyncIterator[Delta]) -> None:
+    aclose = getattr(deltas, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def respond(
+    first: Delta,
+    deltas: AsyncIterator[Delta],
+    out: "OpenAIOutput",
+    detok: Detokenizer,
+    body: CompletionRequest | ChatCompletionRequest,
+    client_gone: Callable[[], Awaitable[bool]] | None = None,
+) -> Response:
+    """Turn a request's deltas into an OpenAI response, streaming or whole. `first` is the
+    first delta, awaited before the status code is chosen, so a request that fails before its
+    first token gets its real HTTP status rather than a 200 stream. A whole (non-streamed)
+    response stops generating when `client_gone` says the client left (a stream notices by
+    itself)."""
+    if first.error is not None:
+        await _close(deltas)
+        return error_response(first.error)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(out, detok, first, deltas, include_usage), media_type="text/event-stream"
+        )
+    text, items, finish = "", [], "length"
+    async for delta in _with_first(first, deltas):
+        if delta.error is not None:
+            return error_response(delta.error)
+        if client_gone is not None and await client_gone():
+            await _close(deltas)  # aborts the request: nobody will read the answer
+            return Response(status_code=499)
+        out.completion_tokens += len(delta.token_ids)
+        text += detok.push(delta.token_ids, final=delta.finish_reason is not None)
+        items += delta.logprobs
+        if detok.stopped:
+            finish = "stop"
+            break
+        if delta.finish_reason is not None:
+            finish = delta.finish_reason
+    await _close(deltas)
+    return JSONResponse(out.whole(text, out.logprobs(items, 0), finish))
+
+
+async def _with_first(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    yield first
+    if first.finish_reason is None:
+        async for delta in rest:
+            yield delta
+
+
+def _sse_event(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def _sse(
+    out: OpenAIOutput,
+    detok: Detokenizer,
+    first: Delta,
+    deltas: AsyncIterator[Delta],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    emitted = 0
+    try:
+        if out.chat:
+            yield _sse_event(out.chunk("", None, None, first=True))
+        async for delta in _with_first(first, deltas):
+            if delta.error is not None:
+                # Headers are gone; end the stream with an error event (no foreign tokens
+                # were produced: the failing step generated nothing).
+                yield _sse_event(delta.error.body())
+                return
+            out.completion_tokens += len(delta.token_ids)
+            finish = delta.finish_reason
+            text = detok.push(delta.token_ids, final=finish is not None)
+            if detok.stopped:
+                finish = "stop"
+            logprobs = out.logprobs(delta.logprobs, emitted)
+            emitted += len(text)
+            if text or logprobs or finish:
+                yield _sse_event(out.chunk(text, logprobs, finish))
+            if finish is not None:
+                break
+        if include_usage:
+            usage_chunk = out.chunk("", None, None)
+            usage_chunk["choices"] = []
+            usage_chunk["usage"] = out.usage()
+            yield _sse_event(usage_chunk)
+        yield _sse_event("[DONE]")
+    finally:
+        await _close(deltas)  # aborts the request if it is still running

@@ -1,0 +1,47 @@
+"""What an engine's HTTP layer serves: its role, the internal token, metrics and the engine
+once loaded (in the background, so /readyz can say "loading" or why it failed)."""
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvfence_engine.core import errors
+from kvfence_engine.core.metrics import EngineMetrics
+from kvfence_engine.serving.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the HTTP layer serves; `engine` is set once weights and pool are allocated."""
+
+    role: str = "combined"
+    internal_token: str | None = None
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    engine: AsyncEngine | None = None
+    load_error: str | None = None
+    started: float = field(default_factory=time.time)
+    on_ready: list[Callable[[AsyncEngine], None]] = field(default_factory=list)
+
+    def require_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise errors.not_ready()
+        return self.engine
+
+    def load_in_background(self, build: Callable[[EngineMetrics], AsyncEngine]) -> None:
+        def run() -> None:
+            try:
+                engine = build(self.metrics)
+                engine.start()
+                for hook in self.on_ready:
+                    hook(engine)
+                self.engine = engine
+                log.info("engine ready: %s", engine.engine.kvpool_report())
+            except Exception as exc:  # reported on /readyz; the process stays up to say why
+                log.exception("engine failed to start")
+                self.load_error = f"{type(exc).__name__}: {exc}"
+
+        threading.Thread(target=run, name="kvfence-loader", daemon=True).start()

@@ -1,0 +1,43 @@
+"""What one revision consists of, in the order to create it.
+
+Credentials and configuration come before the pods that mount them, and the NetworkPolicies
+before the engines they fence, so an engine never runs unprotected. The canary Job (created once
+the revision's pods are Ready) and the stable Service (switched on promotion) are built apart:
+`canary.build_canary_job`, `router.build_stable_service`.
+"""
+
+from typing import Any
+
+from kvfence_operator.builders.engine_deployment import (
+    ENGINE_ROLES,
+    build_engine_deployment,
+    build_engine_service,
+)
+from kvfence_operator.builders.network_policy import build_network_policies
+from kvfence_operator.builders.router_deployment import (
+    build_router_configmap,
+    build_router_deployment,
+    build_router_service,
+)
+from kvfence_operator.builders.secret import RevisionCredentials, build_revision_secret
+from kvfence_operator.crd.types import InferenceDeploymentSpec
+from kvfence_operator.meta import Instance
+
+
+def build_revision_children(
+    spec: InferenceDeploymentSpec,
+    instance: Instance,
+    revision: str,
+    credentials: RevisionCredentials,
+    operator_namespace: str,
+    context_length: int | None = None,
+) -> list[dict[str, Any]]:
+    return [
+        build_revision_secret(instance, revision, credentials),
+        build_router_configmap(spec, instance, revision, context_length),
+        *build_network_policies(instance, revision, operator_namespace),
+        *(build_engine_service(instance, revision, role) for role in ENGINE_ROLES),
+        build_router_service(instance, revision),
+        *(build_engine_deployment(spec, instance, revision, role) for role in ENGINE_ROLES),
+        build_router_deployment(spec, instance, revision),
+    ]

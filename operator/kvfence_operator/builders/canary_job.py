@@ -1,0 +1,97 @@
+"""The canary Job: tenant B tries to see tenant A's secret through a candidate revision's router.
+Promotion waits for it to succeed."""
+
+from typing import Any
+
+from kvfence_operator.builders.pod_template import (
+    container_security_context,
+    home_in_tmp,
+    pod_template,
+    tmp_volume,
+)
+from kvfence_operator.builders.secret import CANARY_TENANT_A_KEY, CANARY_TENANT_B_KEY, secret_name
+from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
+from kvfence_operator.meta import Instance, child_name, labels, object_meta, service_url
+
+TENANT_A_ENV = "KVFENCE_CANARY_TENANT_A_KEY"
+TENANT_B_ENV = "KVFENCE_CANARY_TENANT_B_KEY"
+TERMINATION_LOG = "/dev/termination-log"  # the operator reads the verdict from the pod status
+# Past the canary's own --timeout, so the canary reports its timeout before the Job is killed.
+DEADLINE_GRACE_SECONDS = 60
+CANARY_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}}
+
+
+def canary_job_name(instance: Instance, revision: str) -> str:
+    return child_name(instance, revision, Role.CANARY)
+
+
+def canary_args(
+    spec: InferenceDeploymentSpec, instance: Instance, revision: str, context_length: int
+) -> list[str]:
+    target = service_url(instance, child_name(instance, revision, Role.ROUTER))
+    return [
+        "canary",
+        "--target", target,
+        # $(VAR) is expanded by the kubelet, so the keys never appear in the Job's spec. The
+        # = form matters: a generated key may start with "-", which argparse would otherwise
+        # take for an option.
+        f"--tenant-a-key=$({TENANT_A_ENV})",
+        f"--tenant-b-key=$({TENANT_B_ENV})",
+        "--context-length", str(context_length),
+        "--termination-log", TERMINATION_LOG,
+        "--timeout", str(spec.canary.timeout_seconds),
+    ]  # fmt: skip
+
+
+def build_canary_job(
+    spec: InferenceDeploymentSpec,
+    instance: Instance,
+    revision: str,
+    context_length: int | None = None,
+) -> dict[str, Any]:
+    """context_length: the context the revision serves (effective, under LowerContext)."""
+    secret = secret_name(instance, revision)
+    tmp, tmp_mount = tmp_volume()
+    container = {
+        "name": "canary",
+        "image": spec.canary.image or spec.engine.image,
+        "command": ["kvfence"],
+        "args": canary_args(
+            spec,
+            instance,
+            revision,
+            spec.context_length if context_length is None else context_length,
+        ),
+        "env": [
+            home_in_tmp(),
+            *(
+                {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+                for env, key in (
+                    (TENANT_A_ENV, CANARY_TENANT_A_KEY),
+                    (TENANT_B_ENV, CANARY_TENANT_B_KEY),
+                )
+            ),
+        ],
+        "resources": {k: dict(v) for k, v in CANARY_RESOURCES.items()},
+        "securityContext": container_security_context(),
+        "terminationMessagePolicy": "File",
+        "volumeMounts": [tmp_mount],
+    }
+    template = pod_template(
+        pod_labels=labels(instance, revision, Role.CANARY),
+        containers=[container],
+        volumes=[tmp],
+        restart_policy="Never",
+    )
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": object_meta(
+            instance, canary_job_name(instance, revision), labels(instance, revision, Role.CANARY)
+        ),
+        "spec": {
+            "backoffLimit": 0,  # a failed canary is a finding, not a flake to retry away
+            "activeDeadlineSeconds": spec.canary.timeout_seconds + DEADLINE_GRACE_SECONDS,
+            "template": template,
+        },
+    }

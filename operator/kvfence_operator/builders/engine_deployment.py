@@ -1,0 +1,156 @@
+"""Prefill and decode: their `kvfence serve` command line, Deployments and headless Services."""
+
+from typing import Any
+
+from kvfence_operator.builders.pod_template import (
+    CREDENTIALS_DIR,
+    INTERNAL_TOKEN_FILE,
+    container_security_context,
+    cpu_threads,
+    engine_resources,
+    home_in_tmp,
+    http_port,
+    http_probes,
+    model_volume,
+    override_env,
+    pod_template,
+    requests_gpu,
+    tmp_volume,
+)
+from kvfence_operator.builders.secret import INTERNAL_TOKEN_KEY, secret_name
+from kvfence_operator.crd.types import InferenceDeploymentSpec, KvCacheDtype, PoolPolicy, Role
+from kvfence_operator.meta import (
+    HTTP_PORT,
+    KV_POOL_GATE,
+    TRANSFER_PORT,
+    Instance,
+    child_name,
+    labels,
+    object_meta,
+    selector,
+)
+
+ENGINE_ROLES = (Role.PREFILL, Role.DECODE)
+CONTEXT_POLICY_FLAG = {PoolPolicy.REFUSE: "refuse", PoolPolicy.LOWER_CONTEXT: "lower"}
+
+
+def _check_role(role: Role) -> None:
+    if role not in ENGINE_ROLES:
+        raise ValueError(f"engine role must be prefill or decode, got {role!r}")
+
+
+def engine_args(spec: InferenceDeploymentSpec, role: Role, revision: str, device: str) -> list[str]:
+    """`kvfence serve` arguments. extraArgs come first so that the operator's flags, which the
+    pool check and the isolation defences depend on, win (argparse keeps the last value)."""
+    _check_role(role)
+    engine = spec.engine
+    role_spec = spec.prefill if role is Role.PREFILL else spec.decode
+    threads = cpu_threads(engine_resources(role_spec.resources))
+    args = [
+        "serve",
+        # the pod's CPUs, before extraArgs so that a --threads there wins
+        *(["--threads", str(threads)] if threads is not None else []),
+        *engine.extra_args,
+        "--role", str(role),
+        "--model", spec.model.source,
+        "--host", "0.0.0.0",
+        "--port", str(HTTP_PORT),
+        "--transfer-port", str(TRANSFER_PORT),
+        "--context-length", str(spec.context_length),
+        "--context-policy", CONTEXT_POLICY_FLAG[spec.pool_policy],
+    ]  # fmt: skip
+    if engine.kv_cache_memory is not None:
+        args += ["--kv-cache-memory", engine.kv_cache_memory]
+    elif engine.memory_fraction is not None:
+        args += ["--memory-fraction", str(engine.memory_fraction)]
+    args += [
+        "--page-size", str(engine.page_size),
+        "--revision", revision,
+        "--device", device,
+        "--internal-token-file", INTERNAL_TOKEN_FILE,
+    ]  # fmt: skip
+    # Non-default settings only, so a default spec needs no flag beyond the ones above.
+    if engine.kv_cache_dtype is not KvCacheDtype.AUTO:
+        args += ["--kv-cache-dtype", str(engine.kv_cache_dtype)]
+    if not engine.kv_checksum:
+        args.append("--no-kv-checksum")
+    if engine.scrub_on_free:
+        args.append("--scrub-on-free")
+    return args
+
+
+def build_engine_deployment(
+    spec: InferenceDeploymentSpec, instance: Instance, revision: str, role: Role
+) -> dict[str, Any]:
+    """Engine pods stay out of Service endpoints until the operator has read their real pool
+    size and set the kvfence.dev/kv-pool readiness gate."""
+    _check_role(role)
+    role_spec = spec.prefill if role is Role.PREFILL else spec.decode
+    resources = engine_resources(role_spec.resources)
+    device = "cuda" if requests_gpu(resources) else "cpu"
+    ports = [http_port()]
+    if role is Role.DECODE:  # decode receives KV from prefill here
+        ports.append({"name": "transfer", "containerPort": TRANSFER_PORT, "protocol": "TCP"})
+    tmp, tmp_mount = tmp_volume()
+    token = {
+        "name": "credentials",
+        "secret": {
+            "secretName": secret_name(instance, revision),
+            "items": [{"key": INTERNAL_TOKEN_KEY, "path": "internal-token"}],
+            "defaultMode": 0o440,
+        },
+    }
+    token_mount = {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True}
+    models = model_volume(spec.model)
+    container = {
+        "name": "engine",
+        "image": spec.engine.image,
+        "command": ["kvfence"],
+        "args": engine_args(spec, role, revision, device),
+        "ports": ports,
+        "env": [home_in_tmp(), *override_env(role_spec.pod)],
+        "resources": resources,
+        "securityContext": container_security_context(),
+        "volumeMounts": [tmp_mount, token_mount, *(mount for _, mount in models)],
+        **http_probes(),
+    }
+    template = pod_template(
+        pod_labels=labels(instance, revision, role),
+        containers=[container],
+        volumes=[tmp, token, *(volume for volume, _ in models)],
+        overrides=role_spec.pod,
+        readiness_gates=[KV_POOL_GATE],
+    )
+    name = child_name(instance, revision, role)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(instance, name, labels(instance, revision, role)),
+        "spec": {
+            "replicas": role_spec.replicas,
+            "selector": {"matchLabels": selector(instance, revision, role)},
+            "template": template,
+        },
+    }
+
+
+def build_engine_service(instance: Instance, revision: str, role: Role) -> dict[str, Any]:
+    """Headless: the router resolves it to the Ready (pool-checked) pods of one revision."""
+    _check_role(role)
+    ports = [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]
+    if role is Role.DECODE:
+        ports.append(
+            {"name": "transfer", "port": TRANSFER_PORT, "targetPort": "transfer", "protocol": "TCP"}
+        )
+    name = child_name(instance, revision, role)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(instance, name, labels(instance, revision, role)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": selector(instance, revision, role),
+            "ports": ports,
+        },
+    }

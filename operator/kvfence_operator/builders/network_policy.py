@@ -1,0 +1,72 @@
+"""NetworkPolicies for one revision's engines: only that revision's routers (and the operator,
+which reads /v1/kvpool) reach the engines' HTTP port, and only that revision's prefill pods
+reach decode's transfer port. Routers are not selected: they are the public endpoint."""
+
+from typing import Any
+
+from kvfence_operator.crd.types import Role
+from kvfence_operator.meta import (
+    HTTP_PORT,
+    OPERATOR_POD_LABELS,
+    TRANSFER_PORT,
+    Instance,
+    child_name,
+    labels,
+    object_meta,
+    selector,
+)
+
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # set on every namespace since 1.22
+
+
+def _peers(instance: Instance, revision: str, role: Role) -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": selector(instance, revision, role)}}
+
+
+def _policy(
+    instance: Instance, revision: str, role: Role, ingress: list[dict[str, Any]]
+) -> dict[str, Any]:
+    name = child_name(instance, revision, role)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": object_meta(instance, name, labels(instance, revision, role)),
+        "spec": {
+            "podSelector": {"matchLabels": selector(instance, revision, role)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def _http_rule(instance: Instance, revision: str, operator_namespace: str) -> dict[str, Any]:
+    return {
+        "from": [
+            _peers(instance, revision, Role.ROUTER),
+            {
+                "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}},
+                "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
+            },
+        ],
+        "ports": [{"protocol": "TCP", "port": HTTP_PORT}],
+    }
+
+
+def build_network_policies(
+    instance: Instance, revision: str, operator_namespace: str
+) -> list[dict[str, Any]]:
+    transfer_rule = {
+        "from": [_peers(instance, revision, Role.PREFILL)],
+        "ports": [{"protocol": "TCP", "port": TRANSFER_PORT}],
+    }
+    return [
+        _policy(
+            instance, revision, Role.PREFILL, [_http_rule(instance, revision, operator_namespace)]
+        ),
+        _policy(
+            instance,
+            revision,
+            Role.DECODE,
+            [_http_rule(instance, revision, operator_namespace), transfer_rule],
+        ),
+    ]

@@ -1,0 +1,165 @@
+"""Pod pieces every kvfence workload shares: security context, scratch space, the model
+volume, probes, resources and the user's pod overrides."""
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
+
+from kvfence_operator.crd.types import MODEL_MOUNT_PATH, ModelSpec, PodOverrides, Resources
+from kvfence_operator.meta import HTTP_PORT
+
+RUN_AS_ID = 65532  # the images' non-root user
+CREDENTIALS_DIR = "/var/run/kvfence"
+INTERNAL_TOKEN_FILE = f"{CREDENTIALS_DIR}/internal-token"
+GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_GPU_RESOURCES: dict[str, Any] = {
+    "requests": {GPU_RESOURCE: 1},
+    "limits": {GPU_RESOURCE: 1},
+}
+
+
+def pod_security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_ID,
+        "runAsGroup": RUN_AS_ID,
+        "fsGroup": RUN_AS_ID,  # makes the 0440 secret files readable by the container user
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The only writable path: the root filesystem is read-only."""
+    return (
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        {"name": "tmp", "mountPath": "/tmp"},
+    )
+
+
+def home_in_tmp() -> dict[str, str]:
+    """Libraries that cache under $HOME need it writable."""
+    return {"name": "HOME", "value": "/tmp"}
+
+
+def model_volume(model: ModelSpec) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The user's model volume, read-only at MODEL_MOUNT_PATH; none for builtin models."""
+    if model.volume is None:
+        return []
+    return [
+        (
+            {**model.volume, "name": "model"},
+            {"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True},
+        )
+    ]
+
+
+def http_probes() -> dict[str, Any]:
+    """/readyz answers once weights and pool exist; /healthz while the process lives."""
+    return {
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
+    }
+
+
+def http_port() -> dict[str, Any]:
+    return {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}
+
+
+def engine_resources(resources: Resources | None) -> dict[str, Any]:
+    """One GPU unless the user wrote resources, which then replace the default as a whole."""
+    if resources is None:
+        return {k: dict(v) for k, v in DEFAULT_GPU_RESOURCES.items()}
+    return resources.model_dump(exclude_defaults=True)
+
+
+def _positive(quantity: int | str) -> bool:
+    number = re.match(r"[+-]?[0-9.]+", str(quantity))
+    return number is not None and float(number.group()) > 0
+
+
+def requests_gpu(resources: dict[str, Any]) -> bool:
+    """True when the container asks for any */gpu device: the engine then runs on cuda."""
+    return any(
+        name.endswith("/gpu") and _positive(quantity)
+        for section in ("requests", "limits")
+        for name, quantity in resources.get(section, {}).items()
+    )
+
+
+def cpu_threads(resources: dict[str, Any]) -> int | None:
+    """Torch CPU threads for a container: its CPU limit, else its CPU request, rounded up.
+    Torch otherwise starts a thread per core of the node, and engines sharing cores then
+    stall each other at every parallel region (their threads spin while waiting)."""
+    for section in ("limits", "requests"):
+        quantity = resources.get(section, {}).get("cpu")
+        if quantity is not None and _positive(quantity):
+            return max(1, math.ceil(parse_quantity(quantity)))
+    return None
+
+
+def pod_template(
+    *,
+    pod_labels: dict[str, str],
+    containers: list[dict[str, Any]],
+    volumes: list[dict[str, Any]],
+    overrides: PodOverrides | None = None,
+    readiness_gates: Sequence[str] = (),
+    restart_policy: str | None = None,
+) -> dict[str, Any]:
+    """A hardened pod template; the user's overrides add scheduling and metadata only."""
+    overrides = overrides or PodOverrides()
+    spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # no kvfence workload talks to the API server
+        "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
+        "containers": containers,
+        "volumes": volumes,
+    }
+    if restart_policy:
+        spec["restartPolicy"] = restart_policy
+    if readiness_gates:
+        spec["readinessGates"] = [{"conditionType": gate} for gate in readiness_gates]
+    scheduling = overrides.model_dump(
+        by_alias=True,
+        exclude_none=True,
+        include={
+            "node_selector",
+            "tolerations",
+            "affinity",
+            "topology_spread_constraints",
+            "priority_class_name",
+            "runtime_class_name",
+            "image_pull_secrets",
+        },
+    )
+    spec.update({key: value for key, value in scheduling.items() if value})
+    metadata: dict[str, Any] = {"labels": {**overrides.labels, **pod_labels}}
+    if overrides.annotations:
+        metadata["annotations"] = dict(overrides.annotations)
+    return {"metadata": metadata, "spec": spec}
+
+
+def override_env(overrides: PodOverrides) -> list[dict[str, Any]]:
+    return [e.model_dump(by_alias=True, exclude_none=True) for e in overrides.env]

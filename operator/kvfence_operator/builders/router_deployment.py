@@ -1,0 +1,193 @@
+"""The router: its backends file (ConfigMap), Deployment, per-revision Service (the canary's
+target) and the stable Service <name> that clients use."""
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kvfence_operator.builders.pod_template import (
+    CREDENTIALS_DIR,
+    INTERNAL_TOKEN_FILE,
+    container_security_context,
+    home_in_tmp,
+    http_port,
+    http_probes,
+    model_volume,
+    pod_template,
+    tmp_volume,
+)
+from kvfence_operator.builders.secret import (
+    CANARY_API_KEYS_KEY,
+    INTERNAL_TOKEN_KEY,
+    USER_API_KEYS_KEY,
+    secret_name,
+)
+from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
+from kvfence_operator.meta import HTTP_PORT, Instance, child_name, labels, object_meta, selector
+
+CONFIG_DIR = "/etc/kvfence"
+BACKENDS_FILE_NAME = "backends.json"
+BACKENDS_FILE = f"{CONFIG_DIR}/{BACKENDS_FILE_NAME}"
+TENANT_KEYS_FILE = f"{CREDENTIALS_DIR}/api-keys/tenants"
+CANARY_KEYS_FILE = f"{CREDENTIALS_DIR}/api-keys/canary"
+ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}}
+
+
+def router_backends(
+    spec: InferenceDeploymentSpec,
+    revision: str,
+    context_length: int | None = None,
+    prefill_urls: Sequence[str] = (),
+    decode_urls: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The router's live configuration, which the operator rewrites as pods come and go: the
+    engine pods whose pool check passed (their kvfence.dev/kv-pool gate is True), by URL, and
+    the served context (under LowerContext, lowered to what every pool holds). A headless
+    Service would resolve to the same Ready pods, but only after DNS caches expire, and not at
+    all in `kvfence up`; the operator knows first."""
+    return {
+        "revision": revision,
+        "model": {"source": spec.model.source, "name": spec.model.name},
+        "contextLength": spec.context_length if context_length is None else context_length,
+        "prefill": sorted(prefill_urls),
+        "decode": sorted(decode_urls),
+    }
+
+
+def backends_file_content(backends: dict[str, Any]) -> str:
+    return json.dumps(backends, indent=2, sort_keys=True) + "\n"
+
+
+def build_router_configmap(
+    spec: InferenceDeploymentSpec,
+    instance: Instance,
+    revision: str,
+    context_length: int | None = None,
+    prefill_urls: Sequence[str] = (),
+    decode_urls: Sequence[str] = (),
+) -> dict[str, Any]:
+    backends = router_backends(spec, revision, context_length, prefill_urls, decode_urls)
+    name = child_name(instance, revision, Role.ROUTER)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_meta(instance, name, labels(instance, revision, Role.ROUTER)),
+        "data": {BACKENDS_FILE_NAME: backends_file_content(backends)},
+    }
+
+
+def router_args(spec: InferenceDeploymentSpec) -> list[str]:
+    return [
+        "router",
+        "--host", "0.0.0.0",
+        "--port", str(HTTP_PORT),
+        "--backends-file", BACKENDS_FILE,
+        "--model", spec.model.source,  # its tokenizer: the router rejects over-long prompts
+        "--api-keys", TENANT_KEYS_FILE,
+        "--api-keys", CANARY_KEYS_FILE,
+        # No --context-length: it would override the backends file, where the operator
+        # writes the served (possibly lowered) context.
+        "--internal-token-file", INTERNAL_TOKEN_FILE,
+    ]  # fmt: skip
+
+
+def build_router_deployment(
+    spec: InferenceDeploymentSpec, instance: Instance, revision: str
+) -> dict[str, Any]:
+    name = child_name(instance, revision, Role.ROUTER)
+    tmp, tmp_mount = tmp_volume()
+    config = {"name": "config", "configMap": {"name": name}}
+    # One read-only directory: the token, the users' keys and this revision's canary keys.
+    credentials = {
+        "name": "credentials",
+        "projected": {
+            "defaultMode": 0o440,
+            "sources": [
+                {
+                    "secret": {
+                        "name": secret_name(instance, revision),
+                        "items": [
+                            {"key": INTERNAL_TOKEN_KEY, "path": "internal-token"},
+                            {"key": CANARY_API_KEYS_KEY, "path": "api-keys/canary"},
+                        ],
+                    }
+                },
+                {
+                    "secret": {
+                        "name": spec.router.api_keys_secret,
+                        "items": [{"key": USER_API_KEYS_KEY, "path": "api-keys/tenants"}],
+                    }
+                },
+            ],
+        },
+    }
+    models = model_volume(spec.model)  # the router tokenizes to reject over-long prompts
+    container = {
+        "name": "router",
+        "image": spec.engine.image,
+        "command": ["kvfence"],
+        "args": router_args(spec),
+        "ports": [http_port()],
+        "env": [home_in_tmp()],
+        "resources": {k: dict(v) for k, v in ROUTER_RESOURCES.items()},
+        "securityContext": container_security_context(),
+        "volumeMounts": [
+            tmp_mount,
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True},
+            *(mount for _, mount in models),
+        ],
+        **http_probes(),
+    }
+    template = pod_template(
+        pod_labels=labels(instance, revision, Role.ROUTER),
+        containers=[container],
+        volumes=[tmp, config, credentials, *(volume for volume, _ in models)],
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(instance, name, labels(instance, revision, Role.ROUTER)),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector(instance, revision, Role.ROUTER)},
+            "template": template,
+        },
+    }
+
+
+def build_router_service(instance: Instance, revision: str) -> dict[str, Any]:
+    """One revision's routers, reachable before promotion: the canary Job targets this."""
+    name = child_name(instance, revision, Role.ROUTER)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(instance, name, labels(instance, revision, Role.ROUTER)),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector(instance, revision, Role.ROUTER),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_stable_service(
+    spec: InferenceDeploymentSpec, instance: Instance, revision: str
+) -> dict[str, Any]:
+    """The Service <name> clients use; promotion is switching its selector to a new revision."""
+    service = spec.router.service
+    metadata = object_meta(instance, instance.name, labels(instance))
+    if service.annotations:
+        metadata["annotations"] = dict(service.annotations)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "type": str(service.type),
+            "selector": selector(instance, revision, Role.ROUTER),
+            "ports": [
+                {"name": "http", "port": service.port, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }

@@ -1,0 +1,68 @@
+"""The per-revision Secret: the internal token engines require on reserve, prefill and transfer,
+and the two canary tenants' API keys."""
+
+import base64
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from kvfence_operator.meta import Instance, child_name, labels, object_meta
+
+INTERNAL_TOKEN_KEY = "internal-token"
+CANARY_TENANT_A_KEY = "canary-tenant-a-key"
+CANARY_TENANT_B_KEY = "canary-tenant-b-key"
+CANARY_API_KEYS_KEY = "canary-api-keys"  # the same two keys in the router's keys-file format
+CANARY_TENANTS = ("kvfence-canary-a", "kvfence-canary-b")
+USER_API_KEYS_KEY = "api-keys"  # key inside spec.router.apiKeysSecret
+
+
+def secret_name(instance: Instance, revision: str) -> str:
+    return child_name(instance, revision, "credentials")
+
+
+@dataclass(frozen=True, slots=True)
+class RevisionCredentials:
+    internal_token: str
+    tenant_a_key: str
+    tenant_b_key: str
+
+    def __post_init__(self) -> None:
+        for value in (self.internal_token, self.tenant_a_key, self.tenant_b_key):
+            if len(value) < 32 or any(c.isspace() for c in value):
+                raise ValueError("credentials must be at least 32 characters without whitespace")
+
+    @classmethod
+    def generate(cls) -> "RevisionCredentials":
+        return cls(*(secrets.token_urlsafe(32) for _ in range(3)))
+
+    def api_keys_file(self) -> str:
+        """One 'KEY TENANT' per line, as `kvfence router --api-keys` reads it."""
+        keys = (self.tenant_a_key, self.tenant_b_key)
+        return "".join(
+            f"{key} {tenant}\n" for key, tenant in zip(keys, CANARY_TENANTS, strict=True)
+        )
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def build_revision_secret(
+    instance: Instance, revision: str, credentials: RevisionCredentials
+) -> dict[str, Any]:
+    """Immutable: a revision keeps its token and keys for its whole life."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": object_meta(
+            instance, secret_name(instance, revision), labels(instance, revision)
+        ),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {
+            INTERNAL_TOKEN_KEY: _b64(credentials.internal_token),
+            CANARY_TENANT_A_KEY: _b64(credentials.tenant_a_key),
+            CANARY_TENANT_B_KEY: _b64(credentials.tenant_b_key),
+            CANARY_API_KEYS_KEY: _b64(credentials.api_keys_file()),
+        },
+    }

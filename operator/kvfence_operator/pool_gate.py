@@ -1,0 +1,205 @@
+"""The pool check: read each engine pod's real KV pool and decide what it may serve.
+
+`read_pool` is the only I/O here; `judge_pools` is a pure function the kopf handlers and
+`kvfence up` share, so both make the same decision from the same numbers.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvfence_engine.core.pool_plan import ContextPolicy, effective_context
+from kvfence_operator.crd.types import PoolPolicy
+
+PROBE_TIMEOUT_SECONDS = 3.0
+
+
+class KvPoolReport(BaseModel):
+    """The part of an engine's GET /v1/kvpool the operator trusts (DESIGN.md section 3)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    revision: str
+    pool_tokens: int = Field(ge=0)
+    page_size: int = Field(ge=1)
+    num_pages: int = Field(ge=0)
+    context_length_effective: int = Field(ge=0)
+    tag_check: bool
+    deferred_release: bool
+    unsafe_faults: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _pool_is_whole_pages(self) -> "KvPoolReport":
+        if self.pool_tokens != self.num_pages * self.page_size:
+            raise ValueError(
+                f"pool_tokens {self.pool_tokens} != num_pages {self.num_pages} x page_size "
+                f"{self.page_size}"
+            )
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class PodPool:
+    """One engine pod as the probe saw it: a valid report, or why there is none."""
+
+    pod: str
+    role: str
+    revision: str
+    report: KvPoolReport | None = None
+    error: str | None = None
+
+
+def parse_pool(pod: str, role: str, revision: str, payload: object) -> PodPool:
+    """Garbage, or a report about another role or revision, counts as no report."""
+    try:
+        report = KvPoolReport.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        return PodPool(pod, role, revision, error=f"malformed /v1/kvpool ({where}: {first['msg']})")
+    if report.role != role or report.revision != revision:
+        return PodPool(
+            pod,
+            role,
+            revision,
+            error=f"/v1/kvpool reports role {report.role!r} revision {report.revision!r}, "
+            f"expected {role!r} {revision!r}",
+        )
+    return PodPool(pod, role, revision, report=report)
+
+
+def read_pool(pod: str, role: str, revision: str, url: str | None) -> PodPool:
+    """GET <url>/v1/kvpool. Never raises: an unreachable pod is a PodPool with an error."""
+    if url is None:
+        return PodPool(pod, role, revision, error="no pod IP yet")
+    try:
+        response = httpx.get(url + "/v1/kvpool", timeout=PROBE_TIMEOUT_SECONDS)
+        response.raise_for_status()
+        payload = response.json()
+    except httpx.HTTPStatusError as exc:
+        return PodPool(pod, role, revision, error=f"/v1/kvpool answered {exc.response.status_code}")
+    except httpx.HTTPError as exc:
+        return PodPool(pod, role, revision, error=f"unreachable at {url} ({type(exc).__name__})")
+    except ValueError:
+        return PodPool(pod, role, revision, error="/v1/kvpool answered non-JSON")
+    return parse_pool(pod, role, revision, payload)
+
+
+@dataclass(frozen=True, slots=True)
+class PodGate:
+    """The value of one pod's kvfence.dev/kv-pool readiness gate, with the reason."""
+
+    pod: str
+    sufficient: bool
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDecision:
+    gates: dict[str, PodGate]
+    sufficient: bool  # every pod may serve the effective context
+    effective_context: int | None  # what the router serves; None when nothing can be served
+    min_pool_tokens: int | None
+    reason: str
+    message: str
+
+
+def _defences_off(report: KvPoolReport) -> str | None:
+    if not report.tag_check:
+        return "its KV tag check is off"
+    if not report.deferred_release:
+        return "it releases KV pages before inbound transfers drain"
+    return None
+
+
+def judge_pools(
+    pools: Sequence[PodPool],
+    policy: PoolPolicy,
+    context_length: int,
+    min_context_length: int | None,
+) -> PoolDecision:
+    """Refuse: a pod may serve only if its pool holds `context_length`. LowerContext: the
+    served context is the smallest pool (whole pages, at most `context_length`); below
+    `min_context_length` (default: one page) nothing is served. A pod without a valid report
+    is never sufficient."""
+    gates: dict[str, PodGate] = {}
+    reports: dict[str, KvPoolReport] = {}
+    for pool in pools:
+        if pool.report is None:
+            gates[pool.pod] = PodGate(
+                pool.pod, False, "PoolUnknown", f"pod {pool.pod}: {pool.error or 'no report'}"
+            )
+            continue
+        weak = _defences_off(pool.report)
+        if weak is not None:
+            gates[pool.pod] = PodGate(pool.pod, False, "IsolationDefenceOff", f"{pool.pod}: {weak}")
+            continue
+        reports[pool.pod] = pool.report
+    min_pool = min((r.pool_tokens for r in reports.values()), default=None)
+
+    if policy is PoolPolicy.REFUSE:
+        effective: int | None = context_length
+        for pod, report in reports.items():
+            if report.pool_tokens >= context_length:
+                gates[pod] = PodGate(pod, True, "PoolHoldsContext", _holds(pod, report))
+            else:
+                gates[pod] = PodGate(
+                    pod,
+                    False,
+                    "PoolTooSmall",
+                    f"pod {pod} ({report.role}) has a KV pool of {report.pool_tokens} tokens, "
+                    f"smaller than contextLength {context_length}",
+                )
+    else:
+        floor = min_context_length or 1
+        effective = None
+        if min_pool is not None:
+            page = max(r.page_size for r in reports.values())
+            lowered = effective_context(context_length, min_pool, page, ContextPolicy.LOWER)
+            effective = lowered if lowered >= floor else None
+        for pod, report in reports.items():
+            if effective is None:
+                gates[pod] = PodGate(
+                    pod,
+                    False,
+                    "PoolTooSmall",
+                    f"the smallest KV pool ({min_pool} tokens) is below minContextLength {floor}",
+                )
+            else:
+                gates[pod] = PodGate(pod, True, "PoolHoldsContext", _holds(pod, report, effective))
+
+    insufficient = [g for g in gates.values() if not g.sufficient]
+    if not pools:
+        return PoolDecision(gates, False, None, None, "NoEnginePods", "no engine pods yet")
+    if insufficient:
+        return PoolDecision(
+            gates,
+            False,
+            effective if policy is PoolPolicy.LOWER_CONTEXT else None,
+            min_pool,
+            insufficient[0].reason,
+            "; ".join(g.message for g in insufficient),
+        )
+    lowered_note = (
+        f" (lowered from {context_length})"
+        if effective is not None and effective < context_length
+        else ""
+    )
+    return PoolDecision(
+        gates,
+        True,
+        effective,
+        min_pool,
+        "PoolsHoldContext",
+        f"every engine pool holds the served context {effective}{lowered_note}; "
+        f"smallest pool {min_pool} tokens",
+    )
+
+
+def _holds(pod: str, report: KvPoolReport, context: int | None = None) -> str:
+    served = f" the served context {context}" if context is not None else " the context"
+    return f"pod {pod} has a KV pool of {report.pool_tokens} tokens, enough for{served}"

@@ -17,7 +17,8 @@ PROBE_TIMEOUT_SECONDS = 3.0
 
 
 class KvPoolReport(BaseModel):
-    """The part of an engine's GET /v1/kvpool the operator trusts (DESIGN.md section 3)."""
+    """The part of an engine's GET /v1/kvpool the operator trusts
+    (docs/operator.md#the-pool-gate)."""
 
     model_config = ConfigDict(extra="ignore")
 

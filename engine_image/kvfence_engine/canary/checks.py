@@ -1,4 +1,5 @@
-"""The canary's verdicts: pure functions of what it recorded, one per check of DESIGN section 5.
+"""The canary's verdicts: pure functions of what it recorded, one per check of
+docs/canary.md#the-checks.
 
 Each returns a CheckResult with the inputs it judged. A check that had nothing to judge fails
 (a canary that cannot fail is worse than none), except the latency floor, which states plainly

@@ -17,7 +17,7 @@ class Probe:
     name: str
     length: int  # prompt tokens
     within_limit: bool  # must be answered (200) rather than refused (4xx)
-    why: str  # which boundary of DESIGN section 5 it sits on
+    why: str  # which boundary it sits on (docs/canary.md#probes)
     max_tokens: int
 
 

@@ -1,0 +1,142 @@
+"""The design is written down in docs/, and what it points at exists: every relative link and
+anchor resolves, every module and function the docs name is in the tree, and nothing cites the
+design file that preceded docs/."""
+
+import re
+import subprocess
+from functools import cache
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TOPLEVEL = ["git", "rev-parse", "--show-toplevel"]
+ROOT = Path(
+    subprocess.run(TOPLEVEL, cwd=HERE, check=True, capture_output=True, text=True).stdout.strip()
+)
+# "DESIGN" followed by ".md" or "section": a citation of the retired design file.
+OLD_DESIGN_CITATION = re.compile(r"DESIGN(\.md|\s+section)")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^()\s]+)\)")
+DOCS_REF_IN_CODE = re.compile(r"docs/[\w.-]+\.md(#[\w-]+)?")
+# `kvfence_engine/core/isolation.py` or `kvfence_engine/core/isolation.py::check_reads`
+CODE_REF = re.compile(r"`([\w./-]+\.py)(?:::([\w.]+))?`")
+
+
+@cache
+def repo_files() -> tuple[str, ...]:
+    """Tracked files and new ones git does not ignore (so the check works before a commit)."""
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return tuple(sorted(p for p in set(out.splitlines()) if (ROOT / p).is_file()))
+
+
+def markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def prose(text: str) -> str:
+    """Markdown without fenced code blocks, where links are not links."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a file's headings: lower case, punctuation dropped, spaces to
+    hyphens, a -N suffix on repeats."""
+    anchors: set[str] = set()
+    for line in prose(markdown).splitlines():
+        heading = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if heading is None:
+            continue
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).lower()
+        base = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+        anchor, n = base, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{base}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def test_docs_exist_and_the_index_links_every_page():
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    expected = {"README.md", "architecture.md", "isolation.md", "transfer-protocol.md"}
+    assert expected | {"operator.md", "crd.md"} <= pages
+    index = (ROOT / "docs" / "README.md").read_text()
+    unlinked = [page for page in sorted(pages - {"README.md"}) if f"]({page}" not in index]
+    assert not unlinked, f"docs/README.md does not link {unlinked}"
+    assert "](docs/" in (ROOT / "README.md").read_text(), "README.md does not link docs/"
+
+
+def test_nothing_cites_the_retired_design_file():
+    citing = []
+    for path in repo_files():
+        try:
+            text = (ROOT / path).read_text()
+        except UnicodeDecodeError:
+            continue  # binary
+        for number, line in enumerate(text.splitlines(), 1):
+            if OLD_DESIGN_CITATION.search(line):
+                citing.append(f"{path}:{number}: {line.strip()}")
+    assert not citing, "cite docs/ instead:\n" + "\n".join(citing)
+
+
+def test_every_relative_link_in_the_docs_and_readme_resolves():
+    broken = []
+    for md in markdown_files():
+        for target in LINK.findall(prose(md.read_text())):
+            if re.match(r"[a-z]+:", target):
+                continue  # http:, https:, mailto:
+            path, _, anchor = target.partition("#")
+            resolved = (md.parent / path).resolve() if path else md
+            where = f"{md.relative_to(ROOT)}: ({target})"
+            if not resolved.is_relative_to(ROOT) or not resolved.exists():
+                broken.append(f"{where}: no such file")
+            elif (
+                anchor
+                and resolved.suffix == ".md"
+                and anchor not in github_anchors(resolved.read_text())
+            ):
+                broken.append(f"{where}: no heading with anchor #{anchor}")
+    assert not broken, "\n".join(broken)
+
+
+def test_every_docs_reference_in_the_code_resolves():
+    broken = []
+    for path in repo_files():
+        if not path.endswith(".py"):
+            continue
+        for match in DOCS_REF_IN_CODE.finditer((ROOT / path).read_text()):
+            page = ROOT / match.group(0).split("#")[0]
+            anchor = (match.group(1) or "#")[1:]
+            if not page.is_file():
+                broken.append(f"{path}: {match.group(0)}: no such page")
+            elif anchor and anchor not in github_anchors(page.read_text()):
+                broken.append(f"{path}: {match.group(0)}: no such heading")
+    assert not broken, "\n".join(broken)
+
+
+def defines(source: str, name: str) -> bool:
+    """A function, class or module-level constant named `name`; `Class.attr` needs both."""
+    for part in name.split("."):
+        pattern = rf"^\s*(?:async\s+def|def|class)\s+{part}\b|^{part}\s*[:=]"
+        if not re.search(pattern, source, flags=re.M):
+            return False
+    return True
+
+
+def test_every_module_and_function_the_docs_name_exists():
+    """`path.py` must be a file of the tree (a path suffix is enough: a test named by its file
+    name is found in whichever tier it lives); `path.py::name` must also define `name`."""
+    missing = []
+    for md in sorted((ROOT / "docs").glob("*.md")):
+        for path, name in set(CODE_REF.findall(md.read_text())):
+            files = [f for f in repo_files() if f == path or f.endswith("/" + path)]
+            where = f"docs/{md.name}: `{path}{'::' + name if name else ''}`"
+            if not files:
+                missing.append(f"{where}: no such file")
+            elif name and not any(defines((ROOT / f).read_text(), name) for f in files):
+                missing.append(f"{where}: {name} is not defined there")
+    assert not missing, "\n".join(missing)

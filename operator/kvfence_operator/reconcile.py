@@ -1,5 +1,5 @@
 """One reconcile pass for an InferenceDeployment: observe the cluster, let the pure functions
-decide (pool.judge_pools, rollout.plan_rollout, status.compute_status), then close the gap.
+decide (pool_gate.judge_pools, rollout.plan_rollout, status.compute_status), then close the gap.
 
 Level-based: every pass recomputes everything from the cluster and the status, so a pass can be
 repeated, interrupted or run by a freshly restarted operator with the same result.

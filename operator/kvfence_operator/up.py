@@ -1,7 +1,7 @@
 """`kvfence up FILE.yaml`: the manifest a cluster takes, run on this machine.
 
 Local processes stand in for pods; everything else is the operator's: the builders' command
-lines, the pool decision (pool.judge_pools), the canary gate and the promotion decision
+lines, the pool decision (pool_gate.judge_pools), the canary gate and the promotion decision
 (rollout.plan_rollout), the status (status.compute_status) and its printer columns.
 """
 

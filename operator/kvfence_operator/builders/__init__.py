@@ -3,7 +3,7 @@
 Credentials and configuration come before the pods that mount them, and the NetworkPolicies
 before the engines they fence, so an engine never runs unprotected. The canary Job (created once
 the revision's pods are Ready) and the stable Service (switched on promotion) are built apart:
-`canary.build_canary_job`, `router.build_stable_service`.
+`canary_job.build_canary_job`, `router_deployment.build_stable_service`.
 """
 
 from typing import Any

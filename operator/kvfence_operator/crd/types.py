@@ -1,6 +1,6 @@
 """The InferenceDeployment API (kvfence.dev/v1alpha1) as pydantic models.
 
-The CRD schema is generated from these models (see crd.py), so a constraint written here is
+The CRD schema is generated from these models (see crd/schema.py), so a constraint written here is
 enforced twice: by the API server when a user applies a manifest, and by `model_validate` when
 the operator or `kvfence up` reads one. Cross-field rules are CEL rules in the schema
 (`x-kubernetes-validations`) and the same check as a pydantic validator, with the same message.

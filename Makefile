@@ -37,7 +37,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	PYTHONPATH=engine_image:operator $(VENV)/bin/lint-imports
+	PYTHONPATH=engine_image:operator $(VENV)/bin/lint-imports --no-logo
 
 bench: setup
 	$(PY) bench/engine_throughput.py

@@ -28,9 +28,16 @@ up: setup
 serve: setup
 	$(VENV)/bin/kvfence serve --model $(MODEL) --port $(PORT)
 
-test: setup
-	$(VENV)/bin/ruff check .
+test: lint
 	$(VENV)/bin/pytest -q -n 2 --dist worksteal
+
+# Style, types (pyproject [tool.mypy]) and import contracts (pyproject [tool.importlinter]),
+# both read from this checkout's folders, not from wherever the package is installed.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	PYTHONPATH=engine_image:operator $(VENV)/bin/lint-imports --no-logo
 
 bench: setup
 	$(PY) bench/engine_throughput.py

@@ -1,8 +1,12 @@
 """Argument types and helpers that more than one subcommand uses."""
 
 import argparse
+from typing import TYPE_CHECKING
 
 from kvfence_engine.tools.units import parse_size
+
+if TYPE_CHECKING:  # the operator's subcommands import this module; its image has no starlette
+    from starlette.types import ASGIApp
 
 Subparsers = argparse._SubParsersAction
 
@@ -32,11 +36,11 @@ def read_token(path: str | None) -> str | None:
     return token
 
 
-def serve_http(app: object, args: argparse.Namespace) -> int:
+def serve_http(app: "ASGIApp", args: argparse.Namespace) -> int:
     import uvicorn
 
     uvicorn.run(
-        app,  # type: ignore[arg-type]
+        app,
         host=args.host,
         port=args.port,
         log_level="info",

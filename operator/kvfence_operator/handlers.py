@@ -55,7 +55,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 @kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=0)
 def reconcile(
-    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     try:
         outcome = memo.reconciler.reconcile(body)

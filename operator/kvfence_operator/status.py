@@ -53,7 +53,8 @@ def compute_status(
         put(ConditionType.POOL_SUFFICIENT, F, decision.reason, decision.message)
 
     canary = plan.canary
-    canary_failed = canary is not None and canary.result is CanaryResult.FAILED
+    # the failed canary, or None (an object rather than a flag, so branches read its message)
+    failed_canary = canary if canary is not None and canary.result is CanaryResult.FAILED else None
     if canary is None or canary.result in (None, CanaryResult.PENDING, CanaryResult.RUNNING):
         message = canary.message if canary and canary.message else "no canary has run"
         put(ConditionType.CANARY_PASSED, U, "CanaryPending", _about(canary, message))
@@ -65,14 +66,16 @@ def compute_status(
         put(ConditionType.CANARY_PASSED, F, "CanaryFailed", _about(canary, canary.message or ""))
 
     rolling = plan.revision.candidate is not None
-    pool_refused = decision is not None and not decision.sufficient and _all_reported(pools)
+    refused = decision is not None and not decision.sufficient and _all_reported(pools)
+    refusal = decision if refused else None  # the refusing decision, read by the branches
     serving = observed.get(plan.serve) if plan.serve else None
     serving_ready = serving is not None and serving.pods_ready and serving.pools.sufficient
 
-    if canary_failed and rolling:
-        put(ConditionType.PROGRESSING, F, "CanaryFailed", _about(canary, canary.message or ""))
-    elif pool_refused:
-        put(ConditionType.PROGRESSING, F, "PoolInsufficient", decision.message)  # type: ignore[union-attr]
+    if failed_canary is not None and rolling:
+        put(ConditionType.PROGRESSING, F, "CanaryFailed",
+            _about(failed_canary, failed_canary.message or ""))  # fmt: skip
+    elif refusal is not None:
+        put(ConditionType.PROGRESSING, F, "PoolInsufficient", refusal.message)
     elif rolling:
         waiting = judged.waiting_for if judged else "waiting for pods"
         put(ConditionType.PROGRESSING, T, "RolloutInProgress",
@@ -81,10 +84,11 @@ def compute_status(
         put(ConditionType.PROGRESSING, F, "RolloutComplete",
             f"revision {plan.revision.current} serves")  # fmt: skip
 
-    if canary_failed and rolling:
-        put(ConditionType.DEGRADED, T, "CanaryFailed", _about(canary, canary.message or ""))
-    elif pool_refused:
-        put(ConditionType.DEGRADED, T, "PoolInsufficient", decision.message)  # type: ignore[union-attr]
+    if failed_canary is not None and rolling:
+        put(ConditionType.DEGRADED, T, "CanaryFailed",
+            _about(failed_canary, failed_canary.message or ""))  # fmt: skip
+    elif refusal is not None:
+        put(ConditionType.DEGRADED, T, "PoolInsufficient", refusal.message)
     elif plan.serve is not None and not serving_ready and not rolling:
         put(ConditionType.DEGRADED, T, "ServingRevisionUnready",
             f"revision {plan.serve}: {serving.waiting_for if serving else 'no pods'}")  # fmt: skip
@@ -93,12 +97,12 @@ def compute_status(
 
     if not rolling and serving_ready:
         put(ConditionType.READY, T, "Serving", f"revision {plan.serve} serves at {endpoint}")
-    elif canary_failed and rolling:
+    elif failed_canary is not None and rolling:
         keeps = f"revision {plan.serve} keeps serving" if plan.serve else "nothing is served"
         put(ConditionType.READY, F, "CanaryFailed",
             f"revision {plan.revision.candidate} failed its canary; {keeps}")  # fmt: skip
-    elif pool_refused:
-        put(ConditionType.READY, F, "PoolInsufficient", decision.message)  # type: ignore[union-attr]
+    elif refusal is not None:
+        put(ConditionType.READY, F, "PoolInsufficient", refusal.message)
     elif rolling:
         put(ConditionType.READY, F, "RolloutInProgress",
             f"revision {plan.revision.candidate} is not promoted yet")  # fmt: skip

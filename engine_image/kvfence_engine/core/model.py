@@ -23,6 +23,9 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotate-half RoPE (Hugging Face layout), cos/sin tables precomputed once."""
 
+    cos: torch.Tensor  # buffers (register_buffer): [max_positions, head_dim]
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))

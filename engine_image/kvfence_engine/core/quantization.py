@@ -70,6 +70,11 @@ class Int8Linear(nn.Module):
     """y = x @ W.T + b with W as per-output-channel symmetric int8; activations are not
     quantized (weight-only)."""
 
+    # buffers (register_buffer), declared so they type as tensors, not Tensor | Module
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         w = weight.detach().float()

@@ -130,8 +130,9 @@ def tokenizer_from_folder(folder: Path, eos_ids: Sequence[int] = ()) -> Tokenize
     bos_token = token_str(config.get("bos_token"))
     eos_token = token_str(config.get("eos_token"))
     ids = set(eos_ids)
-    if eos_token and backend.token_to_id(eos_token) is not None:
-        ids.add(backend.token_to_id(eos_token))
+    eos_id = backend.token_to_id(eos_token) if eos_token else None
+    if eos_id is not None:
+        ids.add(eos_id)
     if not ids:
         raise ValueError(f"{folder}: no eos token in tokenizer_config.json or config.json")
     template = config.get("chat_template")

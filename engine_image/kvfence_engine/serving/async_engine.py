@@ -9,7 +9,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -71,8 +71,8 @@ class AsyncEngine:
         return await future
 
     async def stream(
-        self, seq: Request, start: Callable[[], None] | None = None
-    ) -> AsyncIterator[Delta]:
+        self, seq: Request, start: Callable[[], object] | None = None
+    ) -> AsyncGenerator[Delta]:
         """Run a sequence; yields deltas until it finishes. `start` (engine thread) puts it to
         work; by default it joins the scheduler's waiting queue. Closing the iterator early
         (client gone) aborts the sequence and releases its pages."""
@@ -99,7 +99,7 @@ class AsyncEngine:
 
     # --- engine thread -----------------------------------------------------------------------
 
-    def _start(self, seq: Request, start: Callable[[], None] | None) -> None:
+    def _start(self, seq: Request, start: Callable[[], object] | None) -> None:
         try:
             if is_terminal(seq):  # aborted before it ever started
                 pass

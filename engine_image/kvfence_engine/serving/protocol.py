@@ -37,7 +37,7 @@ class _Common(BaseModel):
         return stops
 
     def stops(self) -> tuple[str, ...]:
-        return tuple(self.stop or ())  # type: ignore[arg-type]
+        return tuple(self.stop or ())
 
 
 class CompletionRequest(_Common):

@@ -72,7 +72,7 @@ def _collapse_any_of(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, An
     branches = [_resolve(b, defs) for b in node["anyOf"] if b != {"type": "null"}]
     if len(branches) == 1:
         return {**branches[0], **siblings}
-    if sorted(b.get("type") for b in branches) == ["integer", "string"]:
+    if sorted(b.get("type", "") for b in branches) == ["integer", "string"]:
         value_checks = {k: v for b in branches for k, v in b.items() if k != "type"}
         return {
             **siblings,

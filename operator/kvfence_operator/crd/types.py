@@ -364,7 +364,7 @@ class RoleReplicas(_LenientModel):
     ready: int = 0
     desired: int = 0
 
-    @computed_field  # type: ignore[prop-decorator]
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
     @property
     def summary(self) -> str:
         """ready/desired, for the printer columns."""

@@ -19,12 +19,13 @@ import pytest
 import yaml
 
 from kvfence_cli.main import build_parser
+from kvfence_engine.contracts import PoolGateReport
 from kvfence_operator.builders.pod_template import RUN_AS_ID
 from kvfence_operator.crd.schema import render_crd_yaml
 from kvfence_operator.crd.types import API_GROUP, PLURAL, InferenceDeployment
 from kvfence_operator.handlers import OPERATOR_NAMESPACE_ENV
 from kvfence_operator.meta import OPERATOR_POD_LABELS
-from kvfence_operator.pool_gate import KvPoolReport, PodPool
+from kvfence_operator.pool_gate import PodPool
 from kvfence_operator.reconcile import Reconciler
 from kvfence_operator.revision import revision_of
 
@@ -495,7 +496,7 @@ class RecordingKube:
 
 def sufficient_pool(pod: str, role: str, revision: str, url: str | None) -> PodPool:
     assert url is not None, f"{pod} has no URL"
-    report = KvPoolReport(
+    report = PoolGateReport(
         role=role,
         revision=revision,
         pool_tokens=16384,

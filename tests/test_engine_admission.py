@@ -61,7 +61,7 @@ def test_an_empty_prompt_is_a_400() -> None:
 def test_refuse_policy_keeps_the_context_but_rejects_what_the_pool_cannot_hold() -> None:
     engine = make_tiny_engine(pages=4, context_length=256)  # pool: 64 tokens
     assert engine.context_effective == 256
-    assert engine.kvpool_report()["pool_tokens"] == 64
+    assert engine.kvpool_report().pool_tokens == 64
     seq = submit(engine, prompt_of(65))
     assert seq.error is not None and seq.error.code == "context_length_exceeded"
     assert "KV pool" in seq.error.message
@@ -72,8 +72,8 @@ def test_lower_policy_serves_the_pool_rounded_down_to_a_page() -> None:
     engine = make_tiny_engine(pages=5, context_length=300, context_policy=ContextPolicy.LOWER)
     assert engine.context_effective == 80
     report = engine.kvpool_report()
-    assert report["context_length_requested"] == 300
-    assert report["context_length_effective"] == 80
+    assert report.context_length_requested == 300
+    assert report.context_length_effective == 80
     assert submit(engine, prompt_of(81)).error is not None
 
 

@@ -67,7 +67,7 @@ def test_packed_engine_packs_every_linear_and_keeps_a_float32_pool(weight_dtype:
     assert all(isinstance(m, PACKED_CLASS[weight_dtype]) for m in linears)
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert engine.pool.k.dtype == torch.float32 and engine.kv_dtype == "float32"
-    assert engine.kvpool_report()["weight_dtype"] == weight_dtype
+    assert engine.kvpool_report().weight_dtype == weight_dtype
 
 
 @pytest.mark.parametrize(

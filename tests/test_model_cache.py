@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from kvfence_engine.loading import loader as model_loader
-from kvfence_engine.loading.loader import LoadedModel, load_config, load_gguf
+from kvfence_engine.loading.config import load_config
+from kvfence_engine.loading.loader import LoadedModel, load_gguf
 from kvfence_engine.loading.tokenizer_source import gguf_tokenizer, smollm2_gguf_path
 from kvfence_engine.tools import cache_dir as kvfence_cache
 

@@ -10,6 +10,7 @@ from kvfence_engine.core.faults import FAULTS
 
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("serve", help="run an engine (combined, prefill or decode role)")
+    # contracts.Role's values (a test pins them): importing it here would load pydantic
     p.add_argument("--role", choices=["combined", "prefill", "decode"], default="combined")
     p.add_argument(
         "--model",
@@ -102,6 +103,7 @@ def add_parser(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvfence_engine.contracts import Role
     from kvfence_engine.core.engine import EngineArgs, LLMEngine
     from kvfence_engine.core.faults import Faults, UnsafeFaultRefused
     from kvfence_engine.core.metrics import EngineMetrics
@@ -119,8 +121,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    role = Role(args.role)
     engine_args = EngineArgs(
-        role=args.role,
+        role=role,
         page_size=args.page_size,
         kv_cache_memory=args.kv_cache_memory,
         memory_fraction=args.memory_fraction,
@@ -145,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
     def build(metrics: EngineMetrics) -> AsyncEngine:
         return AsyncEngine(LLMEngine(load_model(args.model), engine_args, metrics))
 
-    state = ServerState(role=args.role, internal_token=token)
-    if args.role == "decode":
+    state = ServerState(role=role, internal_token=token)
+    if role is Role.DECODE:
 
         def start_receiver(engine: AsyncEngine) -> None:
             from kvfence_engine.disagg.receiver import KVReceiver
@@ -158,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         state.on_ready.append(start_receiver)
     state.load_in_background(build)
     app = create_app(state)
-    if args.role in ("prefill", "decode"):
+    if role in (Role.PREFILL, Role.DECODE):
         from kvfence_engine.disagg.internal_api import internal_router
 
         app.include_router(internal_router(state))

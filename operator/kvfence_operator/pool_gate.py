@@ -8,38 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ValidationError
 
+from kvfence_engine.contracts import PoolGateReport
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context
 from kvfence_operator.crd.types import PoolPolicy
 
 PROBE_TIMEOUT_SECONDS = 3.0
-
-
-class KvPoolReport(BaseModel):
-    """The part of an engine's GET /v1/kvpool the operator trusts
-    (docs/operator.md#the-pool-gate)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    role: str
-    revision: str
-    pool_tokens: int = Field(ge=0)
-    page_size: int = Field(ge=1)
-    num_pages: int = Field(ge=0)
-    context_length_effective: int = Field(ge=0)
-    tag_check: bool
-    deferred_release: bool
-    unsafe_faults: list[str] = Field(default_factory=list)
-
-    @model_validator(mode="after")
-    def _pool_is_whole_pages(self) -> "KvPoolReport":
-        if self.pool_tokens != self.num_pages * self.page_size:
-            raise ValueError(
-                f"pool_tokens {self.pool_tokens} != num_pages {self.num_pages} x page_size "
-                f"{self.page_size}"
-            )
-        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +24,14 @@ class PodPool:
     pod: str
     role: str
     revision: str
-    report: KvPoolReport | None = None
+    report: PoolGateReport | None = None
     error: str | None = None
 
 
 def parse_pool(pod: str, role: str, revision: str, payload: object) -> PodPool:
     """Garbage, or a report about another role or revision, counts as no report."""
     try:
-        report = KvPoolReport.model_validate(payload)
+        report = PoolGateReport.model_validate(payload)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
@@ -66,7 +41,7 @@ def parse_pool(pod: str, role: str, revision: str, payload: object) -> PodPool:
             pod,
             role,
             revision,
-            error=f"/v1/kvpool reports role {report.role!r} revision {report.revision!r}, "
+            error=f"/v1/kvpool reports role {str(report.role)!r} revision {report.revision!r}, "
             f"expected {role!r} {revision!r}",
         )
     return PodPool(pod, role, revision, report=report)
@@ -109,7 +84,7 @@ class PoolDecision:
     message: str
 
 
-def _defences_off(report: KvPoolReport) -> str | None:
+def _defences_off(report: PoolGateReport) -> str | None:
     if not report.tag_check:
         return "its KV tag check is off"
     if not report.deferred_release:
@@ -128,7 +103,7 @@ def judge_pools(
     `min_context_length` (default: one page) nothing is served. A pod without a valid report
     is never sufficient."""
     gates: dict[str, PodGate] = {}
-    reports: dict[str, KvPoolReport] = {}
+    reports: dict[str, PoolGateReport] = {}
     for pool in pools:
         if pool.report is None:
             gates[pool.pod] = PodGate(
@@ -201,6 +176,6 @@ def judge_pools(
     )
 
 
-def _holds(pod: str, report: KvPoolReport, context: int | None = None) -> str:
+def _holds(pod: str, report: PoolGateReport, context: int | None = None) -> str:
     served = f" the served context {context}" if context is not None else " the context"
     return f"pod {pod} has a KV pool of {report.pool_tokens} tokens, enough for{served}"

@@ -23,11 +23,7 @@ from pydantic import ValidationError
 from kvfence_engine.tools.cache_dir import cache_root
 from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed, free_port
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES, engine_args
-from kvfence_operator.builders.router_deployment import (
-    backends_file_content,
-    router_args,
-    router_backends,
-)
+from kvfence_operator.builders.router_deployment import router_args, router_backends
 from kvfence_operator.builders.secret import RevisionCredentials
 from kvfence_operator.crd.types import (
     InferenceDeployment,
@@ -191,7 +187,7 @@ def start_router(
         spec, local.revision, decision.effective_context, urls[Role.PREFILL], urls[Role.DECODE]
     )
     backends_file = local.workdir / "backends.json"
-    backends_file.write_text(backends_file_content(backends))
+    backends_file.write_text(backends.file_text())
     args = override_flags(
         router_args(spec),
         {

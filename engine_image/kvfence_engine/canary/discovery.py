@@ -4,14 +4,17 @@ advertises, and every engine's real pool and context (the router summarises its 
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvfence_engine.canary.config import CanaryConfig
 from kvfence_engine.canary.observations import TENANT_A, TENANT_B
 from kvfence_engine.canary.target import CannotRun, TargetClient
+from kvfence_engine.contracts import EnginePoolSize, PoolSize, Role, RouterPoolSizes
 
 
 @dataclass(frozen=True, slots=True)
 class EnginePool:
-    role: str
+    role: Role
     url: str  # "" when the target is itself a combined engine
     pool_tokens: int
     context_length_effective: int
@@ -48,7 +51,7 @@ class TargetFacts:
     @property
     def decode_pool_tokens(self) -> int:
         """KV slots that hold requests while they generate: what pollution has to fill."""
-        pools = [e.pool_tokens for e in self.engines if e.role in ("decode", "combined")]
+        pools = [e.pool_tokens for e in self.engines if e.role in (Role.DECODE, Role.COMBINED)]
         return sum(pools) if pools else self.pool_tokens
 
     def as_dict(self) -> dict[str, Any]:
@@ -92,27 +95,21 @@ async def discover(target: TargetClient, config: CanaryConfig) -> TargetFacts:
     return TargetFacts(target.model, advertised, context, source, engines, unreachable)
 
 
-def parse_pools(report: dict[str, Any]) -> tuple[tuple[EnginePool, ...], tuple[str, ...]]:
+def parse_pools(report: object) -> tuple[tuple[EnginePool, ...], tuple[str, ...]]:
     """An engine's own /v1/kvpool, or the router's summary with one entry per backend."""
     try:
-        if "backends" not in report:
-            return (_pool(report["role"], "", report),), ()
-        engines = tuple(
-            _pool(b["role"], b["url"], b["report"]) for b in report["backends"] if "report" in b
-        )
-        unreachable = tuple(f"{b['role']} {b['url']}" for b in report["backends"] if "error" in b)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CannotRun(f"cannot read the target's /v1/kvpool: {exc!r}") from exc
+        if not (isinstance(report, dict) and "backends" in report):
+            engine = EnginePoolSize.model_validate(report)
+            return (_pool(engine.role, "", engine),), ()
+        backends = RouterPoolSizes.model_validate(report).backends
+    except ValidationError as exc:
+        raise CannotRun(f"cannot read the target's /v1/kvpool: {exc}") from exc
+    engines = tuple(_pool(b.role, b.url, b.report) for b in backends if b.report is not None)
+    unreachable = tuple(f"{b.role} {b.url}" for b in backends if b.error is not None)
     if not engines:
         raise CannotRun("the target's /v1/kvpool lists no engine that reported its pool")
     return engines, unreachable
 
 
-def _pool(role: str, url: str, report: dict[str, Any]) -> EnginePool:
-    return EnginePool(
-        role=str(role),
-        url=str(url),
-        pool_tokens=int(report["pool_tokens"]),
-        context_length_effective=int(report["context_length_effective"]),
-        page_size=int(report["page_size"]),
-    )
+def _pool(role: Role, url: str, size: PoolSize) -> EnginePool:
+    return EnginePool(role, url, size.pool_tokens, size.context_length_effective, size.page_size)

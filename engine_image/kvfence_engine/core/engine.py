@@ -4,10 +4,10 @@ import itertools
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 
+from kvfence_engine.contracts import KvPoolReport, Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.faults import Faults
@@ -489,29 +489,30 @@ class LLMEngine:
 
     # --- reports ---------------------------------------------------------------------------
 
-    def kvpool_report(self) -> dict[str, Any]:
-        return {
-            "role": self.args.role,
-            "revision": self.args.revision,
-            "pool_tokens": self.pool.pool_tokens,
-            "page_size": self.pool.page_size,
-            "num_pages": self.pool.num_pages,
-            "free_pages": self.pool.num_free,
-            "kv_bytes_per_token": self.plan.kv_bytes_per_token,
-            "kv_dtype": self.kv_dtype,
-            "weight_dtype": str(self.precision.weights),
-            "context_length_requested": self.context_requested,
-            "context_length_effective": self.context_effective,
-            "context_policy": str(self.args.context_policy),
-            "model_max_positions": self.config.max_positions,
-            "tag_check": "no-tag-check" not in self.faults,
+    def kvpool_report(self) -> KvPoolReport:
+        role = Role(self.args.role)
+        return KvPoolReport(
+            role=role,
+            revision=self.args.revision,
+            pool_tokens=self.pool.pool_tokens,
+            page_size=self.pool.page_size,
+            num_pages=self.pool.num_pages,
+            free_pages=self.pool.num_free,
+            kv_bytes_per_token=self.plan.kv_bytes_per_token,
+            kv_dtype=self.kv_dtype,
+            weight_dtype=str(self.precision.weights),
+            context_length_requested=self.context_requested,
+            context_length_effective=self.context_effective,
+            context_policy=str(self.args.context_policy),
+            model_max_positions=self.config.max_positions,
+            tag_check="no-tag-check" not in self.faults,
             # no transfer in the combined role, so nothing to checksum there
-            "kv_checksum": self.args.kv_checksum and self.args.role != "combined",
-            "transfer_port": self.args.transfer_port if self.args.role == "decode" else None,
-            "deferred_release": True,
-            "scrub_on_free": self.pool.scrub_on_free,
-            "unsafe_faults": sorted(self.faults.enabled),
-        }
+            kv_checksum=self.args.kv_checksum and role is not Role.COMBINED,
+            transfer_port=self.args.transfer_port if role is Role.DECODE else None,
+            deferred_release=True,
+            scrub_on_free=self.pool.scrub_on_free,
+            unsafe_faults=sorted(self.faults.enabled),
+        )
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

@@ -12,24 +12,27 @@ import asyncio
 import hmac
 import json
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
 
+from kvfence_engine.contracts import (
+    TOKEN_HEADER,
+    AbortBody,
+    AbortReply,
+    DecodeBody,
+    PrefillBody,
+    PrefillReply,
+    ReserveBody,
+    ReserveReply,
+    Role,
+)
 from kvfence_engine.core.deltas import Delta
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import TokenLogprob, is_terminal
 from kvfence_engine.disagg.transfer import Handle, TransferError, send_kv
-from kvfence_engine.disagg.wire import (
-    TOKEN_HEADER,
-    AbortBody,
-    DecodeBody,
-    FirstToken,
-    PrefillBody,
-    ReserveBody,
-    delta_json,
-)
+from kvfence_engine.disagg.wire import delta_line, first_token, params_of, token_logprob
 from kvfence_engine.serving.async_engine import AsyncEngine
 from kvfence_engine.serving.state import ServerState
 
@@ -50,7 +53,7 @@ def internal_router(state: ServerState) -> APIRouter:
 
     router = APIRouter(prefix="/internal", dependencies=[Depends(check_token)])
 
-    def engine_for(role: str) -> AsyncEngine:
+    def engine_for(role: Role) -> AsyncEngine:
         engine = state.require_engine()
         if state.role != role:
             raise EngineError(
@@ -62,18 +65,18 @@ def internal_router(state: ServerState) -> APIRouter:
         return engine
 
     @router.post("/reserve")
-    async def reserve(body: ReserveBody) -> dict[str, Any]:
-        engine = engine_for("decode")
-        seq = engine.admit(body.prompt_ids, body.sampling.params(), body.max_tokens)
+    async def reserve(body: ReserveBody) -> ReserveReply:
+        engine = engine_for(Role.DECODE)
+        seq = engine.admit(body.prompt_ids, params_of(body.sampling), body.max_tokens)
         if is_terminal(seq):  # rejected before any page was allocated
             assert seq.error is not None
             raise seq.error
         handle = await engine.call(lambda: engine.engine.reserve(seq, body.request_id))
-        return handle.to_json() | {"max_tokens": seq.params.max_tokens}
+        return ReserveReply(**handle.to_json(), max_tokens=seq.params.max_tokens)
 
     @router.post("/decode")
     async def decode(body: DecodeBody) -> StreamingResponse:
-        engine = engine_for("decode")
+        engine = engine_for(Role.DECODE)
         seq = engine.engine.reserved.get(body.request_id)
         if seq is None:
             raise EngineError(
@@ -82,9 +85,9 @@ def internal_router(state: ServerState) -> APIRouter:
                 "invalid_request_error",
                 "unknown_request",
             )
-        first_token = body.first.as_logprob()
+        first_logprob = token_logprob(body.first)
         deltas = engine.stream(
-            seq, lambda: engine.engine.start_decode(body.request_id, first_token)
+            seq, lambda: engine.engine.start_decode(body.request_id, first_logprob)
         )
         first = await anext(deltas)
         if first.error is not None:
@@ -93,15 +96,15 @@ def internal_router(state: ServerState) -> APIRouter:
         return StreamingResponse(_ndjson(first, deltas), media_type="application/x-ndjson")
 
     @router.post("/abort")
-    async def abort(body: AbortBody) -> dict[str, bool]:
-        engine = engine_for("decode")
+    async def abort(body: AbortBody) -> AbortReply:
+        engine = engine_for(Role.DECODE)
         seq = await engine.call(lambda: engine.engine.abort_request(body.request_id))
-        return {"aborted": seq is not None}
+        return AbortReply(aborted=seq is not None)
 
     @router.post("/prefill")
-    async def prefill(body: PrefillBody) -> dict[str, Any]:
-        engine = engine_for("prefill")
-        seq = engine.admit(body.prompt_ids, body.sampling.params(), 1)
+    async def prefill(body: PrefillBody) -> PrefillReply:
+        engine = engine_for(Role.PREFILL)
+        seq = engine.admit(body.prompt_ids, params_of(body.sampling), 1)
         if is_terminal(seq):
             assert seq.error is not None
             raise seq.error
@@ -139,21 +142,19 @@ def internal_router(state: ServerState) -> APIRouter:
         logprob = (
             seq.output_logprobs[0] if seq.output_logprobs else TokenLogprob(seq.output_ids[0], 0.0)
         )
-        return {
-            "first": FirstToken.of(logprob).model_dump(),
-            "prompt_tokens": len(body.prompt_ids),
-            "kv_tokens": written,
-        }
+        return PrefillReply(
+            first=first_token(logprob), prompt_tokens=len(body.prompt_ids), kv_tokens=written
+        )
 
     return router
 
 
 async def _ndjson(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[str]:
     try:
-        yield json.dumps(delta_json(first)) + "\n"
+        yield json.dumps(delta_line(first).model_dump()) + "\n"
         if first.finish_reason is None:
             async for delta in rest:
-                yield json.dumps(delta_json(delta)) + "\n"
+                yield json.dumps(delta_line(delta).model_dump()) + "\n"
     finally:
         aclose = getattr(rest, "aclose", None)
         if aclose is not None:

@@ -6,7 +6,9 @@ import logging
 import socket
 import socketserver
 import threading
+from dataclasses import asdict
 
+from kvfence_engine.contracts import TransferHello, TransferLayout
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import Request
@@ -59,32 +61,31 @@ class KVReceiver:
         sock.settimeout(self.idle_timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            magic, hello = read_frame_header(sock)
-            if magic != HELLO or not isinstance(hello, dict):
+            magic, frame = read_frame_header(sock)
+            if magic != HELLO or not isinstance(frame, dict):
                 raise TransferError("bad_frame", "a transfer must start with HELLO")
+            # the token first: a sender without it learns nothing about what else is wrong
             if self.token is not None and not hmac.compare_digest(
-                str(hello.get("token") or ""), self.token
+                str(frame.get("token") or ""), self.token
             ):
                 send_reply(sock, False, "unauthorized", "missing or wrong internal token")
                 return
-            if hello.get("layout") != _layout_dict(self.engine):
-                raise TransferError("layout_mismatch", f"sender layout {hello.get('layout')}")
-            if bool(hello.get("checksum", True)) != self.engine.args.kv_checksum:
+            hello = TransferHello.model_validate(frame)
+            if hello.layout != TransferLayout(**asdict(self.engine.layout)):
+                raise TransferError("layout_mismatch", f"sender layout {hello.layout.model_dump()}")
+            if hello.checksum != self.engine.args.kv_checksum:
                 raise TransferError(
                     "checksum_setting",
                     "prefill and decode disagree on "
                     "--no-kv-checksum; both ends must use the same setting",
                 )
             seq = self.engine.begin_transfer(
-                str(hello["request_id"]),
-                int(hello["seq_id"]),
-                list(hello["pages"]),
-                list(hello["tags"]),
+                hello.request_id, hello.seq_id, hello.pages, hello.tags
             )
         except EngineError as exc:
             send_reply(sock, False, exc.code, exc.message)
             return
-        except (TransferError, OSError, ValueError, KeyError) as exc:
+        except (TransferError, OSError, ValueError) as exc:  # ValidationError is a ValueError
             log.warning("transfer refused: %s", exc)
             _try_reply(sock, False, getattr(exc, "code", "bad_frame"), str(exc))
             return
@@ -122,17 +123,6 @@ class KVReceiver:
             _try_reply(sock, True)
         else:
             _try_reply(sock, False, final.code, final.message)
-
-
-def _layout_dict(engine: LLMEngine) -> dict[str, object]:
-    layout = engine.layout
-    return {
-        "layers": layout.layers,
-        "page_size": layout.page_size,
-        "kv_heads": layout.kv_heads,
-        "head_dim": layout.head_dim,
-        "dtype": layout.dtype,
-    }
 
 
 def _try_reply(sock: socket.socket, ok: bool, code: str = "", message: str = "") -> None:

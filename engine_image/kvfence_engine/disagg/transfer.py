@@ -1,7 +1,8 @@
 """KV transfer from prefill to decode: framed TCP with a checksum per page and bounded batches.
 
 Wire format (little endian), one connection per request, sender -> receiver:
-  HELLO  b"KVFH" u32 len, JSON {request_id, seq_id, pages, tags, token, layout}
+  HELLO  b"KVFH" u32 len, JSON contracts.TransferHello {request_id, seq_id, pages, tags, token,
+         layout, checksum}
   PAGE   b"KVFP" u32 index, u32 page, u64 tag, u32 tokens, u64 xxh3, u64 nbytes, then nbytes
          of payload: the page's K then V slots for every layer (full page, `tokens` valid)
   END    b"KVFE" u32 len, JSON {tokens_written}
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 import xxhash
+
+from kvfence_engine.contracts import TransferHello, TransferLayout
 
 HELLO = b"KVFH"
 PAGE = b"KVFP"
@@ -140,10 +143,16 @@ class Sender:
         self.verify = verify
         self.sock = socket.create_connection((handle.transfer_host, handle.transfer_port), timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _send_json(self.sock, HELLO, {
-            "request_id": handle.request_id, "seq_id": handle.seq_id, "pages": handle.pages,
-            "tags": handle.tags, "token": token, "layout": asdict(layout), "checksum": self.verify,
-        })  # fmt: skip
+        hello = TransferHello(
+            request_id=handle.request_id,
+            seq_id=handle.seq_id,
+            pages=handle.pages,
+            tags=handle.tags,
+            token=token,
+            layout=TransferLayout(**asdict(layout)),
+            checksum=self.verify,
+        )
+        _send_json(self.sock, HELLO, hello.model_dump())
 
     def send_pages(
         self, first: int, kv: list[tuple[memoryview, memoryview]], tokens: list[int]

@@ -13,13 +13,12 @@ GET /v1/kvpool summarises the backends' pools and /metrics re-exports their isol
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -28,12 +27,32 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from pydantic import BaseModel, ValidationError
 
+from kvfence_engine.contracts import (
+    TOKEN_HEADER,
+    AbortBody,
+    BackendReport,
+    BackendUnread,
+    DecodeBody,
+    DeltaLine,
+    FirstToken,
+    KvPoolReport,
+    PoolSize,
+    PrefillBody,
+    PrefillReply,
+    ReserveBody,
+    ReserveReply,
+    Role,
+    RouterPoolSummary,
+    Sampling,
+    TransferHandle,
+)
 from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.metrics import BACKEND_PREFIX, ISOLATION_COUNTERS
-from kvfence_engine.disagg.wire import TOKEN_HEADER, delta_from_json
+from kvfence_engine.disagg.wire import delta_of
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.router.backends import Backend, Backends
@@ -42,6 +61,7 @@ from kvfence_engine.serving.openai_api import (
     chat_logprobs,
     chat_prompt,
     completion_prompt,
+    invalid_body,
     new_app,
     respond,
 )
@@ -147,8 +167,8 @@ class RouterState:
                 try:
                     r = await self.client.get(backend.url + "/v1/kvpool", timeout=5.0)
                     r.raise_for_status()
-                    values.append(int(r.json()["context_length_effective"]))
-                except (httpx.HTTPError, KeyError, ValueError):
+                    values.append(PoolSize.model_validate_json(r.content).context_length_effective)
+                except (httpx.HTTPError, ValueError):  # ValidationError is a ValueError
                     continue
             if not values:
                 raise errors.overloaded("no decode instance reported its context length", 2)
@@ -176,9 +196,11 @@ def create_router_app(state: RouterState) -> FastAPI:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/kvpool")
-    async def kvpool(request: Request) -> dict[str, Any]:
+    async def kvpool(request: Request) -> RouterPoolSummary:
         state.tenant(request)
-        reports = await _read_backends(state, "/v1/kvpool", lambda r: dict(r.json()))
+        reports = await _read_backends(
+            state, "/v1/kvpool", lambda r: KvPoolReport.model_validate_json(r.content)
+        )
         return summarise_pools(reports, await state.served_context())
 
     @app.get("/v1/models")
@@ -208,7 +230,7 @@ def create_router_app(state: RouterState) -> FastAPI:
     return app
 
 
-BackendRead = tuple[str, str, Any]  # (role, url, what was read or None)
+BackendRead = tuple[Role, str, Any]  # (role, url, what was read or None)
 
 
 async def _read_backends(
@@ -226,35 +248,34 @@ async def _read_backends(
         try:
             r = await state.client.get(url + path, timeout=BACKEND_READ_TIMEOUT)
             return parse(r) if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError):  # ValidationError is a ValueError
             return None
 
     results = await asyncio.gather(*(read(url) for _, url in targets))
     return [(role, url, result) for (role, url), result in zip(targets, results, strict=True)]
 
 
-def summarise_pools(reports: list[BackendRead], served_context: int) -> dict[str, Any]:
+def summarise_pools(reports: list[BackendRead], served_context: int) -> RouterPoolSummary:
     """The router's /v1/kvpool: each backend's own report, and the numbers that bound every
     request whichever instances it lands on (the smallest pool, the smallest context)."""
-    read = [report for _, _, report in reports if report is not None]
+    read: list[KvPoolReport] = [report for _, _, report in reports if report is not None]
     if not read:
         raise errors.overloaded("no backend instance reported its KV pool", 2)
-    return {
-        "role": "router",
-        "context_length_served": served_context,
-        "context_length_effective": min(r["context_length_effective"] for r in read),
-        "pool_tokens": min(r["pool_tokens"] for r in read),
-        "page_size": min(r["page_size"] for r in read),
-        "tag_check": all(r["tag_check"] for r in read),
-        "kv_checksum": all(r["kv_checksum"] for r in read),
-        "deferred_release": all(r["deferred_release"] for r in read),
-        "backends": [
-            {"role": role, "url": url, "report": report}
+    return RouterPoolSummary(
+        context_length_served=served_context,
+        context_length_effective=min(r.context_length_effective for r in read),
+        pool_tokens=min(r.pool_tokens for r in read),
+        page_size=min(r.page_size for r in read),
+        tag_check=all(r.tag_check for r in read),
+        kv_checksum=all(r.kv_checksum for r in read),
+        deferred_release=all(r.deferred_release for r in read),
+        backends=[
+            BackendReport(role=role, url=url, report=report)
             if report is not None
-            else {"role": role, "url": url, "error": "unreachable or not ready"}
+            else BackendUnread(role=role, url=url, error="unreachable or not ready")
             for role, url, report in reports
         ],
-    }
+    )
 
 
 class BackendCounters(Collector):
@@ -311,16 +332,22 @@ async def _route(
     if len(prompt_ids) > limit:
         state.metrics.rejected.labels(reason="context_length_exceeded").inc()
         raise errors.context_length_exceeded(len(prompt_ids), limit, "the served context")
-    sampling = {
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "seed": body.seed,
-        "logprobs": logprobs,
-        "ignore_eos": body.ignore_eos,
-    }
+    sampling = Sampling(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        logprobs=logprobs,
+        ignore_eos=body.ignore_eos,
+    )
     request_id = f"{tenant}-{uuid.uuid4().hex}"
-    decode, handle = await _reserve(state, request_id, prompt_ids, max_tokens, sampling)
+    try:
+        reserve = ReserveBody(
+            request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling
+        )
+    except ValidationError as exc:  # what decode would refuse is the client's 400, as it was
+        raise invalid_body(exc.errors()) from exc
+    decode, handle = await _reserve(state, reserve)
     try:
         # Shielded: a client that leaves now must not cancel the prefill mid-transfer.
         prefill = asyncio.ensure_future(_prefill(state, decode, handle, prompt_ids, sampling))
@@ -349,20 +376,30 @@ async def _route(
     return await respond(first_delta, deltas, out, detok, body, request.is_disconnected)
 
 
+ReplyT = TypeVar("ReplyT", bound=BaseModel)
+
+
 class Unreachable(EngineError):
     """An instance did not answer at all (refused, reset, timed out): a clean 503."""
 
 
 async def _call(
-    state: RouterState, backend: Backend, role: str, path: str, payload: dict[str, Any]
-) -> dict[str, Any]:
+    state: RouterState,
+    backend: Backend,
+    role: Role,
+    path: str,
+    body: BaseModel,
+    reply: type[ReplyT],
+) -> ReplyT:
     """POST to an instance. Unreachable -> out of rotation + 503; its own error -> passed on."""
     backend.outstanding += 1
     try:
-        r = await state.client.post(backend.url + path, json=payload, headers=state.headers())
+        r = await state.client.post(
+            backend.url + path, json=body.model_dump(mode="json"), headers=state.headers()
+        )
     except httpx.HTTPError as exc:
         state.metrics.backend_errors.labels(role=role).inc()
-        pool = state.backends.prefill if role == "prefill" else state.backends.decode
+        pool = state.backends.prefill if role is Role.PREFILL else state.backends.decode
         pool.mark_down(backend)
         raise Unreachable(
             503,
@@ -376,7 +413,7 @@ async def _call(
         backend.outstanding -= 1
     if r.status_code >= 400:
         raise _error_from(r)
-    return r.json()
+    return reply.model_validate_json(r.content)
 
 
 def _error_from(r: httpx.Response) -> EngineError:
@@ -394,57 +431,41 @@ def _error_from(r: httpx.Response) -> EngineError:
         return EngineError(502, f"backend answered {r.status_code}", "server_error", "bad_gateway")
 
 
-async def _reserve(
-    state: RouterState,
-    request_id: str,
-    prompt_ids: list[int],
-    max_tokens: int | None,
-    sampling: dict[str, Any],
-) -> tuple[Backend, dict]:
-    payload = {
-        "request_id": request_id,
-        "prompt_ids": prompt_ids,
-        "max_tokens": max_tokens,
-        "sampling": sampling,
-    }
+async def _reserve(state: RouterState, body: ReserveBody) -> tuple[Backend, TransferHandle]:
     tried: set[str] = set()
     while True:
         decode = state.backends.decode.pick(tried)
         tried.add(decode.url)
         try:
-            handle = await _call(state, decode, "decode", "/internal/reserve", payload)
+            reply = await _call(state, decode, Role.DECODE, "/internal/reserve", body, ReserveReply)
         except Unreachable:
             continue  # out of rotation now; try another decode instance
-        handle["transfer_host"] = decode.host
-        return decode, handle
+        handle = reply.model_dump(exclude={"max_tokens"}) | {"transfer_host": decode.host}
+        return decode, TransferHandle.model_validate(handle)
 
 
 async def _prefill(
     state: RouterState,
     decode: Backend,
-    handle: dict[str, Any],
+    handle: TransferHandle,
     prompt_ids: list[int],
-    sampling: dict[str, Any],
-) -> dict[str, Any]:
+    sampling: Sampling,
+) -> FirstToken:
     prefill = state.backends.prefill.pick()
-    payload = {
-        "handle": {k: v for k, v in handle.items() if k != "max_tokens"},
-        "prompt_ids": prompt_ids,
-        "sampling": sampling,
-    }
+    body = PrefillBody(handle=handle, prompt_ids=prompt_ids, sampling=sampling)
     decode.outstanding += 1
     try:
-        result = await _call(state, prefill, "prefill", "/internal/prefill", payload)
+        result = await _call(state, prefill, Role.PREFILL, "/internal/prefill", body, PrefillReply)
     finally:
         decode.outstanding -= 1
-    return result["first"]
+    return result.first
 
 
 async def _abort(state: RouterState, decode: Backend, request_id: str) -> None:
     try:
         await state.client.post(
             decode.url + "/internal/abort",
-            json={"request_id": request_id},
+            json=AbortBody(request_id=request_id).model_dump(),
             headers=state.headers(),
             timeout=5.0,
         )
@@ -453,7 +474,7 @@ async def _abort(state: RouterState, decode: Backend, request_id: str) -> None:
 
 
 async def _abort_after(
-    state: RouterState, decode: Backend, request_id: str, prefill: "asyncio.Future[dict[str, Any]]"
+    state: RouterState, decode: Backend, request_id: str, prefill: "asyncio.Future[FirstToken]"
 ) -> None:
     """The client left during prefill: let the first token come into existence, then cancel
     both halves (prefill is done by then; decode drops the reservation)."""
@@ -463,8 +484,8 @@ async def _abort_after(
 
 
 async def _decode(
-    state: RouterState, decode: Backend, request_id: str, first: dict[str, Any]
-) -> AsyncIterator[Delta]:
+    state: RouterState, decode: Backend, request_id: str, first: FirstToken
+) -> AsyncGenerator[Delta]:
     """Decode's token stream as deltas. A broken stream ends with a 503 error delta; closing
     this iterator (client gone) closes the stream, which aborts the request on decode."""
     decode.outstanding += 1
@@ -474,7 +495,7 @@ async def _decode(
             "POST",
             decode.url + "/internal/decode",
             headers=state.headers(),
-            json={"request_id": request_id, "first": first},
+            json=DecodeBody(request_id=request_id, first=first).model_dump(mode="json"),
         ) as r:
             if r.status_code >= 400:
                 await r.aread()
@@ -483,7 +504,7 @@ async def _decode(
                 return
             async for line in r.aiter_lines():
                 if line:
-                    delta = delta_from_json(json.loads(line))
+                    delta = delta_of(DeltaLine.model_validate_json(line))
                     finished = delta.finish_reason is not None
                     yield delta
         if not finished:

@@ -1,14 +1,15 @@
 """The router's view of prefill and decode instances: least-outstanding choice, dead instances
 out of rotation for a while, and a backends file the operator rewrites."""
 
-import json
 import os
 import socket
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from kvfence_engine.contracts import BackendsFile, Role
 from kvfence_engine.core import errors
 
 DOWN_SECONDS = 5.0
@@ -27,14 +28,14 @@ class Backend:
 
 @dataclass(slots=True)
 class BackendPool:
-    role: str
+    role: Role
     backends: list[Backend] = field(default_factory=list)
 
     def set_urls(self, urls: list[str]) -> None:
         known = {b.url: b for b in self.backends}
         self.backends = [known.get(u) or Backend(u) for u in urls]
 
-    def pick(self, exclude: set[str] = frozenset()) -> Backend:  # type: ignore[assignment]
+    def pick(self, exclude: AbstractSet[str] = frozenset()) -> Backend:
         now = time.monotonic()
         alive = [b for b in self.backends if b.down_until <= now and b.url not in exclude]
         if not alive:
@@ -76,8 +77,8 @@ class Backends:
     @classmethod
     def create(cls, prefill: list[str], decode: list[str], file: str | None) -> "Backends":
         b = cls(
-            BackendPool("prefill"),
-            BackendPool("decode"),
+            BackendPool(Role.PREFILL),
+            BackendPool(Role.DECODE),
             prefill,
             decode,
             Path(file) if file else None,
@@ -95,10 +96,10 @@ class Backends:
             if mtime != self._mtime:
                 self._mtime = mtime
                 if mtime >= 0:
-                    data = json.loads(self.file.read_text())
-                    self.prefill_urls = list(data.get("prefill", []))
-                    self.decode_urls = list(data.get("decode", []))
-                    self.context_length = data.get("contextLength")
+                    written = BackendsFile.model_validate_json(self.file.read_text())
+                    self.prefill_urls = list(written.prefill)
+                    self.decode_urls = list(written.decode)
+                    self.context_length = written.context_length
                 force = True
         if force or time.monotonic() - self._resolved_at > 5.0:
             self._resolved_at = time.monotonic()

@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvfence_engine.contracts import KvPoolReport, Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.request import SamplingParams, is_terminal
 from kvfence_engine.loading.detokenizer import Detokenizer
@@ -39,7 +40,7 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
 
     @app.get("/v1/kvpool")
-    async def kvpool() -> dict[str, Any]:
+    async def kvpool() -> KvPoolReport:
         return state.require_engine().engine.kvpool_report()
 
     @app.get("/metrics")
@@ -82,7 +83,7 @@ def create_app(state: ServerState) -> FastAPI:
 
 def _combined(state: ServerState) -> AsyncEngine:
     engine = state.require_engine()
-    if state.role != "combined":
+    if state.role != Role.COMBINED:
         raise errors.invalid_request(
             f"this engine runs the {state.role} role; send completions to the router"
         )

@@ -4,7 +4,7 @@ shape, and turning a stream of token deltas into completion / chat objects or SS
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,13 +48,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-            for e in exc.errors()
-        )
-        return error_response(errors.invalid_request(message, ".".join(loc) or None))
+        return error_response(invalid_body(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -62,6 +56,17 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             EngineError(exc.status_code, str(exc.detail), "invalid_request_error", code)
         )
+
+
+def invalid_body(problems: Sequence[Any]) -> EngineError:
+    """A 400 naming every field of a request body that failed validation."""
+    first = problems[0] if problems else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+        for e in problems
+    )
+    return errors.invalid_request(message, ".".join(loc) or None)
 
 
 def completion_prompt(

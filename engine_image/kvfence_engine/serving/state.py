@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvfence_engine.contracts import Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.metrics import EngineMetrics
 from kvfence_engine.serving.async_engine import AsyncEngine
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 class ServerState:
     """What the HTTP layer serves; `engine` is set once weights and pool are allocated."""
 
-    role: str = "combined"
+    role: Role = Role.COMBINED
     internal_token: str | None = None
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     engine: AsyncEngine | None = None
@@ -39,7 +40,7 @@ class ServerState:
                 for hook in self.on_ready:
                     hook(engine)
                 self.engine = engine
-                log.info("engine ready: %s", engine.engine.kvpool_report())
+                log.info("engine ready: %s", engine.engine.kvpool_report().model_dump(mode="json"))
             except Exception as exc:  # reported on /readyz; the process stays up to say why
                 log.exception("engine failed to start")
                 self.load_error = f"{type(exc).__name__}: {exc}"

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvfence_engine.contracts import PoolPlanReport
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, plan_pool
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -24,7 +25,7 @@ class Verdict:
 def estimate(
     source: str, budget_bytes: int, context_length: int, page_size: int, kv_dtype: str
 ) -> Verdict:
-    from kvfence_engine.loading.loader import load_config
+    from kvfence_engine.loading.config import load_config
 
     config = load_config(source)
     plan = plan_pool(
@@ -44,17 +45,17 @@ def estimate(
 def live(target: str, context_length: int) -> Verdict:
     response = httpx.get(target.rstrip("/") + "/v1/kvpool", timeout=10.0)
     response.raise_for_status()
-    pool = response.json()
+    pool = PoolPlanReport.model_validate_json(response.content)
     lines = [
-        f"target {target}: role {pool.get('role')}, revision {pool.get('revision')}",
-        f"KV bytes per token: {pool['kv_bytes_per_token']} ({pool.get('kv_dtype')})",
-        f"pool: {pool['num_pages']} pages x {pool['page_size']} tokens = {pool['pool_tokens']} "
-        f"tokens ({pool.get('free_pages')} pages free); serves {pool['context_length_effective']}",
+        f"target {target}: role {pool.role}, revision {pool.revision}",
+        f"KV bytes per token: {pool.kv_bytes_per_token} ({pool.kv_dtype})",
+        f"pool: {pool.num_pages} pages x {pool.page_size} tokens = {pool.pool_tokens} "
+        f"tokens ({pool.free_pages} pages free); serves {pool.context_length_effective}",
     ]
     lowered = effective_context(
-        context_length, int(pool["pool_tokens"]), int(pool["page_size"]), ContextPolicy.LOWER
+        context_length, pool.pool_tokens, pool.page_size, ContextPolicy.LOWER
     )
-    return _verdict(lines, context_length, int(pool["pool_tokens"]), lowered, None)
+    return _verdict(lines, context_length, pool.pool_tokens, lowered, None)
 
 
 def _verdict(

@@ -1,10 +1,10 @@
 """The router: its backends file (ConfigMap), Deployment, per-revision Service (the canary's
 target) and the stable Service <name> that clients use."""
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
+from kvfence_engine.contracts import BackendsFile, ServedModel
 from kvfence_operator.builders.pod_template import (
     CREDENTIALS_DIR,
     INTERNAL_TOKEN_FILE,
@@ -39,23 +39,19 @@ def router_backends(
     context_length: int | None = None,
     prefill_urls: Sequence[str] = (),
     decode_urls: Sequence[str] = (),
-) -> dict[str, Any]:
+) -> BackendsFile:
     """The router's live configuration, which the operator rewrites as pods come and go: the
     engine pods whose pool check passed (their kvfence.dev/kv-pool gate is True), by URL, and
     the served context (under LowerContext, lowered to what every pool holds). A headless
     Service would resolve to the same Ready pods, but only after DNS caches expire, and not at
     all in `kvfence up`; the operator knows first."""
-    return {
-        "revision": revision,
-        "model": {"source": spec.model.source, "name": spec.model.name},
-        "contextLength": spec.context_length if context_length is None else context_length,
-        "prefill": sorted(prefill_urls),
-        "decode": sorted(decode_urls),
-    }
-
-
-def backends_file_content(backends: dict[str, Any]) -> str:
-    return json.dumps(backends, indent=2, sort_keys=True) + "\n"
+    return BackendsFile(
+        revision=revision,
+        model=ServedModel(source=spec.model.source, name=spec.model.name),
+        context_length=spec.context_length if context_length is None else context_length,
+        prefill=sorted(prefill_urls),
+        decode=sorted(decode_urls),
+    )
 
 
 def build_router_configmap(
@@ -72,7 +68,7 @@ def build_router_configmap(
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": object_meta(instance, name, labels(instance, revision, Role.ROUTER)),
-        "data": {BACKENDS_FILE_NAME: backends_file_content(backends)},
+        "data": {BACKENDS_FILE_NAME: backends.file_text()},
     }
 
 

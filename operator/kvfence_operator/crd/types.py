@@ -67,6 +67,10 @@ class ServiceType(StrEnum):
 
 
 class Role(StrEnum):
+    """The parts of an InferenceDeployment (the kvfence.dev/role label, child names). Not the
+    engine's kvfence_engine.contracts.Role, what `kvfence serve --role` runs: router and canary
+    are no engines, and the operator never runs a combined one."""
+
     PREFILL = "prefill"
     DECODE = "decode"
     ROUTER = "router"

@@ -1,0 +1,318 @@
+"""What crosses a process boundary, defined once and used by both ends.
+
+The engine's GET /v1/kvpool report and the router's summary of it; the router's backends file,
+which the operator writes; the router's calls to /internal/* and their replies; the HELLO that
+opens a KV transfer; and the engine roles. Nothing but pydantic and the standard library: the
+router, the canary and the operator image import this without torch.
+
+Two kinds of model. A message (frozen, unknown keys refused) is written and read by kvfence at
+both ends, so an unknown key is a typo or a version mismatch and fails loudly. A reading
+(frozen, unknown keys ignored) is a /v1/kvpool report, or the part of one a reader uses: the
+report gains fields over time and is read by tools of other versions (the operator, preflight,
+the canary), so each reader requires only what it uses. The JSON field names are the wire's;
+renaming one breaks those readers.
+"""
+
+import json
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+TOKEN_HEADER = "X-Kvfence-Internal-Token"  # the shared internal token on /internal/* calls
+
+Count = Annotated[int, Field(ge=0)]
+Positive = Annotated[int, Field(ge=1)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+RequestId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class _Reading(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class Role(StrEnum):
+    """What `kvfence serve --role` runs. Not the operator's crd.types.Role, which names the
+    parts of an InferenceDeployment (prefill, decode, router, canary): the router and the
+    canary are no engines, and the operator never runs a combined one."""
+
+    COMBINED = "combined"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+def _check_whole_pages(pool_tokens: int, num_pages: int, page_size: int) -> None:
+    if pool_tokens != num_pages * page_size:
+        raise ValueError(
+            f"pool_tokens {pool_tokens} != num_pages {num_pages} x page_size {page_size}"
+        )
+
+
+# --- GET /v1/kvpool of an engine ---------------------------------------------------------
+
+
+class KvPoolReport(_Reading):
+    """An engine's KV pool as it really allocated it, and which isolation defences are on.
+    The engine writes all of it and the router passes it on whole."""
+
+    role: Role
+    revision: str
+    pool_tokens: Count
+    page_size: Positive
+    num_pages: Count
+    free_pages: Count
+    kv_bytes_per_token: Positive
+    kv_dtype: str
+    weight_dtype: str
+    context_length_requested: Positive
+    context_length_effective: Count
+    context_policy: str
+    model_max_positions: Positive
+    tag_check: bool
+    kv_checksum: bool  # on this engine's transfers; False in the combined role (none there)
+    transfer_port: Annotated[int, Field(ge=0, le=65535)] | None  # decode role only
+    deferred_release: bool
+    scrub_on_free: bool
+    unsafe_faults: list[str]
+
+    @model_validator(mode="after")
+    def _pool_is_whole_pages(self) -> "KvPoolReport":
+        _check_whole_pages(self.pool_tokens, self.num_pages, self.page_size)
+        return self
+
+
+class PoolSize(_Reading):
+    """The numbers that bound a request, which every reader of a report needs."""
+
+    pool_tokens: Count
+    page_size: Positive
+    context_length_effective: Count
+
+
+class EnginePoolSize(PoolSize):
+    """The canary's reading of an engine it targets directly."""
+
+    role: Role
+
+
+class PoolGateReport(_Reading):
+    """The part of a report the operator trusts to open a pod's kv-pool readiness gate (in
+    the report's order: the first field that is wrong is the one the pod's gate names)."""
+
+    role: Role
+    revision: str
+    pool_tokens: Count
+    page_size: Positive
+    num_pages: Count
+    context_length_effective: Count
+    tag_check: bool
+    deferred_release: bool
+    unsafe_faults: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _pool_is_whole_pages(self) -> "PoolGateReport":
+        _check_whole_pages(self.pool_tokens, self.num_pages, self.page_size)
+        return self
+
+
+class PoolPlanReport(PoolSize):
+    """`kvfence preflight --target`: the live pool next to its estimate."""
+
+    num_pages: Count
+    kv_bytes_per_token: Positive
+    role: Role | None = None
+    revision: str | None = None
+    kv_dtype: str | None = None
+    free_pages: Count | None = None
+
+
+# --- GET /v1/kvpool of the router --------------------------------------------------------
+
+
+class BackendReport(_Message):
+    role: Role
+    url: str
+    report: KvPoolReport
+
+
+class BackendUnread(_Message):
+    role: Role
+    url: str
+    error: str
+
+
+class RouterPoolSummary(_Message):
+    """Each backend's report (or why there is none) and the numbers that bound a request
+    whichever instances it lands on: the smallest pool and context, defences on everywhere."""
+
+    role: Literal["router"] = "router"
+    context_length_served: Positive
+    context_length_effective: Count
+    pool_tokens: Count
+    page_size: Positive
+    tag_check: bool
+    kv_checksum: bool
+    deferred_release: bool
+    backends: list[BackendReport | BackendUnread]
+
+
+class BackendPoolSize(_Reading):
+    """The canary's reading of one backend in the router's summary."""
+
+    role: Role
+    url: str
+    report: PoolSize | None = None
+    error: str | None = None
+
+
+class RouterPoolSizes(_Reading):
+    """The canary's reading of the router's summary: every engine behind it."""
+
+    backends: list[BackendPoolSize]
+
+
+# --- the router's backends file, written by the operator ----------------------------------
+
+
+class ServedModel(_Message):
+    source: str
+    name: str | None = None
+
+
+class BackendsFile(_Message):
+    """The engines the router may send to, and the context it serves (under LowerContext,
+    what every pool holds). The operator rewrites it as pods pass or fail the pool check; a
+    hand-written file may give only the URLs."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    revision: str | None = None
+    model: ServedModel | None = None
+    context_length: Positive | None = Field(None, alias="contextLength")
+    prefill: list[str] = Field(default_factory=list)
+    decode: list[str] = Field(default_factory=list)
+
+    def file_text(self) -> str:
+        data = self.model_dump(mode="json", by_alias=True)
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+
+# --- /internal/*: the router calls decode and prefill --------------------------------------
+
+
+class Sampling(_Message):
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    ignore_eos: bool = False
+
+
+class ReserveBody(_Message):
+    """POST /internal/reserve (decode): admit the prompt and allocate its pages now."""
+
+    request_id: RequestId
+    prompt_ids: list[int] = Field(min_length=1)
+    max_tokens: Positive | None = None
+    sampling: Sampling = Field(default_factory=Sampling)
+
+
+class TransferHandle(_Message):
+    """Where and into which pages prefill writes a reserved prompt's KV."""
+
+    request_id: RequestId
+    seq_id: int
+    pages: list[int]
+    tags: list[int]
+    reserved_tokens: int
+    transfer_port: Port
+    transfer_host: str = "127.0.0.1"
+
+
+class ReserveReply(TransferHandle):
+    """The handle, and how many tokens decode will generate at most."""
+
+    max_tokens: Positive
+
+
+class PrefillBody(_Message):
+    """POST /internal/prefill: compute the prompt's KV and first token, stream the KV."""
+
+    handle: TransferHandle
+    prompt_ids: list[int] = Field(min_length=1)
+    sampling: Sampling = Field(default_factory=Sampling)
+
+
+class FirstToken(_Message):
+    """A sampled token with its logprob and the top alternatives (when asked for)."""
+
+    token_id: Count
+    logprob: float = 0.0
+    top: list[tuple[int, float]] = Field(default_factory=list)
+
+
+class PrefillReply(_Message):
+    first: FirstToken
+    prompt_tokens: int
+    kv_tokens: int
+
+
+class DecodeBody(_Message):
+    """POST /internal/decode: continue from prefill's first token once the KV is verified;
+    the reply is a stream of DeltaLine, one JSON object per line."""
+
+    request_id: RequestId
+    first: FirstToken
+
+
+class AbortBody(_Message):
+    request_id: RequestId
+
+
+class AbortReply(_Message):
+    aborted: bool
+
+
+class WireError(_Message):
+    """An engine error in a delta stream: the HTTP status and the OpenAI error fields."""
+
+    status: int
+    message: str
+    type: str
+    param: str | None = None
+    code: str
+
+
+class DeltaLine(_Message):
+    token_ids: list[int]
+    logprobs: list[FirstToken]
+    finish_reason: str | None = None
+    error: WireError | None = None
+
+
+# --- the KV transfer's opening frame (disagg/transfer.py has the framing) -----------------
+
+
+class TransferLayout(_Message):
+    """The shape of a page; both ends must agree or the bytes mean different things."""
+
+    layers: Positive
+    page_size: Positive
+    kv_heads: Positive
+    head_dim: Positive
+    dtype: str
+
+
+class TransferHello(_Message):
+    request_id: str
+    seq_id: int
+    pages: list[int]
+    tags: list[int]
+    token: str | None = None
+    layout: TransferLayout
+    checksum: bool = True  # whether pages carry checksums; both ends must agree

@@ -5,7 +5,7 @@ import logging
 import sys
 
 from kvfence_cli.common import Subparsers, positive, read_token, serve_http, size
-from kvfence_engine.core.faults import FAULTS
+from kvfence_engine.core.faults import Fault
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -92,7 +92,7 @@ def add_parser(sub: Subparsers) -> None:
         "--unsafe-fault",
         action="append",
         default=[],
-        choices=sorted(FAULTS),
+        choices=sorted(fault.value for fault in Fault),
         metavar="NAME",
         help="TEST ONLY; refused unless KVFENCE_ALLOW_UNSAFE=1",
     )

@@ -10,7 +10,7 @@ import torch
 
 from kvfence_engine.core import errors
 from kvfence_engine.core.errors import EngineError
-from kvfence_engine.core.faults import Faults
+from kvfence_engine.core.faults import Fault, Faults
 from kvfence_engine.core.isolation import check_reads
 from kvfence_engine.core.kv_pool import KVPool, PoolExhausted
 from kvfence_engine.core.metrics import EngineMetrics
@@ -180,7 +180,7 @@ class LLMEngine:
         elif n > self.limit:
             what = "the served context" if self.limit == self.context_effective else "the KV pool"
             error = errors.context_length_exceeded(n, self.limit, what)
-            if "reject-placeholder" in self.faults and n <= self.pool.pool_tokens:
+            if Fault.REJECT_PLACEHOLDER in self.faults and n <= self.pool.pool_tokens:
                 # The incident: the rejection lands in a field is_terminal() does not read.
                 seq.placeholder_rejection = error
                 room = self.pool.pool_tokens - n + 1
@@ -257,7 +257,7 @@ class LLMEngine:
         self, seqs: list[Request], step: PreparedStep, changed: list[Request]
     ) -> list[Request]:
         """Fail closed every sequence whose page table does not cover what it will read."""
-        if "no-tag-check" in self.faults:
+        if Fault.NO_TAG_CHECK in self.faults:
             return seqs
         started = time.perf_counter()
         check = check_reads(
@@ -319,7 +319,7 @@ class LLMEngine:
 
     def _maybe_release_early(self, seqs: list[Request]) -> None:
         """The early-release fault: a sibling owner hands the first page back while in use."""
-        if "early-release" in self.faults:
+        if Fault.EARLY_RELEASE in self.faults:
             for seq in seqs:
                 if not is_terminal(seq) and seq.pages:
                     self.pool.force_release(seq.pages[:1])
@@ -351,7 +351,7 @@ class LLMEngine:
         stale tag is dropped and counted."""
         inbound = seq.inbound
         assert inbound is not None
-        late_write = "late-write" in self.faults
+        late_write = Fault.LATE_WRITE in self.faults
         with self.pool.lock:
             if inbound.fenced and not late_write:
                 self.metrics.late_writes_dropped.inc()
@@ -402,7 +402,7 @@ class LLMEngine:
         inbound = seq.inbound
         assert inbound is not None
         short = inbound.written_tokens != inbound.reserved_tokens
-        if error is None and short and "skip-count-check" not in self.faults:
+        if error is None and short and Fault.SKIP_COUNT_CHECK not in self.faults:
             self.metrics.count_mismatch.inc()
             error = errors.isolation_violation(
                 f"KV for {inbound.written_tokens} of {inbound.reserved_tokens} reserved "
@@ -465,7 +465,7 @@ class LLMEngine:
         assert seq.inbound is not None
         self.by_request.pop(seq.inbound.request_id, None)
         with self.pool.lock:
-            if seq.inbound.in_flight and "late-write" not in self.faults:
+            if seq.inbound.in_flight and Fault.LATE_WRITE not in self.faults:
                 seq.inbound.fenced = True
             else:
                 self.scheduler.release(seq)
@@ -504,7 +504,7 @@ class LLMEngine:
             "context_length_effective": self.context_effective,
             "context_policy": str(self.args.context_policy),
             "model_max_positions": self.config.max_positions,
-            "tag_check": "no-tag-check" not in self.faults,
+            "tag_check": Fault.NO_TAG_CHECK not in self.faults,
             # no transfer in the combined role, so nothing to checksum there
             "kv_checksum": self.args.kv_checksum and self.args.role != "combined",
             "transfer_port": self.args.transfer_port if self.args.role == "decode" else None,

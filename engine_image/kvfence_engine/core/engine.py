@@ -27,7 +27,6 @@ from kvfence_engine.core.request import (
     InboundKV,
     Request,
     SamplingParams,
-    Status,
     TokenLogprob,
     is_terminal,
 )
@@ -186,9 +185,9 @@ class LLMEngine:
                 room = self.pool.pool_tokens - n + 1
                 seq.params = _with_max_tokens(params, min(max_tokens or 16, room))
                 return seq
-        elif len(self.scheduler.waiting) >= self.args.max_waiting:
+        elif self.scheduler.num_waiting >= self.args.max_waiting:
             error = errors.overloaded(
-                f"{len(self.scheduler.waiting)} requests are already waiting; retry shortly"
+                f"{self.scheduler.num_waiting} requests are already waiting; retry shortly"
             )
         if error is not None:
             seq.finish("error", error)
@@ -243,14 +242,10 @@ class LLMEngine:
             if seq.request_id is not None:
                 self.by_request.pop(seq.request_id, None)
         m = self.metrics
-        m.running.set(len(self.scheduler.running))
-        m.waiting.set(len(self.scheduler.waiting))
-        if self.scheduler.preemptions:
-            m.preemptions.inc(self.scheduler.preemptions)
-            self.scheduler.preemptions = 0
-        if self.pool.stale_releases:
-            m.stale_releases.inc(self.pool.stale_releases)
-            self.pool.stale_releases = 0
+        m.running.set(self.scheduler.num_running)
+        m.waiting.set(self.scheduler.num_waiting)
+        m.preemptions.inc(self.scheduler.take_preemptions())
+        m.stale_releases.inc(self.pool.take_stale_releases())
         return list(dict.fromkeys(changed))
 
     def _refuse_unsafe_reads(
@@ -447,8 +442,7 @@ class LLMEngine:
             self.scheduler.release(seq)
             self.by_request.pop(request_id, None)
             return seq
-        seq.status = Status.RUNNING
-        self.scheduler.running.append(seq)
+        self.scheduler.add_running(seq)
         self._maybe_release_early([seq])
         return seq
 

@@ -146,20 +146,12 @@ def run(args: argparse.Namespace) -> int:
         return AsyncEngine(LLMEngine(load_model(args.model), engine_args, metrics))
 
     state = ServerState(role=args.role, internal_token=token)
-    if args.role == "decode":
-
-        def start_receiver(engine: AsyncEngine) -> None:
-            from kvfence_engine.disagg.receiver import KVReceiver
-
-            receiver = KVReceiver(engine.engine, args.host, args.transfer_port, token)
-            engine.engine.args.transfer_port = receiver.port
-            receiver.start()
-
-        state.on_ready.append(start_receiver)
-    state.load_in_background(build)
     app = create_app(state)
     if args.role in ("prefill", "decode"):
         from kvfence_engine.disagg.internal_api import internal_router
 
-        app.include_router(internal_router(state))
+        # decode: also starts the KV receiver once the engine is loaded
+        router = internal_router(state, transfer_host=args.host, transfer_port=args.transfer_port)
+        app.include_router(router)
+    state.load_in_background(build)
     return serve_http(app, args)

@@ -7,13 +7,14 @@ import socket
 import socketserver
 import threading
 
-from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import Request
+from kvfence_engine.disagg.reservations import DecodeReservations
 from kvfence_engine.disagg.transfer import (
     END,
     HELLO,
     PAGE,
+    Layout,
     TransferError,
     checksum,
     read_frame_header,
@@ -25,10 +26,20 @@ log = logging.getLogger(__name__)
 
 
 class KVReceiver:
+    """Each connection runs on its own thread and writes through `reservations`, which
+    matches it to a reservation and says which pages it may write."""
+
     def __init__(
-        self, engine: LLMEngine, host: str, port: int, token: str | None, idle_timeout: float = 30.0
+        self,
+        reservations: DecodeReservations,
+        host: str,
+        port: int,
+        token: str | None,
+        idle_timeout: float = 30.0,
     ) -> None:
-        self.engine = engine
+        self.reservations = reservations
+        self.engine = reservations.engine
+        self.layout = Layout.of(self.engine.pool)
         self.token = token
         self.idle_timeout = idle_timeout
         receiver = self
@@ -67,7 +78,7 @@ class KVReceiver:
             ):
                 send_reply(sock, False, "unauthorized", "missing or wrong internal token")
                 return
-            if hello.get("layout") != _layout_dict(self.engine):
+            if hello.get("layout") != _layout_dict(self.layout):
                 raise TransferError("layout_mismatch", f"sender layout {hello.get('layout')}")
             if bool(hello.get("checksum", True)) != self.engine.args.kv_checksum:
                 raise TransferError(
@@ -75,7 +86,7 @@ class KVReceiver:
                     "prefill and decode disagree on "
                     "--no-kv-checksum; both ends must use the same setting",
                 )
-            seq = self.engine.begin_transfer(
+            seq = self.reservations.begin_transfer(
                 str(hello["request_id"]),
                 int(hello["seq_id"]),
                 list(hello["pages"]),
@@ -92,7 +103,7 @@ class KVReceiver:
 
     def _receive(self, sock: socket.socket, seq: Request) -> None:
         engine = self.engine
-        page_bytes = engine.layout.page_bytes
+        page_bytes = self.layout.page_bytes
         buffer = bytearray(page_bytes)
         error: EngineError | None = None
         try:
@@ -103,7 +114,7 @@ class KVReceiver:
                 if magic != PAGE or not isinstance(header, tuple):
                     raise TransferError("bad_frame", f"unexpected {magic!r} frame")
                 index, page, tag, tokens, digest, nbytes = header
-                if nbytes != page_bytes or not 0 < tokens <= engine.layout.page_size:
+                if nbytes != page_bytes or not 0 < tokens <= self.layout.page_size:
                     raise TransferError(
                         "bad_frame", f"page frame of {nbytes} bytes/{tokens} tokens"
                     )
@@ -113,19 +124,18 @@ class KVReceiver:
                         engine.metrics.checksum_failed.inc()
                         raise TransferError("checksum_failed", f"page {index} failed its checksum")
                     engine.metrics.checksum_verified.inc()
-                engine.receive_page(seq, page, tag, tokens, payload)
+                self.reservations.receive_page(seq, page, tag, tokens, payload)
         except (TransferError, OSError) as exc:
             code = getattr(exc, "code", "transfer_incomplete")
             error = EngineError(502, f"KV transfer failed: {exc}", "server_error", code)
-        final = engine.end_transfer(seq, error)
+        final = self.reservations.end_transfer(seq, error)
         if final is None:
             _try_reply(sock, True)
         else:
             _try_reply(sock, False, final.code, final.message)
 
 
-def _layout_dict(engine: LLMEngine) -> dict[str, object]:
-    layout = engine.layout
+def _layout_dict(layout: Layout) -> dict[str, object]:
     return {
         "layers": layout.layers,
         "page_size": layout.page_size,

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import xxhash
 
+from kvfence_engine.core.kv_pool import KVPool
+
 HELLO = b"KVFH"
 PAGE = b"KVFP"
 END = b"KVFE"
@@ -42,6 +44,13 @@ class Layout:
     kv_heads: int
     head_dim: int
     dtype: str
+
+    @classmethod
+    def of(cls, pool: KVPool) -> "Layout":
+        """The shape of a pool's pages: what both ends of a transfer must agree on."""
+        layers, _pages, page_size, kv_heads, head_dim = pool.k.shape
+        dtype = str(pool.k.dtype).removeprefix("torch.")
+        return cls(layers, page_size, kv_heads, head_dim, dtype)
 
     @property
     def page_bytes(self) -> int:

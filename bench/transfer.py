@@ -22,7 +22,8 @@ import torch
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.request import SamplingParams
 from kvfence_engine.disagg.receiver import KVReceiver
-from kvfence_engine.disagg.transfer import send_kv
+from kvfence_engine.disagg.reservations import DecodeReservations
+from kvfence_engine.disagg.transfer import Layout, send_kv
 from kvfence_engine.loading.loader import load_model
 from kvfence_engine.loading.tokenizer_source import SMOLLM2
 from kvfence_engine.tools.localproc import LocalProcess
@@ -57,37 +58,34 @@ def raw_copy(num_bytes: int) -> float:
     return elapsed
 
 
-def kv_transfer(engine: LLMEngine, tokens: int, verify: bool, round_no: int) -> float:
+def kv_transfer(book: DecodeReservations, tokens: int, verify: bool, round_no: int) -> float:
+    engine = book.engine
     engine.args.kv_checksum = verify
     seq = engine.admit(list(range(100, 100 + tokens)), SamplingParams(max_tokens=1), max_tokens=1)
-    handle = engine.reserve(seq, f"bench-{round_no}-{verify}")
+    handle = book.reserve(seq, f"bench-{round_no}-{verify}")
     pages = engine.pool.pages_for(tokens)
-    shape = (
-        pages,
-        engine.layout.layers,
-        engine.layout.page_size,
-        engine.layout.kv_heads,
-        engine.layout.head_dim,
-    )
+    layout = Layout.of(engine.pool)
+    shape = (pages, layout.layers, layout.page_size, layout.kv_heads, layout.head_dim)
     k, v = torch.randn(shape), torch.randn(shape)
     start = time.perf_counter()
-    send_kv(handle, k, v, tokens, engine.layout, token=None, verify=verify)
+    send_kv(handle, k, v, tokens, layout, token=None, verify=verify)
     elapsed = time.perf_counter() - start
-    engine.abort(seq)
+    book.abort(handle.request_id)
     return elapsed
 
 
 def part_transfer(tokens: int, rounds: int) -> None:
     engine = LLMEngine(load_model(SMOLLM2), EngineArgs(role="decode", kv_cache_memory=1 << 30))
-    receiver = KVReceiver(engine, "127.0.0.1", 0, None)
+    book = DecodeReservations(engine)
+    receiver = KVReceiver(book, "127.0.0.1", 0, None)
     receiver.start()
     engine.args.transfer_port = receiver.port
-    nbytes = engine.pool.pages_for(tokens) * engine.layout.page_bytes
+    nbytes = engine.pool.pages_for(tokens) * Layout.of(engine.pool).page_bytes
     times: dict[str, list[float]] = {"raw socket": [], "checksums on": [], "checksums off": []}
     for r in range(rounds):
         times["raw socket"].append(raw_copy(nbytes))
-        times["checksums on"].append(kv_transfer(engine, tokens, True, r))
-        times["checksums off"].append(kv_transfer(engine, tokens, False, r))
+        times["checksums on"].append(kv_transfer(book, tokens, True, r))
+        times["checksums off"].append(kv_transfer(book, tokens, False, r))
     receiver.stop()
     raw = nbytes / statistics.median(times["raw socket"])
     print(

@@ -3,7 +3,7 @@
 import pytest
 
 from conftest import generate, make_tiny_engine, prompt_of, run_until_done, submit
-from kvfence_engine.core.faults import Faults, UnsafeFaultRefused
+from kvfence_engine.core.faults import Fault, Faults, UnsafeFaultRefused
 from kvfence_engine.core.pool_plan import ContextPolicy
 from kvfence_engine.core.request import is_terminal
 
@@ -102,3 +102,24 @@ def test_unsafe_faults_are_refused_without_the_environment_switch() -> None:
         Faults.from_names(["no-tag-check"], environ={})
     with pytest.raises(UnsafeFaultRefused, match="unknown"):
         Faults.from_names(["zero-everything"], environ={"KVFENCE_ALLOW_UNSAFE": "1"})
+
+
+def test_a_fault_asked_for_by_a_bare_string_is_an_error_not_a_silently_disabled_check() -> None:
+    faults = Faults.from_names(["late-write"], environ={"KVFENCE_ALLOW_UNSAFE": "1"})
+    assert Fault.LATE_WRITE in faults and Fault.NO_TAG_CHECK not in faults
+    # a typo would otherwise read as "fault off", and the check it guards would quietly vanish
+    with pytest.raises(TypeError, match="late-wirte"):
+        _ = "late-wirte" in faults
+    with pytest.raises(TypeError):  # even the right spelling: only Fault members are asked
+        _ = "late-write" in faults
+
+
+def test_fault_names_are_the_documented_unsafe_fault_names() -> None:
+    assert [str(fault) for fault in Fault] == [
+        "no-tag-check",
+        "reject-placeholder",
+        "early-release",
+        "late-write",
+        "skip-count-check",
+    ]
+    assert all(fault.description for fault in Fault)

@@ -12,7 +12,8 @@ from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import Request, SamplingParams, TokenLogprob
 from kvfence_engine.disagg import transfer
 from kvfence_engine.disagg.receiver import KVReceiver
-from kvfence_engine.disagg.transfer import Handle, TransferError, send_kv
+from kvfence_engine.disagg.reservations import DecodeReservations
+from kvfence_engine.disagg.transfer import Handle, Layout, TransferError, send_kv
 from kvfence_engine.loading.loader import TINY_CONFIG, tiny_random
 
 PAGE = 16
@@ -20,22 +21,24 @@ PROMPT = list(range(1000, 1020))  # 20 tokens: two pages
 
 
 @pytest.fixture
-def decode() -> Iterator[LLMEngine]:
-    """A decode engine with its transfer receiver on a free port (no HTTP server needed)."""
+def decode() -> Iterator[DecodeReservations]:
+    """A decode engine's reservations with their transfer receiver on a free port (no HTTP
+    server needed)."""
     budget = TINY_CONFIG.kv_bytes_per_token(4) * PAGE * 8
     engine = LLMEngine(tiny_random(), EngineArgs(role="decode", kv_cache_memory=budget))
-    receiver = KVReceiver(engine, "127.0.0.1", 0, token=None)
+    book = DecodeReservations(engine)
+    receiver = KVReceiver(book, "127.0.0.1", 0, token=None)
     engine.args.transfer_port = receiver.port
     receiver.start()
     try:
-        yield engine
+        yield book
     finally:
         receiver.stop()
 
 
-def reserve(engine: LLMEngine, request_id: str) -> tuple[Request, Handle]:
-    seq = engine.admit(PROMPT, SamplingParams(max_tokens=1), max_tokens=4)
-    return seq, engine.reserve(seq, request_id)
+def reserve(book: DecodeReservations, request_id: str) -> tuple[Request, Handle]:
+    seq = book.engine.admit(PROMPT, SamplingParams(max_tokens=1), max_tokens=4)
+    return seq, book.reserve(seq, request_id)
 
 
 def prompt_kv(handle: Handle) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,8 +48,8 @@ def prompt_kv(handle: Handle) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
 
-def checksum_counts(engine: LLMEngine) -> tuple[float | None, float | None]:
-    registry = engine.metrics.registry
+def checksum_counts(book: DecodeReservations) -> tuple[float | None, float | None]:
+    registry = book.engine.metrics.registry
     return (
         registry.get_sample_value("kvfence_transfer_checksum_verified_total"),
         registry.get_sample_value("kvfence_transfer_checksum_failed_total"),
@@ -63,11 +66,11 @@ def wait_until_received(seq: Request) -> None:
 
 
 def test_pages_with_matching_checksums_are_verified_and_the_request_decodes(
-    decode: LLMEngine,
+    decode: DecodeReservations,
 ) -> None:
     seq, handle = reserve(decode, "intact")
     k, v = prompt_kv(handle)
-    send_kv(handle, k, v, len(PROMPT), decode.layout, token=None)
+    send_kv(handle, k, v, len(PROMPT), Layout.of(decode.engine.pool), token=None)
     wait_until_received(seq)
     assert checksum_counts(decode) == (2.0, 0.0)
     started = decode.start_decode("intact", TokenLogprob(1, 0.0))
@@ -75,7 +78,7 @@ def test_pages_with_matching_checksums_are_verified_and_the_request_decodes(
 
 
 def test_a_page_whose_bytes_do_not_match_its_checksum_is_refused_and_never_decoded(
-    decode: LLMEngine, monkeypatch: pytest.MonkeyPatch
+    decode: DecodeReservations, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seq, handle = reserve(decode, "corrupted")
     k, v = prompt_kv(handle)
@@ -84,11 +87,11 @@ def test_a_page_whose_bytes_do_not_match_its_checksum_is_refused_and_never_decod
     # imported its own reference to the real function, so only the sender is affected.
     monkeypatch.setattr(transfer, "checksum", lambda *parts: honest(*parts) ^ 1)
     with pytest.raises((TransferError, OSError)):
-        send_kv(handle, k, v, len(PROMPT), decode.layout, token=None)
+        send_kv(handle, k, v, len(PROMPT), Layout.of(decode.engine.pool), token=None)
     wait_until_received(seq)
     assert checksum_counts(decode) == (0.0, 1.0)
     with pytest.raises(EngineError) as refused:
         decode.start_decode("corrupted", TokenLogprob(1, 0.0))
     assert refused.value.code == "checksum_failed"
     assert seq.output_ids == []  # nothing was generated from the refused KV
-    assert decode.pool.num_used == 0  # the reservation's pages went back to the pool
+    assert decode.engine.pool.num_used == 0  # the reservation's pages went back to the pool

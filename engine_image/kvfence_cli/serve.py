@@ -5,7 +5,7 @@ import logging
 import sys
 
 from kvfence_cli.common import Subparsers, positive, read_token, serve_http, size
-from kvfence_engine.core.faults import FAULTS
+from kvfence_engine.core.faults import Fault
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -93,7 +93,7 @@ def add_parser(sub: Subparsers) -> None:
         "--unsafe-fault",
         action="append",
         default=[],
-        choices=sorted(FAULTS),
+        choices=sorted(fault.value for fault in Fault),
         metavar="NAME",
         help="TEST ONLY; refused unless KVFENCE_ALLOW_UNSAFE=1",
     )
@@ -149,20 +149,12 @@ def run(args: argparse.Namespace) -> int:
         return AsyncEngine(LLMEngine(load_model(args.model), engine_args, metrics))
 
     state = ServerState(role=role, internal_token=token)
-    if role is Role.DECODE:
-
-        def start_receiver(engine: AsyncEngine) -> None:
-            from kvfence_engine.disagg.receiver import KVReceiver
-
-            receiver = KVReceiver(engine.engine, args.host, args.transfer_port, token)
-            engine.engine.args.transfer_port = receiver.port
-            receiver.start()
-
-        state.on_ready.append(start_receiver)
-    state.load_in_background(build)
     app = create_app(state)
     if role in (Role.PREFILL, Role.DECODE):
         from kvfence_engine.disagg.internal_api import internal_router
 
-        app.include_router(internal_router(state))
+        # decode: also starts the KV receiver once the engine is loaded
+        router = internal_router(state, transfer_host=args.host, transfer_port=args.transfer_port)
+        app.include_router(router)
+    state.load_in_background(build)
     return serve_http(app, args)

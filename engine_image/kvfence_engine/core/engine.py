@@ -10,7 +10,7 @@ import torch
 from kvfence_engine.contracts import KvPoolReport, Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.errors import EngineError
-from kvfence_engine.core.faults import Faults
+from kvfence_engine.core.faults import Fault, Faults
 from kvfence_engine.core.isolation import check_reads
 from kvfence_engine.core.kv_pool import KVPool, PoolExhausted
 from kvfence_engine.core.metrics import EngineMetrics
@@ -24,17 +24,14 @@ from kvfence_engine.core.pool_plan import (
 )
 from kvfence_engine.core.quantization import pack_linears, resolve_precision
 from kvfence_engine.core.request import (
-    InboundKV,
     Request,
     SamplingParams,
-    Status,
     TokenLogprob,
     is_terminal,
 )
 from kvfence_engine.core.runner import ModelRunner, PreparedStep
 from kvfence_engine.core.sampler import sample
 from kvfence_engine.core.scheduler import Scheduler
-from kvfence_engine.disagg.transfer import Handle, Layout
 from kvfence_engine.loading.loader import LoadedModel
 
 DEFAULT_CPU_KV_MEMORY = 512 * 1024**2
@@ -142,15 +139,6 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, self.pool, self.device, self.faults)
         self._ids = itertools.count(1)
-        self.reserved: dict[str, Request] = {}  # decode role: waiting for KV or first token
-        self.by_request: dict[str, Request] = {}  # decode role: every live request by its id
-        self.layout = Layout(
-            layers=loaded.config.num_layers,
-            page_size=args.page_size,
-            kv_heads=loaded.config.num_kv_heads,
-            head_dim=loaded.config.head_dim,
-            dtype=self.kv_dtype,
-        )
         m = self.metrics
         m.pool_tokens.set(self.pool.pool_tokens)
         m.pages_total.set(self.pool.num_pages)
@@ -180,15 +168,15 @@ class LLMEngine:
         elif n > self.limit:
             what = "the served context" if self.limit == self.context_effective else "the KV pool"
             error = errors.context_length_exceeded(n, self.limit, what)
-            if "reject-placeholder" in self.faults and n <= self.pool.pool_tokens:
+            if Fault.REJECT_PLACEHOLDER in self.faults and n <= self.pool.pool_tokens:
                 # The incident: the rejection lands in a field is_terminal() does not read.
                 seq.placeholder_rejection = error
                 room = self.pool.pool_tokens - n + 1
                 seq.params = _with_max_tokens(params, min(max_tokens or 16, room))
                 return seq
-        elif len(self.scheduler.waiting) >= self.args.max_waiting:
+        elif self.scheduler.num_waiting >= self.args.max_waiting:
             error = errors.overloaded(
-                f"{len(self.scheduler.waiting)} requests are already waiting; retry shortly"
+                f"{self.scheduler.num_waiting} requests are already waiting; retry shortly"
             )
         if error is not None:
             seq.finish("error", error)
@@ -210,10 +198,8 @@ class LLMEngine:
         self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
     def abort(self, seq: Request) -> None:
-        if seq.request_id is not None and self.reserved.get(seq.request_id) is seq:
-            self._drop_reserved(self.reserved.pop(seq.request_id), "abort", None)
-        else:
-            seq.finish("abort")
+        """The scheduler drops it, releasing its pages, at the next step."""
+        seq.finish("abort")
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -237,27 +223,19 @@ class LLMEngine:
                 # page tables only change between steps: the checked batch is the one that runs
                 self._run(safe, is_prefill, step if len(safe) == len(seqs) else None)
                 changed += safe
-        done = self.scheduler.remove_finished(seqs)
-        changed += done
-        for seq in done:
-            if seq.request_id is not None:
-                self.by_request.pop(seq.request_id, None)
+        changed += self.scheduler.remove_finished(seqs)
         m = self.metrics
-        m.running.set(len(self.scheduler.running))
-        m.waiting.set(len(self.scheduler.waiting))
-        if self.scheduler.preemptions:
-            m.preemptions.inc(self.scheduler.preemptions)
-            self.scheduler.preemptions = 0
-        if self.pool.stale_releases:
-            m.stale_releases.inc(self.pool.stale_releases)
-            self.pool.stale_releases = 0
+        m.running.set(self.scheduler.num_running)
+        m.waiting.set(self.scheduler.num_waiting)
+        m.preemptions.inc(self.scheduler.take_preemptions())
+        m.stale_releases.inc(self.pool.take_stale_releases())
         return list(dict.fromkeys(changed))
 
     def _refuse_unsafe_reads(
         self, seqs: list[Request], step: PreparedStep, changed: list[Request]
     ) -> list[Request]:
         """Fail closed every sequence whose page table does not cover what it will read."""
-        if "no-tag-check" in self.faults:
+        if Fault.NO_TAG_CHECK in self.faults:
             return seqs
         started = time.perf_counter()
         check = check_reads(
@@ -305,10 +283,7 @@ class LLMEngine:
                 seq.first_token_at = time.monotonic()
                 self.metrics.ttft.observe(seq.first_token_at - seq.arrival)
             self.metrics.generation_tokens.inc()
-            if not seq.params.ignore_eos and token in self.tokenizer.eos_ids:
-                seq.finish("stop")
-            elif len(seq.output_ids) >= seq.params.max_tokens:
-                seq.finish("length")
+            self._finish_if_done(seq, token)
         if is_prefill:
             for seq, count in zip(seqs, written, strict=True):
                 if seq.export_kv:  # prefill role: the KV leaves before the pages are freed
@@ -317,175 +292,55 @@ class LLMEngine:
             self.scheduler.admit_prefilled(seqs)
             self._maybe_release_early(seqs)
 
+    def _finish_if_done(self, seq: Request, token: int) -> None:
+        if not seq.params.ignore_eos and token in self.tokenizer.eos_ids:
+            seq.finish("stop")
+        elif len(seq.output_ids) >= seq.params.max_tokens:
+            seq.finish("length")
+
     def _maybe_release_early(self, seqs: list[Request]) -> None:
         """The early-release fault: a sibling owner hands the first page back while in use."""
-        if "early-release" in self.faults:
+        if Fault.EARLY_RELEASE in self.faults:
             for seq in seqs:
                 if not is_terminal(seq) and seq.pages:
                     self.pool.force_release(seq.pages[:1])
 
-    # --- decode role: reserve, receive KV, then decode (engine thread unless noted) ----------
+    # --- decode role: a prompt whose KV another engine computes ------------------------------
+    # The reservation protocol around these (kvfence_engine.disagg.reservations) decides when;
+    # these verbs are what the engine does to the request and its pages.
 
-    def reserve(self, seq: Request, request_id: str) -> Handle:
-        """Allocate the admitted prompt's pages now and hand out where to write its KV."""
+    def allocate_prompt(self, seq: Request) -> None:
+        """(engine thread) Give an admitted request pages for its whole prompt now, outside the
+        scheduler: its KV will be written into them by a transfer, not computed here."""
         assert not is_terminal(seq)
-        if request_id in self.by_request:
-            raise errors.invalid_request(f"request id {request_id!r} is already in use")
         n = len(seq.prompt_ids)
         try:
             seq.pages, seq.page_tags = self.pool.allocate(seq.seq_id, self.pool.pages_for(n))
         except PoolExhausted as exc:
             self.metrics.rejected.labels(reason="overloaded").inc()
             raise errors.overloaded(f"no free KV pages for {n} tokens: {exc}") from exc
-        seq.request_id = request_id
-        seq.inbound = InboundKV(request_id, n, time.monotonic() + self.args.reserve_timeout)
-        self.reserved[request_id] = seq
-        self.by_request[request_id] = seq
         self.metrics.prompt_tokens.inc(n)
-        return Handle(request_id, seq.seq_id, seq.pages, seq.page_tags, n, self.args.transfer_port)
 
-    def receive_page(
-        self, seq: Request, page: int, tag: int, tokens: int, payload: memoryview
-    ) -> bool:
-        """(receiver thread) Write one verified page; a write for a fenced request or under a
-        stale tag is dropped and counted."""
-        inbound = seq.inbound
-        assert inbound is not None
-        late_write = "late-write" in self.faults
-        with self.pool.lock:
-            if inbound.fenced and not late_write:
-                self.metrics.late_writes_dropped.inc()
-                return False
-            written = self.pool.write_page(
-                seq.seq_id, page, tag, tokens, payload, check_tag=not late_write
-            )
-            if written:
-                inbound.written_tokens += tokens
-            else:
-                self.metrics.late_writes_dropped.inc()
-            return written
-
-    def begin_transfer(
-        self, request_id: str, seq_id: int, pages: list[int], tags: list[int]
-    ) -> Request:
-        """(receiver thread) Match an inbound connection to its reservation."""
-        with self.pool.lock:
-            seq = self.reserved.get(request_id)
-            if seq is None or seq.inbound is None or is_terminal(seq):
-                raise EngineError(
-                    404,
-                    f"no reservation {request_id!r}",
-                    "invalid_request_error",
-                    "unknown_request",
-                )
-            if (seq.seq_id, seq.pages, seq.page_tags) != (seq_id, pages, tags):
-                raise EngineError(
-                    400,
-                    "the transfer's pages and tags are not the reservation's",
-                    "invalid_request_error",
-                    "handle_mismatch",
-                )
-            if seq.inbound.in_flight or seq.inbound.done:
-                raise EngineError(
-                    409,
-                    "this reservation already received its transfer",
-                    "invalid_request_error",
-                    "duplicate_transfer",
-                )
-            seq.inbound.in_flight = True
-            return seq
-
-    def end_transfer(self, seq: Request, error: EngineError | None) -> EngineError | None:
-        """(receiver thread) The connection is over. Unless it failed already, compare the
-        tokens written with the tokens reserved. Releases now if it was fenced meanwhile.
-        Returns the request's transfer error, if any (what the sender is told)."""
-        inbound = seq.inbound
-        assert inbound is not None
-        short = inbound.written_tokens != inbound.reserved_tokens
-        if error is None and short and "skip-count-check" not in self.faults:
-            self.metrics.count_mismatch.inc()
-            error = errors.isolation_violation(
-                f"KV for {inbound.written_tokens} of {inbound.reserved_tokens} reserved "
-                "tokens arrived"
-            )
-        with self.pool.lock:
-            inbound.in_flight = False
-            inbound.done = True
-            inbound.error = inbound.error or error
-            if inbound.fenced:
-                self.scheduler.release(seq)
-        return inbound.error
-
-    def start_decode(self, request_id: str, first: TokenLogprob) -> Request:
-        """Continue a reserved request from prefill's first token once its KV is verified."""
-        seq = self.reserved.pop(request_id, None)
-        if seq is None:
-            raise EngineError(
-                404,
-                f"no reservation {request_id!r} (expired or aborted)",
-                "invalid_request_error",
-                "unknown_request",
-            )
-        inbound = seq.inbound
-        assert inbound is not None
-        error = inbound.error
-        if error is None and not inbound.done:
-            error = errors.isolation_violation("its KV transfer has not completed")
-        if error is not None:
-            self._drop_reserved(seq, "error", error)
-            raise error
+    def continue_decode(self, seq: Request, first: TokenLogprob) -> None:
+        """(engine thread) A request whose prompt KV is verified in its pages continues from
+        prefill's first token: it joins the running set, or finishes at once and its pages
+        are released."""
         seq.num_cached = len(seq.prompt_ids)
         seq.output_ids.append(first.token_id)
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(first)
         self.metrics.generation_tokens.inc()
-        if not seq.params.ignore_eos and first.token_id in self.tokenizer.eos_ids:
-            seq.finish("stop")
-        elif len(seq.output_ids) >= seq.params.max_tokens:
-            seq.finish("length")
+        self._finish_if_done(seq, first.token_id)
         if is_terminal(seq):
             self.scheduler.release(seq)
-            self.by_request.pop(request_id, None)
-            return seq
-        seq.status = Status.RUNNING
-        self.scheduler.running.append(seq)
+            return
+        self.scheduler.add_running(seq)
         self._maybe_release_early([seq])
-        return seq
 
-    def abort_request(self, request_id: str) -> Request | None:
-        seq = self.by_request.get(request_id)
-        if seq is not None:
-            self.abort(seq)
-        return seq
-
-    def _drop_reserved(self, seq: Request, reason: str, error: EngineError | None) -> None:
-        """Finish a reserved request. Pages with a transfer still writing into them are fenced
-        (released when it ends) rather than freed under it: deferred release."""
-        seq.finish(reason, error)
-        assert seq.inbound is not None
-        self.by_request.pop(seq.inbound.request_id, None)
-        with self.pool.lock:
-            if seq.inbound.in_flight and "late-write" not in self.faults:
-                seq.inbound.fenced = True
-            else:
-                self.scheduler.release(seq)
-
-    def expire_reservations(self, now: float) -> None:
-        for request_id, seq in list(self.reserved.items()):
-            inbound = seq.inbound
-            assert inbound is not None
-            if now > inbound.deadline and not inbound.in_flight:
-                del self.reserved[request_id]
-                self._drop_reserved(
-                    seq,
-                    "error",
-                    errors.EngineError(
-                        408,
-                        "no KV arrived for the reservation in time",
-                        "server_error",
-                        "reservation_expired",
-                    ),
-                )
+    def release(self, seq: Request) -> None:
+        """(any thread) Return the pages of a request the scheduler does not hold (reserved, or
+        fenced while its transfer was still writing)."""
+        self.scheduler.release(seq)
 
     # --- reports ---------------------------------------------------------------------------
 
@@ -505,13 +360,13 @@ class LLMEngine:
             context_length_effective=self.context_effective,
             context_policy=str(self.args.context_policy),
             model_max_positions=self.config.max_positions,
-            tag_check="no-tag-check" not in self.faults,
+            tag_check=Fault.NO_TAG_CHECK not in self.faults,
             # no transfer in the combined role, so nothing to checksum there
             kv_checksum=self.args.kv_checksum and role is not Role.COMBINED,
             transfer_port=self.args.transfer_port if role is Role.DECODE else None,
             deferred_release=True,
             scrub_on_free=self.pool.scrub_on_free,
-            unsafe_faults=sorted(self.faults.enabled),
+            unsafe_faults=sorted(fault.value for fault in self.faults.enabled),
         )
 
 

@@ -65,6 +65,12 @@ class KVPool:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    def take_stale_releases(self) -> int:
+        """Stale (page, tag) releases since the last call (for the counter)."""
+        with self.lock:
+            count, self.stale_releases = self.stale_releases, 0
+            return count
+
     def allocate(self, owner: int, count: int) -> tuple[list[int], list[int]]:
         """Hand out `count` pages to `owner`, all or nothing. Returns (page ids, tags)."""
         with self.lock:

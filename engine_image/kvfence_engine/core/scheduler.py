@@ -24,8 +24,28 @@ class Scheduler:
         assert not is_terminal(seq), "a finished request must never reach the scheduler"
         self.waiting.append(seq)
 
+    def add_running(self, seq: Request) -> None:
+        """A request whose prompt KV is already in its pages (written by a transfer, not
+        computed here) joins the running set to decode from its first token."""
+        assert not is_terminal(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def take_preemptions(self) -> int:
+        """Preemptions since the last call (for the counter)."""
+        count, self.preemptions = self.preemptions, 0
+        return count
 
     def schedule(self) -> tuple[list[Request], bool]:
         """Pick the next batch. Returns (sequences, is_prefill)."""

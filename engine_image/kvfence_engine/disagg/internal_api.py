@@ -31,13 +31,34 @@ from kvfence_engine.contracts import (
 from kvfence_engine.core.deltas import Delta
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import TokenLogprob, is_terminal
-from kvfence_engine.disagg.transfer import Handle, TransferError, send_kv
+from kvfence_engine.disagg.receiver import KVReceiver
+from kvfence_engine.disagg.reservations import DecodeReservations
+from kvfence_engine.disagg.transfer import Handle, Layout, TransferError, send_kv
 from kvfence_engine.disagg.wire import delta_line, first_token, params_of, token_logprob
 from kvfence_engine.serving.async_engine import AsyncEngine
 from kvfence_engine.serving.state import ServerState
 
 
-def internal_router(state: ServerState) -> APIRouter:
+def internal_router(
+    state: ServerState, *, transfer_host: str = "127.0.0.1", transfer_port: int = 0
+) -> APIRouter:
+    """The internal endpoints. In the decode role this also sets up, once the engine is
+    ready, its reservations and the KV receiver on (transfer_host, transfer_port) that writes
+    into them (port 0: any free port; the engine reports the one it got)."""
+    reservations: DecodeReservations | None = None
+
+    def start_decode_side(engine: AsyncEngine) -> None:
+        """(loader thread, before the engine's loop starts and before it is served)"""
+        nonlocal reservations
+        reservations = DecodeReservations(engine.engine)
+        engine.housekeeping.append(reservations.expire)
+        receiver = KVReceiver(reservations, transfer_host, transfer_port, state.internal_token)
+        engine.engine.args.transfer_port = receiver.port
+        receiver.start()
+
+    if state.role is Role.DECODE:
+        state.on_ready.append(start_decode_side)
+
     def check_token(
         token: Annotated[str | None, Header(alias=TOKEN_HEADER)] = None,
     ) -> None:
@@ -64,20 +85,25 @@ def internal_router(state: ServerState) -> APIRouter:
             )
         return engine
 
+    def decode_side() -> tuple[AsyncEngine, DecodeReservations]:
+        engine = engine_for(Role.DECODE)
+        assert reservations is not None  # set up before the engine was served
+        return engine, reservations
+
     @router.post("/reserve")
     async def reserve(body: ReserveBody) -> ReserveReply:
-        engine = engine_for(Role.DECODE)
+        engine, book = decode_side()
         seq = engine.admit(body.prompt_ids, params_of(body.sampling), body.max_tokens)
         if is_terminal(seq):  # rejected before any page was allocated
             assert seq.error is not None
             raise seq.error
-        handle = await engine.call(lambda: engine.engine.reserve(seq, body.request_id))
+        handle = await engine.call(lambda: book.reserve(seq, body.request_id))
         return ReserveReply(**handle.to_json(), max_tokens=seq.params.max_tokens)
 
     @router.post("/decode")
     async def decode(body: DecodeBody) -> StreamingResponse:
-        engine = engine_for(Role.DECODE)
-        seq = engine.engine.reserved.get(body.request_id)
+        engine, book = decode_side()
+        seq = book.pending(body.request_id)
         if seq is None:
             raise EngineError(
                 404,
@@ -86,9 +112,7 @@ def internal_router(state: ServerState) -> APIRouter:
                 "unknown_request",
             )
         first_logprob = token_logprob(body.first)
-        deltas = engine.stream(
-            seq, lambda: engine.engine.start_decode(body.request_id, first_logprob)
-        )
+        deltas = engine.stream(seq, lambda: book.start_decode(body.request_id, first_logprob))
         first = await anext(deltas)
         if first.error is not None:
             await deltas.aclose()
@@ -97,8 +121,8 @@ def internal_router(state: ServerState) -> APIRouter:
 
     @router.post("/abort")
     async def abort(body: AbortBody) -> AbortReply:
-        engine = engine_for(Role.DECODE)
-        seq = await engine.call(lambda: engine.engine.abort_request(body.request_id))
+        engine, book = decode_side()
+        seq = await engine.call(lambda: book.abort(body.request_id))
         return AbortReply(aborted=seq is not None)
 
     @router.post("/prefill")
@@ -126,7 +150,7 @@ def internal_router(state: ServerState) -> APIRouter:
                 k,
                 v,
                 written,
-                engine.engine.layout,
+                Layout.of(engine.engine.pool),
                 token=state.internal_token,
                 verify=engine.engine.args.kv_checksum,
             )

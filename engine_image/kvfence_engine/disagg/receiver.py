@@ -9,13 +9,14 @@ import threading
 from dataclasses import asdict
 
 from kvfence_engine.contracts import TransferHello, TransferLayout
-from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import Request
+from kvfence_engine.disagg.reservations import DecodeReservations
 from kvfence_engine.disagg.transfer import (
     END,
     HELLO,
     PAGE,
+    Layout,
     TransferError,
     checksum,
     read_frame_header,
@@ -27,10 +28,20 @@ log = logging.getLogger(__name__)
 
 
 class KVReceiver:
+    """Each connection runs on its own thread and writes through `reservations`, which
+    matches it to a reservation and says which pages it may write."""
+
     def __init__(
-        self, engine: LLMEngine, host: str, port: int, token: str | None, idle_timeout: float = 30.0
+        self,
+        reservations: DecodeReservations,
+        host: str,
+        port: int,
+        token: str | None,
+        idle_timeout: float = 30.0,
     ) -> None:
-        self.engine = engine
+        self.reservations = reservations
+        self.engine = reservations.engine
+        self.layout = Layout.of(self.engine.pool)
         self.token = token
         self.idle_timeout = idle_timeout
         receiver = self
@@ -71,7 +82,7 @@ class KVReceiver:
                 send_reply(sock, False, "unauthorized", "missing or wrong internal token")
                 return
             hello = TransferHello.model_validate(frame)
-            if hello.layout != TransferLayout(**asdict(self.engine.layout)):
+            if hello.layout != TransferLayout(**asdict(self.layout)):
                 raise TransferError("layout_mismatch", f"sender layout {hello.layout.model_dump()}")
             if hello.checksum != self.engine.args.kv_checksum:
                 raise TransferError(
@@ -79,7 +90,7 @@ class KVReceiver:
                     "prefill and decode disagree on "
                     "--no-kv-checksum; both ends must use the same setting",
                 )
-            seq = self.engine.begin_transfer(
+            seq = self.reservations.begin_transfer(
                 hello.request_id, hello.seq_id, hello.pages, hello.tags
             )
         except EngineError as exc:
@@ -93,7 +104,7 @@ class KVReceiver:
 
     def _receive(self, sock: socket.socket, seq: Request) -> None:
         engine = self.engine
-        page_bytes = engine.layout.page_bytes
+        page_bytes = self.layout.page_bytes
         buffer = bytearray(page_bytes)
         error: EngineError | None = None
         try:
@@ -104,7 +115,7 @@ class KVReceiver:
                 if magic != PAGE or not isinstance(header, tuple):
                     raise TransferError("bad_frame", f"unexpected {magic!r} frame")
                 index, page, tag, tokens, digest, nbytes = header
-                if nbytes != page_bytes or not 0 < tokens <= engine.layout.page_size:
+                if nbytes != page_bytes or not 0 < tokens <= self.layout.page_size:
                     raise TransferError(
                         "bad_frame", f"page frame of {nbytes} bytes/{tokens} tokens"
                     )
@@ -114,11 +125,11 @@ class KVReceiver:
                         engine.metrics.checksum_failed.inc()
                         raise TransferError("checksum_failed", f"page {index} failed its checksum")
                     engine.metrics.checksum_verified.inc()
-                engine.receive_page(seq, page, tag, tokens, payload)
+                self.reservations.receive_page(seq, page, tag, tokens, payload)
         except (TransferError, OSError) as exc:
             code = getattr(exc, "code", "transfer_incomplete")
             error = EngineError(502, f"KV transfer failed: {exc}", "server_error", code)
-        final = engine.end_transfer(seq, error)
+        final = self.reservations.end_transfer(seq, error)
         if final is None:
             _try_reply(sock, True)
         else:

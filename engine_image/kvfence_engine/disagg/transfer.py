@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from kvfence_engine.contracts import TransferHello, TransferLayout
+from kvfence_engine.core.kv_pool import KVPool
 
 HELLO = b"KVFH"
 PAGE = b"KVFP"
@@ -45,6 +46,13 @@ class Layout:
     kv_heads: int
     head_dim: int
     dtype: str
+
+    @classmethod
+    def of(cls, pool: KVPool) -> "Layout":
+        """The shape of a pool's pages: what both ends of a transfer must agree on."""
+        layers, _pages, page_size, kv_heads, head_dim = pool.k.shape
+        dtype = str(pool.k.dtype).removeprefix("torch.")
+        return cls(layers, page_size, kv_heads, head_dim, dtype)
 
     @property
     def page_bytes(self) -> int:

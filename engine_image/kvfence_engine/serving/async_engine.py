@@ -39,6 +39,9 @@ class AsyncEngine:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stopped: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    # Chores for the engine thread after every pass of its loop, given time.monotonic() (the
+    # decode role expires reservations here). Add them before start().
+    housekeeping: list[Callable[[float], None]] = field(default_factory=list)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
@@ -118,8 +121,8 @@ class AsyncEngine:
                 if self.engine.has_work():
                     for seq in self.engine.step():
                         self._deliver(seq)
-                if self.engine.reserved:
-                    self.engine.expire_reservations(time.monotonic())
+                for chore in self.housekeeping:
+                    chore(time.monotonic())
             except Exception:  # keep serving; fail the requests that were in flight
                 log.exception("engine step failed")
                 self._fail_all(

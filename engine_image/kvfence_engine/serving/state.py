@@ -36,9 +36,9 @@ class ServerState:
         def run() -> None:
             try:
                 engine = build(self.metrics)
-                engine.start()
-                for hook in self.on_ready:
+                for hook in self.on_ready:  # before its loop runs: a hook may add chores
                     hook(engine)
+                engine.start()
                 self.engine = engine
                 log.info("engine ready: %s", engine.engine.kvpool_report().model_dump(mode="json"))
             except Exception as exc:  # reported on /readyz; the process stays up to say why

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -76,7 +77,8 @@ RMS_EPS = 1e-5
 UNK, BOS, EOS = "[UNK]", "<|begin_of_text|>", "<|end_of_text|>"
 READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 180.0
-LOG_TAIL_LINES = 40
+LOG_TAIL_LINES = 60
+ACCESS_LOG = re.compile(r'^INFO: +[0-9.:]+ - "(GET|POST) ')
 STEP, CHECK = "kvfence_engine_step_seconds", "kvfence_kv_read_check_seconds"
 THEIRS, OURS = "transformers", "kvfence"
 
@@ -270,10 +272,13 @@ class EngineProcess(LocalProcess):
         raise ProcessFailed(f"{self.describe()} not ready after {timeout:.0f}s")
 
     def log_tail(self) -> str:
+        """The log's last lines, without uvicorn's one line per request (a traceback would
+        scroll out behind 32 of them)."""
         if self.log_path is None or not self.log_path.exists():
             return "(no log)"
         lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-LOG_TAIL_LINES:])
+        kept = [line for line in lines if not ACCESS_LOG.search(line)]
+        return "\n".join(kept[-LOG_TAIL_LINES:])
 
 
 def serve_args(folder: Path, args: argparse.Namespace, shape: Shape) -> list[str]:
@@ -417,7 +422,9 @@ def same_config(folder: Path, reference: Reference) -> None:
         "num_kv_heads": c.num_key_value_heads,
         "head_dim": c.head_dim,
         "rms_eps": c.rms_norm_eps,
+        "max_positions": c.max_position_embeddings,
         "tie_embeddings": c.tie_word_embeddings,
+        "attention_bias": c.attention_bias,
     }
     differ = {k: (getattr(ours, k), v) for k, v in theirs.items() if getattr(ours, k) != v}
     # transformers' RoPE frequencies against the engine's rope_theta (not a config field in v5)

@@ -32,5 +32,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 # Nothing outside the machine can be reached: never try.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 # progress lines show up as they happen, even if the run is cut
 
 exec timeout --kill-after=15 "$HARD_LIMIT_S" "$PYTHON" bench/gpu_check.py "$@"

@@ -38,6 +38,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -298,9 +299,11 @@ def serve_args(folder: Path, args: argparse.Namespace, shape: Shape) -> list[str
 
 
 @contextlib.contextmanager
-def engine_process(command: list[str], log_path: Path) -> Iterator[EngineProcess]:
-    """A started (not yet ready) engine; stopped on exit, whatever happens. On a failure its
-    log's last lines go to stderr."""
+def engine_process(
+    command: list[str], log_path: Path, keep_log: Path | None
+) -> Iterator[EngineProcess]:
+    """A started (not yet ready) engine; stopped on exit, whatever happens, and its log copied
+    to keep_log. On a failure the log's last lines go to stderr."""
     engine = EngineProcess(command, log_path=log_path)
     engine.start()
     try:
@@ -311,6 +314,10 @@ def engine_process(command: list[str], log_path: Path) -> Iterator[EngineProcess
         raise
     finally:
         engine.stop()
+        if keep_log is not None:
+            with contextlib.suppress(OSError):
+                keep_log.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(log_path, keep_log)
 
 
 async def read_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
@@ -577,7 +584,8 @@ async def run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
         lengths = [len(p) for p in batch]
         summary["prompt_tokens"] = {"min": min(lengths), "max": max(lengths)}
         command = serve_args(folder, args, shape)
-        with engine_process(command, Path(tmp) / "engine.log") as engine:
+        keep_log = args.out.with_suffix(".engine.log") if args.out else None
+        with engine_process(command, Path(tmp) / "engine.log", keep_log) as engine:
             with clock.phase("transformers load (the engine loads meanwhile)"):
                 reference = Reference(folder, device, dtype, args.new_tokens)
                 same_config(folder, reference)
@@ -631,6 +639,13 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"== kvfence GPU check: {summary['shape']} {summary['dtype']} on {summary['device']} "
         f"({env.get('device_name', '?')}), {summary['new_tokens']} new tokens per request =="
     ]
+    if "prompt_tokens" in summary:
+        lengths = summary["prompt_tokens"]
+        lines.append(
+            f"prompts: {lengths['min']}-{lengths['max']} tokens; c=1: {SEQUENTIAL} requests "
+            f"one after another (transformers: batch 1); c={CONCURRENCY}: all in flight at once "
+            "(transformers: one left-padded batch)"
+        )
     rows = summary.get("throughput", [])
     if rows:
         lines.append(f"{'system':<14}{'c':>4}{'tokens/s':>12}{'vs transformers':>18}")
@@ -701,7 +716,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--new-tokens", type=int, default=64, help="per request (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="of the random weights")
-    parser.add_argument("--out", type=Path, default=None, help="write the summary here as JSON")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write the summary here as JSON, and the engine's log beside it (.engine.log)",
+    )
     parser.add_argument(
         "--deadline", type=float, default=440.0, help="seconds before giving up (default 440)"
     )

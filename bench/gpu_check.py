@@ -580,8 +580,7 @@ async def run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
             tokenizer = write_model(folder, shape, dtype, device, args.seed)
             by_name = ids_by_name(tokenizer)
             prompts = encode_prompts(tokenizer, prompt_texts(max(SEQUENTIAL, CONCURRENCY)))
-        sequential, batch = prompts[:SEQUENTIAL], prompts[:CONCURRENCY]
-        lengths = [len(p) for p in batch]
+        lengths = [len(p) for p in prompts]
         summary["prompt_tokens"] = {"min": min(lengths), "max": max(lengths)}
         command = serve_args(folder, args, shape)
         keep_log = args.out.with_suffix(".engine.log") if args.out else None
@@ -591,33 +590,45 @@ async def run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
                 same_config(folder, reference)
             with clock.phase("engine ready"):
                 engine.wait_loaded(READY_TIMEOUT_S)
-            limits = httpx.Limits(max_connections=2 * CONCURRENCY)
-            async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-                summary["engine"] = (await client.get(f"{engine.url}/v1/kvpool")).json()
-                ours = EngineClient(client, engine.url, args.new_tokens)
-                with clock.phase("warm-up"):
-                    await warm_up(ours, reference, sequential, batch)
-                with clock.phase("engine throughput"):
-                    measured = await measure_engine(
-                        ours, client, engine.url, sequential, batch, summary
-                    )
-                with clock.phase("transformers throughput"):
-                    one, theirs_1 = reference.one_at_a_time(sequential)
-                    many, theirs_32 = reference.batch(batch)
-                measured += [
-                    Measured(THEIRS, 1, one.tokens_per_s, one.seconds),
-                    Measured(THEIRS, CONCURRENCY, many.tokens_per_s, many.seconds),
-                ]
-                summary["throughput"] = throughput_rows(measured)
-                with clock.phase("greedy agreement"):
-                    ours_1 = await engine_ids(ours, sequential, by_name, concurrent=False)
-                    ours_32 = await engine_ids(ours, batch, by_name, concurrent=True)
-                    summary["agreement"] = {
-                        "1": agreement(ours_1, theirs_1),
-                        str(CONCURRENCY): agreement(ours_32, theirs_32),
-                        "divergences_1": divergence_gaps(reference, sequential, ours_1, theirs_1),
-                    }
+            await compare(engine.url, reference, prompts, by_name, clock, summary)
     summary["total_seconds"] = round(time.perf_counter() - clock.t0, 1)
+
+
+async def compare(
+    url: str,
+    reference: Reference,
+    prompts: list[list[int]],
+    by_name: dict[str, int],
+    clock: Clock,
+    summary: dict[str, Any],
+) -> None:
+    """Throughput, the read check's share and greedy agreement of a ready engine at `url`
+    against transformers, into summary."""
+    sequential, batch = prompts[:SEQUENTIAL], prompts[:CONCURRENCY]
+    limits = httpx.Limits(max_connections=2 * CONCURRENCY)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+        summary["engine"] = (await client.get(f"{url}/v1/kvpool")).json()
+        ours = EngineClient(client, url, reference.new_tokens)
+        with clock.phase("warm-up"):
+            await warm_up(ours, reference, sequential, batch)
+        with clock.phase("engine throughput"):
+            measured = await measure_engine(ours, client, url, sequential, batch, summary)
+        with clock.phase("transformers throughput"):
+            one, theirs_1 = reference.one_at_a_time(sequential)
+            many, theirs_32 = reference.batch(batch)
+        measured += [
+            Measured(THEIRS, 1, one.tokens_per_s, one.seconds),
+            Measured(THEIRS, CONCURRENCY, many.tokens_per_s, many.seconds),
+        ]
+        summary["throughput"] = throughput_rows(measured)
+        with clock.phase("greedy agreement"):
+            ours_1 = await engine_ids(ours, sequential, by_name, concurrent=False)
+            ours_32 = await engine_ids(ours, batch, by_name, concurrent=True)
+        summary["agreement"] = {
+            "1": agreement(ours_1, theirs_1),
+            str(CONCURRENCY): agreement(ours_32, theirs_32),
+            "divergences_1": divergence_gaps(reference, sequential, ours_1, theirs_1),
+        }
 
 
 def throughput_rows(measured: list[Measured]) -> list[dict[str, Any]]:

@@ -59,15 +59,15 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from _common import CONVERSATIONS
 from engine_throughput import EngineClient, Timing
-from kvfence_engine.localproc import LocalProcess, ProcessFailed, _die_with_parent
-from kvfence_engine.model_loader import load_config
+from kvfence_engine.loading.config import load_config
+from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed, _die_with_parent
 
 # How `kvfence serve` starts without installing the project (PYTHONPATH holds engine_image and
 # operator; bench/gpu_check.sh sets it). The one line to change when the CLI module moves.
 KVFENCE_CMD = [
     sys.executable,
     "-c",
-    "import sys; from kvfence_engine.cli import main; sys.exit(main())",
+    "import sys; from kvfence_cli.main import main; sys.exit(main())",
 ]
 
 SEQUENTIAL = 8  # prompts sent one after another (concurrency 1)

@@ -56,7 +56,7 @@ def test_every_token_id_has_its_own_name(gpu_check: ModuleType) -> None:
 def test_folder_is_what_engine_and_transformers_both_load(
     gpu_check: ModuleType, tiny_folder: Path
 ) -> None:
-    from kvfence_engine.model_loader import load_model
+    from kvfence_engine.loading.loader import load_model
 
     shape = gpu_check.SHAPES["tiny"]
     loaded = load_model(str(tiny_folder))

@@ -21,7 +21,8 @@ SITE=/tmp/site
 HARD_LIMIT_S=480 # gpu_check.py stops itself before (--deadline); this catches a hang in C code
 
 export PYTHONPATH="$PWD/engine_image:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
-if compgen -G ".whl/*.whl" >/dev/null; then
+# Carried wheels only where the serving stack is missing (a dev machine has it in its venv).
+if compgen -G ".whl/*.whl" >/dev/null && ! "$PYTHON" -c "import fastapi, pydantic, uvicorn" 2>/dev/null; then
   if "$PYTHON" -m pip --version >/dev/null 2>&1; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$SITE" .whl/*.whl

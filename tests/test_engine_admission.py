@@ -20,7 +20,10 @@ def test_a_prompt_over_the_context_gets_400_and_allocates_no_page(length: int) -
     assert seq.error.code == "context_length_exceeded"
     assert engine.pool.num_used == used_before
     assert not engine.has_work()
-    assert engine.metrics.rejected.labels(reason="context_length_exceeded")._value.get() == 1
+    rejected = engine.metrics.registry.get_sample_value(
+        "kvfence_requests_rejected_total", {"reason": "context_length_exceeded"}
+    )
+    assert rejected == 1
 
 
 def test_a_prompt_one_under_the_context_is_served_and_its_pages_come_back() -> None:

@@ -28,7 +28,7 @@ def test_reject_placeholder_fails_closed_with_the_unwritten_read_counter() -> No
     engine, seq = _placeholder_victim(("reject-placeholder",), polluter_seed=1)
     assert seq.error is not None and seq.error.status == 500
     assert seq.error.code == "kv_isolation_violation"
-    assert engine.metrics.unwritten_read._value.get() == 1
+    assert engine.metrics.registry.get_sample_value("kvfence_kv_unwritten_read_total") == 1
     assert len(seq.output_ids) == 1  # the placeholder's token; nothing read from foreign KV
     assert engine.pool.num_used == 0
 
@@ -36,7 +36,7 @@ def test_reject_placeholder_fails_closed_with_the_unwritten_read_counter() -> No
 def test_without_the_fault_the_same_prompt_is_a_400_and_allocates_nothing() -> None:
     engine, seq = _placeholder_victim((), polluter_seed=1)
     assert seq.error is not None and seq.error.status == 400
-    assert engine.metrics.unwritten_read._value.get() == 0
+    assert engine.metrics.registry.get_sample_value("kvfence_kv_unwritten_read_total") == 0
 
 
 def test_reject_placeholder_without_tag_check_reads_the_other_tenants_kv() -> None:
@@ -63,7 +63,7 @@ def _early_release_victim(faults: tuple[str, ...], intruder_seed: int):
 def test_early_release_fails_closed_with_the_tag_mismatch_counter() -> None:
     engine, victim, intruder = _early_release_victim(("early-release",), intruder_seed=6)
     assert victim.error is not None and victim.error.code == "kv_isolation_violation"
-    assert engine.metrics.tag_mismatch._value.get() >= 1
+    assert engine.metrics.registry.get_sample_value("kvfence_kv_tag_mismatch_total") >= 1
     assert intruder.error is None
     assert engine.pool.num_used == 0  # the stale release of the reassigned page was ignored
 

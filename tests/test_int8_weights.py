@@ -117,7 +117,7 @@ def test_packed_engine_still_fails_a_reassigned_page_closed(weight_dtype: str) -
 
     engine, victim = victim_logprobs(("early-release",), 6)
     assert victim.error is not None and victim.error.code == "kv_isolation_violation"
-    assert engine.metrics.tag_mismatch._value.get() >= 1
+    assert engine.metrics.registry.get_sample_value("kvfence_kv_tag_mismatch_total") >= 1
     _, read_a = victim_logprobs(("early-release", "no-tag-check"), 6)
     _, read_b = victim_logprobs(("early-release", "no-tag-check"), 7)
     lp = lambda s: torch.tensor([x.logprob for x in s.output_logprobs])  # noqa: E731

@@ -1,6 +1,6 @@
-"""The test cluster (tests/cluster) behaves like Kubernetes where the operator's end-to-end
-tests depend on it: API server semantics kmock lacks, a kubelet that runs pods as real local
-processes, and kopf running against it."""
+"""The test cluster (devcluster/, package kvfence_devcluster) behaves like Kubernetes where
+the operator's end-to-end tests depend on it: API server semantics kmock lacks, a kubelet that
+runs pods as real local processes, and kopf running against it."""
 
 import json
 import sys
@@ -11,8 +11,8 @@ import httpx
 import pytest
 from kubernetes import client, watch
 
-from cluster.fixtures import Cluster, ClusterApiError, cluster_fixture  # noqa: F401
-from cluster.sandbox import VENV_BIN
+from kvfence_devcluster.fixtures import Cluster, ClusterApiError, cluster_fixture  # noqa: F401
+from kvfence_devcluster.sandbox import VENV_BIN
 from kvfence_operator.builders.engine_deployment import (
     build_engine_deployment,
     build_engine_service,

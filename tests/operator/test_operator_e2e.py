@@ -10,8 +10,8 @@ from typing import Any
 import openai
 import pytest
 
-from cluster.fixtures import Cluster, cluster_fixture, start_cluster  # noqa: F401
-from cluster.kubelet import KubeletOptions
+from kvfence_devcluster.fixtures import Cluster, cluster_fixture, start_cluster  # noqa: F401
+from kvfence_devcluster.kubelet import KubeletOptions
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION, Instance, selector
 from kvfence_operator.revision import revision_of

@@ -1,7 +1,7 @@
 """A Kubernetes test cluster on localhost: an API server emulator built on kmock, and a kubelet
 that runs each Pod as local processes.
 
-    from cluster.fixtures import cluster_fixture  # noqa: F401  (pytest knows it as `cluster`)
+    from kvfence_devcluster.fixtures import cluster_fixture  # noqa: F401  (pytest: `cluster`)
 
     def test_x(cluster):
         cluster.create(manifest)                                # any kind, 201 + server fields

@@ -389,6 +389,6 @@ def cluster_fixture(tmp_path: Path) -> Iterator[Cluster]:
     with start_cluster(tmp_path / "cluster") as running:
         yield running
         problems = running.problems()
-    assert not problems, "the test cluster failed (a bug or gap in tests/cluster):\n" + "\n".join(
-        problems
+    assert not problems, (
+        "the test cluster failed (a bug or gap in kvfence_devcluster):\n" + "\n".join(problems)
     )

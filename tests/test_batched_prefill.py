@@ -3,7 +3,7 @@
 
 import pytest
 
-from conftest import generate, make_tiny_engine, prompt_of, submit
+from helpers.engines import generate, make_tiny_engine, prompt_of, submit
 
 
 @pytest.mark.parametrize("weight_dtype", ["float32", "int8", "float16"])

@@ -19,8 +19,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from conftest import prompt_of
-from deployments import Deployment, start_deployment
+from helpers.deployments import Deployment, start_deployment
+from helpers.engines import prompt_of
 from kvfence_engine.canary import CanaryConfig, CanaryReport, run_canary
 from kvfence_engine.disagg.transfer import Handle, Layout, Sender, page_views
 from kvfence_engine.loading.loader import TINY_CONFIG

@@ -9,8 +9,8 @@ import httpx
 import pytest
 import torch
 
-from conftest import prompt_of
-from deployments import Deployment, start_deployment
+from helpers.deployments import Deployment, start_deployment
+from helpers.engines import prompt_of
 from kvfence_engine.canary.counters import parse_counters
 from kvfence_engine.disagg.transfer import Handle, Layout, Sender, TransferError, page_views
 from kvfence_engine.loading.loader import TINY_CONFIG

@@ -1,6 +1,6 @@
 """Continuous batching gives every request the tokens it would get alone."""
 
-from conftest import generate, make_tiny_engine, prompt_of, run_until_done, submit
+from helpers.engines import generate, make_tiny_engine, prompt_of, run_until_done, submit
 
 
 def _alone(prompt: list[int], max_tokens: int) -> list[int]:

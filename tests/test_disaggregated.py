@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from conftest import metric
-from deployments import Deployment, start_deployment
+from helpers.deployments import Deployment, start_deployment
+from helpers.processes import metric
 from kvfence_engine.tools.localproc import LocalProcess
 
 CONTEXT = 512

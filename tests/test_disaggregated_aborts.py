@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import metric, prompt_of
-from deployments import Deployment, start_deployment
+from helpers.deployments import Deployment, start_deployment
+from helpers.engines import prompt_of
+from helpers.processes import metric
 from kvfence_engine.disagg.transfer import Sender
 from test_disaggregated_faults import LAYOUT, kv_pages, reserve
 

@@ -11,8 +11,9 @@ import openai
 import pytest
 import torch
 
-from conftest import metric, prompt_of
-from deployments import Deployment, start_deployment
+from helpers.deployments import Deployment, start_deployment
+from helpers.engines import prompt_of
+from helpers.processes import metric
 from kvfence_engine.disagg.transfer import Handle, Layout, Sender, page_views
 from kvfence_engine.loading.loader import TINY_CONFIG
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 
+from helpers.crd_admission import load_sample
 from kvfence_cli.main import build_parser
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.canary_job import build_canary_job
@@ -191,7 +191,7 @@ def kvfence_subcommands() -> set[str]:
 
 def subcommands_in_operator_pods() -> set[str]:
     """What the engine image is asked to run: every container the operator builds."""
-    manifest = yaml.safe_load((ROOT / "tests" / "operator" / "samples" / "full.yaml").read_text())
+    manifest = load_sample("full")
     spec = InferenceDeployment.model_validate(manifest).spec
     instance = Instance(name="full", namespace="serving", uid="uid-of-full")
     revision = revision_of(spec)

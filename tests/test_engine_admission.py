@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import generate, make_tiny_engine, prompt_of, run_until_done, submit
+from helpers.engines import generate, make_tiny_engine, prompt_of, run_until_done, submit
 from kvfence_engine.core.faults import Faults, UnsafeFaultRefused
 from kvfence_engine.core.pool_plan import ContextPolicy
 from kvfence_engine.core.request import is_terminal

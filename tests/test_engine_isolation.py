@@ -3,7 +3,7 @@ check switched off too, the test shows the foreign KV was really read (the negat
 
 import torch
 
-from conftest import generate, make_tiny_engine, prompt_of, run_until_done, submit
+from helpers.engines import generate, make_tiny_engine, prompt_of, run_until_done, submit
 
 CONTEXT = 128
 OVER = 200  # over the context, within the 1024-token pool

@@ -1,11 +1,9 @@
 """The manifests in examples/ are what users apply first: each one must pass the API server's
-checks (CRD schema + CEL rules, stand-in in tests/operator/crd_admission.py) and the operator's
+checks (CRD schema + CEL rules, stand-in in tests/helpers/crd_admission.py) and the operator's
 own model, build valid children, and do what its comments promise. The Argo CD health check
 and the Flux CEL expressions in examples/gitops.md give the right verdict for real statuses."""
 
-import importlib.util
 import re
-import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ import yaml
 from gguf import GGUFReader
 from lupa import lua51
 
+from helpers.crd_admission import crd_admission
 from kvfence_engine.core.model_config import ModelConfig
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, plan_pool
 from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
@@ -41,20 +40,6 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 MANIFESTS = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
 KUBERNETES_VERSION = "1.30"
-
-
-@cache
-def crd_admission() -> Any:
-    """The API server stand-in the operator tests use (tests/operator/crd_admission.py)."""
-    module = sys.modules.get("crd_admission")
-    if module is None:
-        path = ROOT / "tests" / "operator" / "crd_admission.py"
-        spec = importlib.util.spec_from_file_location("crd_admission", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["crd_admission"] = module
-        spec.loader.exec_module(module)
-    return module.crd_admission()
 
 
 def documents(name: str) -> list[dict[str, Any]]:

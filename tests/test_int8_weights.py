@@ -25,7 +25,8 @@ import httpx
 import pytest
 import torch
 
-from conftest import generate, make_tiny_engine, prompt_of, run_until_done, serve, submit
+from helpers.engines import generate, make_tiny_engine, prompt_of, run_until_done, submit
+from helpers.processes import serve
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.quantization import Float16Linear, Int8Linear, resolve_precision
 from kvfence_engine.core.request import SamplingParams

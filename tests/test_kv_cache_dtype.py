@@ -3,7 +3,8 @@
 import httpx
 import openai
 
-from conftest import serve, tiny_budget
+from helpers.engines import tiny_budget
+from helpers.processes import serve
 
 
 def test_a_bfloat16_pool_holds_twice_the_tokens_of_float32_and_serves(logs_dir, tiny_server):

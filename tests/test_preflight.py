@@ -1,6 +1,6 @@
 """`kvfence preflight`: the engine's own pool arithmetic, before anything starts."""
 
-from conftest import tiny_budget
+from helpers.engines import tiny_budget
 from kvfence_cli.main import main
 
 

@@ -8,7 +8,8 @@ import httpx
 import openai
 import pytest
 
-from conftest import TINY_TOKEN_BYTES, metric, serve, tiny_budget
+from helpers.engines import TINY_TOKEN_BYTES, tiny_budget
+from helpers.processes import metric, serve
 from kvfence_engine.loading.loader import tiny_random
 from kvfence_engine.tools.localproc import LocalProcess
 

@@ -3,8 +3,8 @@
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
-from crd_admission import crd_admission
 
+from helpers.crd_admission import crd_admission
 from kvfence_operator.conditions import find_condition, set_condition
 from kvfence_operator.crd.types import (
     ConditionStatus,

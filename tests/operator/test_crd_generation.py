@@ -7,9 +7,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from crd_admission import openapi_schema
 from pydantic import BaseModel
 
+from helpers.crd_admission import openapi_schema
 from kvfence_operator.crd.schema import CRD_PATH, build_crd, render_crd_yaml, structural
 from kvfence_operator.crd.types import InferenceDeploymentStatus, RoleReplicas
 

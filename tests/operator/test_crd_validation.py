@@ -6,9 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from crd_admission import SAMPLE_NAMES, crd_admission, load_sample
 from pydantic import ValidationError
 
+from helpers.crd_admission import SAMPLE_NAMES, crd_admission, load_sample
 from kvfence_operator.crd.types import (
     InferenceDeployment,
     InferenceDeploymentSpec,

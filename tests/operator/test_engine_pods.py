@@ -2,8 +2,8 @@
 role, context, policy, pool budget, ports and internal token the spec implies."""
 
 import pytest
-from builder_fixtures import container, flag, instance_for, pod_spec, sample_spec
 
+from helpers.builders import container, flag, instance_for, pod_spec, sample_spec
 from kvfence_operator.builders.engine_deployment import (
     build_engine_deployment,
     build_engine_service,

@@ -4,12 +4,12 @@ runs every pod as a real engine, router or canary process with builtin:tiny-rand
 import base64
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
+from helpers import fake_pool_server
 from kvfence_devcluster.fixtures import Cluster, cluster_fixture, start_cluster  # noqa: F401
 from kvfence_devcluster.kubelet import KubeletOptions
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
@@ -310,7 +310,7 @@ def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on
 
 
 def test_a_pod_with_a_garbage_or_unreachable_pool_report_is_not_sufficient(tmp_path):
-    fake = Path(__file__).with_name("fake_pool_server.py")
+    fake = fake_pool_server.__file__
 
     def impostors(pod: dict[str, Any], argv: list[str]) -> list[str]:
         role = (pod["metadata"].get("labels") or {}).get("kvfence.dev/role")

@@ -5,9 +5,9 @@ import json
 
 import kubernetes_validate
 import pytest
-from builder_fixtures import CREDENTIALS, everything_built, instance_for, pod_spec, sample_spec
-from crd_admission import SAMPLE_NAMES
 
+from helpers.builders import CREDENTIALS, everything_built, instance_for, pod_spec, sample_spec
+from helpers.crd_admission import SAMPLE_NAMES
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.meta import Instance
 from kvfence_operator.revision import revision_of

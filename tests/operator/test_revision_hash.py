@@ -3,9 +3,9 @@
 import re
 
 import pytest
-from builder_fixtures import sample_spec
-from crd_admission import load_sample
 
+from helpers.builders import sample_spec
+from helpers.crd_admission import load_sample
 from kvfence_operator.crd.types import InferenceDeployment, InferenceDeploymentSpec
 from kvfence_operator.revision import revision_of
 

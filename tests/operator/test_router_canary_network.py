@@ -4,7 +4,8 @@ import base64
 import json
 
 import pytest
-from builder_fixtures import (
+
+from helpers.builders import (
     CREDENTIALS,
     OPERATOR_NAMESPACE,
     container,
@@ -13,7 +14,6 @@ from builder_fixtures import (
     pod_spec,
     sample_spec,
 )
-
 from kvfence_operator.builders.canary_job import build_canary_job
 from kvfence_operator.builders.network_policy import build_network_policies
 from kvfence_operator.builders.router_deployment import (

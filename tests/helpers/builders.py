@@ -2,8 +2,6 @@
 
 from typing import Any
 
-from crd_admission import load_sample
-
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.canary_job import build_canary_job
 from kvfence_operator.builders.router_deployment import build_stable_service
@@ -11,6 +9,8 @@ from kvfence_operator.builders.secret import RevisionCredentials
 from kvfence_operator.crd.types import InferenceDeployment, InferenceDeploymentSpec
 from kvfence_operator.meta import Instance
 from kvfence_operator.revision import revision_of
+
+from .crd_admission import load_sample
 
 OPERATOR_NAMESPACE = "kvfence-system"
 CREDENTIALS = RevisionCredentials(

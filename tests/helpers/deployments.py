@@ -6,8 +6,10 @@ from pathlib import Path
 
 import openai
 
-from conftest import serve, tiny_budget
 from kvfence_engine.tools.localproc import LocalProcess
+
+from .engines import tiny_budget
+from .processes import serve
 
 
 @dataclass

@@ -13,7 +13,7 @@ from helpers.crd_admission import openapi_schema
 from kvfence_operator.crd.schema import CRD_PATH, build_crd, render_crd_yaml, structural
 from kvfence_operator.crd.types import InferenceDeploymentStatus, RoleReplicas
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CRD = build_crd()
 SCHEMA = openapi_schema(CRD)
 

@@ -36,7 +36,7 @@ from kvfence_operator.crd.types import (
 from kvfence_operator.meta import Instance
 from kvfence_operator.revision import revision_of
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 MANIFESTS = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
 KUBERNETES_VERSION = "1.30"

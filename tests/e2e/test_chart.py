@@ -28,7 +28,7 @@ from kvfence_operator.pool_gate import KvPoolReport, PodPool
 from kvfence_operator.reconcile import Reconciler
 from kvfence_operator.revision import revision_of
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvfence"
 RELEASE, NAMESPACE = "kvfence", "kvfence-system"
 KUBERNETES_VERSION = "1.30"

@@ -145,7 +145,7 @@ def test_pod_paths_and_ports_are_replaced_not_duplicated():
 @pytest.mark.slow
 def test_the_smollm2_example_serves_paris_after_its_canary_and_comes_back_quickly(tmp_path):
     """The README's first command: examples/smollm2-local.yaml through `kvfence up`."""
-    example = Path(__file__).parents[1] / "examples" / "smollm2-local.yaml"
+    example = Path(__file__).parents[2] / "examples" / "smollm2-local.yaml"
     up = Up(example, tmp_path)
     try:
         up.wait_for("serving: http", timeout=600)

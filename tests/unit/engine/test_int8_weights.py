@@ -160,7 +160,7 @@ def test_serve_with_int8_weights_answers_and_reports_them(logs_dir: Path) -> Non
 
 def _bench_prompts(tokenizer: object, count: int) -> list[list[int]]:
     """The chat prompts bench/engine_throughput.py measures, with our tokenizer's template."""
-    path = Path(__file__).parent.parent / "bench" / "_common.py"
+    path = Path(__file__).parents[3] / "bench" / "_common.py"
     spec = importlib.util.spec_from_file_location("bench_common", path)
     assert spec is not None and spec.loader is not None
     common = importlib.util.module_from_spec(spec)

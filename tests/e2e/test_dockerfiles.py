@@ -25,7 +25,7 @@ from kvfence_operator.crd.types import InferenceDeployment
 from kvfence_operator.meta import Instance
 from kvfence_operator.revision import revision_of
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE_DOCKERFILE = ROOT / "engine_image" / "Dockerfile"
 OPERATOR_DOCKERFILE = ROOT / "operator" / "Dockerfile"
 DOCKERFILES = {"engine": ENGINE_DOCKERFILE, "operator": OPERATOR_DOCKERFILE}

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from kubernetes import client, watch
 
-from kvfence_devcluster.fixtures import Cluster, ClusterApiError, cluster_fixture  # noqa: F401
+from kvfence_devcluster.fixtures import Cluster, ClusterApiError
 from kvfence_devcluster.sandbox import VENV_BIN
 from kvfence_operator.builders.engine_deployment import (
     build_engine_deployment,

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from helpers import fake_pool_server
-from kvfence_devcluster.fixtures import Cluster, cluster_fixture, start_cluster  # noqa: F401
+from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_devcluster.kubelet import KubeletOptions
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION, Instance, selector

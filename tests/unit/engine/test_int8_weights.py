@@ -14,19 +14,17 @@ identical, the others first differing after a median of ~12 tokens). int8 is wei
 output channel; which kernel runs and why, and the rejected dynamic-activation int8 (top-1
 45%), are in kvfence_engine/quantization.py.
 
-Fast (tiny-random): the packed engines serve, over HTTP too, stay close to float32, and the
-isolation check still fails a reassigned page closed.
+Fast (tiny-random): the packed engines serve, stay close to float32, and the isolation check
+still fails a reassigned page closed. Served over HTTP: tests/integration/test_serving_dtypes.py.
 """
 
 import importlib.util
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from helpers.engines import generate, make_tiny_engine, prompt_of, run_until_done, submit
-from helpers.processes import serve
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.quantization import Float16Linear, Int8Linear, resolve_precision
 from kvfence_engine.core.request import SamplingParams
@@ -133,26 +131,6 @@ def test_int8_weights_are_refused_on_cuda_with_what_to_use_instead() -> None:
     assert resolve_precision(None, torch.device("cpu")).compute == torch.float32
     assert resolve_precision(None, torch.device("cuda")).compute == torch.bfloat16
     assert resolve_precision("float16", torch.device("cuda")).packed is None
-
-
-def test_serve_with_int8_weights_answers_and_reports_them(logs_dir: Path) -> None:
-    with serve(
-        logs_dir,
-        "tiny-int8",
-        "--model",
-        "builtin:tiny-random",
-        "--weight-dtype",
-        "int8",
-        "--kv-cache-memory",
-        "16Mi",
-    ) as proc:
-        assert httpx.get(proc.url + "/v1/kvpool").json()["weight_dtype"] == "int8"
-        body = {"prompt": prompt_of(20), "max_tokens": 5, "temperature": 0, "ignore_eos": True}
-        answer = httpx.post(proc.url + "/v1/completions", json=body, timeout=60).json()
-    assert answer["usage"]["completion_tokens"] == 5
-    engine = make_tiny_engine(weight_dtype="int8")
-    expected = generate(engine, prompt_of(20), 5, ignore_eos=True).output_ids
-    assert answer["choices"][0]["text"] == engine.tokenizer.decode(expected)
 
 
 # --- slow: SmolLM2-135M -----------------------------------------------------------------------

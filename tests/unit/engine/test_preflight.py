@@ -1,25 +1,7 @@
-"""`kvfence preflight`: the engine's own pool arithmetic, before anything starts."""
+"""`kvfence preflight`: the engine's own pool arithmetic, before anything starts (and against
+a running engine: tests/integration/test_commands.py)."""
 
-from helpers.engines import tiny_budget
 from kvfence_cli.main import main
-
-
-def test_preflight_estimate_equals_the_pool_a_running_engine_allocates(tiny_server, capsys):
-    """tiny_server runs with a 64-page budget: the estimate and the live report agree."""
-    code = main(
-        [
-            "preflight",
-            "--model", "builtin:tiny-random",
-            "--kv-cache-memory", str(tiny_budget(64)),
-            "--context-length", "512",
-            "--target", tiny_server.url,
-        ]
-    )  # fmt: skip
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "64 pages x 16 tokens = 1024 tokens per engine" in out
-    assert "64 pages x 16 tokens = 1024 tokens (" in out  # the live report
-    assert out.count("context 512: fits") == 2
 
 
 def test_preflight_says_a_context_does_not_fit_and_what_lower_context_would_serve(capsys):

@@ -170,16 +170,3 @@ def test_optional_fields_become_plain_types_and_gt_becomes_an_inclusive_minimum(
     }
     fraction = spec["engine"]["properties"]["memoryFraction"]
     assert (fraction["minimum"], fraction["exclusiveMinimum"], fraction["maximum"]) == (0, True, 1)
-
-
-def test_kvfence_crd_prints_the_committed_yaml():
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-m", "kvfence_cli", "crd"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    assert out == (REPO / CRD_PATH).read_text()

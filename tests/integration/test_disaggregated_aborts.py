@@ -10,11 +10,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_disaggregated_faults import LAYOUT, kv_pages, reserve
 
 from helpers.deployments import Deployment, start_deployment
 from helpers.engines import prompt_of
 from helpers.processes import metric
+from helpers.transfers import LAYOUT, kv_pages, reserve
 from kvfence_engine.disagg.transfer import Sender
 
 SETTLE_S = 10.0  # the stated bound: pages are back (or the client has its error) within this

@@ -2,28 +2,22 @@
 request fails closed and the right counter moves; with them off too, the leak is shown."""
 
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
 
 from helpers.deployments import Deployment, start_deployment
 from helpers.engines import prompt_of
 from helpers.processes import metric
-from kvfence_engine.disagg.transfer import Handle, Layout, Sender, page_views
-from kvfence_engine.loading.loader import TINY_CONFIG
+from helpers.transfers import LAYOUT, PAGE, kv_pages, reserve
+from kvfence_engine.disagg.transfer import Handle, Sender
 
 ENGINE_CONTEXT = 128
 ROUTER_CONTEXT = 1024  # the router advertises more than the engines serve: over-long prompts
 VICTIM = prompt_of(200, seed=99)  # reach the engines, as in the incident
-PAGE = 16
-LAYOUT = Layout(
-    TINY_CONFIG.num_layers, PAGE, TINY_CONFIG.num_kv_heads, TINY_CONFIG.head_dim, "float32"
-)
 
 
 def placeholder_deployment(logs: Path, name: str, *decode_extra: str) -> Deployment:
@@ -128,30 +122,6 @@ def test_with_count_and_tag_checks_off_the_victim_reads_another_tenants_kv(
 
 
 # --- late writes: a raw transfer client plays a prefill whose writes arrive late -----------
-
-
-def reserve(decode_url: str, length: int, seed: int) -> Handle:
-    rid = uuid.uuid4().hex
-    r = httpx.post(
-        decode_url + "/internal/reserve",
-        json={
-            "request_id": rid,
-            "prompt_ids": prompt_of(length, seed),
-            "sampling": {"logprobs": 0},
-        },
-    )
-    assert r.status_code == 200, r.text
-    body = r.json()
-    body.pop("max_tokens")
-    return Handle(**body)
-
-
-def kv_pages(count: int, value: float) -> list[tuple[memoryview, memoryview]]:
-    shape = (count, LAYOUT.layers, PAGE, LAYOUT.kv_heads, LAYOUT.head_dim)
-    gen = torch.Generator().manual_seed(int(value * 1000))
-    return page_views(
-        torch.randn(shape, generator=gen) * value, torch.randn(shape, generator=gen) * value
-    )
 
 
 def decode_from(decode_url: str, handle: Handle) -> httpx.Response:

@@ -1,45 +1,12 @@
 """The rollout state machine: promotion only after pods, pools and the canary; state in status."""
 
+from helpers.rollout import observation
 from kvfence_operator.crd.types import (
     CanaryResult,
     CanaryStatus,
-    PoolPolicy,
     RevisionStatus,
-    RoleReplicas,
 )
-from kvfence_operator.pool_gate import judge_pools, parse_pool
-from kvfence_operator.rollout import CanaryOutcome, JobPhase, RevisionObservation, plan_rollout
-
-
-def observation(
-    revision: str,
-    ready: int = 1,
-    pool_tokens: int = 1024,
-    canary: CanaryOutcome | None = None,
-) -> RevisionObservation:
-    pools = [
-        parse_pool(
-            f"{revision}-d",
-            "decode",
-            revision,
-            {
-                "role": "decode",
-                "revision": revision,
-                "pool_tokens": pool_tokens,
-                "page_size": 16,
-                "num_pages": pool_tokens // 16,
-                "context_length_effective": 512,
-                "tag_check": True,
-                "deferred_release": True,
-            },
-        )
-    ]
-    replicas = {
-        role: RoleReplicas(ready=ready, desired=1) for role in ("prefill", "decode", "router")
-    }
-    return RevisionObservation(
-        revision, replicas, judge_pools(pools, PoolPolicy.REFUSE, 512, None), canary
-    )
+from kvfence_operator.rollout import CanaryOutcome, JobPhase, plan_rollout
 
 
 def test_first_revision_waits_for_pods_before_any_canary():

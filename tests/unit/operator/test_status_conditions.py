@@ -3,8 +3,7 @@ tool act on."""
 
 from datetime import UTC, datetime
 
-from test_rollout_plan import observation
-
+from helpers.rollout import observation
 from kvfence_operator.crd.types import (
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,

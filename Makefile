@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.kvfence-installed
 MODEL  ?= builtin:smollm2-135m-instruct
 PORT   ?= 8000
 
-.PHONY: setup up serve test lint bench
+.PHONY: setup up serve test test-fast lint bench
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ serve: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q -n 2 --dist worksteal
+
+# The tests that start no process (tests/unit, less the few marked slow): well under a minute.
+test-fast: setup
+	$(VENV)/bin/pytest -q -n 2 --dist worksteal -m "not slow" tests/unit
 
 bench: setup
 	$(PY) bench/engine_throughput.py

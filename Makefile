@@ -7,7 +7,7 @@ STAMP   = $(VENV)/.kvfence-installed
 MODEL  ?= builtin:smollm2-135m-instruct
 PORT   ?= 8000
 
-.PHONY: setup up serve test lint bench
+.PHONY: setup up serve test test-fast lint bench
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	PYTHONPATH=engine_image:operator $(VENV)/bin/lint-imports --no-logo
+
+# The tests that start no process (tests/unit, less the few marked slow): well under a minute.
+test-fast: setup
+	$(VENV)/bin/pytest -q -n 2 --dist worksteal -m "not slow" tests/unit
 
 bench: setup
 	$(PY) bench/engine_throughput.py

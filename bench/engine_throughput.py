@@ -5,7 +5,7 @@ threads, on the same token-id prompts (chat template applied), greedy, and produ
 same number of tokens per request. Our engine runs three times, side by side: float32 weights
 (the default), and the opt-in packed weights `--weight-dtype int8` and `--weight-dtype float16`
 (fewer bytes per step; activations and the KV pool stay float32). Their accuracy against
-float32 is measured in tests/test_int8_weights.py (numbers in its docstring); here each
+float32 is measured in tests/unit/engine/test_int8_weights.py (numbers in its docstring); here each
 engine's greedy tokens are compared with transformers' at concurrency 1. Transformers keeps
 its best settings here: float32 (bf16 matmuls are slow on these CPUs), 2 threads, one
 left-padded batch.
@@ -325,7 +325,7 @@ async def run(args: argparse.Namespace) -> None:
             print(f"    {note}")
     print(
         "packed weights' accuracy against float32 (logits over ~1000 positions, greedy "
-        "agreement on these prompts): tests/test_int8_weights.py"
+        "agreement on these prompts): tests/unit/engine/test_int8_weights.py"
     )
     print(f"total time: {time.perf_counter() - t0:.0f}s")
 

@@ -14,7 +14,7 @@ read check are exactly what they are with float32 weights.
 
 Measured and rejected: fbgemm's dynamic int8 linear (what quantize_dynamic uses) is the fastest
 kernel here, but it quantizes activations per tensor to 7 bits; on SmolLM2-135M that alone
-drops top-1 agreement with float32 to ~45%. Accuracy: tests/test_int8_weights.py; speed:
+drops top-1 agreement with float32 to ~45%. Accuracy: tests/unit/engine/test_int8_weights.py; speed:
 bench/engine_throughput.py.
 """
 

@@ -1,0 +1,566 @@
+"""The Helm chart in charts/kvfence, rendered offline with helm-python-sdk (Helm's Go SDK, no
+helm binary) and checked the way an API server would: every manifest validates strictly
+against Kubernetes 1.30, values.schema.json refuses bad values, the operator runs once, locked
+down, with the arguments `kvfence operator` accepts, and its RBAC grants exactly what the
+operator does — nothing more, and no Secret listing."""
+
+import copy
+import json
+import re
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvfence_cli.main import build_parser
+from kvfence_engine.contracts import PoolGateReport
+from kvfence_operator.builders.pod_template import RUN_AS_ID
+from kvfence_operator.crd.schema import render_crd_yaml
+from kvfence_operator.crd.types import API_GROUP, PLURAL, InferenceDeployment
+from kvfence_operator.handlers import OPERATOR_NAMESPACE_ENV
+from kvfence_operator.meta import OPERATOR_POD_LABELS
+from kvfence_operator.pool_gate import PodPool
+from kvfence_operator.reconcile import Reconciler
+from kvfence_operator.revision import revision_of
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kvfence"
+RELEASE, NAMESPACE = "kvfence", "kvfence-system"
+KUBERNETES_VERSION = "1.30"
+
+CUSTOM_VALUES: dict[str, Any] = {
+    "watchNamespaces": ["team-a", "team-b"],
+    "image": {"repository": "registry.example/ml/kvfence-operator", "tag": "0.1.0-rc1"},
+    "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+    "verbose": True,
+    # A user label may not take over the one the engines' NetworkPolicies admit.
+    "podLabels": {"app.kubernetes.io/name": "not-the-operator", "team": "ml-platform"},
+    "imagePullSecrets": [{"name": "registry-creds"}],
+    "nodeSelector": {"kubernetes.io/os": "linux"},
+}
+
+BAD_VALUES: dict[str, dict[str, Any]] = {
+    "unknown pullPolicy": {"image": {"pullPolicy": "Sometimes"}},
+    "replicaCount (one operator, always)": {"replicaCount": 2},
+    "unknown top-level key": {"watchNamespace": ["typo"]},
+    "unknown image key": {"image": {"digest": "sha256:0"}},
+    "empty image repository": {"image": {"repository": ""}},
+    "tag with a space": {"image": {"tag": "latest please"}},
+    "namespace that is no DNS label": {"watchNamespaces": ["Team_A"]},
+    "namespace twice": {"watchNamespaces": ["a", "a"]},
+    "resources that are no quantity": {"resources": {"requests": {"cpu": "lots"}}},
+    "existing ServiceAccount without a name": {"serviceAccount": {"create": False}},
+    "verbose as a string": {"verbose": "yes"},
+}
+
+
+# ---- helm-python-sdk ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def helm() -> Any:
+    """The renderer. It is in the test extra; if it cannot load here, say why and fail (the
+    schema and CRD checks below do not need it and still run)."""
+    try:
+        import helm_python
+
+        helm_python.helm_sdk_version()  # loads libhelm_c
+    except Exception as exc:
+        pytest.fail(
+            f"helm-python-sdk cannot render charts here: {type(exc).__name__}: {exc}. "
+            "It comes with the test extra: pip install -e '.[test]'"
+        )
+    return helm_python
+
+
+def render(helm: Any, values: dict[str, Any] | None = None) -> dict[str, str]:
+    with helm.Chart.load(CHART) as chart:
+        return chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+def manifests(rendered: Mapping[str, str]) -> list[dict[str, Any]]:
+    return [
+        doc
+        for path, text in sorted(rendered.items())
+        if path.endswith(".yaml")
+        for doc in yaml.safe_load_all(text)
+        if doc is not None
+    ]
+
+
+def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def operator_deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = of_kind(docs, "Deployment")
+    return deployment
+
+
+def operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = operator_deployment(docs)["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+@pytest.fixture(scope="module")
+def default_docs(helm: Any) -> list[dict[str, Any]]:
+    return manifests(render(helm))
+
+
+@pytest.fixture(scope="module")
+def custom_docs(helm: Any) -> list[dict[str, Any]]:
+    return manifests(render(helm, CUSTOM_VALUES))
+
+
+# ---- without the renderer: CRD copy and values schema -------------------------------------
+
+
+def test_chart_crd_is_byte_identical_to_the_generated_crd() -> None:
+    chart_crd = (CHART / "crds" / "inferencedeployment.yaml").read_bytes()
+    assert chart_crd == (ROOT / "crds" / "inferencedeployment.yaml").read_bytes(), (
+        "charts/kvfence/crds/ is stale: cp crds/inferencedeployment.yaml charts/kvfence/crds/"
+    )
+    assert chart_crd.decode() == render_crd_yaml()
+
+
+def test_chart_crd_is_a_valid_kubernetes_object() -> None:
+    crd = yaml.safe_load((CHART / "crds" / "inferencedeployment.yaml").read_text())
+    kubernetes_validate.validate(crd, KUBERNETES_VERSION, strict=True)
+
+
+def schema() -> dict[str, Any]:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+def default_values() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def merged(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Helm's coalescing: maps merge, everything else is replaced."""
+    result = copy.deepcopy(dict(base))
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(result.get(key), Mapping):
+            result[key] = merged(result[key], value)
+        else:
+            result[key] = copy.deepcopy(value)
+    return result
+
+
+def test_default_and_custom_values_satisfy_the_schema() -> None:
+    validator = jsonschema.Draft7Validator(schema())
+    validator.check_schema(schema())
+    validator.validate(default_values())
+    validator.validate(merged(default_values(), CUSTOM_VALUES))
+
+
+@pytest.mark.parametrize("bad", BAD_VALUES.values(), ids=BAD_VALUES.keys())
+def test_schema_refuses_bad_values(bad: dict[str, Any]) -> None:
+    errors = list(jsonschema.Draft7Validator(schema()).iter_errors(merged(default_values(), bad)))
+    assert errors, f"values.schema.json accepts {bad}"
+
+
+def test_chart_app_version_is_the_package_version() -> None:
+    """The image tag defaults to appVersion: it must name the release the chart ships with."""
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert chart["apiVersion"] == "v2"
+    assert chart["appVersion"] == project["version"]
+
+
+# ---- rendered ------------------------------------------------------------------------------
+
+
+def test_default_render_is_valid_kubernetes_and_watches_every_namespace(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    assert sorted(d["kind"] for d in default_docs) == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "ServiceAccount",
+    ]
+    for doc in default_docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    args = operator_container(default_docs)["args"]
+    assert "--all-namespaces" in args and "--namespace" not in args
+
+
+def test_custom_render_is_valid_kubernetes_with_a_role_per_watched_namespace(
+    custom_docs: list[dict[str, Any]],
+) -> None:
+    for doc in custom_docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    assert not of_kind(custom_docs, "ClusterRole") and not of_kind(
+        custom_docs, "ClusterRoleBinding"
+    )
+    roles, bindings = of_kind(custom_docs, "Role"), of_kind(custom_docs, "RoleBinding")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    (account,) = of_kind(custom_docs, "ServiceAccount")
+    for binding in bindings:
+        assert binding["roleRef"]["name"] == roles[0]["metadata"]["name"]
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+        ]
+    container = operator_container(custom_docs)
+    assert container["image"] == "registry.example/ml/kvfence-operator:0.1.0-rc1"
+    assert container["resources"] == CUSTOM_VALUES["resources"]
+    args = container["args"]
+    assert args[args.index("--namespace") :].count("--namespace") == 2
+    assert "--all-namespaces" not in args and "--verbose" in args
+
+
+def test_default_image_is_the_operator_image_at_the_charts_app_version(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    container = operator_container(default_docs)
+    assert container["image"] == f"ghcr.io/kvfence/kvfence-operator:{app_version}"
+    assert container["imagePullPolicy"] == "IfNotPresent"
+
+
+@pytest.mark.parametrize("values", [None, CUSTOM_VALUES], ids=["default", "custom"])
+def test_operator_runs_once_with_arguments_kvfence_operator_accepts(
+    helm: Any, values: dict[str, Any] | None
+) -> None:
+    docs = manifests(render(helm, values))
+    deployment = operator_deployment(docs)
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    container = operator_container(docs)
+    assert container["command"] == ["kvfence"]
+    parsed = build_parser().parse_args(container["args"])
+    assert parsed.command == "operator" and parsed.standalone
+    assert parsed.namespace == ((values or {}).get("watchNamespaces") or [])
+    assert parsed.all_namespaces == (not parsed.namespace)
+    # The kubelet probes the endpoint kopf serves.
+    liveness = urlsplit(parsed.liveness)
+    probe = container["livenessProbe"]["httpGet"]
+    (port,) = [p for p in container["ports"] if p["name"] == probe["port"]]
+    assert (liveness.hostname, liveness.port, liveness.path) == (
+        "0.0.0.0",
+        port["containerPort"],
+        probe["path"],
+    )
+
+
+@pytest.mark.parametrize("values", [None, CUSTOM_VALUES], ids=["default", "custom"])
+def test_operator_pods_carry_the_label_engine_network_policies_admit(
+    helm: Any, values: dict[str, Any] | None
+) -> None:
+    deployment = operator_deployment(manifests(render(helm, values)))
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert OPERATOR_POD_LABELS.items() <= pod_labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    container = operator_container(manifests(render(helm, values)))
+    (namespace_env,) = [e for e in container["env"] if e["name"] == OPERATOR_NAMESPACE_ENV]
+    assert namespace_env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+
+
+def test_operator_pod_is_locked_down(default_docs: list[dict[str, Any]]) -> None:
+    pod = operator_deployment(default_docs)["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == RUN_AS_ID != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = pod["containers"]
+    context = container["securityContext"]
+    assert context["runAsNonRoot"] is True
+    assert context["readOnlyRootFilesystem"] is True
+    assert context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "privileged" not in context and "hostNetwork" not in pod
+    # The only writable path is an emptyDir at /tmp.
+    (mount,) = container["volumeMounts"]
+    (volume,) = pod["volumes"]
+    assert mount == {"name": volume["name"], "mountPath": "/tmp"} and "emptyDir" in volume
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+
+
+def test_notes_say_how_to_apply_an_example_and_watch_it(helm: Any) -> None:
+    notes = render(helm)[f"{RELEASE}/templates/NOTES.txt"]
+    assert "kubectl get infd" in notes
+    example = re.search(r"kubectl apply -f (examples/\S+)", notes)
+    assert example, notes
+    documents = list(yaml.safe_load_all((ROOT / example.group(1)).read_text()))
+    (infd,) = [d for d in documents if d["kind"] == "InferenceDeployment"]
+    assert f"kubectl wait --for=condition=Ready infd/{infd['metadata']['name']} " in notes
+
+
+def test_chart_carries_the_crd(helm: Any) -> None:
+    with helm.Chart.load(CHART) as chart:
+        (crd,) = chart.crds
+    assert crd["data"] == (ROOT / "crds" / "inferencedeployment.yaml").read_text()
+
+
+@pytest.mark.parametrize("values", [None, CUSTOM_VALUES], ids=["default", "custom"])
+def test_lint_passes(helm: Any, values: dict[str, Any] | None) -> None:
+    report = helm.lint(CHART, values, strict=True, kube_version="v1.30.0", namespace=NAMESPACE)
+    assert report["errors"] == [], report
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+@pytest.mark.parametrize("bad", BAD_VALUES.values(), ids=BAD_VALUES.keys())
+def test_render_and_lint_refuse_bad_values(helm: Any, bad: dict[str, Any]) -> None:
+    with pytest.raises(helm.HelmValuesError):
+        render(helm, bad)
+    assert helm.lint(CHART, bad)["errors"], f"lint accepts {bad}"
+
+
+# ---- RBAC -----------------------------------------------------------------------------------
+
+FRAMEWORK_RULES = [
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+]
+APPLICATION_RULES = [
+    {"apiGroups": [API_GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "patch"]},
+    {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
+    {
+        "apiGroups": ["apps"],
+        "resources": ["deployments"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
+    {
+        "apiGroups": [""],
+        "resources": ["services", "configmaps"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
+    {
+        "apiGroups": ["batch"],
+        "resources": ["jobs"],
+        "verbs": ["get", "list", "watch", "create", "delete"],
+    },
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    },
+]
+
+
+def commented_rules(rendered_role: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(the comment above the rule, the rule) for each rule of one rendered Role."""
+    doc = yaml.safe_load(rendered_role)
+    comments: list[str] = []
+    blocks: list[str] = []
+    in_rules = False
+    for line in rendered_role.splitlines():
+        stripped = line.strip()
+        if line.startswith("rules:"):
+            in_rules = True
+        elif in_rules and stripped.startswith("#"):
+            comments.append(stripped)
+        elif in_rules and stripped.startswith("- apiGroups:"):
+            blocks.append(" ".join(comments))
+            comments = []
+    assert len(blocks) == len(doc["rules"]), "one comment block per rule"
+    yield from zip(blocks, doc["rules"], strict=True)
+
+
+def role_texts(helm: Any, values: dict[str, Any] | None) -> list[str]:
+    rbac = render(helm, values)[f"{RELEASE}/templates/rbac.yaml"]
+    return [t for t in rbac.split("\n---\n") if re.search(r"^kind: (Cluster)?Role$", t, re.M)]
+
+
+@pytest.mark.parametrize("values", [None, CUSTOM_VALUES], ids=["default", "custom"])
+def test_every_rule_is_commented_framework_or_application_and_grants_exactly_that(
+    helm: Any, values: dict[str, Any] | None
+) -> None:
+    texts = role_texts(helm, values)
+    assert len(texts) == (1 if values is None else len(values["watchNamespaces"]))
+    for text in texts:
+        framework, application = [], []
+        for comment, rule in commented_rules(text):
+            assert re.match(r"# (framework|application): \S", comment), comment
+            (framework if comment.startswith("# framework") else application).append(rule)
+        assert framework == FRAMEWORK_RULES
+        assert application == APPLICATION_RULES
+
+
+def test_every_rule_in_the_template_source_has_a_comment() -> None:
+    for path in sorted((CHART / "templates").iterdir()):
+        lines = path.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if line.lstrip().startswith("- apiGroups:"):
+                above = lines[number - 1].strip()
+                while above.startswith("#") and not re.match(r"# (framework|application):", above):
+                    number -= 1
+                    above = lines[number - 1].strip()
+                assert re.match(r"# (framework|application): \S", above), (
+                    f"{path.name}:{number + 1}: rule without a framework/application comment"
+                )
+
+
+@pytest.mark.parametrize("values", [None, CUSTOM_VALUES], ids=["default", "custom"])
+def test_rbac_grants_no_wildcards_no_secret_listing_and_no_privilege_verbs(
+    helm: Any, values: dict[str, Any] | None
+) -> None:
+    roles = [d for d in manifests(render(helm, values)) if d["kind"] in ("Role", "ClusterRole")]
+    assert roles
+    for role in roles:
+        for rule in role["rules"]:
+            for field in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[field], rule
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
+            assert "nonResourceURLs" not in rule and "resourceNames" not in rule, rule
+            if "secrets" in rule["resources"]:
+                assert not {"list", "watch"} & set(rule["verbs"]), rule
+
+
+# ---- RBAC against what the operator really does --------------------------------------------
+
+
+class RecordingKube:
+    """An in-memory API server for the Reconciler that records every call it makes as
+    (verb, apiVersion, kind, subresource); enough kubelet/controller play to roll out."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+        self.calls: set[tuple[str, str, str, str]] = set()
+
+    @staticmethod
+    def key(obj: Mapping[str, Any]) -> tuple[str, str, str, str]:
+        meta = obj["metadata"]
+        return (obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
+        self.calls.add(("get", api_version, kind, ""))
+        return copy.deepcopy(self.objects.get((api_version, kind, namespace, name)))
+
+    def list(self, api_version: str, kind: str, namespace: str, labels: Mapping[str, str]) -> Any:
+        self.calls.add(("list", api_version, kind, ""))
+        return [
+            copy.deepcopy(obj)
+            for (v, k, ns, _), obj in self.objects.items()
+            if (v, k, ns) == (api_version, kind, namespace)
+            and labels.items() <= (obj["metadata"].get("labels") or {}).items()
+        ]
+
+    def create(self, obj: Mapping[str, Any]) -> bool:
+        self.calls.add(("create", obj["apiVersion"], obj["kind"], ""))
+        if self.key(obj) in self.objects:
+            return False
+        self.objects[self.key(obj)] = copy.deepcopy(dict(obj))
+        return True
+
+    def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Mapping[str, Any],
+        subresource: str = "",
+    ) -> None:
+        self.calls.add(("patch", api_version, kind, subresource))
+        key = (api_version, kind, namespace, name)
+        self.objects[key] = merged(self.objects[key], patch)
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self.calls.add(("delete", api_version, kind, ""))
+        self.objects.pop((api_version, kind, namespace, name), None)
+
+    def play_controllers(self) -> None:
+        """Deployments get ready pods (with an IP and the template's ports), Jobs complete."""
+        for (_, kind, namespace, name), obj in list(self.objects.items()):
+            if kind == "Deployment":
+                template = obj["spec"]["template"]
+                for index in range(obj["spec"]["replicas"]):
+                    pod = {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "metadata": {
+                            "name": f"{name}-{index}",
+                            "namespace": namespace,
+                            "labels": template["metadata"]["labels"],
+                            "resourceVersion": "1",
+                        },
+                        "spec": template["spec"],
+                        "status": {"podIP": f"10.0.0.{index + 1}", "conditions": []},
+                    }
+                    self.objects.setdefault(self.key(pod), pod)
+                obj["status"] = {"readyReplicas": obj["spec"]["replicas"]}
+            elif kind == "Job":
+                obj["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+
+
+def sufficient_pool(pod: str, role: str, revision: str, url: str | None) -> PodPool:
+    assert url is not None, f"{pod} has no URL"
+    report = PoolGateReport(
+        role=role,
+        revision=revision,
+        pool_tokens=16384,
+        page_size=16,
+        num_pages=1024,
+        context_length_effective=16384,
+        tag_check=True,
+        deferred_release=True,
+    )
+    return PodPool(pod, role, revision, report=report)
+
+
+def roll_out(reconciler: Reconciler, kube: RecordingKube, body: dict[str, Any]) -> None:
+    """Reconcile passes, with the cluster answering in between, until the spec's revision
+    serves."""
+    desired = revision_of(InferenceDeployment.model_validate(body).spec)
+    for _ in range(12):
+        outcome = reconciler.reconcile(body)
+        body["status"] = outcome.status.model_dump(mode="json", by_alias=True)
+        if (body["status"].get("revision") or {}).get("current") == desired:
+            return
+        kube.play_controllers()
+    raise AssertionError(f"revision {desired} never served: {body['status']}")
+
+
+def granted(rules: list[dict[str, Any]], verb: str, api_version: str, resource: str) -> bool:
+    group = api_version.rpartition("/")[0]
+    return any(
+        group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]
+        for rule in rules
+    )
+
+
+def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    (role,) = of_kind(default_docs, "ClusterRole")
+    manifest = yaml.safe_load((ROOT / "examples" / "smollm2-local.yaml").read_text())
+    body = {
+        **manifest,
+        "metadata": {
+            **manifest["metadata"],
+            "namespace": "inference",
+            "uid": "u1",
+            "generation": 1,
+        },
+    }
+    kube = RecordingKube()
+    reconciler = Reconciler(kube, NAMESPACE, read_pool=sufficient_pool)  # type: ignore[arg-type]
+    roll_out(reconciler, kube, body)
+    # A spec change: a second revision rolls out and the first one is retired.
+    body["spec"] = {**body["spec"], "contextLength": body["spec"]["contextLength"] // 2}
+    body["metadata"]["generation"] = 2
+    roll_out(reconciler, kube, body)
+
+    assert {verb for verb, *_ in kube.calls} == {"get", "list", "create", "patch", "delete"}
+    denied = sorted(
+        f"{verb} {kind}{'/' + sub if sub else ''} ({api_version})"
+        for verb, api_version, kind, sub in kube.calls
+        if not granted(role["rules"], verb, api_version, plural(kind) + (f"/{sub}" if sub else ""))
+    )
+    assert not denied, f"the chart's RBAC forbids calls the operator makes: {denied}"
+
+
+def plural(kind: str) -> str:
+    lower = kind.lower()
+    return lower[:-1] + "ies" if lower.endswith("y") else lower + "s"

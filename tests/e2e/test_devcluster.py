@@ -1,0 +1,705 @@
+"""The test cluster (devcluster/, package kvfence_devcluster) behaves like Kubernetes where
+the operator's end-to-end tests depend on it: API server semantics kmock lacks, a kubelet that
+runs pods as real local processes, and kopf running against it."""
+
+import json
+import sys
+import textwrap
+from typing import Any
+
+import httpx
+import pytest
+from kubernetes import client, watch
+
+from kvfence_devcluster.fixtures import Cluster, ClusterApiError
+from kvfence_devcluster.sandbox import VENV_BIN
+from kvfence_operator.builders.engine_deployment import (
+    build_engine_deployment,
+    build_engine_service,
+)
+from kvfence_operator.builders.secret import RevisionCredentials, build_revision_secret
+from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
+from kvfence_operator.meta import KV_POOL_GATE, Instance, selector
+from kvfence_operator.revision import revision_of
+
+GROUP, VERSION, PLURAL = "kvfence.dev", "v1alpha1", "inferencedeployments"
+PYTHON = sys.executable
+
+
+def inference_deployment(name: str, context_length: int = 512) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"source": "builtin:tiny-random"},
+            "contextLength": context_length,
+            "router": {"apiKeysSecret": f"{name}-keys"},
+        },
+    }
+
+
+def config_map(name: str, labels: dict[str, str] | None = None, **data: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "labels": labels or {}},
+        "data": data,
+    }
+
+
+def owned_by(obj: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+    meta = owner["metadata"]
+    ref = {
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+    }
+    obj["metadata"]["ownerReferences"] = [{**ref, "controller": True, "blockOwnerDeletion": True}]
+    return obj
+
+
+def rv(obj: dict[str, Any]) -> int:
+    return int(obj["metadata"]["resourceVersion"])
+
+
+# ---- API server ---------------------------------------------------------------------------
+
+
+def test_create_answers_201_and_fills_in_what_the_api_server_owns(cluster: Cluster):
+    body = inference_deployment("alpha")  # no namespace: it comes from the URL
+    response = cluster.request(
+        "POST", f"/apis/{GROUP}/{VERSION}/namespaces/team-a/{PLURAL}", json=body
+    )
+    assert response.status_code == 201
+    created = response.json()
+    meta = created["metadata"]
+    assert meta["namespace"] == "team-a"
+    assert len(meta["uid"]) == 36 and meta["creationTimestamp"].endswith("Z")
+    assert meta["generation"] == 1
+    configmap = cluster.create(config_map("plain", a="1"))
+    assert rv(configmap) > rv(created), "resourceVersion is one counter bumped on every write"
+    assert "generation" not in configmap["metadata"], "ConfigMaps have no generation"
+    assert cluster.get("InferenceDeployment", "alpha", "team-a")["metadata"]["uid"] == meta["uid"]
+    # The official client maps 201 to the object (kmock's 200 made this None).
+    objects = client.CustomObjectsApi(cluster.api_client)
+    made = objects.create_namespaced_custom_object(
+        GROUP, VERSION, "default", PLURAL, inference_deployment("beta")
+    )
+    assert made["metadata"]["namespace"] == "default"
+
+
+def test_duplicate_create_is_409_and_a_missing_object_is_404(cluster: Cluster):
+    cluster.create(config_map("once"))
+    core = client.CoreV1Api(cluster.api_client)
+    with pytest.raises(client.ApiException) as duplicate:
+        core.create_namespaced_config_map("default", config_map("once"))
+    assert duplicate.value.status == 409
+    assert json.loads(duplicate.value.body)["reason"] == "AlreadyExists"
+    with pytest.raises(client.ApiException) as missing:
+        core.read_namespaced_config_map("never", "default")
+    assert missing.value.status == 404
+    assert cluster.delete("ConfigMap", "never") is False
+
+
+def test_spec_changes_bump_generation_status_and_metadata_changes_do_not(cluster: Cluster):
+    created = cluster.create(inference_deployment("gen"))
+    respec = cluster.patch("InferenceDeployment", "gen", {"spec": {"contextLength": 1024}})
+    assert respec["metadata"]["generation"] == 2 and rv(respec) > rv(created)
+    labelled = cluster.patch("InferenceDeployment", "gen", {"metadata": {"labels": {"a": "b"}}})
+    assert labelled["metadata"]["generation"] == 2 and rv(labelled) > rv(respec)
+    status = cluster.patch(
+        "InferenceDeployment", "gen", {"status": {"observedGeneration": 2}}, subresource="status"
+    )
+    assert status["metadata"]["generation"] == 2 and rv(status) > rv(labelled)
+    again = cluster.patch("InferenceDeployment", "gen", {"spec": {"contextLength": 1024}})
+    assert rv(again) == rv(status), "a patch that changes nothing writes nothing"
+    deployment = cluster.create(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "idle"},
+            "spec": {
+                "replicas": 0,
+                "selector": {"matchLabels": {"app": "idle"}},
+                "template": {
+                    "metadata": {"labels": {"app": "idle"}},
+                    "spec": {"containers": [{"name": "c", "image": "none", "command": ["true"]}]},
+                },
+            },
+        }
+    )
+    scaled = cluster.patch("Deployment", "idle", {"spec": {"replicas": 0, "paused": True}})
+    assert deployment["metadata"]["generation"] == 1 and scaled["metadata"]["generation"] == 2
+
+
+def test_status_subresource_keeps_status_and_the_rest_apart(cluster: Cluster):
+    cluster.create(inference_deployment("split"))
+    main = cluster.patch(
+        "InferenceDeployment", "split", {"spec": {"contextLength": 2048}, "status": {"x": 1}}
+    )
+    assert "status" not in main, "a main-resource patch ignores status"
+    status = cluster.patch(
+        "InferenceDeployment",
+        "split",
+        {"spec": {"contextLength": 1}, "status": {"x": 2}},
+        subresource="status",
+    )
+    assert status["status"] == {"x": 2} and status["spec"]["contextLength"] == 2048
+    replaced = cluster.replace(
+        {**status, "spec": {**status["spec"], "contextLength": 4096}, "status": {"x": 3}}
+    )
+    assert replaced["spec"]["contextLength"] == 4096 and replaced["status"] == {"x": 2}
+    objects = client.CustomObjectsApi(cluster.api_client)
+    via_client = objects.patch_namespaced_custom_object_status(
+        GROUP, VERSION, "default", PLURAL, "split", {"status": {"x": 4}}
+    )
+    assert via_client["status"] == {"x": 4}
+
+
+def test_writes_guarded_by_a_stale_resource_version_are_refused(cluster: Cluster):
+    created = cluster.create(config_map("guarded", a="1"))
+    stale = created["metadata"]["resourceVersion"]
+    cluster.patch("ConfigMap", "guarded", {"data": {"a": "2"}})
+    # The operator's pods/status patches carry metadata.resourceVersion: stale is 409.
+    with pytest.raises(ClusterApiError) as merge:
+        cluster.patch(
+            "ConfigMap", "guarded", {"metadata": {"resourceVersion": stale}, "data": {"a": "3"}}
+        )
+    assert merge.value.status == 409
+    # kopf's JSON patches start with a `test` of resourceVersion: stale is 422.
+    test_stale = {"op": "test", "path": "/metadata/resourceVersion", "value": stale}
+    with pytest.raises(ClusterApiError) as json_patch:
+        cluster.patch(
+            "ConfigMap",
+            "guarded",
+            [test_stale, {"op": "remove", "path": "/data/a"}],
+            patch_type="json",
+        )
+    assert json_patch.value.status == 422
+    assert cluster.get("ConfigMap", "guarded")["data"] == {"a": "2"}
+
+
+def test_the_official_clients_strategic_merge_patches_merge_keyed_lists(cluster: Cluster):
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "svc", "finalizers": ["a"]},
+        "spec": {"selector": {"app": "x"}, "ports": [{"name": "http", "port": 8000}]},
+    }
+    created = cluster.create(service)
+    assert created["spec"]["ports"][0]["targetPort"] == 8000, "defaulted like the API server"
+    core = client.CoreV1Api(cluster.api_client)
+    patch = {"metadata": {"finalizers": ["b"]}, "spec": {"ports": [{"name": "t", "port": 8001}]}}
+    patched = core.patch_namespaced_service("svc", "default", patch)  # strategic merge patch
+    assert [p.port for p in patched.spec.ports] == [8000, 8001]
+    assert patched.metadata.finalizers == ["a", "b"]
+    objects = client.CustomObjectsApi(cluster.api_client)
+    cluster.create(inference_deployment("crd"))
+    response = cluster.request(
+        "PATCH",
+        f"/apis/{GROUP}/{VERSION}/namespaces/default/{PLURAL}/crd",
+        content=b"{}",
+        headers={"Content-Type": "application/strategic-merge-patch+json"},
+    )
+    assert response.status_code == 415, "custom resources take no strategic merge patches"
+    assert objects.get_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "crd")
+
+
+def test_label_and_field_selectors_filter_lists(cluster: Cluster):
+    cluster.create(config_map("a", {"tier": "gold", "role": "prefill"}))
+    cluster.create(config_map("b", {"tier": "silver", "role": "decode"}))
+    cluster.create(config_map("c", {"tier": "gold"}))
+
+    def names(**kwargs: Any) -> list[str]:
+        return [o["metadata"]["name"] for o in cluster.list("ConfigMap", "default", **kwargs)]
+
+    assert names(labels={"tier": "gold"}) == ["a", "c"]
+    assert names(labels="tier!=gold") == ["b"]
+    assert names(labels="role in (prefill,decode),tier notin (silver)") == ["a"]
+    assert names(labels="!role") == ["c"]
+    assert names(labels="role") == ["a", "b"]
+    assert names(fields="metadata.name=b") == ["b"]
+    assert names(labels={"tier": "bronze"}) == []
+
+
+def test_watch_delivers_added_modified_deleted_after_a_resource_version(cluster: Cluster):
+    core = client.CoreV1Api(cluster.api_client)
+    cluster.create(config_map("before", {"w": "yes"}))
+    listed = core.list_namespaced_config_map("default", label_selector="w=yes")
+    since = listed.metadata.resource_version
+    cluster.create(config_map("watched", {"w": "yes"}))
+    cluster.create(config_map("ignored", {"w": "no"}))
+    cluster.patch("ConfigMap", "watched", {"data": {"k": "v"}})
+    cluster.patch(
+        "ConfigMap", "watched", {"metadata": {"labels": {"w": "no"}}}
+    )  # leaves the selection
+    cluster.delete("ConfigMap", "before")
+    events = list(
+        watch.Watch().stream(
+            core.list_namespaced_config_map,
+            "default",
+            label_selector="w=yes",
+            resource_version=since,
+            timeout_seconds=1,
+        )
+    )
+    seen = [(e["type"], e["object"].metadata.name) for e in events]
+    assert seen == [
+        ("ADDED", "watched"),
+        ("MODIFIED", "watched"),
+        ("DELETED", "watched"),
+        ("DELETED", "before"),
+    ]
+    versions = [int(e["object"].metadata.resource_version) for e in events]
+    assert versions == sorted(versions) and versions[0] > int(since)
+
+
+def test_deleting_an_owner_collects_its_dependents_transitively(cluster: Cluster):
+    owner = cluster.create(inference_deployment("owner"))
+    child = cluster.create(owned_by(config_map("child"), owner))
+    grandchild = cluster.create(
+        owned_by(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "grandchild"},
+                "stringData": {"k": "v"},
+            },
+            child,
+        )
+    )
+    assert grandchild["data"] == {"k": "dg=="}, "stringData is stored base64-encoded in data"
+    cluster.create(config_map("bystander"))
+    held = cluster.create(owned_by(config_map("held"), owner))
+    cluster.patch("ConfigMap", "held", {"metadata": {"finalizers": ["test.kvfence.dev/hold"]}})
+    assert cluster.delete("InferenceDeployment", "owner")
+    assert cluster.get("InferenceDeployment", "owner") is None
+    assert cluster.get("ConfigMap", "child") is None and cluster.get("Secret", "grandchild") is None
+    assert cluster.get("ConfigMap", "bystander") is not None
+    terminating = cluster.get("ConfigMap", "held")
+    assert terminating["metadata"]["deletionTimestamp"], "a finalizer holds it, marked for deletion"
+    cluster.patch("ConfigMap", "held", {"metadata": {"finalizers": None}})
+    assert cluster.get("ConfigMap", "held") is None and held
+
+    orphan_owner = cluster.create(inference_deployment("orphaning"))
+    cluster.create(owned_by(config_map("orphan"), orphan_owner))
+    cluster.delete("InferenceDeployment", "orphaning", propagation="Orphan")
+    assert cluster.get("ConfigMap", "orphan")["metadata"]["ownerReferences"] == []
+
+
+# ---- kubelet --------------------------------------------------------------------------------
+
+# A web server whose port comes from a --port flag, as `kvfence serve` takes it.
+WEB_SERVER = (
+    "import http.server as h, sys; port = int(sys.argv[sys.argv.index('--port') + 1]); "
+    "h.HTTPServer(('127.0.0.1', port), h.SimpleHTTPRequestHandler).serve_forever()"
+)
+
+
+def web_deployment(name: str, replicas: int) -> dict[str, Any]:
+    container = {
+        "name": "web",
+        "image": "python:3.11",
+        "command": ["python", "-c", WEB_SERVER],
+        "args": ["--port", "8080"],
+        "ports": [{"name": "http", "containerPort": 8080}],
+        "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 5},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {"containers": [container]},
+            },
+        },
+    }
+
+
+def job(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
+    container = {"name": "main", "image": "python:3.11", "command": command}
+    pod_spec = {"restartPolicy": "Never", "containers": [container], **spec.pop("pod", {})}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name},
+        "spec": {"backoffLimit": 0, "template": {"spec": pod_spec}, **spec},
+    }
+
+
+def job_condition(cluster: Cluster, name: str) -> dict[str, Any] | None:
+    found = cluster.get("Job", name)
+    return next(
+        (
+            c
+            for c in (found or {}).get("status", {}).get("conditions", [])
+            if c["type"] in ("Complete", "Failed") and c["status"] == "True"
+        ),
+        None,
+    )
+
+
+def only_pod(cluster: Cluster, **labels: str) -> dict[str, Any] | None:
+    pods = cluster.list("Pod", "default", labels=labels)
+    return pods[0] if len(pods) == 1 else None
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def container_pid(pod: dict[str, Any]) -> int:
+    return int(pod["status"]["containerStatuses"][0]["containerID"].rsplit("/", 1)[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_deployment_keeps_its_replicas_and_replaces_pods_when_its_template_changes(
+    cluster: Cluster,
+):
+    cluster.create(web_deployment("web", replicas=2))
+    deployment = cluster.wait_for(
+        lambda: cluster.get("Deployment", "web"),
+        "2 ready replicas",
+        until=lambda d: d["status"].get("readyReplicas") == 2,
+    )
+    assert deployment["status"]["observedGeneration"] == 1
+    pods = cluster.list("Pod", "default", labels={"app": "web"})
+    urls = {cluster.pod_url(pod) for pod in pods}
+    assert len(urls) == 2, "each pod has its own port"
+    assert all(answers(url) for url in urls)
+    for pod in pods:
+        (owner,) = pod["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["controller"]) == ("Deployment", "web", True)
+        assert pod["metadata"]["name"].startswith(
+            f"web-{pod['metadata']['labels']['pod-template-hash']}-"
+        )
+
+    cluster.patch("Deployment", "web", {"spec": {"replicas": 1}})
+    remaining = cluster.wait_for(lambda: only_pod(cluster, app="web"), "one pod left")
+    stopped = (urls - {cluster.pod_url(remaining)}).pop()
+    cluster.wait_for(
+        lambda: answers(stopped), "the surplus pod's server to stop", until=lambda up: not up
+    )
+
+    template = {"spec": {"template": {"metadata": {"annotations": {"restarted": "1"}}}}}
+    patched = cluster.patch("Deployment", "web", template)
+    replaced = cluster.wait_for(
+        lambda: only_pod(cluster, app="web"),
+        "the pod to be replaced after a template change",
+        until=lambda p: (
+            p
+            and p["metadata"]["name"] != remaining["metadata"]["name"]
+            and cluster.pod_condition(p, "Ready")["status"] == "True"
+        ),
+    )
+    assert replaced["metadata"]["annotations"] == {"restarted": "1"}
+    status = cluster.wait_for(
+        lambda: cluster.get("Deployment", "web")["status"],
+        "observedGeneration to catch up",
+        until=lambda s: s["observedGeneration"] == patched["metadata"]["generation"] == 3,
+    )
+    assert status["readyReplicas"] == 1
+
+
+def test_a_container_that_exits_is_restarted_with_its_exit_code_recorded(cluster: Cluster):
+    crashing = web_deployment("crash", replicas=1)
+    container = crashing["spec"]["template"]["spec"]["containers"][0]
+    container["command"] = ["python", "-c", "import sys; print('bye'); sys.exit(5)"]
+    cluster.create(crashing)
+    pod = cluster.wait_for(
+        lambda: only_pod(cluster, app="crash"),
+        "two restarts",
+        until=lambda p: p and p["status"]["containerStatuses"][0]["restartCount"] >= 2,
+    )
+    status = pod["status"]["containerStatuses"][0]
+    assert status["lastState"]["terminated"]["exitCode"] == 5
+    assert status["lastState"]["terminated"]["reason"] == "Error"
+    assert pod["status"]["phase"] == "Running" and status["ready"] is False
+    name = pod["metadata"]["name"]
+    core = client.CoreV1Api(cluster.api_client)
+    assert core.read_namespaced_pod_log(name, "default").count("bye") >= 2
+    cluster.delete("Deployment", "crash")
+    cluster.wait_gone("Pod", name)
+    assert cluster.pod_log(name).count("bye") >= 2, "logs outlive the pod, for diagnosis"
+
+
+def test_a_failed_job_reports_the_termination_message(cluster: Cluster):
+    script = "echo 'marker leaked to tenant B' > /dev/termination-log; exit 3"
+    cluster.create(job("leaky", ["sh", "-c", script]))
+    failed = cluster.wait_for(lambda: job_condition(cluster, "leaky"), "the Job to finish")
+    assert (failed["type"], failed["reason"]) == ("Failed", "BackoffLimitExceeded")
+    status = cluster.get("Job", "leaky")["status"]
+    assert status["failed"] == 1 and "succeeded" not in status and "completionTime" not in status
+    pod = only_pod(cluster, **{"job-name": "leaky"})
+    terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (3, "Error")
+    assert terminated["message"] == "marker leaked to tenant B\n"
+    assert pod["status"]["phase"] == "Failed"
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "Job"
+
+
+def test_a_job_past_its_active_deadline_is_killed_and_fails(cluster: Cluster):
+    cluster.create(job("slow", ["sleep", "60"], activeDeadlineSeconds=1))
+    running = cluster.wait_for(
+        lambda: only_pod(cluster, **{"job-name": "slow"}),
+        "the Job's pod to run",
+        until=lambda p: p and "running" in p["status"]["containerStatuses"][0]["state"],
+    )
+    pid = container_pid(running)
+    failed = cluster.wait_for(lambda: job_condition(cluster, "slow"), "the deadline to pass")
+    assert (failed["type"], failed["reason"]) == ("Failed", "DeadlineExceeded")
+    assert failed["message"] == "Job was active longer than specified deadline"
+    cluster.wait_for(lambda: alive(pid), "the pod's process to be killed", until=lambda up: not up)
+
+
+def test_mounted_files_and_environment_follow_configmaps_and_secrets(cluster: Cluster):
+    cluster.create(config_map("backends", **{"backends.json": "v1"}))
+    cluster.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "creds"},
+            "stringData": {"token": "s3cret", "keys": "KEY tenant\n"},
+        }
+    )
+    # Waits until the mounted file says v2, then reports what it saw.
+    script = textwrap.dedent(
+        """
+        import sys, time
+        args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+        while open(args["--file"]).read() != "v2":
+            time.sleep(0.05)
+        keys = open(args["--keys"]).read().strip()
+        open(args["--report"], "w").write(f"{args['--who']}|{args['--token']}|{keys}")
+        """
+    )
+    container = {
+        "name": "main",
+        "image": "python:3.11",
+        "command": ["python", "-c", script],
+        "args": [
+            "--file",
+            "/etc/kvfence/backends.json",
+            "--keys",
+            "/var/run/kvfence/api-keys/tenants",
+            "--who",
+            "$(POD_NAME)",
+            "--token",
+            "$(TOKEN)",
+            "--report",
+            "/dev/termination-log",
+        ],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+        ],
+        "volumeMounts": [
+            {"name": "config", "mountPath": "/etc/kvfence"},
+            {"name": "credentials", "mountPath": "/var/run/kvfence"},
+        ],
+    }
+    volumes = [
+        {"name": "config", "configMap": {"name": "backends"}},
+        {
+            "name": "credentials",
+            "projected": {
+                "defaultMode": 0o440,
+                "sources": [
+                    {
+                        "secret": {
+                            "name": "creds",
+                            "items": [{"key": "keys", "path": "api-keys/tenants"}],
+                        }
+                    }
+                ],
+            },
+        },
+    ]
+    manifest = job("reader", [], pod={"containers": [container], "volumes": volumes})
+    cluster.create(manifest)
+    pod = cluster.wait_for(
+        lambda: only_pod(cluster, **{"job-name": "reader"}),
+        "the reader to start",
+        until=lambda p: p and "running" in p["status"]["containerStatuses"][0]["state"],
+    )
+    assert job_condition(cluster, "reader") is None, "it must still be waiting for v2"
+    cluster.patch("ConfigMap", "backends", {"data": {"backends.json": "v2"}})
+    done = cluster.wait_for(lambda: job_condition(cluster, "reader"), "the reader to see v2")
+    assert done["type"] == "Complete"
+    finished = cluster.get("Pod", pod["metadata"]["name"])
+    message = finished["status"]["containerStatuses"][0]["state"]["terminated"]["message"]
+    assert message == f"{pod['metadata']['name']}|s3cret|KEY tenant"
+    assert finished["status"]["phase"] == "Succeeded"
+
+
+# ---- the operator's own manifests, and kopf -------------------------------------------------
+
+TINY_SPEC = {
+    "model": {"source": "builtin:tiny-random"},
+    "engine": {"kvCacheMemory": "4Mi"},
+    "contextLength": 512,
+    "decode": {"replicas": 1, "resources": {"requests": {"cpu": "1"}}},
+    "router": {"apiKeysSecret": "tiny-keys"},
+}
+# What the canary Job does first: reach a revision's Service by its cluster DNS name.
+SERVICE_PROBE = (
+    "import sys, urllib.request; url = sys.argv[sys.argv.index('--target') + 1]; print(url); "
+    "sys.exit(0 if urllib.request.urlopen(url + '/readyz').status == 200 else 1)"
+)
+
+
+def set_pool_gate(cluster: Cluster, pod: dict[str, Any], status: str) -> dict[str, Any]:
+    """What the operator does: write the whole condition list (merge patch replaces lists),
+    guarded by the resourceVersion it read."""
+    gate = {"type": KV_POOL_GATE, "status": status, "reason": "PoolChecked", "message": "test"}
+    others = [c for c in pod["status"]["conditions"] if c["type"] != KV_POOL_GATE]
+    patch = {
+        "metadata": {"resourceVersion": pod["metadata"]["resourceVersion"]},
+        "status": {"conditions": [*others, gate]},
+    }
+    return cluster.patch("Pod", pod["metadata"]["name"], patch, subresource="status")
+
+
+def test_engine_pods_from_the_operators_builders_serve_and_are_ready_only_past_the_pool_gate(
+    cluster: Cluster,
+):
+    spec = InferenceDeploymentSpec.model_validate(TINY_SPEC)
+    owner = cluster.create(
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "InferenceDeployment",
+            "metadata": {"name": "tiny"},
+            "spec": spec.model_dump(mode="json", by_alias=True, exclude_none=True),
+        }
+    )
+    instance = Instance("tiny", "default", owner["metadata"]["uid"])
+    revision = revision_of(spec)
+    cluster.create(build_revision_secret(instance, revision, RevisionCredentials.generate()))
+    deployment = build_engine_deployment(spec, instance, revision, Role.DECODE)
+    cluster.create(deployment)
+    service = cluster.create(build_engine_service(instance, revision, Role.DECODE))
+    pod = cluster.wait_for(
+        lambda: only_pod(cluster, **selector(instance, revision, Role.DECODE)),
+        "the decode engine's container to be ready",
+        timeout=120,
+        until=lambda p: p and p["status"].get("containerStatuses", [{}])[0].get("ready"),
+    )
+    url = cluster.pod_url(pod)
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert pod["status"]["podIP"] == "127.0.0.1" and 8000 not in ports.values()
+    assert httpx.get(url + "/readyz").status_code == 200
+    pool = httpx.get(url + "/v1/kvpool").json()
+    assert (pool["role"], pool["revision"]) == ("decode", revision)
+    assert pool["transfer_port"] == ports["transfer"], "--transfer-port follows the pod's port"
+    assert cluster.pod_condition(pod, "ContainersReady")["status"] == "True"
+    not_ready = cluster.pod_condition(pod, "Ready")
+    assert (not_ready["status"], not_ready.get("reason")) == ("False", "ReadinessGatesNotReady")
+    assert KV_POOL_GATE in not_ready["message"]
+    assert (
+        cluster.get("Deployment", deployment["metadata"]["name"])["status"].get("readyReplicas")
+        is None
+    )
+
+    def gate_true() -> dict[str, Any]:
+        current = cluster.get("Pod", pod["metadata"]["name"])
+        if cluster.pod_condition(current, KV_POOL_GATE) is None:
+            current = set_pool_gate(cluster, current, "True")  # 409 if the kubelet wrote first
+        return current
+
+    ready = cluster.wait_for(
+        gate_true,
+        "the pod to be Ready",
+        until=lambda p: cluster.pod_condition(p, "Ready")["status"] == "True",
+    )
+    # Ready=True is the kubelet's write, after the gate: the operator's condition survived it.
+    assert cluster.pod_condition(ready, KV_POOL_GATE)["status"] == "True"
+    cluster.wait_for(
+        lambda: cluster.get("Deployment", deployment["metadata"]["name"])["status"],
+        "the Deployment to count the ready pod",
+        until=lambda s: s.get("readyReplicas") == 1,
+    )
+
+    target = f"http://{service['metadata']['name']}.default.svc:8000"
+    cluster.create(job("reach-service", ["python", "-c", SERVICE_PROBE, "--target", target]))
+    done = cluster.wait_for(
+        lambda: job_condition(cluster, "reach-service"), "the Job to reach the Service"
+    )
+    assert done["type"] == "Complete", cluster.describe()
+    job_pod = only_pod(cluster, **{"job-name": "reach-service"})
+    assert cluster.pod_log(job_pod["metadata"]["name"]).splitlines()[1] == url
+
+    pid = container_pid(pod)
+    assert cluster.delete("InferenceDeployment", "tiny")
+    cluster.wait_gone("Pod", pod["metadata"]["name"])
+    assert cluster.get("Deployment", deployment["metadata"]["name"]) is None
+    cluster.wait_for(lambda: alive(pid), "the engine process to be killed", until=lambda up: not up)
+
+
+TINY_OPERATOR = """
+import kopf
+import kubernetes
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_):
+    settings.persistence.finalizer = "test.kvfence.dev/finalizer"
+    settings.watching.server_timeout = 10
+
+
+@kopf.on.create("kvfence.dev", "v1alpha1", "inferencedeployments")
+def created(body, name, namespace, patch, **_):
+    child = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-child"}}
+    kopf.adopt(child)  # needs the uid the API server assigned
+    kubernetes.config.load_kube_config()
+    kubernetes.client.CoreV1Api().create_namespaced_config_map(namespace, child)
+    patch.status["seenBy"] = "tiny-operator"
+    kopf.info(body, reason="Seen", message="the tiny operator saw it")
+
+
+@kopf.on.delete("kvfence.dev", "v1alpha1", "inferencedeployments")
+def deleted(**_):
+    pass
+"""
+
+
+def test_kopf_handles_an_inference_deployment_and_its_deletion(cluster: Cluster, tmp_path):
+    source = tmp_path / "tiny_operator.py"
+    source.write_text(TINY_OPERATOR)
+    kopf = cluster.start_process(
+        [str(VENV_BIN / "kopf"), "run", "--standalone", "-A", "--verbose", str(source)], "kopf"
+    )
+    cluster.create(inference_deployment("watched"))
+    handled = cluster.wait_for(
+        lambda: cluster.get("InferenceDeployment", "watched"),
+        "kopf to patch status.seenBy",
+        until=lambda o: (o.get("status") or {}).get("seenBy") == "tiny-operator",
+    )
+    assert "test.kvfence.dev/finalizer" in handled["metadata"]["finalizers"]
+    child = cluster.get("ConfigMap", "watched-child")
+    assert child["metadata"]["ownerReferences"][0]["uid"] == handled["metadata"]["uid"]
+    (event,) = cluster.wait_for(
+        lambda: [e for e in cluster.list("Event") if e.get("reason") == "Seen"], "kopf's Event"
+    )
+    assert event["involvedObject"]["uid"] == handled["metadata"]["uid"]
+    cluster.delete("InferenceDeployment", "watched")
+    cluster.wait_gone("InferenceDeployment", "watched")  # kopf ran on.delete, removed its finalizer
+    cluster.wait_gone("ConfigMap", "watched-child")
+    kopf.stop()
+    assert "Handler 'created' succeeded" in kopf.log()
+    assert "Handler 'deleted' succeeded" in kopf.log()

@@ -1,0 +1,349 @@
+"""The operator end to end: `kvfence operator` (kopf) against the test cluster, whose kubelet
+runs every pod as a real engine, router or canary process with builtin:tiny-random."""
+
+import base64
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from helpers import fake_pool_server
+from kvfence_devcluster.fixtures import Cluster, start_cluster
+from kvfence_devcluster.kubelet import KubeletOptions
+from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
+from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION, Instance, selector
+from kvfence_operator.revision import revision_of
+
+NAME = "tiny"
+USER_KEY = "sk-user-a-0123456789"
+KIND = ("InferenceDeployment", "kvfence.dev/v1alpha1")
+# tiny-random KV costs 768 bytes per token: 96 pages of 16 tokens hold 1536 tokens.
+ENOUGH = str(96 * 16 * 768)
+
+
+def manifest(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfence.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": NAME, "namespace": "default"},
+        "spec": {
+            "model": {"source": "builtin:tiny-random"},
+            "engine": {"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1"]},
+            "contextLength": 1024,
+            "prefill": {"resources": {"requests": {"cpu": "1"}}},
+            "decode": {"resources": {"requests": {"cpu": "1"}}},
+            "router": {"apiKeysSecret": f"{NAME}-keys"},
+            "canary": {"timeoutSeconds": 120},
+            **spec,
+        },
+    }
+
+
+def api_keys_secret() -> dict[str, Any]:
+    keys = base64.b64encode(f"{USER_KEY} team-a\n".encode()).decode()
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": f"{NAME}-keys"},
+        "data": {"api-keys": keys},
+    }
+
+
+def infd(cluster: Cluster) -> dict[str, Any]:
+    obj = cluster.get(*KIND[:1], NAME, api_version=KIND[1])
+    assert obj is not None
+    return obj
+
+
+def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+    found = [c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == kind]
+    return found[0] if found else {}
+
+
+def wait_condition(
+    cluster: Cluster, kind: str, status: str, timeout: float = 120.0, reason: str | None = None
+) -> dict[str, Any]:
+    def holds(obj: dict[str, Any]) -> bool:
+        c = condition(obj, kind)
+        return c.get("status") == status and (reason is None or c.get("reason") == reason)
+
+    return cluster.wait_for(
+        lambda: infd(cluster), f"{kind}={status} ({reason or 'any reason'})", timeout, until=holds
+    )
+
+
+def engine_pods(cluster: Cluster, revision: str) -> list[dict[str, Any]]:
+    instance_labels = {"app.kubernetes.io/instance": NAME, LABEL_REVISION: revision}
+    return [
+        p
+        for p in cluster.list("Pod", "default", instance_labels)
+        if p["metadata"]["labels"].get("kvfence.dev/role") in ("prefill", "decode")
+    ]
+
+
+def router_client(cluster: Cluster, revision: str) -> openai.OpenAI:
+    (pod,) = cluster.list(
+        "Pod", "default", {"app.kubernetes.io/instance": NAME, LABEL_REVISION: revision,
+                           "kvfence.dev/role": "router"}
+    )  # fmt: skip
+    return openai.OpenAI(
+        base_url=cluster.pod_url(pod) + "/v1", api_key=USER_KEY, max_retries=0, timeout=60
+    )
+
+
+@pytest.fixture
+def operator(cluster: Cluster) -> Iterator[Any]:
+    cluster.create(api_keys_secret())
+    process = cluster.start_operator(
+        ["--standalone", "--namespace", "default"], env={"KVFENCE_RECONCILE_INTERVAL": "1"}
+    )
+    yield process
+    process.stop()
+
+
+def check_first_rollout(cluster: Cluster, created: dict[str, Any], revision: str) -> None:
+    """Children owned by the InferenceDeployment, gates open, canary passed, stable Service on
+    the revision, status complete, and the router serving."""
+    ready = wait_condition(cluster, "Ready", "True", timeout=240)
+    status = ready["status"]
+
+    assert status["revision"]["current"] == revision
+    assert status["revision"].get("candidate") is None
+    assert status["canary"]["result"] == "Passed"
+    assert status["contextLength"] == {"requested": 1024, "effective": 1024}
+    assert status["minPoolTokens"] == 1536
+    assert {p["role"] for p in status["pools"]} == {"prefill", "decode"}
+    assert status["observedGeneration"] == created["metadata"]["generation"]
+    for kind in ("Ready", "PoolSufficient", "CanaryPassed"):
+        assert condition(ready, kind)["status"] == "True", kind
+    assert condition(ready, "Degraded")["status"] == "False"
+    assert condition(ready, "Progressing")["status"] == "False"
+
+    uid = created["metadata"]["uid"]
+    for kind in ("Deployment", "Service", "ConfigMap", "Secret", "NetworkPolicy", "Job"):
+        children = cluster.list(kind, "default", {"app.kubernetes.io/instance": NAME})
+        assert children, kind
+        for child in children:
+            owners = child["metadata"].get("ownerReferences") or []
+            assert [o["uid"] for o in owners] == [uid], f"{kind} {child['metadata']['name']}"
+
+    for pod in engine_pods(cluster, revision):
+        gate = cluster.pod_condition(pod, KV_POOL_GATE)
+        assert gate is not None and gate["status"] == "True", pod["metadata"]["name"]
+
+    (job,) = cluster.list("Job", "default", selector_for(revision, Role.CANARY))
+    assert job["status"].get("succeeded") == 1
+
+    stable = cluster.get("Service", NAME)
+    assert stable is not None
+    assert stable["spec"]["selector"][LABEL_REVISION] == revision
+
+    answer = router_client(cluster, revision).completions.create(
+        model="tiny-random", prompt="hello", max_tokens=4, temperature=0
+    )
+    assert answer.usage.completion_tokens == 4
+
+
+def selector_for(revision: str, role: Role) -> dict[str, str]:
+    return selector(Instance(NAME, "default", "uid-unused-in-selectors"), revision, role)
+
+
+def test_refuse_keeps_pods_with_a_too_small_pool_unready_and_serves_nothing(cluster, operator):
+    small = str(32 * 16 * 768)  # 512 tokens, contextLength 1024
+    created = cluster.create(manifest(engine={"kvCacheMemory": small}))
+    revision = revision_of(InferenceDeploymentSpec.model_validate(created["spec"]))
+    refused = wait_condition(cluster, "PoolSufficient", "False", reason="PoolTooSmall")
+    message = condition(refused, "PoolSufficient")["message"]
+    assert f"{NAME}-{revision}-decode-" in message or f"{NAME}-{revision}-prefill-" in message
+    assert "KV pool of 512 tokens, smaller than contextLength 1024" in message
+    wait_condition(cluster, "Ready", "False", reason="PoolInsufficient")
+    assert condition(infd(cluster), "Degraded")["status"] == "True"
+
+    pods = engine_pods(cluster, revision)
+    assert len(pods) == 2
+    for pod in pods:
+        gate = cluster.pod_condition(pod, KV_POOL_GATE)
+        assert gate is not None and gate["status"] == "False"
+        ready = cluster.pod_condition(pod, "Ready")
+        assert ready is not None and ready["status"] == "False"
+    assert cluster.get("Service", NAME) is None, "no stable Service: no traffic"
+    assert cluster.list("Job", "default", selector_for(revision, Role.CANARY)) == []
+    assert infd(cluster)["status"]["revision"].get("current") is None
+
+
+def test_lower_context_serves_the_smallest_pool_and_refuses_below_min_context(cluster, operator):
+    pool = str(40 * 16 * 768)  # 640 tokens
+    created = cluster.create(
+        manifest(
+            engine={"kvCacheMemory": pool},
+            poolPolicy="LowerContext",
+            minContextLength=256,
+            canary={"enabled": False},
+        )
+    )
+    revision = revision_of(InferenceDeploymentSpec.model_validate(created["spec"]))
+    ready = wait_condition(cluster, "Ready", "True", timeout=180)
+    assert ready["status"]["contextLength"] == {"requested": 1024, "effective": 640}
+    assert "lowered from 1024" in condition(ready, "PoolSufficient")["message"]
+
+    client = router_client(cluster, revision)
+    cluster.wait_for(
+        lambda: client.models.list().data[0].model_extra["max_model_len"],
+        "the router to serve the lowered context",
+        until=lambda n: n == 640,
+    )
+    served = client.completions.create(
+        model="tiny-random", prompt=[7] * 600, max_tokens=2, temperature=0
+    )
+    assert served.usage.prompt_tokens == 600
+    with pytest.raises(openai.BadRequestError) as over:
+        client.completions.create(model="tiny-random", prompt=[7] * 700, max_tokens=2)
+    assert over.value.code == "context_length_exceeded"
+
+    # minContextLength above every pool: not a new revision, but every pod is refused.
+    cluster.patch(*KIND[:1], NAME, {"spec": {"minContextLength": 1024}}, api_version=KIND[1])
+    refused = wait_condition(cluster, "PoolSufficient", "False", reason="PoolTooSmall")
+    assert "below minContextLength 1024" in condition(refused, "PoolSufficient")["message"]
+    assert infd(cluster)["status"]["revision"]["current"] == revision
+    cluster.wait_for(
+        lambda: [
+            cluster.pod_condition(p, KV_POOL_GATE)["status"] for p in engine_pods(cluster, revision)
+        ],
+        "every pod's kv-pool gate to close",
+        until=lambda gates: gates == ["False", "False"],
+    )
+
+
+@pytest.mark.slow
+def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on_a_bad_canary(
+    tmp_path,
+):
+    bad = manifest(
+        engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1", "--max-num-seqs", "16"]}
+    )
+    bad_revision = revision_of(InferenceDeploymentSpec.model_validate(bad["spec"]))
+
+    def early_release_in_bad_decode(pod: dict[str, Any], argv: list[str]) -> list[str]:
+        labels = pod["metadata"].get("labels") or {}
+        if (
+            labels.get(LABEL_REVISION) == bad_revision
+            and labels.get("kvfence.dev/role") == "decode"
+        ):
+            return [*argv, "--unsafe-fault", "early-release"]
+        return argv
+
+    options = KubeletOptions(amend_argv=early_release_in_bad_decode)
+    with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
+        cluster.create(api_keys_secret())
+        env = {"KVFENCE_RECONCILE_INTERVAL": "1"}
+        args = ["--standalone", "--namespace", "default"]
+        operator = cluster.start_operator(args, env=env)
+
+        first = cluster.create(manifest())
+        r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
+        check_first_rollout(cluster, first, r1)
+
+        # A new revision: it comes up beside r1, the operator crashes mid-rollout and resumes.
+        second = manifest(
+            engine={
+                "kvCacheMemory": ENOUGH,
+                "extraArgs": ["--threads", "1", "--max-num-seqs", "32"],
+            }
+        )
+        r2 = revision_of(InferenceDeploymentSpec.model_validate(second["spec"]))
+        cluster.patch(*KIND[:1], NAME, {"spec": second["spec"]}, api_version=KIND[1])
+        cluster.wait_for(
+            lambda: engine_pods(cluster, r2),
+            "the new revision's pods beside the old ones",
+            until=lambda pods: len(pods) == 2 and len(engine_pods(cluster, r1)) == 2,
+        )
+        cluster.wait_for(
+            lambda: infd(cluster)["status"]["revision"],
+            "status to record the rollout",
+            until=lambda revision: revision == {"current": r1, "candidate": r2},
+        )
+        operator.kill()
+        operator = cluster.start_operator(args, env=env)
+        promoted = cluster.wait_for(
+            lambda: infd(cluster),
+            "promotion of the new revision after the restart",
+            timeout=240,
+            until=lambda o: (
+                o["status"]["revision"].get("current") == r2
+                and condition(o, "Ready").get("status") == "True"
+            ),
+        )
+        assert promoted["status"]["canary"]["revision"] == r2
+        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
+        cluster.wait_for(
+            lambda: cluster.list("Deployment", "default", {LABEL_REVISION: r1}),
+            "the old revision's Deployments to be removed",
+            until=lambda found: found == [],
+        )
+        for role in ("prefill", "decode", "router"):
+            found = cluster.list(
+                "Deployment", "default", {LABEL_REVISION: r2, "kvfence.dev/role": role}
+            )
+            assert len(found) == 1, f"{role}: {[d['metadata']['name'] for d in found]}"
+        assert len(cluster.list("Job", "default", selector_for(r2, Role.CANARY))) == 1
+
+        # A revision whose decode releases pages early: its canary fails, r2 keeps serving.
+        cluster.patch(*KIND[:1], NAME, {"spec": bad["spec"]}, api_version=KIND[1])
+        failed = wait_condition(cluster, "CanaryPassed", "False", timeout=240)
+        status = failed["status"]
+        assert status["revision"] == {"current": r2, "candidate": bad_revision}
+        assert status["canary"]["result"] == "Failed"
+        message = condition(failed, "CanaryPassed")["message"]
+        assert bad_revision in message and "FAIL" in message, message
+        degraded = wait_condition(cluster, "Degraded", "True", reason="CanaryFailed")
+        assert condition(degraded, "Ready")["status"] == "False"
+        assert f"revision {r2} keeps serving" in condition(degraded, "Ready")["message"]
+        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
+        answer = router_client(cluster, r2).completions.create(
+            model="tiny-random", prompt="still here", max_tokens=2, temperature=0
+        )
+        assert answer.usage.completion_tokens == 2
+        operator.stop()
+        assert not cluster.problems()
+
+
+def test_a_pod_with_a_garbage_or_unreachable_pool_report_is_not_sufficient(tmp_path):
+    fake = fake_pool_server.__file__
+
+    def impostors(pod: dict[str, Any], argv: list[str]) -> list[str]:
+        role = (pod["metadata"].get("labels") or {}).get("kvfence.dev/role")
+        if role not in ("prefill", "decode"):
+            return argv
+        port = argv[argv.index("--port") + 1]
+        return [sys.executable, str(fake), "garbage" if role == "decode" else "drop", port]
+
+    with start_cluster(
+        tmp_path / "cluster", kubelet=KubeletOptions(amend_argv=impostors)
+    ) as cluster:
+        cluster.create(api_keys_secret())
+        operator = cluster.start_operator(
+            ["--standalone", "--namespace", "default"], env={"KVFENCE_RECONCILE_INTERVAL": "1"}
+        )
+        cluster.create(manifest(canary={"enabled": False}))
+        obj = cluster.wait_for(
+            lambda: infd(cluster),
+            "both impostor pods to be judged",
+            timeout=60,
+            until=lambda o: (
+                "malformed /v1/kvpool" in condition(o, "PoolSufficient").get("message", "")
+                and "unreachable" in condition(o, "PoolSufficient").get("message", "")
+            ),
+        )
+        pool = condition(obj, "PoolSufficient")
+        assert pool["status"] == "False" and pool["reason"] == "PoolUnknown"
+        assert "malformed /v1/kvpool (role: " in pool["message"]  # which field was wrong
+        for role in ("prefill", "decode"):
+            assert f"pod {NAME}-" in pool["message"] and f"-{role}-" in pool["message"]
+        assert condition(obj, "Ready")["status"] == "False"
+        assert cluster.get("Service", NAME) is None
+        for pod in cluster.list("Pod", "default", {"app.kubernetes.io/instance": NAME}):
+            if pod["metadata"]["labels"]["kvfence.dev/role"] in ("prefill", "decode"):
+                assert cluster.pod_condition(pod, KV_POOL_GATE)["status"] == "False"
+        operator.stop()

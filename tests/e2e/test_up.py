@@ -1,0 +1,179 @@
+"""`kvfence up` runs a manifest as local processes with the operator's decisions."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from kvfence_engine.tools.localproc import free_port
+from kvfence_operator.up import UpError, load_manifest, override_flags
+
+TINY = {
+    "apiVersion": "kvfence.dev/v1alpha1",
+    "kind": "InferenceDeployment",
+    "metadata": {"name": "tiny"},
+    "spec": {
+        "model": {"source": "builtin:tiny-random"},
+        "engine": {"kvCacheMemory": "512Ki"},  # 680 tokens of tiny-random KV
+        "contextLength": 1024,
+        "router": {"apiKeysSecret": "tiny-keys"},
+        "canary": {"enabled": False},
+    },
+}
+
+
+def manifest(tmp_path: Path, **spec) -> Path:
+    doc = {**TINY, "spec": {**TINY["spec"], **spec}}
+    path = tmp_path / "infd.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+class Up:
+    """`kvfence up` as a user runs it: a process whose output we read line by line."""
+
+    def __init__(self, path: Path, tmp_path: Path, log: str = "up.out") -> None:
+        self.port = free_port()
+        self.log = tmp_path / log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfence_cli", "up", str(path), "--port",
+             str(self.port), "--state-dir", str(tmp_path / "state")],
+            stdout=open(self.log, "wb"),  # noqa: SIM115
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, text: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.output:
+                return
+            if self.proc.poll() is not None:
+                pytest.fail(f"kvfence up exited {self.proc.returncode} before {text!r}:\n"
+                            f"{self.output}")  # fmt: skip
+            time.sleep(0.2)
+        pytest.fail(f"no {text!r} after {timeout}s:\n{self.output}")
+
+    def interrupt(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(60)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_refuse_with_a_pool_smaller_than_the_context_exits_non_zero_naming_the_pod(tmp_path):
+    up = Up(manifest(tmp_path, poolPolicy="Refuse"), tmp_path)
+    try:
+        code = up.proc.wait(180)
+    finally:
+        up.kill()
+    out = up.output
+    assert code == 1, out
+    assert "pool check (Refuse) refused" in out
+    assert "tiny-" in out and "KV pool of 672 tokens, smaller than contextLength 1024" in out
+    assert "not serving" in out
+    assert "serving: http" not in out
+
+
+def test_lower_context_serves_the_lowered_context_and_rejects_above_it(tmp_path):
+    up = Up(manifest(tmp_path, poolPolicy="LowerContext", minContextLength=256), tmp_path)
+    try:
+        up.wait_for("serving: http")
+        assert "served context 672 (lowered from 1024)" in up.output
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{up.port}/v1", api_key="kvfence-local", max_retries=0
+        )
+        (model,) = client.models.list().data
+        assert model.model_extra["max_model_len"] == 672
+        served = client.completions.create(
+            model=model.id, prompt=[5] * 600, max_tokens=4, temperature=0
+        )
+        assert served.usage.prompt_tokens == 600
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=model.id, prompt=[5] * 700, max_tokens=4)
+        assert refused.value.code == "context_length_exceeded"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(
+                base_url=f"http://127.0.0.1:{up.port}/v1", api_key="wrong", max_retries=0
+            ).models.list()
+        assert up.interrupt() == 0
+        assert "stopping" in up.output
+    finally:
+        up.kill()
+
+
+def test_lower_context_below_min_context_length_refuses(tmp_path):
+    up = Up(manifest(tmp_path, poolPolicy="LowerContext", minContextLength=1024), tmp_path)
+    try:
+        code = up.proc.wait(180)
+    finally:
+        up.kill()
+    assert code == 1, up.output
+    assert "below minContextLength 1024" in up.output
+
+
+def test_a_manifest_without_an_inference_deployment_is_a_clear_error(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    with pytest.raises(UpError, match="exactly one InferenceDeployment, found 0"):
+        load_manifest(path)
+    path.write_text(yaml.safe_dump({**TINY, "spec": {**TINY["spec"], "contextLength": 0}}))
+    with pytest.raises(UpError, match="contextLength"):
+        load_manifest(path)
+
+
+def test_pod_paths_and_ports_are_replaced_not_duplicated():
+    args = ["router", "--port", "8000", "--api-keys", "/a", "--api-keys=/b", "--model", "m"]
+    assert override_flags(args, {"--api-keys": ["/local"], "--port": []}) == [
+        "router", "--model", "m", "--api-keys", "/local",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_smollm2_example_serves_paris_after_its_canary_and_comes_back_quickly(tmp_path):
+    """The README's first command: examples/smollm2-local.yaml through `kvfence up`."""
+    example = Path(__file__).parents[2] / "examples" / "smollm2-local.yaml"
+    up = Up(example, tmp_path)
+    try:
+        up.wait_for("serving: http", timeout=600)
+        out = up.output
+        assert "pool check (Refuse): every engine pool holds the served context 512" in out
+        assert "canary: tenant B tries to see tenant A's secret" in out
+        assert "kvfence canary PASS" in out or "Passed" in out
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{up.port}/v1", api_key="kvfence-local", max_retries=0
+        )
+        answer = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0,
+            max_tokens=24,
+        )
+        assert "Paris" in answer.choices[0].message.content
+        assert up.interrupt() == 0
+    finally:
+        up.kill()
+
+    # same state dir: the revision's canary already passed
+    again = Up(example, tmp_path, "again.out")
+    try:
+        started = time.monotonic()
+        again.wait_for("serving: http", timeout=300)
+        assert "canary: passed for this revision" in again.output
+        assert time.monotonic() - started < 60
+        assert again.interrupt() == 0
+    finally:
+        again.kill()

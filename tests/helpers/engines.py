@@ -1,0 +1,59 @@
+"""In-process tiny-random engines, and the prompts and budgets tests give them."""
+
+import torch
+
+from kvfence_engine.core.engine import EngineArgs, LLMEngine
+from kvfence_engine.core.faults import Faults
+from kvfence_engine.core.request import Request, SamplingParams, is_terminal
+from kvfence_engine.loading.loader import TINY_CONFIG, tiny_random
+
+TINY_TOKEN_BYTES = TINY_CONFIG.kv_bytes_per_token(4)
+
+
+def tiny_budget(pages: int, page_size: int = 16) -> int:
+    """The --kv-cache-memory that gives a tiny-random engine exactly `pages` pages."""
+    return TINY_TOKEN_BYTES * page_size * pages
+
+
+def make_tiny_engine(
+    *, pages: int = 64, faults: tuple[str, ...] = (), **kwargs: object
+) -> LLMEngine:
+    args = EngineArgs(
+        kv_cache_memory=tiny_budget(pages, int(kwargs.get("page_size", 16))),  # type: ignore[arg-type]
+        faults=Faults.from_names(faults, {"KVFENCE_ALLOW_UNSAFE": "1"}),
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return LLMEngine(tiny_random(), args)
+
+
+def submit(
+    engine: LLMEngine, prompt_ids: list[int], max_tokens: int | None = 8, **params: object
+) -> Request:
+    """Admit and enqueue; returns the sequence (terminal at once if rejected)."""
+    sp = SamplingParams(max_tokens=1, **params)  # type: ignore[arg-type]
+    seq = engine.admit(prompt_ids, sp, max_tokens=max_tokens)
+    if not is_terminal(seq):
+        engine.add(seq)
+    return seq
+
+
+def run_until_done(engine: LLMEngine, max_steps: int = 10_000) -> None:
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return
+        engine.step()
+    raise AssertionError("engine did not drain")
+
+
+def generate(
+    engine: LLMEngine, prompt_ids: list[int], max_tokens: int = 8, **params: object
+) -> Request:
+    seq = submit(engine, prompt_ids, max_tokens, **params)
+    run_until_done(engine)
+    return seq
+
+
+def prompt_of(length: int, seed: int = 0) -> list[int]:
+    """A deterministic prompt of exactly `length` ordinary token ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 40000, (length,), generator=gen).tolist()

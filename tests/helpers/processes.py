@@ -1,0 +1,23 @@
+"""Real `kvfence serve` processes, and what tests read from them over HTTP."""
+
+import re
+from pathlib import Path
+
+import httpx
+
+from kvfence_engine.tools.localproc import LocalProcess
+
+
+def serve(logs_dir: Path, name: str, *args: str, unsafe: bool = False) -> LocalProcess:
+    env = {"KVFENCE_ALLOW_UNSAFE": "1"} if unsafe else {}
+    return LocalProcess(
+        ["serve", *args, "--threads", "1"], env=env, log_path=logs_dir / f"{name}.log"
+    )
+
+
+def metric(url: str, name: str) -> float:
+    """One sample of a Prometheus series (name including labels) from url/metrics."""
+    text = httpx.get(url + "/metrics").text
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert match, f"{name} missing from {url}/metrics"
+    return float(match.group(1))

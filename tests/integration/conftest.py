@@ -1,0 +1,44 @@
+"""Fixtures that start real `kvfence serve` processes, shared by the integration tests."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from helpers.engines import tiny_budget
+from helpers.processes import serve
+from kvfence_engine.tools.localproc import LocalProcess
+
+
+@pytest.fixture(scope="session")
+def logs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def tiny_server(logs_dir: Path) -> Iterator[LocalProcess]:
+    """A real tiny-random engine process, context 512, pool 64 pages of 16."""
+    with serve(
+        logs_dir,
+        "tiny",
+        "--model",
+        "builtin:tiny-random",
+        "--context-length",
+        "512",
+        "--kv-cache-memory",
+        str(tiny_budget(64)),
+    ) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(logs_dir: Path) -> Iterator[LocalProcess]:
+    with serve(
+        logs_dir,
+        "smollm2",
+        "--model",
+        "builtin:smollm2-135m-instruct",
+        "--kv-cache-memory",
+        "256Mi",
+    ) as proc:
+        yield proc

@@ -1,0 +1,384 @@
+"""The canary against real router + prefill + decode processes (tiny-random): it passes a
+healthy deployment, and fails each deliberately broken one with the check and reason that
+caught it. Broken fronts (a truncating router, lying usage, a shared cache, a leaking front) are
+small proxies in this file that forward to the healthy deployment and alter one behaviour."""
+
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from helpers.deployments import Deployment, start_deployment
+from helpers.engines import prompt_of
+from kvfence_engine.canary import CanaryConfig, CanaryReport, run_canary
+from kvfence_engine.disagg.transfer import Handle, Layout, Sender, page_views
+from kvfence_engine.loading.loader import TINY_CONFIG
+from kvfence_engine.tools.localproc import free_port
+
+KEY_A, KEY_B = "canary-key-a", "canary-key-b"
+HEALTHY_CONTEXT = 1536  # long enough that a tiny-random prefill (~0.3 s) stands out of noise
+HEALTHY_PAGES = 192  # a pool of twice the context
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    path = tmp_path_factory.mktemp("canary") / "api-keys"
+    path.write_text(f"{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
+    return ["--api-keys", str(path)]
+
+
+@pytest.fixture(scope="module")
+def healthy(logs_dir: Path, keys: list[str]) -> Iterator[Deployment]:
+    d = start_deployment(
+        logs_dir, "canary-healthy", context=HEALTHY_CONTEXT, pages=HEALTHY_PAGES, router_args=keys
+    )
+    yield d
+    d.stop()
+
+
+# Broken targets are run with one round (baseline, A and neutral pollution): each fault here
+# shows in the first round, and the suite's time budget is shared. Healthy targets get the
+# default rounds, which is where a false alarm would show.
+BROKEN_ROUNDS = 1
+
+
+def canary(target: str, **overrides: object) -> CanaryReport:
+    report = run_canary(CanaryConfig(target, KEY_A, KEY_B, **overrides))  # type: ignore[arg-type]
+    print(report.human())  # shown when a test fails
+    return report
+
+
+def failed(report: CanaryReport) -> dict[str, str]:
+    return {c.name: c.reason for c in report.checks if not c.passed}
+
+
+def test_a_healthy_deployment_passes_every_check_within_a_minute(healthy: Deployment) -> None:
+    report = canary(healthy.router.url)
+    assert report.exit_code == 0 and report.outcome == "pass", report.reason
+    assert failed(report) == {}
+    checks = {c.name: c for c in report.checks}
+    assert checks["latency_floor"].inputs["answers_judged"] > 0  # the floor really judged
+    assert checks["differential_replay"].inputs["comparisons"] >= 18
+    assert report.seconds < 60
+    assert report.facts is not None and report.facts["limit"] == HEALTHY_CONTEXT
+
+
+# --- broken engines -----------------------------------------------------------------------
+
+ENGINE_CONTEXT = 128
+ROUTER_CONTEXT = 1024  # the router lets prompts the engines cannot serve reach them
+
+
+def placeholder(logs: Path, name: str, keys: list[str], *decode_faults: str) -> Deployment:
+    return start_deployment(
+        logs,
+        name,
+        context=ENGINE_CONTEXT,
+        router_args=[*keys, "--context-length", str(ROUTER_CONTEXT)],
+        prefill_faults=["reject-placeholder"],
+        decode_faults=["reject-placeholder", *decode_faults],
+    )
+
+
+def test_reject_placeholder_without_its_checks_leaks_and_is_caught(
+    logs_dir: Path, keys: list[str]
+) -> None:
+    d = placeholder(logs_dir, "canary-placeholder-leak", keys, "skip-count-check", "no-tag-check")
+    try:
+        report = canary(d.router.url, rounds=BROKEN_ROUNDS)
+    finally:
+        d.stop()
+    assert report.exit_code == 1
+    reasons = failed(report)
+    # B's over-long prompts were answered from whatever A left in the pool ...
+    assert "differs from the answer" in reasons["differential_replay"]
+    # ... with a 200 where the engines' 128-token limit called for a refusal
+    assert "over the 128-token limit but was answered 200" in reasons["status_codes"]
+
+
+def test_reject_placeholder_with_its_checks_fails_closed_with_a_5xx_instead_of_a_4xx(
+    logs_dir: Path, keys: list[str]
+) -> None:
+    d = placeholder(logs_dir, "canary-placeholder-closed", keys)
+    try:
+        report = canary(d.router.url, rounds=BROKEN_ROUNDS)
+    finally:
+        d.stop()
+    assert report.exit_code == 1
+    reasons = failed(report)
+    assert (
+        "got 500 kv_isolation_violation: a 500 where a 4xx refusal was due"
+        in (reasons["status_codes"])
+    )
+    assert "kvfence_transfer_count_mismatch_total on decode" in reasons["engine_counters"]
+    assert "differential_replay" not in reasons  # nothing leaked: the defences held
+
+
+def test_early_release_without_the_tag_check_leaks_into_bs_running_answer(
+    logs_dir: Path, keys: list[str]
+) -> None:
+    d = start_deployment(
+        logs_dir,
+        "canary-early-leak",
+        router_args=keys,
+        decode_faults=["early-release", "no-tag-check"],
+    )
+    try:
+        report = canary(d.router.url, rounds=BROKEN_ROUNDS)
+    finally:
+        d.stop()
+    assert report.exit_code == 1
+    assert failed(report).keys() == {"differential_replay"}
+    assert failed(report)["differential_replay"].startswith("concurrent: the answer during-")
+
+
+def test_early_release_with_the_tag_check_fails_b_closed_and_moves_the_counter(
+    logs_dir: Path, keys: list[str]
+) -> None:
+    d = start_deployment(
+        logs_dir, "canary-early-closed", router_args=keys, decode_faults=["early-release"]
+    )
+    try:
+        report = canary(d.router.url, rounds=BROKEN_ROUNDS)
+    finally:
+        d.stop()
+    reasons = failed(report)
+    assert "whose stream ended in error kv_isolation_violation" in reasons["status_codes"]
+    assert "kvfence_kv_tag_mismatch_total on decode" in reasons["engine_counters"]
+
+
+LAYOUT = Layout(
+    TINY_CONFIG.num_layers, PAGE, TINY_CONFIG.num_kv_heads, TINY_CONFIG.head_dim, "float32"
+)
+
+
+class Straggler:
+    """A prefill whose KV transfer outlives its request: it reserves pages on decode, starts the
+    transfer, sees the request aborted, and keeps writing into the pages it was handed until
+    stopped. A correct router never aborts mid-transfer, so the canary cannot cause this through
+    it; a timeout or a partition can, and here the test plays that part."""
+
+    def __init__(self, decode_url: str, tokens: int) -> None:
+        r = httpx.post(
+            decode_url + "/internal/reserve",
+            json={"request_id": "straggler", "prompt_ids": prompt_of(tokens, 3)},
+        )
+        assert r.status_code == 200, r.text
+        handle = r.json()
+        handle.pop("max_tokens")
+        self.handle = Handle(**handle)
+        shape = (16, LAYOUT.layers, PAGE, LAYOUT.kv_heads, LAYOUT.head_dim)
+        gen = torch.Generator().manual_seed(3)
+        self.kv = page_views(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+        self.sender = Sender(self.handle, LAYOUT, token=None)
+        self.sender.send_pages(0, self.kv[:1], [PAGE])  # the transfer is in flight ...
+        aborted = httpx.post(decode_url + "/internal/abort", json={"request_id": "straggler"})
+        assert aborted.json()["aborted"]  # ... when its request is aborted
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.write_late, daemon=True)
+        self.thread.start()
+
+    def write_late(self) -> None:
+        writes = 0
+        while not self.stop.is_set():
+            page = writes % len(self.handle.pages)
+            self.sender.send_pages(page, [self.kv[writes % len(self.kv)]], [PAGE])
+            writes += 1
+            time.sleep(0.002)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.sender.close()
+
+
+def test_late_writes_without_the_tag_check_corrupt_bs_answers_and_are_caught(
+    logs_dir: Path, keys: list[str]
+) -> None:
+    d = start_deployment(
+        logs_dir, "canary-late-leak", router_args=keys, decode_faults=["late-write", "no-tag-check"]
+    )
+    straggler = Straggler(d.decodes[0].url, 512)
+    try:
+        report = canary(d.router.url, rounds=BROKEN_ROUNDS)
+    finally:
+        straggler.close()
+        d.stop()
+    assert report.exit_code == 1
+    assert "differs from the answer" in failed(report)["differential_replay"]
+
+
+# --- deliberately wrong fronts ------------------------------------------------------------
+
+
+def wrong_front(upstream: str, behaviour: str) -> FastAPI:
+    """Forwards everything to `upstream` except one deliberate fault:
+    truncate: over-limit token-id prompts are cut to the context and answered (200);
+    usage:    usage.prompt_tokens is reported one short (as if a BOS were not counted);
+    cache:    answers are cached by prompt for everyone and replayed at once (shared cache);
+    leak:     the last text prompt any tenant sent is added to the next answers."""
+    app = FastAPI()
+    client = httpx.AsyncClient(base_url=upstream, timeout=120)
+    cache: dict[str, list[str]] = {}
+    last_text = [""]
+
+    def alter(line: str) -> str:
+        if not line.startswith("data: {"):
+            return line
+        chunk = json.loads(line.removeprefix("data: "))
+        if behaviour == "usage" and chunk.get("usage"):
+            chunk["usage"]["prompt_tokens"] -= 1
+        if behaviour == "leak" and chunk.get("choices") and chunk["choices"][0].get("text"):
+            chunk["choices"][0]["text"] += last_text[0]
+        return "data: " + json.dumps(chunk)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def forward(path: str, request: Request) -> Response:
+        headers = {
+            k: v for k, v in request.headers.items() if k in ("authorization", "content-type")
+        }
+        body = await request.body()
+        if path != "v1/completions":
+            r = await client.request(request.method, "/" + path, content=body, headers=headers)
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+        payload = json.loads(body)
+        prompt = payload["prompt"]
+        if behaviour == "truncate" and isinstance(prompt, list):
+            payload["prompt"] = prompt[:HEALTHY_CONTEXT]
+        if behaviour == "leak" and isinstance(prompt, str):
+            last_text[0] = prompt[:200]
+        key = json.dumps(prompt)
+        if behaviour == "cache" and key in cache:
+            return StreamingResponse(iter(cache[key]), media_type="text/event-stream")
+        upstream_request = client.build_request(
+            "POST", "/v1/completions", json=payload, headers=headers
+        )
+        r = await client.send(upstream_request, stream=True)
+        if r.status_code != 200:
+            content = await r.aread()
+            await r.aclose()
+            return Response(content, r.status_code, media_type=r.headers.get("content-type"))
+
+        async def relay() -> AsyncIterator[str]:
+            lines = []
+            try:
+                async for line in r.aiter_lines():
+                    lines.append(alter(line) + "\n")
+                    yield lines[-1]
+            finally:
+                await r.aclose()
+            cache[key] = lines
+
+        return StreamingResponse(relay(), media_type="text/event-stream")
+
+    return app
+
+
+@contextlib.contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the proxy did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_front_that_truncates_over_limit_prompts_instead_of_refusing_fails(
+    healthy: Deployment,
+) -> None:
+    with serving(wrong_front(healthy.router.url, "truncate")) as url:
+        report = canary(url, rounds=BROKEN_ROUNDS)
+    reasons = failed(report)
+    assert "is over the 1536-token limit but was answered 200" in reasons["status_codes"]
+    assert "usage.prompt_tokens is 1536 for a prompt of" in reasons["honest_usage"]
+
+
+def test_a_target_that_misreports_prompt_tokens_fails_only_honest_usage(
+    healthy: Deployment,
+) -> None:
+    with serving(wrong_front(healthy.router.url, "usage")) as url:
+        report = canary(url, rounds=BROKEN_ROUNDS)
+    assert report.exit_code == 1
+    assert failed(report).keys() == {"honest_usage"}
+    usage = next(c for c in report.checks if c.name == "honest_usage")
+    assert "in-limit-1536 (after-A-1): usage.prompt_tokens is 1535 for a prompt of 1536 tokens" in (
+        usage.findings
+    )
+
+
+def test_answers_served_from_a_shared_cache_come_faster_than_prefill_and_fail(
+    healthy: Deployment,
+) -> None:
+    with serving(wrong_front(healthy.router.url, "cache")) as url:
+        report = canary(url, rounds=BROKEN_ROUNDS)
+    assert report.exit_code == 1
+    assert failed(report).keys() == {"latency_floor"}
+    assert "nothing that really read the prompt answers before" in failed(report)["latency_floor"]
+
+
+def test_a_front_that_leaks_a_tenants_text_into_another_answer_fails_the_marker(
+    healthy: Deployment, tmp_path: Path
+) -> None:
+    report_file = tmp_path / "report.json"
+    with serving(wrong_front(healthy.router.url, "leak")) as url:
+        cli = subprocess.run(
+            [
+                sys.executable, "-m", "kvfence_cli", "canary", "--target", url,
+                "--tenant-a-key", KEY_A, "--tenant-b-key", KEY_B, "--rounds", str(BROKEN_ROUNDS),
+                "--report", str(report_file),
+            ],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert cli.returncode == 1, cli.stdout + cli.stderr
+    assert "FAIL marker" in cli.stdout
+    report = json.loads(report_file.read_text())
+    marker = next(c for c in report["checks"] if c["name"] == "marker")
+    assert not marker["passed"] and "of tenant A's marker" in marker["reason"]
+    assert marker["inputs"]["planted_by"] > 0 and report["exit_code"] == 1
+
+
+# --- could not run ------------------------------------------------------------------------
+
+
+def test_a_target_that_is_down_is_exit_code_2_with_the_reason() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvfence_cli", "canary", "--target", url,
+         "--tenant-a-key", KEY_A, "--tenant-b-key", KEY_B],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert cli.returncode == 2
+    assert f"could not run: cannot reach the target at {url}/v1/models: ConnectError" in cli.stdout
+
+
+def test_a_refused_key_is_exit_code_2_naming_the_tenant(healthy: Deployment) -> None:
+    report = run_canary(CanaryConfig(healthy.router.url, KEY_A, "not-a-key"))
+    assert report.exit_code == 2 and report.outcome == "error"
+    assert "tenant B's key was refused" in report.reason and report.checks == []
+
+
+def test_the_timeout_bounds_the_run_and_is_exit_code_2(healthy: Deployment) -> None:
+    start = time.monotonic()
+    report = run_canary(CanaryConfig(healthy.router.url, KEY_A, KEY_B, timeout=2.0))
+    assert time.monotonic() - start < 4
+    assert report.exit_code == 2 and report.reason.startswith("timed out after 2s")

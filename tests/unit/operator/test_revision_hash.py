@@ -1,0 +1,79 @@
+"""A revision changes exactly when the pods would change; scaling or re-pointing does not roll."""
+
+import re
+
+import pytest
+
+from helpers.builders import sample_spec
+from helpers.crd_admission import load_sample
+from kvfence_operator.crd.types import InferenceDeployment, InferenceDeploymentSpec
+from kvfence_operator.revision import revision_of
+
+
+def _with(change: dict) -> InferenceDeploymentSpec:
+    manifest = load_sample("full")
+    for path, value in change.items():
+        *parents, leaf = path.split(".")
+        node = manifest["spec"]
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return InferenceDeployment.model_validate(manifest).spec
+
+
+def test_revision_is_a_short_hex_label_value():
+    assert re.fullmatch(r"[0-9a-f]{10}", revision_of(sample_spec("full")))
+
+
+def test_revision_is_stable_across_parses_and_key_order():
+    manifest = load_sample("full")
+    reordered = dict(reversed(list(manifest["spec"].items())))
+    assert revision_of(InferenceDeploymentSpec.model_validate(reordered)) == revision_of(
+        sample_spec("full")
+    )
+
+
+def test_writing_a_default_explicitly_does_not_change_the_revision():
+    minimal = load_sample("minimal")["spec"]
+    explicit = {**minimal, "poolPolicy": "Refuse", "engine": {"pageSize": 16}}
+    assert revision_of(InferenceDeploymentSpec.model_validate(explicit)) == revision_of(
+        InferenceDeploymentSpec.model_validate(minimal)
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"prefill.replicas": 7},
+        {"decode.replicas": 0},
+        {"router.replicas": 5},
+        {"minContextLength": 1024},
+        {"router.service.port": 8080},
+        {"router.service.type": "ClusterIP"},
+        {"canary.timeoutSeconds": 60},
+        {"canary.enabled": False},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_changes_applied_in_place_keep_the_revision(change):
+    assert revision_of(_with(change)) == revision_of(sample_spec("full"))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"contextLength": 4096},
+        {"poolPolicy": "LowerContext"},
+        {"engine.image": "kvfence/engine:0.2.0"},
+        {"engine.pageSize": 32},
+        {"engine.scrubOnFree": False},
+        {"engine.extraArgs": []},
+        {"model.source": "/models/other.gguf"},
+        {"prefill.resources": {"limits": {"nvidia.com/gpu": 2}}},
+        {"decode.pod": {"nodeSelector": {"gpu": "h100"}}},
+        {"router.apiKeysSecret": "other-keys"},
+    ],
+    ids=lambda c: next(iter(c)),
+)
+def test_changes_to_what_pods_run_make_a_new_revision(change):
+    assert revision_of(_with(change)) != revision_of(sample_spec("full"))

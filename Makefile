@@ -28,7 +28,7 @@ up: setup
 serve: setup
 	$(VENV)/bin/kvfence serve --model $(MODEL) --port $(PORT)
 
-test: lint
+test: setup lint
 	$(VENV)/bin/pytest -q -n 2 --dist worksteal
 
 # Style, types (pyproject [tool.mypy]) and import contracts (pyproject [tool.importlinter]),

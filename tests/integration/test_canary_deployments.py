@@ -27,8 +27,10 @@ from kvfence_engine.loading.loader import TINY_CONFIG
 from kvfence_engine.tools.localproc import free_port
 
 KEY_A, KEY_B = "canary-key-a", "canary-key-b"
-HEALTHY_CONTEXT = 1536  # long enough that a tiny-random prefill (~0.3 s) stands out of noise
-HEALTHY_PAGES = 192  # a pool of twice the context
+# Long enough that a tiny-random prefill stands out of request jitter: the latency floor judges
+# only prefills of at least 0.15 s, and at 1536 tokens a quiet 2-core machine took 0.144 s.
+HEALTHY_CONTEXT = 3072
+HEALTHY_PAGES = 2 * HEALTHY_CONTEXT // 16  # a pool of twice the context
 PAGE = 16
 
 
@@ -309,8 +311,9 @@ def test_a_front_that_truncates_over_limit_prompts_instead_of_refusing_fails(
     with serving(wrong_front(healthy.router.url, "truncate")) as url:
         report = canary(url, rounds=BROKEN_ROUNDS)
     reasons = failed(report)
-    assert "is over the 1536-token limit but was answered 200" in reasons["status_codes"]
-    assert "usage.prompt_tokens is 1536 for a prompt of" in reasons["honest_usage"]
+    over = f"is over the {HEALTHY_CONTEXT}-token limit but was answered 200"
+    assert over in reasons["status_codes"]
+    assert f"usage.prompt_tokens is {HEALTHY_CONTEXT} for a prompt of" in reasons["honest_usage"]
 
 
 def test_a_target_that_misreports_prompt_tokens_fails_only_honest_usage(
@@ -321,9 +324,9 @@ def test_a_target_that_misreports_prompt_tokens_fails_only_honest_usage(
     assert report.exit_code == 1
     assert failed(report).keys() == {"honest_usage"}
     usage = next(c for c in report.checks if c.name == "honest_usage")
-    assert "in-limit-1536 (after-A-1): usage.prompt_tokens is 1535 for a prompt of 1536 tokens" in (
-        usage.findings
-    )
+    c = HEALTHY_CONTEXT
+    finding = f"in-limit-{c} (after-A-1): usage.prompt_tokens is {c - 1} for a prompt of {c} tokens"
+    assert finding in usage.findings
 
 
 def test_answers_served_from_a_shared_cache_come_faster_than_prefill_and_fail(

@@ -7,6 +7,8 @@ from kvfence_engine.core.faults import Faults
 from kvfence_engine.core.request import Request, SamplingParams, is_terminal
 from kvfence_engine.loading.loader import TINY_CONFIG, tiny_random
 
+from .pool_watch import watch_engine
+
 TINY_TOKEN_BYTES = TINY_CONFIG.kv_bytes_per_token(4)
 
 
@@ -23,7 +25,7 @@ def make_tiny_engine(
         faults=Faults.from_names(faults, {"KVFENCE_ALLOW_UNSAFE": "1"}),
         **kwargs,  # type: ignore[arg-type]
     )
-    return LLMEngine(tiny_random(), args)
+    return watch_engine(LLMEngine(tiny_random(), args))
 
 
 def submit(

@@ -7,12 +7,15 @@ import httpx
 
 from kvfence_engine.tools.localproc import LocalProcess
 
+from .pool_watch import watch_server
+
 
 def serve(logs_dir: Path, name: str, *args: str, unsafe: bool = False) -> LocalProcess:
     env = {"KVFENCE_ALLOW_UNSAFE": "1"} if unsafe else {}
-    return LocalProcess(
+    proc = LocalProcess(
         ["serve", *args, "--threads", "1"], env=env, log_path=logs_dir / f"{name}.log"
     )
+    return watch_server(proc, unsafe=unsafe)
 
 
 def metric(url: str, name: str) -> float:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import pytest
 
 from helpers.engines import generate, make_tiny_engine, prompt_of, run_until_done
+from helpers.pool_watch import watch_reservations
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import Request, SamplingParams, TokenLogprob, is_terminal
@@ -22,7 +23,8 @@ PAGE = 16  # make_tiny_engine's page size
 
 
 def decode_side(pages: int = 64, faults: tuple[str, ...] = ()) -> DecodeReservations:
-    return DecodeReservations(make_tiny_engine(pages=pages, faults=faults, role="decode"))
+    engine = make_tiny_engine(pages=pages, faults=faults, role="decode")
+    return watch_reservations(DecodeReservations(engine))
 
 
 def admitted(engine: LLMEngine, prompt: list[int], max_tokens: int = 8) -> Request:
@@ -65,8 +67,9 @@ def send(
     return book.end_transfer(seq, None)
 
 
-def count(metric: object) -> float:
-    return metric._value.get()  # type: ignore[attr-defined]
+def count(engine: LLMEngine, name: str) -> float:
+    """A counter's value, read the way Prometheus would (no private state)."""
+    return engine.metrics.registry.get_sample_value(f"{name}_total") or 0.0
 
 
 # --- the whole protocol ----------------------------------------------------------------------
@@ -125,7 +128,7 @@ def test_a_transfer_short_of_the_reserved_tokens_fails_the_request_and_frees_its
     pages, first = prefilled(prompt)
     error = send(book, handle, pages[:2], len(prompt))  # 32 of 40 tokens
     assert error is not None and error.code == "kv_isolation_violation"
-    assert count(book.engine.metrics.count_mismatch) == 1
+    assert count(book.engine, "kvfence_transfer_count_mismatch") == 1
     with pytest.raises(EngineError) as refused:
         book.start_decode("short", first)
     assert refused.value is error
@@ -145,7 +148,7 @@ def test_with_the_count_check_off_a_short_transfer_is_still_stopped_by_the_read_
     run_until_done(engine)
     assert seq.error is not None and seq.error.code == "kv_isolation_violation"
     assert len(seq.output_ids) == 1  # only prefill's token: nothing from unwritten slots
-    assert count(engine.metrics.unwritten_read) == 1 and engine.pool.num_used == 0
+    assert count(engine, "kvfence_kv_unwritten_read") == 1 and engine.pool.num_used == 0
 
 
 def test_a_transfer_for_no_reservation_the_wrong_pages_or_a_second_time_is_refused() -> None:
@@ -163,6 +166,9 @@ def test_a_transfer_for_no_reservation_the_wrong_pages_or_a_second_time_is_refus
     assert begin(tags=[t + 1 for t in handle.tags]) == 400
     assert begin() == 200
     assert begin() == 409
+    # the accepted connection ends as a receiver ends it, short: the reservation fails closed
+    seq = book.pending("r")
+    assert seq is not None and book.end_transfer(seq, None) is not None
 
 
 def test_a_request_aborted_mid_transfer_keeps_its_pages_fenced_until_the_transfer_ends() -> None:
@@ -178,7 +184,7 @@ def test_a_request_aborted_mid_transfer_keeps_its_pages_fenced_until_the_transfe
     assert book.abort("a") is seq and seq.finish_reason == "abort"
     assert engine.pool.num_used == 3  # not freed under the writer: fenced
     late = book.receive_page(inbound, handle.pages[1], handle.tags[1], PAGE, memoryview(pages[1]))
-    assert not late and count(engine.metrics.late_writes_dropped) == 1
+    assert not late and count(engine, "kvfence_late_writes_dropped") == 1
     book.end_transfer(inbound, None)
     assert engine.pool.num_used == 0  # released when the transfer ended
 
@@ -331,6 +337,7 @@ def test_a_page_write_waits_while_another_thread_holds_the_reservation_state() -
         assert writer.is_alive() and int(book.engine.pool.fill[page]) == 0
     writer.join()
     assert int(book.engine.pool.fill[page]) == PAGE
+    book.end_transfer(inbound, None)  # as the receiver thread does when the connection ends
 
 
 def test_concurrent_transfers_aborts_and_expiry_leave_every_page_free() -> None:

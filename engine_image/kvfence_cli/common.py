@@ -18,6 +18,24 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+def add_max_request_bytes(parser: argparse.ArgumentParser) -> None:
+    # kvfence_engine.serving.limits.DEFAULT_MAX_REQUEST_BYTES (a test pins them equal); not
+    # imported: it would load fastapi for every subcommand
+    parser.add_argument(
+        "--max-request-bytes",
+        type=positive_size,
+        default=4 * 1024 * 1024,
+        help="larger request bodies get 413 request_too_large before they are read (default 4Mi)",
+    )
+
+
+def positive_size(text: str) -> int:
+    value = size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
 def positive(text: str) -> int:
     value = int(text)
     if value < 1:

@@ -3,7 +3,13 @@
 import argparse
 import sys
 
-from kvfence_cli.common import Subparsers, positive, read_token, serve_http
+from kvfence_cli.common import (
+    Subparsers,
+    add_max_request_bytes,
+    positive,
+    read_token,
+    serve_http,
+)
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -37,6 +43,7 @@ def add_parser(sub: Subparsers) -> None:
         help="where the tokenizer and chat template come from",
     )
     p.add_argument("--internal-token-file", default=None)
+    add_max_request_bytes(p)
     p.set_defaults(func=run)
 
 
@@ -44,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.loading.tokenizer_source import load_tokenizer
     from kvfence_engine.router.app import RouterState, create_router_app, read_api_keys
     from kvfence_engine.router.backends import Backends
+    from kvfence_engine.serving.limits import set_max_request_bytes
 
     if not (args.prefill and args.decode) and not args.backends_file:
         print(
@@ -59,4 +67,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvfence router: {exc}", file=sys.stderr)
         return 2
     state = RouterState(name, tokenizer, backends, keys, token, args.context_length)
-    return serve_http(create_router_app(state), args)
+    app = create_router_app(state)
+    set_max_request_bytes(app, args.max_request_bytes)
+    return serve_http(app, args)

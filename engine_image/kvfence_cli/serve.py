@@ -4,7 +4,14 @@ import argparse
 import logging
 import sys
 
-from kvfence_cli.common import Subparsers, positive, read_token, serve_http, size
+from kvfence_cli.common import (
+    Subparsers,
+    add_max_request_bytes,
+    positive,
+    read_token,
+    serve_http,
+    size,
+)
 from kvfence_engine.core.faults import Fault
 
 
@@ -87,6 +94,7 @@ def add_parser(sub: Subparsers) -> None:
         default=512,
         help="queue length beyond which requests get 503 + Retry-After",
     )
+    add_max_request_bytes(p)
     p.add_argument("--scrub-on-free", action="store_true", help="zero pages when released")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
     p.add_argument(
@@ -111,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.loading.loader import load_model
     from kvfence_engine.serving.app import create_app
     from kvfence_engine.serving.async_engine import AsyncEngine
+    from kvfence_engine.serving.limits import set_max_request_bytes
     from kvfence_engine.serving.state import ServerState
 
     try:
@@ -150,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
     state = ServerState(role=role, internal_token=token)
     app = create_app(state)
+    set_max_request_bytes(app, args.max_request_bytes)
     if role in (Role.PREFILL, Role.DECODE):
         from kvfence_engine.disagg.internal_api import internal_router
 

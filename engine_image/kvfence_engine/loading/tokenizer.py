@@ -2,7 +2,7 @@
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,17 @@ class Tokenizer:
     bos_token: str
     eos_token: str
     chat_template: str | None
+    # The most characters of text one token stands for; None where the tokenizer may drop or
+    # merge characters, so that a prompt's length does not bound its tokens (max_chars_per_token)
+    chars_per_token: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.chars_per_token = max_chars_per_token(self.backend)
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch works without the GIL (encode holds it throughout): a long prompt
+        # tokenized on a worker thread must not stop the event loop or the engine thread
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=True)
@@ -52,6 +60,56 @@ class Tokenizer:
             bos_token=self.bos_token,
             eos_token=self.eos_token,
         )
+
+
+# Steps that never drop or merge characters: normalizers that only add characters or replace
+# one for one, pre-tokenizers that only split (unless told to remove what they split on).
+_KEEPING_NORMALIZERS = {"Prepend", "NFD", "NFKD", "Lowercase"}
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"}
+
+
+def _steps(state: bytes | None) -> list[dict[str, Any]]:
+    """A normalizer's or pre-tokenizer's steps, Sequences flattened."""
+    pending = [json.loads(state)] if state else []
+    steps = []
+    while pending:
+        step = pending.pop()
+        if step["type"] == "Sequence":
+            pending += step.get("normalizers", step.get("pretokenizers", []))
+        else:
+            steps.append(step)
+    return steps
+
+
+def _keeps_every_character(step: dict[str, Any], kinds: set[str]) -> bool:
+    if step["type"] == "Replace":  # a plain string by one at least as long
+        pattern = step["pattern"].get("String")
+        return pattern is not None and len(step["content"]) >= len(pattern)
+    return step["type"] in kinds and step.get("behavior") != "Removed"
+
+
+def max_chars_per_token(backend: HFTokenizer) -> int | None:
+    """The most characters of text one token can stand for: the longest vocabulary entry, so a
+    prompt of more than `context * this` characters cannot fit `context` tokens.
+
+    It holds for a BPE that keeps every character of its input and has a token for every byte
+    (byte-level, or byte fallback), where no unknown token swallows a run of characters: each
+    token then covers at most its own length of text (a byte-level entry spells one character
+    per byte, and a character is at least one byte). A byte the vocabulary lacks (SmolLM2 has
+    none for a few control characters) is dropped, not merged: a prompt padded with them is
+    refused rather than shrunk. None for any other tokenizer."""
+    model = backend.model
+    normalizers = _steps(backend.normalizer.__getstate__() if backend.normalizer else None)
+    pre = _steps(backend.pre_tokenizer.__getstate__() if backend.pre_tokenizer else None)
+    byte_level = any(step["type"] == "ByteLevel" for step in pre)
+    if not (
+        isinstance(model, models.BPE)
+        and (byte_level or model.byte_fallback)
+        and all(_keeps_every_character(step, _KEEPING_NORMALIZERS) for step in normalizers)
+        and all(_keeps_every_character(step, _KEEPING_PRE_TOKENIZERS) for step in pre)
+    ):
+        return None
+    return max(map(len, backend.get_vocab(with_added_tokens=True)))
 
 
 def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:

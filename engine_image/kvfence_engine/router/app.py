@@ -56,6 +56,7 @@ from kvfence_engine.disagg.wire import delta_of
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.router.backends import Backend, Backends
+from kvfence_engine.serving.limits import refuse_unfittable_prompt
 from kvfence_engine.serving.openai_api import (
     OpenAIOutput,
     chat_logprobs,
@@ -214,7 +215,11 @@ def create_router_app(state: RouterState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         tenant = state.tenant(request)
-        prompt_ids = completion_prompt(body.prompt, state.tokenizer, 1 << 31)
+        context = await state.served_context()
+        refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
+        prompt_ids = await asyncio.to_thread(
+            completion_prompt, body.prompt, state.tokenizer, 1 << 31
+        )
         return await _route(
             state, tenant, prompt_ids, body, body.max_tokens, body.logprobs, False, request
         )
@@ -222,7 +227,9 @@ def create_router_app(state: RouterState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         tenant = state.tenant(request)
-        prompt_ids = chat_prompt(state.tokenizer, body)
+        context = await state.served_context()
+        refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
+        prompt_ids = await asyncio.to_thread(chat_prompt, state.tokenizer, body)
         return await _route(
             state, tenant, prompt_ids, body, body.token_limit(), chat_logprobs(body), True, request
         )

@@ -1,6 +1,7 @@
 """The engine's HTTP server: health, pool report, metrics and the OpenAI API (combined role).
 The disaggregated roles add the internal endpoints (kvfence_engine.disagg.internal_api)."""
 
+import asyncio
 import logging
 from typing import Any
 
@@ -13,6 +14,7 @@ from kvfence_engine.core import errors
 from kvfence_engine.core.request import SamplingParams, is_terminal
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.serving.async_engine import AsyncEngine
+from kvfence_engine.serving.limits import refuse_unfittable_prompt
 from kvfence_engine.serving.openai_api import (
     OpenAIOutput,
     chat_logprobs,
@@ -66,15 +68,19 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = _combined(state)
-        tokenizer = engine.engine.tokenizer
-        prompt_ids = completion_prompt(body.prompt, tokenizer, engine.engine.config.vocab_size)
+        tokenizer, context = engine.engine.tokenizer, engine.engine.context_effective
+        refuse_unfittable_prompt(body, tokenizer, context, state.metrics.rejected)
+        vocab = engine.engine.config.vocab_size
+        prompt_ids = await asyncio.to_thread(completion_prompt, body.prompt, tokenizer, vocab)
         params = sampling_params(body, logprobs=body.logprobs)
         return await _generate(engine, prompt_ids, params, body.max_tokens, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         engine = _combined(state)
-        prompt_ids = chat_prompt(engine.engine.tokenizer, body)
+        tokenizer, context = engine.engine.tokenizer, engine.engine.context_effective
+        refuse_unfittable_prompt(body, tokenizer, context, state.metrics.rejected)
+        prompt_ids = await asyncio.to_thread(chat_prompt, tokenizer, body)
         params = sampling_params(body, logprobs=chat_logprobs(body))
         return await _generate(engine, prompt_ids, params, body.token_limit(), body, request)
 

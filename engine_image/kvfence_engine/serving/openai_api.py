@@ -19,6 +19,7 @@ from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import SamplingParams, TokenLogprob
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
+from kvfence_engine.serving.limits import install_request_limits
 from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -28,9 +29,10 @@ def error_response(error: EngineError) -> JSONResponse:
 
 
 def new_app(title: str) -> FastAPI:
-    """A FastAPI app with OpenAI-shaped errors and a liveness probe."""
+    """A FastAPI app with OpenAI-shaped errors, a request body cap and a liveness probe."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    install_request_limits(app)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -3,22 +3,28 @@ refusal is a 400 in the OpenAI shape from the engine and the router alike, and a
 unexpected is a JSON 500 that names no internals."""
 
 import json
+import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
 from helpers.engines import generate, make_tiny_engine, prompt_of, run_until_done, submit
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.request import MIN_TEMPERATURE, SamplingParams
 from kvfence_engine.core.sampler import sample
+from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
 from kvfence_engine.router.app import RouterState, create_router_app
 from kvfence_engine.router.backends import Backends
 from kvfence_engine.serving.app import create_app
 from kvfence_engine.serving.async_engine import AsyncEngine
+from kvfence_engine.serving.openai_api import new_app
 from kvfence_engine.serving.state import ServerState
 
 PAGES = 64
@@ -212,3 +218,105 @@ def test_a_temperature_below_the_floor_answers_like_temperature_zero(
         for t in (0.0, 1e-300, MIN_TEMPERATURE / 2)
     ]
     assert texts[0] == texts[1] == texts[2]
+
+
+# --- the catch-all --------------------------------------------------------------------------
+
+SECRET = "backend http://10.1.2.3:8001 said: KeyError('tenant-b')"
+
+
+def _crashing_app() -> FastAPI:
+    app = new_app("test")
+
+    @app.get("/crash")
+    async def crash() -> None:
+        raise RuntimeError(SECRET)
+
+    @app.get("/crash-mid-stream")
+    async def crash_mid_stream() -> StreamingResponse:
+        async def body() -> Iterator[str]:  # type: ignore[misc]
+            yield "data: one\n\n"
+            raise RuntimeError(SECRET)
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return app
+
+
+def _is_internal_error_naming_nothing(r: Any) -> str:
+    assert r.status_code == 500, r.text
+    assert r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "server_error",
+        "internal_error",
+        None,
+    )
+    match = re.fullmatch(r"internal error \(request id ([0-9a-f]{16})\)", error["message"])
+    assert match, error["message"]
+    assert "10.1.2.3" not in r.text and "KeyError" not in r.text
+    return match.group(1)
+
+
+def test_an_unexpected_exception_is_a_json_500_naming_only_a_request_id_that_the_log_has(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with (
+        caplog.at_level(logging.ERROR),
+        TestClient(_crashing_app(), raise_server_exceptions=False) as client,
+    ):
+        request_id = _is_internal_error_naming_nothing(client.get("/crash"))
+        ok = client.get("/healthz")
+    assert ok.status_code == 200  # and the app goes on
+    logged = [rec for rec in caplog.records if request_id in rec.getMessage()]
+    assert len(logged) == 1 and "GET /crash" in logged[0].getMessage()
+    assert logged[0].exc_info is not None and SECRET in str(logged[0].exc_info[1])
+
+
+def test_an_exception_after_the_headers_breaks_the_connection_and_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Nothing can be answered any more; ending the body cleanly would pass a truncated
+    stream off as complete."""
+    with caplog.at_level(logging.ERROR), TestClient(_crashing_app()) as client:
+        with pytest.raises(RuntimeError, match="said"):
+            client.get("/crash-mid-stream")
+    assert any("after its response started" in rec.getMessage() for rec in caplog.records)
+
+
+def test_the_engine_answers_a_crash_in_its_own_handler_with_a_json_500(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    llm = make_tiny_engine(pages=PAGES)
+    engine = AsyncEngine(llm)
+    engine.start()
+
+    def broken_encode(_self: Tokenizer, _text: str) -> list[int]:
+        raise TypeError(SECRET)
+
+    try:
+        with TestClient(
+            create_app(ServerState(engine=engine)), raise_server_exceptions=False
+        ) as client:
+            monkeypatch.setattr(Tokenizer, "encode", broken_encode)
+            _is_internal_error_naming_nothing(post(client, COMPLETIONS, {"prompt": "hi"}))
+            monkeypatch.undo()
+            assert post(client, COMPLETIONS, {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        engine.stop()
+    assert llm.pool.num_free == PAGES
+
+
+def test_the_router_answers_a_crash_in_its_own_handler_with_a_json_500(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    name, tokenizer = load_tokenizer(TINY_RANDOM)
+    backends = Backends.create(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], None)
+    state = RouterState(name, tokenizer, backends, None, None, 512)
+
+    def broken_encode(_self: Tokenizer, _text: str) -> list[int]:
+        raise TypeError(SECRET)
+
+    monkeypatch.setattr(Tokenizer, "encode", broken_encode)
+    with TestClient(create_router_app(state), raise_server_exceptions=False) as client:
+        _is_internal_error_naming_nothing(post(client, COMPLETIONS, {"prompt": "hi"}))

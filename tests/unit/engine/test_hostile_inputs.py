@@ -278,9 +278,12 @@ def test_an_exception_after_the_headers_breaks_the_connection_and_is_logged(
 ) -> None:
     """Nothing can be answered any more; ending the body cleanly would pass a truncated
     stream off as complete."""
-    with caplog.at_level(logging.ERROR), TestClient(_crashing_app()) as client:
-        with pytest.raises(RuntimeError, match="said"):
-            client.get("/crash-mid-stream")
+    with (
+        caplog.at_level(logging.ERROR),
+        TestClient(_crashing_app()) as client,
+        pytest.raises(RuntimeError, match="said"),
+    ):
+        client.get("/crash-mid-stream")
     assert any("after its response started" in rec.getMessage() for rec in caplog.records)
 
 

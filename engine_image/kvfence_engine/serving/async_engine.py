@@ -171,7 +171,12 @@ class AsyncEngine:
         stream.sent_tokens = len(seq.output_ids)
         stream.sent_logprobs = len(seq.output_logprobs)
         if delta.token_ids or terminal:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+            except RuntimeError:  # its event loop is closed: nobody is left to read it
+                with self._lock:
+                    self._streams.pop(seq.seq_id, None)
+                self.engine.abort(seq)  # released at the next step
 
 
 def _set_result(future: asyncio.Future[T], value: T) -> None:

@@ -31,17 +31,19 @@ def failing_steps(
     """Make the model's forward pass raise in every step whose batch `when` picks; yields the
     batches that failed."""
     prepare, run = engine.runner.prepare, engine.runner.run
-    batches: dict[int, tuple[list[Request], bool]] = {}
+    # keyed by id, holding the step itself so that no other step can take its id meanwhile
+    batches: dict[int, tuple[PreparedStep, list[Request], bool]] = {}
     failed: list[list[Request]] = []
 
     def prepare_and_remember(seqs: list[Request], is_prefill: bool) -> PreparedStep:
         step = prepare(seqs, is_prefill)
-        batches[id(step)] = (list(seqs), is_prefill)
+        batches[id(step)] = (step, list(seqs), is_prefill)
         return step
 
     def run_or_fail(step: PreparedStep) -> object:
-        seqs, is_prefill = batches.pop(id(step))
-        if when(seqs, is_prefill):
+        # a step the engine thread prepared before this was installed runs as it would have
+        _, seqs, is_prefill = batches.pop(id(step), (step, [], False))
+        if seqs and when(seqs, is_prefill):
             failed.append(seqs)
             raise InjectedFault("injected: the forward pass failed")
         return run(step)
@@ -215,6 +217,32 @@ def test_a_failing_housekeeping_chore_fails_no_request() -> None:
     async def scenario() -> None:
         seq = await asyncio.wait_for(_collect(engine, _admit(llm, prompt_of(9), 5)), 30)
         assert seq.finish_reason == "length" and len(seq.output_ids) == 5
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.stop()
+
+
+def test_a_stream_whose_event_loop_is_gone_is_aborted_and_fails_nobody_else() -> None:
+    """Delivering to a closed event loop raises; that must cost only the orphaned request
+    (aborted, pages back), not every request in the scheduler."""
+    llm = make_tiny_engine(pages=PAGES)
+    engine = AsyncEngine(llm)
+    engine.start()
+    orphan = _admit(llm, prompt_of(20, seed=1), 200)
+    gone = asyncio.new_event_loop()
+    try:
+        stream = engine.stream(orphan)
+        gone.run_until_complete(anext(stream))
+    finally:
+        gone.close()  # without closing the stream: nobody reads it any more
+
+    async def scenario() -> None:
+        bystander = await asyncio.wait_for(_collect(engine, _admit(llm, prompt_of(9), 30)), 30)
+        assert bystander.finish_reason == "length" and len(bystander.output_ids) == 30
+        assert await engine.call(lambda: orphan.finish_reason) == "abort"
+        assert await engine.call(lambda: llm.pool.num_free) == PAGES
 
     try:
         asyncio.run(scenario())

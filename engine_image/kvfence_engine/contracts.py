@@ -25,6 +25,8 @@ Count = Annotated[int, Field(ge=0)]
 Positive = Annotated[int, Field(ge=1)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 RequestId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+# What torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
 
 class _Message(BaseModel):
@@ -208,7 +210,7 @@ class Sampling(_Message):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: Seed | None = None
     logprobs: int | None = Field(None, ge=0, le=20)
     ignore_eos: bool = False
 

@@ -1,6 +1,7 @@
 """The engine: admission, then a step loop of schedule -> check -> run -> postprocess."""
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -34,6 +35,7 @@ from kvfence_engine.core.sampler import sample
 from kvfence_engine.core.scheduler import Scheduler
 from kvfence_engine.loading.loader import LoadedModel
 
+log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_MEMORY = 512 * 1024**2
 
 
@@ -205,7 +207,11 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[Request]:
-        """One scheduler step. Returns every sequence whose state changed."""
+        """One scheduler step. Returns every sequence whose state changed.
+
+        A step that raises while running its batch fails exactly that batch: each of its
+        requests ends with a 500 internal_error and its pages go back to the pool; every
+        other request is untouched and the next step runs as usual."""
         started = time.perf_counter()
         try:
             return self._step()
@@ -217,12 +223,18 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         changed = list(finished)
         if seqs:
-            step = self.runner.prepare(seqs, is_prefill)
-            safe = self._refuse_unsafe_reads(seqs, step, changed)
-            if safe:
-                # page tables only change between steps: the checked batch is the one that runs
-                self._run(safe, is_prefill, step if len(safe) == len(seqs) else None)
-                changed += safe
+            # A prefill batch has left `waiting` and not yet joined `running`: from here until
+            # remove_finished below, only this frame knows it, so a failure is handled here.
+            try:
+                step = self.runner.prepare(seqs, is_prefill)
+                safe = self._refuse_unsafe_reads(seqs, step, changed)
+                if safe:
+                    # page tables only change between steps: the checked batch is the one that runs
+                    self._run(safe, is_prefill, step if len(safe) == len(seqs) else None)
+                    changed += safe
+            except Exception:
+                self._fail_batch(seqs, is_prefill)
+                changed += seqs
         changed += self.scheduler.remove_finished(seqs)
         m = self.metrics
         m.running.set(self.scheduler.num_running)
@@ -230,6 +242,35 @@ class LLMEngine:
         m.preemptions.inc(self.scheduler.take_preemptions())
         m.stale_releases.inc(self.pool.take_stale_releases())
         return list(dict.fromkeys(changed))
+
+    def _fail_batch(self, seqs: list[Request], is_prefill: bool) -> None:
+        """(inside an except) The step running `seqs` raised: each ends with a 500 naming an
+        incident id that the log line with the traceback carries too; their pages are released
+        by the step's remove_finished. A request this step already failed closed (an isolation
+        refusal) keeps that error; a finish this step decided did not complete and is void."""
+        incident = errors.new_incident()
+        error = errors.internal_error(f"incident {incident}")
+        log.exception(
+            "incident %s: an engine step failed; its %s batch of %d ends with internal_error: %s",
+            incident,
+            "prefill" if is_prefill else "decode",
+            len(seqs),
+            ", ".join(seq.request_id or f"seq {seq.seq_id}" for seq in seqs),
+        )
+        self.metrics.step_failures.inc()
+        for seq in seqs:
+            if seq.finish_reason != "error":
+                seq.finish_reason = None  # void: the step that decided it never completed
+                seq.finish("error", error)
+
+    def fail_all(self, error: EngineError) -> list[Request]:
+        """Finish every request the scheduler holds with `error` and release its pages: for a
+        failure the engine cannot attribute to one batch (its scheduler's own state)."""
+        seqs = self.scheduler.queued()
+        for seq in seqs:
+            seq.finish("error", error)
+        self.scheduler.remove_finished()
+        return seqs
 
     def _refuse_unsafe_reads(
         self, seqs: list[Request], step: PreparedStep, changed: list[Request]

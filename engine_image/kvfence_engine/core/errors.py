@@ -1,5 +1,6 @@
 """Errors the engine reports to clients, in the OpenAI error shape."""
 
+import uuid
 from dataclasses import dataclass
 
 
@@ -47,6 +48,17 @@ def invalid_request(message: str, param: str | None = None) -> EngineError:
 
 def overloaded(message: str, retry_after: int = 1) -> EngineError:
     return EngineError(503, message, "server_error", "overloaded", None, retry_after)
+
+
+def new_incident() -> str:
+    """A short random id for one internal failure, for the client's message and the log."""
+    return uuid.uuid4().hex[:16]
+
+
+def internal_error(reference: str) -> EngineError:
+    """A failure inside kvfence. The message names no internals (no exception text, no
+    address): only a reference that the server's log line, with the traceback, carries too."""
+    return EngineError(500, f"internal error ({reference})", "server_error", "internal_error")
 
 
 def not_ready() -> EngineError:

@@ -85,6 +85,11 @@ class EngineMetrics:
             "time in engine steps: scheduling, read check, forward pass, sampling",
             registry=r,
         )
+        self.step_failures = Counter(
+            "kvfence_engine_step_failures",
+            "steps that raised: each failed its own batch with internal_error",
+            registry=r,
+        )
         self.read_check_seconds = Counter(
             "kvfence_kv_read_check_seconds",
             "time in the per-step KV read check (tags and fill counts of every held page)",

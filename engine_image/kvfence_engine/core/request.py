@@ -15,6 +15,13 @@ if TYPE_CHECKING:
     import torch
 
 
+# Below this temperature sampling is greedy. With the largest logit shifted to 0 (sampler.py),
+# a token whose logit is more than 104 * t below it has probability exactly 0 in float32
+# (exp underflows below -104): at t = 1e-5 that is every token more than 0.001 below the top,
+# so a smaller t changes nothing but the float32 ties it divides by ever smaller numbers.
+MIN_TEMPERATURE = 1e-5
+
+
 class Status(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -24,7 +31,7 @@ class Status(Enum):
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below MIN_TEMPERATURE (0 included): greedy
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
@@ -33,7 +40,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,9 @@ from kvfence_engine.core.request import SamplingParams, TokenLogprob
 def _sample_one(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> int:
-    scaled = logits / params.temperature
+    # The largest logit shifted to 0 first: dividing by a small temperature then takes the
+    # others to -inf at worst (probability 0), never to +inf (inf - inf is NaN in softmax).
+    scaled = (logits - logits.max()) / params.temperature
     if params.top_k > 0:
         kth = torch.topk(scaled, min(params.top_k, scaled.shape[-1])).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -18,6 +20,8 @@ def _sample_one(
         outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if not bool(torch.isfinite(probs).all()):  # only non-finite logits get here
+        raise ValueError("the model's logits are not finite: nothing to sample from")
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -38,7 +42,7 @@ def sample(
         for i, row in enumerate(want):
             chosen = tokens[row]
             top: tuple[tuple[int, float], ...] = ()
-            n = params[row].logprobs or 0
+            n = min(params[row].logprobs or 0, lp.shape[-1])
             if n > 0:
                 values, ids = torch.topk(lp[i], n)
                 top = tuple(zip(ids.tolist(), values.tolist(), strict=True))

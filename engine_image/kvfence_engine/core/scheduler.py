@@ -31,6 +31,10 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
+    def queued(self) -> list[Request]:
+        """Every request waiting or running (not a prefill batch between the two)."""
+        return [*self.waiting, *self.running]
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -112,6 +112,10 @@ class AsyncEngine:
                 start()
         except EngineError as exc:
             seq.finish("error", exc)
+        except Exception:  # this request alone: the engine never took it
+            incident = errors.new_incident()
+            log.exception("incident %s: starting seq %d failed", incident, seq.seq_id)
+            seq.finish("error", errors.internal_error(f"incident {incident}"))
         self._deliver(seq)
 
     def _loop(self) -> None:
@@ -119,17 +123,20 @@ class AsyncEngine:
             try:
                 self._drain_inbox(block=not self.engine.has_work())
                 if self.engine.has_work():
+                    # a failure while running a batch is contained in step(): it fails that
+                    # batch alone and reports it here like any other change
                     for seq in self.engine.step():
                         self._deliver(seq)
-                for chore in self.housekeeping:
+            except Exception:  # outside any batch: the scheduler's own state is suspect
+                incident = errors.new_incident()
+                log.exception("incident %s: the engine loop failed; failing all requests", incident)
+                for seq in self.engine.fail_all(errors.internal_error(f"incident {incident}")):
+                    self._deliver(seq)
+            for chore in self.housekeeping:
+                try:
                     chore(time.monotonic())
-            except Exception:  # keep serving; fail the requests that were in flight
-                log.exception("engine step failed")
-                self._fail_all(
-                    errors.EngineError(
-                        500, "internal engine error", "server_error", "internal_error"
-                    )
-                )
+                except Exception:  # its own state; the requests in the scheduler go on
+                    log.exception("housekeeping chore %r failed", chore)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -137,18 +144,14 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
-            work()
+            try:
+                work()
+            except Exception:  # each item answers for itself; the rest of the inbox still runs
+                log.exception("engine thread work item failed")
             try:
                 work = self._inbox.get_nowait()
             except queue.Empty:
                 return
-
-    def _fail_all(self, error: EngineError) -> None:
-        sched = self.engine.scheduler
-        for seq in (*sched.waiting, *sched.running):
-            seq.finish("error", error)
-            self._deliver(seq)
-        sched.remove_finished()
 
     def _deliver(self, seq: Request) -> None:
         with self._lock:
@@ -168,7 +171,12 @@ class AsyncEngine:
         stream.sent_tokens = len(seq.output_ids)
         stream.sent_logprobs = len(seq.output_logprobs)
         if delta.token_ids or terminal:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
+            except RuntimeError:  # its event loop is closed: nobody is left to read it
+                with self._lock:
+                    self._streams.pop(seq.seq_id, None)
+                self.engine.abort(seq)  # released at the next step
 
 
 def _set_result(future: asyncio.Future[T], value: T) -> None:

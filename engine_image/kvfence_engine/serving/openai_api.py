@@ -2,6 +2,7 @@
 shape, and turning a stream of token deltas into completion / chat objects or SSE chunks."""
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -12,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
@@ -21,6 +23,8 @@ from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.serving.limits import install_request_limits
 from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
 
 
 def error_response(error: EngineError) -> JSONResponse:
@@ -41,8 +45,48 @@ def new_app(title: str) -> FastAPI:
     return app
 
 
+class InternalErrors:
+    """ASGI middleware, the catch-all: an exception that no handler turned into an answer
+    becomes a JSON 500 in the OpenAI shape naming only a request id, and is logged, with its
+    traceback, under that id. After the headers have gone nothing can be answered: it is logged
+    and re-raised, so the server breaks the connection rather than end a truncated body
+    cleanly."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_watching(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_watching)
+        except Exception:
+            request_id = errors.new_incident()
+            log.exception(
+                "request id %s: %s %s failed%s",
+                request_id,
+                scope.get("method"),
+                scope.get("path"),
+                " after its response started" if started else "",
+            )
+            if started:
+                raise
+            await error_response(errors.internal_error(f"request id {request_id}"))(
+                scope, receive, send
+            )
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error leaves in the OpenAI shape."""
+    """Every error leaves in the OpenAI shape; anything unexpected as a JSON 500."""
+    app.add_middleware(InternalErrors)
 
     @app.exception_handler(EngineError)
     async def _engine_error(_: Request, exc: EngineError) -> JSONResponse:

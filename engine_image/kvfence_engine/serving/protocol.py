@@ -1,8 +1,39 @@
-"""OpenAI request bodies (the subset kvfence serves), validated with pydantic."""
+"""OpenAI request bodies (the subset kvfence serves), validated with pydantic.
 
-from typing import Literal
+Shared by the engine and the router, so both refuse the same bodies with the same 400. Every
+field has the range the engine's arithmetic supports:
+
+- `temperature` in [0, 2]; below `MIN_TEMPERATURE` (1e-5; 0 included) sampling is greedy: at
+  that temperature float32 softmax already gives every token more than 0.001 below the top
+  logit a probability of exactly 0 (kvfence_engine.core.request.MIN_TEMPERATURE says why).
+- `seed`: a signed or unsigned 64-bit integer, what torch.Generator takes.
+- text (prompt, chat content, stop strings, model, user) must be valid Unicode: a lone UTF-16
+  surrogate such as "\\ud800" (JSON allows the escape) is refused, since no tokenizer or
+  UTF-8 output can carry it.
+"""
+
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvfence_engine.contracts import Seed
+
+
+def valid_unicode(value: Any) -> Any:
+    """Refuse a string, or a list of strings, holding a lone surrogate; pass anything else."""
+    items = value if isinstance(value, list) else [value]
+    for index, text in enumerate(items):
+        if not isinstance(text, str):
+            continue
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = f"item {index}, " if isinstance(value, list) else ""
+            raise ValueError(
+                f"text must be valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at "
+                f"{where}character {exc.start}"
+            ) from None
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -13,10 +44,10 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # < MIN_TEMPERATURE: greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # extension (vLLM-style); 0 = off
-    seed: int | None = None
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -25,6 +56,8 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
     user: str | None = None
+
+    _unicode = field_validator("model", "stop", "user")(valid_unicode)
 
     @field_validator("stop")
     @classmethod
@@ -47,10 +80,12 @@ class CompletionRequest(_Common):
     echo: Literal[False] = False
     suffix: None = None
 
+    _prompt_unicode = field_validator("prompt")(valid_unicode)
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: str  # checked by ChatMessage, so an error names the message's content
 
 
 class ChatMessage(BaseModel):
@@ -58,6 +93,12 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = ""
+
+    @field_validator("content")
+    @classmethod
+    def _unicode(cls, content: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        valid_unicode([part.text for part in content] if isinstance(content, list) else content)
+        return content
 
     def text(self) -> str:
         if self.content is None:

@@ -35,8 +35,8 @@ def error_response(error: EngineError) -> JSONResponse:
 def new_app(title: str) -> FastAPI:
     """A FastAPI app with OpenAI-shaped errors, a request body cap and a liveness probe."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
-    install_error_handlers(app)
     install_request_limits(app)
+    install_error_handlers(app)  # added last, so its catch-all wraps the body cap too
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

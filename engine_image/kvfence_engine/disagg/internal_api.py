@@ -9,7 +9,6 @@ prefill: POST /internal/prefill  admit, compute the prompt's KV and first token,
 """
 
 import asyncio
-import hmac
 import json
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -17,6 +16,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
 
+from kvfence_engine.auth import secret_matches
 from kvfence_engine.contracts import (
     TOKEN_HEADER,
     AbortBody,
@@ -62,9 +62,7 @@ def internal_router(
     def check_token(
         token: Annotated[str | None, Header(alias=TOKEN_HEADER)] = None,
     ) -> None:
-        if state.internal_token is not None and not hmac.compare_digest(
-            token or "", state.internal_token
-        ):
+        if state.internal_token is not None and not secret_matches(token, state.internal_token):
             raise EngineError(
                 401,
                 "internal endpoint: missing or wrong internal token",

@@ -2,12 +2,18 @@
 constant time: whatever bytes it holds, a wrong one is a 401 in the OpenAI shape, never a 500
 (hmac.compare_digest raises TypeError on a str with a non-ASCII character)."""
 
+from pathlib import Path
+
 import pytest
 from fastapi.testclient import TestClient
 
 from kvfence_engine.auth import secret_matches
 from kvfence_engine.contracts import TOKEN_HEADER, Role
 from kvfence_engine.disagg.internal_api import internal_router
+from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
+from kvfence_engine.router.app import RouterState, create_router_app
+from kvfence_engine.router.backends import Backends
+from kvfence_engine.router.keys import ApiKeys
 from kvfence_engine.serving.app import create_app
 from kvfence_engine.serving.state import ServerState
 
@@ -66,3 +72,34 @@ def test_the_right_internal_token_passes_the_check(decode_app: TestClient) -> No
     """The control: with the token, the call gets past the check (to "still loading")."""
     r = decode_app.post("/internal/abort", json={"request_id": "x"}, headers={TOKEN_HEADER: TOKEN})
     assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+
+
+@pytest.fixture
+def router(tmp_path: Path) -> TestClient:
+    """A router with one tenant key and no reachable backends: /v1/models needs only the
+    tenant."""
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"{TOKEN} tenant-a\n")
+    name, tokenizer = load_tokenizer(TINY_RANDOM)
+    backends = Backends.create(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], None)
+    state = RouterState(name, tokenizer, backends, ApiKeys.load([str(keys)]), None, 512)
+    return TestClient(create_router_app(state), raise_server_exceptions=False)
+
+
+@pytest.mark.parametrize("key", WRONG_HEADERS)
+def test_a_wrong_api_key_of_any_bytes_is_a_401_from_the_router(
+    router: TestClient, key: bytes
+) -> None:
+    r = router.get("/v1/models", headers={"Authorization": b"Bearer " + key})
+    assert r.status_code == 401, r.text
+    assert r.json()["error"] == {
+        "message": "missing or invalid API key",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
+
+
+def test_the_right_api_key_is_the_tenant(router: TestClient) -> None:
+    r = router.get("/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200 and r.json()["data"][0]["max_model_len"] == 512

@@ -109,8 +109,8 @@ class KVReceiver:
         self.server.server_close()
 
     def serve_connection(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             seq, hello = self._hello(sock)
         except EngineError as exc:  # no such reservation, not its pages, a second transfer
             _refuse(sock, exc.code, exc.message)
@@ -263,6 +263,8 @@ def check_page_frame(
 def _refuse(sock: socket.socket, code: str, message: str) -> None:
     """Reply with the reason, then drain what the sender still sends for a moment (bounded),
     so closing with unread input does not reset the connection before it reads the reply."""
+    with contextlib.suppress(OSError):
+        sock.settimeout(LINGER)  # not what is left of a deadline that may have passed
     _try_reply(sock, False, code, message)
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_WR)

@@ -135,7 +135,9 @@ def recv_exact(
         try:
             chunk = sock.recv_into(view[got:], n - got)
         except TimeoutError as exc:
-            raise TransferError("timeout", f"timed out after {got}/{n} bytes") from exc
+            if deadline is None:
+                raise  # an idle peer: the caller's OSError
+            raise TransferError("timeout", f"deadline passed after {got}/{n} bytes") from exc
         if chunk == 0:
             raise TransferError("transfer_incomplete", f"connection closed after {got}/{n} bytes")
         got += chunk

@@ -43,6 +43,13 @@ def positive(text: str) -> int:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
 def read_token(path: str | None) -> str | None:
     """The shared internal token, from a file (a mounted Secret in Kubernetes)."""
     if path is None:

@@ -29,7 +29,8 @@ def add_parser(sub: Subparsers) -> None:
         action="append",
         default=[],
         metavar="FILE",
-        help="'KEY TENANT' per line; without it every request is tenant 'default'",
+        help="'KEY TENANT' per line, re-read when it changes; tenant names are 1 to 95 of "
+        "A-Z a-z 0-9 _ . : -; without it every request is tenant 'default'",
     )
     p.add_argument(
         "--context-length",
@@ -49,8 +50,9 @@ def add_parser(sub: Subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvfence_engine.loading.tokenizer_source import load_tokenizer
-    from kvfence_engine.router.app import RouterState, create_router_app, read_api_keys
+    from kvfence_engine.router.app import RouterState, create_router_app
     from kvfence_engine.router.backends import Backends
+    from kvfence_engine.router.keys import ApiKeys
     from kvfence_engine.serving.limits import set_max_request_bytes
 
     if not (args.prefill and args.decode) and not args.backends_file:
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         token = read_token(args.internal_token_file)
-        keys = read_api_keys(args.api_keys)
+        keys = ApiKeys.load(args.api_keys)
         name, tokenizer = load_tokenizer(args.model)
         backends = Backends.create(args.prefill, args.decode, args.backends_file)
     except (OSError, ValueError) as exc:

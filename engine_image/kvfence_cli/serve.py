@@ -8,6 +8,7 @@ from kvfence_cli.common import (
     Subparsers,
     add_max_request_bytes,
     positive,
+    positive_seconds,
     read_token,
     serve_http,
     size,
@@ -31,6 +32,19 @@ def add_parser(sub: Subparsers) -> None:
         type=int,
         default=8001,
         help="decode role: TCP port prefill streams KV to (0: any free port)",
+    )
+    p.add_argument(
+        "--transfer-max-connections",
+        type=positive,
+        default=128,
+        help="decode role: transfer connections served at once; more are refused "
+        "(too_many_connections)",
+    )
+    p.add_argument(
+        "--transfer-hello-timeout",
+        type=positive_seconds,
+        default=5.0,
+        help="decode role: seconds a new transfer connection has to send its whole HELLO",
     )
     p.add_argument(
         "--internal-token-file",
@@ -164,7 +178,13 @@ def run(args: argparse.Namespace) -> int:
         from kvfence_engine.disagg.internal_api import internal_router
 
         # decode: also starts the KV receiver once the engine is loaded
-        router = internal_router(state, transfer_host=args.host, transfer_port=args.transfer_port)
+        router = internal_router(
+            state,
+            transfer_host=args.host,
+            transfer_port=args.transfer_port,
+            transfer_max_connections=args.transfer_max_connections,
+            transfer_hello_timeout=args.transfer_hello_timeout,
+        )
         app.include_router(router)
     state.load_in_background(build)
     return serve_http(app, args)

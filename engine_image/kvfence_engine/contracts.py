@@ -24,7 +24,9 @@ TOKEN_HEADER = "X-Kvfence-Internal-Token"  # the shared internal token on /inter
 Count = Annotated[int, Field(ge=0)]
 Positive = Annotated[int, Field(ge=1)]
 Port = Annotated[int, Field(ge=1, le=65535)]
-RequestId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,128}$")]
+REQUEST_ID_CHARS = "A-Za-z0-9_.:-"  # a regex class; the router's ids start with the tenant
+REQUEST_ID_MAX = 128
+RequestId = Annotated[str, Field(pattern=rf"^[{REQUEST_ID_CHARS}]{{1,{REQUEST_ID_MAX}}}$")]
 # What torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 

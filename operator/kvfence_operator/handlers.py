@@ -9,6 +9,7 @@ import kopf
 from kubernetes import client, config
 from pydantic import ValidationError
 
+from kvfence_engine.core.faults import ALLOW_ENV
 from kvfence_operator.conditions import set_condition
 from kvfence_operator.crd.types import (
     API_GROUP,
@@ -48,8 +49,15 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.connect_timeout = 10
     settings.posting.level = logging.WARNING  # events come from our own kopf.event calls
     settings.scanning.disabled = True  # namespaces come from the command line
+    unsafe_faults_allowed = os.environ.get(ALLOW_ENV) == "1"
+    if unsafe_faults_allowed:
+        logging.warning(
+            "%s=1: engine pods with unsafe faults pass the pool gate (tests only)", ALLOW_ENV
+        )
     memo.reconciler = Reconciler(
-        Kube(api_client()), os.environ.get(OPERATOR_NAMESPACE_ENV, "kvfence-system")
+        Kube(api_client()),
+        os.environ.get(OPERATOR_NAMESPACE_ENV, "kvfence-system"),
+        unsafe_faults_allowed=unsafe_faults_allowed,
     )
 
 

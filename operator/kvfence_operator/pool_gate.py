@@ -84,11 +84,13 @@ class PoolDecision:
     message: str
 
 
-def _defences_off(report: PoolGateReport) -> str | None:
+def _defences_off(report: PoolGateReport, unsafe_faults_allowed: bool) -> str | None:
     if not report.tag_check:
         return "its KV tag check is off"
     if not report.deferred_release:
         return "it releases KV pages before inbound transfers drain"
+    if report.unsafe_faults and not unsafe_faults_allowed:
+        return f"it runs with unsafe faults ({', '.join(sorted(report.unsafe_faults))})"
     return None
 
 
@@ -97,11 +99,15 @@ def judge_pools(
     policy: PoolPolicy,
     context_length: int,
     min_context_length: int | None,
+    *,
+    unsafe_faults_allowed: bool = False,
 ) -> PoolDecision:
     """Refuse: a pod may serve only if its pool holds `context_length`. LowerContext: the
     served context is the smallest pool (whole pages, at most `context_length`); below
-    `min_context_length` (default: one page) nothing is served. A pod without a valid report
-    is never sufficient."""
+    `min_context_length` (default: one page) nothing is served. A pod without a valid report,
+    or with an isolation defence off (its tag check, deferred release, or any unsafe fault),
+    is never sufficient. `unsafe_faults_allowed` (the operator under KVFENCE_ALLOW_UNSAFE=1,
+    for tests whose canary must catch a fault) lets a pod's faults through; nothing else."""
     gates: dict[str, PodGate] = {}
     reports: dict[str, PoolGateReport] = {}
     for pool in pools:
@@ -110,7 +116,7 @@ def judge_pools(
                 pool.pod, False, "PoolUnknown", f"pod {pool.pod}: {pool.error or 'no report'}"
             )
             continue
-        weak = _defences_off(pool.report)
+        weak = _defences_off(pool.report, unsafe_faults_allowed)
         if weak is not None:
             gates[pool.pod] = PodGate(pool.pod, False, "IsolationDefenceOff", f"{pool.pod}: {weak}")
             continue

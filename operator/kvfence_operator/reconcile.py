@@ -135,6 +135,7 @@ class Reconciler:
     kube: Kube
     operator_namespace: str
     read_pool: PoolReader = read_pool
+    unsafe_faults_allowed: bool = False  # tests only: a pod's unsafe faults pass the pool gate
 
     def reconcile(self, body: Mapping[str, Any]) -> Outcome:
         meta = body["metadata"]
@@ -241,7 +242,11 @@ class Reconciler:
                     self.read_pool(pod["metadata"]["name"], str(role), revision, pod_url(pod))
                 )
         decision = judge_pools(
-            pools, spec.pool_policy, spec.context_length, spec.min_context_length
+            pools,
+            spec.pool_policy,
+            spec.context_length,
+            spec.min_context_length,
+            unsafe_faults_allowed=self.unsafe_faults_allowed,
         )
         events = [
             event

@@ -19,7 +19,7 @@ from helpers.crd_admission import crd_admission
 from kvfence_engine.core.model_config import ModelConfig
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, plan_pool
 from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
-from kvfence_engine.router.app import read_api_keys
+from kvfence_engine.router.keys import parse_keys_files
 from kvfence_engine.tools.units import parse_size
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.canary_job import build_canary_job
@@ -168,7 +168,7 @@ def test_gpu_example_runs_two_decode_pods_on_gpus_behind_its_api_keys_secret(
     keys_file.write_text(secret["stringData"][USER_API_KEYS_KEY])
     # The router reads it (it is well-formed) and finds no key: nothing served with a key
     # everybody can read in this repository.
-    assert read_api_keys([str(keys_file)]) == {}
+    assert parse_keys_files([str(keys_file)]) == {}
 
 
 def test_lower_context_example_really_serves_a_lowered_context() -> None:

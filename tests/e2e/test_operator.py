@@ -237,7 +237,9 @@ def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on
     options = KubeletOptions(amend_argv=early_release_in_bad_decode)
     with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
         cluster.create(api_keys_secret())
-        env = {"KVFENCE_RECONCILE_INTERVAL": "1"}
+        # the bad revision's decode reports its fault: let it past the pool gate, so that
+        # this test sees the canary catch it
+        env = {"KVFENCE_RECONCILE_INTERVAL": "1", "KVFENCE_ALLOW_UNSAFE": "1"}
         args = ["--standalone", "--namespace", "default"]
         operator = cluster.start_operator(args, env=env)
 

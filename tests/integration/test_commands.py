@@ -43,3 +43,25 @@ def test_preflight_estimate_equals_the_pool_a_running_engine_allocates(tiny_serv
     assert "64 pages x 16 tokens = 1024 tokens per engine" in out
     assert "64 pages x 16 tokens = 1024 tokens (" in out  # the live report
     assert out.count("context 512: fits") == 2
+
+
+def test_the_router_refuses_to_start_on_a_tenant_name_outside_the_request_id_pattern(
+    tmp_path: Path,
+) -> None:
+    """Issue 12, finding 6: such a tenant got a 400 with internal validation detail on every
+    request. Now the router does not start, and says which line of which file is wrong."""
+    keys = tmp_path / "api-keys"
+    keys.write_text("key-a tenant-a\nkey-x team/x\n")
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "kvfence_cli", "router",
+            "--model", "builtin:tiny-random", "--port", "0", "--api-keys", str(keys),
+            "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"kvfence router: {keys}:2: tenant 'team/x' is not a valid tenant name" in done.stderr
+    assert "key-x" not in done.stderr

@@ -58,6 +58,7 @@ class InboundKV:
     reserved_tokens: int
     deadline: float  # the transfer must have started by then, or the reservation is dropped
     written_tokens: int = 0
+    pages_written: set[int] = field(default_factory=set)  # each at most once per transfer
     in_flight: bool = False
     done: bool = False
     fenced: bool = False  # aborted while in flight: later writes are dropped, release deferred

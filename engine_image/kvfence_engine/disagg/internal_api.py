@@ -9,7 +9,6 @@ prefill: POST /internal/prefill  admit, compute the prompt's KV and first token,
 """
 
 import asyncio
-import hmac
 import json
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -17,6 +16,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
 
+from kvfence_engine.auth import secret_matches
 from kvfence_engine.contracts import (
     TOKEN_HEADER,
     AbortBody,
@@ -28,10 +28,11 @@ from kvfence_engine.contracts import (
     ReserveReply,
     Role,
 )
+from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import TokenLogprob, is_terminal
-from kvfence_engine.disagg.receiver import KVReceiver
+from kvfence_engine.disagg.receiver import HELLO_TIMEOUT, MAX_CONNECTIONS, KVReceiver
 from kvfence_engine.disagg.reservations import DecodeReservations
 from kvfence_engine.disagg.transfer import Handle, Layout, TransferError, send_kv
 from kvfence_engine.disagg.wire import delta_line, first_token, params_of, token_logprob
@@ -40,11 +41,18 @@ from kvfence_engine.serving.state import ServerState
 
 
 def internal_router(
-    state: ServerState, *, transfer_host: str = "127.0.0.1", transfer_port: int = 0
+    state: ServerState,
+    *,
+    transfer_host: str = "127.0.0.1",
+    transfer_port: int = 0,
+    transfer_max_connections: int = MAX_CONNECTIONS,
+    transfer_hello_timeout: float = HELLO_TIMEOUT,
 ) -> APIRouter:
     """The internal endpoints. In the decode role this also sets up, once the engine is
     ready, its reservations and the KV receiver on (transfer_host, transfer_port) that writes
-    into them (port 0: any free port; the engine reports the one it got)."""
+    into them (port 0: any free port; the engine reports the one it got), serving at most
+    `transfer_max_connections` at once, each of which must say HELLO within
+    `transfer_hello_timeout` seconds."""
     reservations: DecodeReservations | None = None
 
     def start_decode_side(engine: AsyncEngine) -> None:
@@ -52,7 +60,14 @@ def internal_router(
         nonlocal reservations
         reservations = DecodeReservations(engine.engine)
         engine.housekeeping.append(reservations.expire)
-        receiver = KVReceiver(reservations, transfer_host, transfer_port, state.internal_token)
+        receiver = KVReceiver(
+            reservations,
+            transfer_host,
+            transfer_port,
+            state.internal_token,
+            hello_timeout=transfer_hello_timeout,
+            max_connections=transfer_max_connections,
+        )
         engine.engine.args.transfer_port = receiver.port
         receiver.start()
 
@@ -62,9 +77,7 @@ def internal_router(
     def check_token(
         token: Annotated[str | None, Header(alias=TOKEN_HEADER)] = None,
     ) -> None:
-        if state.internal_token is not None and not hmac.compare_digest(
-            token or "", state.internal_token
-        ):
+        if state.internal_token is not None and not secret_matches(token, state.internal_token):
             raise EngineError(
                 401,
                 "internal endpoint: missing or wrong internal token",
@@ -155,6 +168,8 @@ def internal_router(
                 verify=engine.engine.args.kv_checksum,
             )
         except TransferError as exc:
+            if exc.code == "too_many_connections":  # decode is busy: a retry may find room
+                raise errors.overloaded(f"KV transfer to decode refused: {exc}") from exc
             status = 500 if exc.code == "kv_isolation_violation" else 502
             raise EngineError(
                 status, f"KV transfer to decode failed: {exc}", "server_error", exc.code

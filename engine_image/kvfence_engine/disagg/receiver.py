@@ -1,13 +1,25 @@
-"""Decode side of the KV transfer: a threaded TCP server that writes verified pages."""
+"""Decode side of the KV transfer: a threaded TCP server that writes verified pages.
+
+A transfer port is reachable by whatever the NetworkPolicy lets through, so the server bounds
+what a connection may cost before it has proven anything: a complete HELLO within
+`hello_timeout` seconds, and at most `max_connections` connections served at once (more are
+told `too_many_connections` and closed). Every field of a PAGE frame is checked before its
+payload is read or anything is written, and once a transfer began it always ends
+(`DecodeReservations.end_transfer`), whatever went wrong, so its pages always come back. Every
+refusal is a reply saying why, never a silent close.
+"""
 
 import contextlib
-import hmac
 import logging
 import socket
 import socketserver
 import threading
+import time
 from dataclasses import asdict
 
+from pydantic import ValidationError
+
+from kvfence_engine.auth import secret_matches
 from kvfence_engine.contracts import TransferHello, TransferLayout
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import Request
@@ -17,6 +29,7 @@ from kvfence_engine.disagg.transfer import (
     HELLO,
     PAGE,
     Layout,
+    PageFrame,
     TransferError,
     checksum,
     read_frame_header,
@@ -25,6 +38,11 @@ from kvfence_engine.disagg.transfer import (
 )
 
 log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT = 5.0  # seconds a new connection has to send its whole HELLO
+MAX_CONNECTIONS = 128  # transfer connections served at once; one thread and one page buffer each
+LINGER = 1.0  # after a refusal, how long unread input is drained so the reply is not lost
+LINGER_BYTES = 1 << 26
 
 
 class KVReceiver:
@@ -38,21 +56,43 @@ class KVReceiver:
         port: int,
         token: str | None,
         idle_timeout: float = 30.0,
+        hello_timeout: float = HELLO_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         self.reservations = reservations
         self.engine = reservations.engine
         self.layout = Layout.of(self.engine.pool)
         self.token = token
         self.idle_timeout = idle_timeout
+        self.hello_timeout = hello_timeout
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._refused_since_log = 0
+        self._last_refusal_log = 0.0
         receiver = self
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                receiver.serve_connection(self.request)
+                try:
+                    receiver.serve_connection(self.request)
+                finally:
+                    receiver._slots.release()
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
             allow_reuse_address = True
+
+            def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+                # on the accepting thread: a connection over the cap never gets a thread
+                if not receiver._slots.acquire(blocking=False):
+                    receiver._refuse_over_cap(request)
+                    self.shutdown_request(request)
+                    return
+                try:
+                    super().process_request(request, client_address)
+                except BaseException:
+                    receiver._slots.release()
+                    raise
 
         self.server = Server((host, port), Handler)
         self.port = int(self.server.server_address[1])
@@ -69,71 +109,176 @@ class KVReceiver:
         self.server.server_close()
 
     def serve_connection(self, sock: socket.socket) -> None:
-        sock.settimeout(self.idle_timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            magic, frame = read_frame_header(sock)
-            if magic != HELLO or not isinstance(frame, dict):
-                raise TransferError("bad_frame", "a transfer must start with HELLO")
-            # the token first: a sender without it learns nothing about what else is wrong
-            if self.token is not None and not hmac.compare_digest(
-                str(frame.get("token") or ""), self.token
-            ):
-                send_reply(sock, False, "unauthorized", "missing or wrong internal token")
-                return
-            hello = TransferHello.model_validate(frame)
-            if hello.layout != TransferLayout(**asdict(self.layout)):
-                raise TransferError("layout_mismatch", f"sender layout {hello.layout.model_dump()}")
-            if hello.checksum != self.engine.args.kv_checksum:
-                raise TransferError(
-                    "checksum_setting",
-                    "prefill and decode disagree on "
-                    "--no-kv-checksum; both ends must use the same setting",
-                )
-            seq = self.reservations.begin_transfer(
-                hello.request_id, hello.seq_id, hello.pages, hello.tags
-            )
-        except EngineError as exc:
-            send_reply(sock, False, exc.code, exc.message)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            seq, hello = self._hello(sock)
+        except EngineError as exc:  # no such reservation, not its pages, a second transfer
+            _refuse(sock, exc.code, exc.message)
             return
-        except (TransferError, OSError, ValueError) as exc:  # ValidationError is a ValueError
+        except (TransferError, OSError) as exc:
             log.warning("transfer refused: %s", exc)
-            _try_reply(sock, False, getattr(exc, "code", "bad_frame"), str(exc))
+            _refuse(sock, getattr(exc, "code", "bad_frame"), str(exc))
             return
-        self._receive(sock, seq)
+        except Exception:  # a bug: say so, keep the traceback in the log only
+            log.exception("transfer refused: the HELLO could not be handled")
+            _refuse(sock, "transfer_failed", "the receiver could not handle the HELLO")
+            return
+        sock.settimeout(self.idle_timeout)
+        self._receive(sock, seq, hello)
 
-    def _receive(self, sock: socket.socket, seq: Request) -> None:
-        engine = self.engine
-        page_bytes = self.layout.page_bytes
-        buffer = bytearray(page_bytes)
+    def _hello(self, sock: socket.socket) -> tuple[Request, TransferHello]:
+        """Read and check the HELLO within the deadline, and match it to its reservation."""
+        deadline = time.monotonic() + self.hello_timeout
+        try:
+            magic, frame = read_frame_header(sock, deadline)
+        except TransferError as exc:
+            if exc.code == "timeout":
+                raise TransferError(
+                    "timeout", f"no complete HELLO within {self.hello_timeout:g} s"
+                ) from exc
+            raise
+        if magic != HELLO or not isinstance(frame, dict):
+            raise TransferError("bad_frame", "a transfer must start with HELLO")
+        # the token first: a sender without it learns nothing about what else is wrong
+        if self.token is not None and not secret_matches(frame.get("token"), self.token):
+            raise TransferError("unauthorized", "missing or wrong internal token")
+        try:
+            hello = TransferHello.model_validate(frame)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "HELLO"
+            raise TransferError("bad_frame", f"malformed HELLO ({where}: {first['msg']})") from exc
+        if hello.layout != TransferLayout(**asdict(self.layout)):
+            raise TransferError("layout_mismatch", f"sender layout {hello.layout.model_dump()}")
+        if hello.checksum != self.engine.args.kv_checksum:
+            raise TransferError(
+                "checksum_setting",
+                "prefill and decode disagree on "
+                "--no-kv-checksum; both ends must use the same setting",
+            )
+        seq = self.reservations.begin_transfer(
+            hello.request_id, hello.seq_id, hello.pages, hello.tags
+        )
+        return seq, hello
+
+    def _receive(self, sock: socket.socket, seq: Request, hello: TransferHello) -> None:
+        """The transfer has begun: whatever happens now, it ends, and the sender is told."""
         error: EngineError | None = None
         try:
-            while True:
-                magic, header = read_frame_header(sock)
-                if magic == END:
-                    break
-                if magic != PAGE or not isinstance(header, tuple):
-                    raise TransferError("bad_frame", f"unexpected {magic!r} frame")
-                index, page, tag, tokens, digest, nbytes = header
-                if nbytes != page_bytes or not 0 < tokens <= self.layout.page_size:
-                    raise TransferError(
-                        "bad_frame", f"page frame of {nbytes} bytes/{tokens} tokens"
-                    )
-                payload = recv_exact(sock, nbytes, buffer)
-                if engine.args.kv_checksum:
-                    if checksum(payload) != digest:
-                        engine.metrics.checksum_failed.inc()
-                        raise TransferError("checksum_failed", f"page {index} failed its checksum")
-                    engine.metrics.checksum_verified.inc()
-                self.reservations.receive_page(seq, page, tag, tokens, payload)
+            self._receive_pages(sock, seq, hello)
         except (TransferError, OSError) as exc:
             code = getattr(exc, "code", "transfer_incomplete")
             error = EngineError(502, f"KV transfer failed: {exc}", "server_error", code)
-        final = self.reservations.end_transfer(seq, error)
+        except Exception:  # a bug must not leave the reservation's pages fenced for good
+            log.exception("KV transfer for %s failed", hello.request_id)
+            error = EngineError(
+                500,
+                "KV transfer failed: the receiver could not write a page",
+                "server_error",
+                "transfer_failed",
+            )
+        finally:
+            final = self.reservations.end_transfer(seq, error)
         if final is None:
             _try_reply(sock, True)
         else:
-            _try_reply(sock, False, final.code, final.message)
+            _refuse(sock, final.code, final.message)
+
+    def _receive_pages(self, sock: socket.socket, seq: Request, hello: TransferHello) -> None:
+        engine = self.engine
+        assert seq.inbound is not None
+        reserved_tokens = seq.inbound.reserved_tokens
+        buffer = bytearray(self.layout.page_bytes)
+        while True:
+            magic, frame = read_frame_header(sock)
+            if magic == END:
+                return
+            if magic != PAGE or not isinstance(frame, PageFrame):
+                raise TransferError("bad_frame", f"unexpected {magic!r} frame")
+            check_page_frame(frame, hello, reserved_tokens, self.layout)
+            payload = recv_exact(sock, frame.nbytes, buffer)
+            if engine.args.kv_checksum:
+                if checksum(payload) != frame.digest:
+                    engine.metrics.checksum_failed.inc()
+                    raise TransferError(
+                        "checksum_failed", f"page {frame.index} failed its checksum"
+                    )
+                engine.metrics.checksum_verified.inc()
+            self.reservations.receive_page(seq, frame.page, frame.tag, frame.tokens, payload)
+
+    def _refuse_over_cap(self, sock: socket.socket) -> None:
+        """(accepting thread) Tell a connection over the cap why it is closed, without waiting
+        on it: the reply fits an empty socket buffer."""
+        self._refused_since_log += 1
+        now = time.monotonic()
+        if now - self._last_refusal_log > 10.0:
+            log.warning(
+                "transfer port: %d connection(s) refused, %d already open (--transfer-max-"
+                "connections)",
+                self._refused_since_log,
+                self.max_connections,
+            )
+            self._refused_since_log, self._last_refusal_log = 0, now
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):  # what already arrived, so close sends no RST
+                sock.recv(1 << 16)
+            send_reply(
+                sock,
+                False,
+                "too_many_connections",
+                f"the transfer port already serves {self.max_connections} connections",
+            )
+            sock.shutdown(socket.SHUT_WR)
+
+
+def check_page_frame(
+    frame: PageFrame, hello: TransferHello, reserved_tokens: int, layout: Layout
+) -> None:
+    """Every field of a PAGE frame, before its payload is read or anything is written: its
+    index names one of the HELLO's pages (begin_transfer matched them to the reservation),
+    its page and tag are that index's, its tokens fit what the reservation has in that page,
+    and its payload is exactly one page."""
+    i = frame.index
+    if i >= len(hello.pages):
+        raise TransferError(
+            "bad_frame", f"page frame {i}: the reservation has {len(hello.pages)} pages"
+        )
+    if frame.page != hello.pages[i] or frame.tag != hello.tags[i]:
+        raise TransferError(
+            "bad_frame", f"page frame {i} names a page or tag that is not the reservation's"
+        )
+    room = min(layout.page_size, reserved_tokens - i * layout.page_size)
+    if not 0 < frame.tokens <= room:
+        raise TransferError(
+            "bad_frame", f"page frame {i} carries {frame.tokens} tokens; its page holds 1 to {room}"
+        )
+    if frame.nbytes != layout.page_bytes:
+        raise TransferError(
+            "bad_frame",
+            f"page frame {i} has a payload of {frame.nbytes} bytes; a page is {layout.page_bytes}",
+        )
+
+
+def _refuse(sock: socket.socket, code: str, message: str) -> None:
+    """Reply with the reason, then drain what the sender still sends for a moment (bounded),
+    so closing with unread input does not reset the connection before it reads the reply."""
+    with contextlib.suppress(OSError):
+        sock.settimeout(LINGER)  # not what is left of a deadline that may have passed
+    _try_reply(sock, False, code, message)
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + LINGER
+        drained = 0
+        while drained < LINGER_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            sock.settimeout(left)
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break
+            drained += len(chunk)
 
 
 def _try_reply(sock: socket.socket, ok: bool, code: str = "", message: str = "") -> None:

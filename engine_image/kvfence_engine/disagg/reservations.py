@@ -29,7 +29,7 @@ from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.faults import Fault
 from kvfence_engine.core.request import InboundKV, Request, TokenLogprob, is_terminal
-from kvfence_engine.disagg.transfer import Handle
+from kvfence_engine.disagg.transfer import Handle, TransferError
 
 
 class DecodeReservations:
@@ -167,8 +167,8 @@ class DecodeReservations:
         self, seq: Request, page: int, tag: int, tokens: int, payload: memoryview
     ) -> bool:
         """Write one verified page; a write for a fenced request or under a stale tag is
-        dropped and counted. Under the lock, so an abort cannot fence the request between the
-        check and the write."""
+        dropped and counted, a page written twice is refused (TransferError). Under the lock,
+        so an abort cannot fence the request between the check and the write."""
         inbound = seq.inbound
         assert inbound is not None
         late_write = Fault.LATE_WRITE in self.engine.faults
@@ -177,11 +177,17 @@ class DecodeReservations:
             if inbound.fenced and not late_write:
                 metrics.late_writes_dropped.inc()
                 return False
+            # A page sent twice would count its tokens twice, so a transfer that skipped a page
+            # could still add up. (The writes of a dropped request are the late-write path
+            # above: fenced, or under the fault, applied blindly as the bug was.)
+            if page in inbound.pages_written and not is_terminal(seq):
+                raise TransferError("bad_frame", f"page {page} was sent twice in one transfer")
             written = self.engine.pool.write_page(
                 seq.seq_id, page, tag, tokens, payload, check_tag=not late_write
             )
             if written:
                 inbound.written_tokens += tokens
+                inbound.pages_written.add(page)
             else:
                 metrics.late_writes_dropped.inc()
             return written

@@ -14,6 +14,7 @@ checksum and tag before writing it.
 import json
 import socket
 import struct
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ END = b"KVFE"
 _PAGE_HEADER = struct.Struct("<4sIIQIQQ")
 _LEN = struct.Struct("<I")
 MAX_JSON = 1 << 20
+REFUSAL_WAIT = 1.0  # after a failed send, how long the sender waits to read decode's reason
 
 
 class TransferError(RuntimeError):
@@ -115,23 +117,46 @@ def _send_json(sock: socket.socket, magic: bytes, body: dict[str, Any]) -> None:
     sock.sendall(magic + _LEN.pack(len(data)) + data)
 
 
-def recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> memoryview:
+def recv_exact(
+    sock: socket.socket, n: int, into: bytearray | None = None, deadline: float | None = None
+) -> memoryview:
+    """n bytes, or TransferError. With a `deadline` (time.monotonic()) the whole read must
+    finish by then, however the bytes trickle in; without one, the socket's timeout bounds
+    each wait."""
     buf = into if into is not None and len(into) >= n else bytearray(n)
     view = memoryview(buf)[:n]
     got = 0
     while got < n:
-        chunk = sock.recv_into(view[got:], n - got)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError("timeout", f"deadline passed after {got}/{n} bytes")
+            sock.settimeout(left)
+        try:
+            chunk = sock.recv_into(view[got:], n - got)
+        except TimeoutError as exc:
+            if deadline is None:
+                raise  # an idle peer: the caller's OSError
+            raise TransferError("timeout", f"deadline passed after {got}/{n} bytes") from exc
         if chunk == 0:
             raise TransferError("transfer_incomplete", f"connection closed after {got}/{n} bytes")
         got += chunk
     return view
 
 
-def recv_json(sock: socket.socket) -> dict[str, Any]:
-    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size))
+def recv_json(sock: socket.socket, deadline: float | None = None) -> dict[str, Any]:
+    """A length-prefixed JSON object; anything else is a bad_frame TransferError."""
+    (length,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline=deadline))
     if length > MAX_JSON:
         raise TransferError("bad_frame", f"JSON frame of {length} bytes is too large")
-    return json.loads(bytes(recv_exact(sock, length)))
+    data = bytes(recv_exact(sock, length, deadline=deadline))
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, or nested too deep
+        raise TransferError("bad_frame", "the frame is not valid JSON") from exc
+    if not isinstance(body, dict):
+        raise TransferError("bad_frame", "the frame is not a JSON object")
+    return body
 
 
 class Sender:
@@ -184,9 +209,18 @@ class Sender:
     def finish(self, tokens_written: int) -> None:
         """Send END and wait for decode's verdict; raises TransferError if it refused."""
         _send_json(self.sock, END, {"tokens_written": tokens_written})
-        reply = recv_json(self.sock)
-        if not reply.get("ok"):
-            raise TransferError(str(reply.get("code")), str(reply.get("message")))
+        refusal = _refusal(recv_json(self.sock))
+        if refusal is not None:
+            raise refusal
+
+    def refusal(self) -> "TransferError | None":
+        """After a send failed: decode's reason, if it refused and said why before it closed
+        (e.g. too many connections, or a frame it would not take)."""
+        try:
+            self.sock.settimeout(REFUSAL_WAIT)
+            return _refusal(recv_json(self.sock))
+        except (OSError, TransferError):
+            return None
 
     def close(self) -> None:
         self.sock.close()
@@ -221,21 +255,48 @@ def send_kv(
     views = page_views(k, v)
     size = layout.page_size
     with Sender(handle, layout, token=token, timeout=timeout, verify=verify) as sender:
-        for start in range(0, pages, batch_pages):
-            stop = min(start + batch_pages, pages)
-            filled = [max(0, min(size, tokens_written - i * size)) for i in range(start, stop)]
-            sender.send_pages(start, views[start:stop], filled)
-        sender.finish(tokens_written)
+        try:
+            for start in range(0, pages, batch_pages):
+                stop = min(start + batch_pages, pages)
+                filled = [max(0, min(size, tokens_written - i * size)) for i in range(start, stop)]
+                sender.send_pages(start, views[start:stop], filled)
+            sender.finish(tokens_written)
+        except OSError as exc:
+            refusal = sender.refusal()
+            if refusal is None:
+                raise
+            raise refusal from exc
 
 
-def read_frame_header(sock: socket.socket) -> tuple[bytes, tuple[Any, ...] | dict[str, Any]]:
-    magic = bytes(recv_exact(sock, 4))
+@dataclass(frozen=True, slots=True)
+class PageFrame:
+    """A PAGE frame's header: which of the HELLO's pages (`index`), the pool page and tag it
+    writes, how many of its slots are valid, the payload's checksum and length."""
+
+    index: int
+    page: int
+    tag: int
+    tokens: int
+    digest: int
+    nbytes: int
+
+
+def read_frame_header(
+    sock: socket.socket, deadline: float | None = None
+) -> tuple[bytes, PageFrame | dict[str, Any]]:
+    magic = bytes(recv_exact(sock, 4, deadline=deadline))
     if magic == PAGE:
-        rest = recv_exact(sock, _PAGE_HEADER.size - 4)
-        return magic, _PAGE_HEADER.unpack(PAGE + bytes(rest))[1:]
+        rest = recv_exact(sock, _PAGE_HEADER.size - 4, deadline=deadline)
+        return magic, PageFrame(*_PAGE_HEADER.unpack(PAGE + bytes(rest))[1:])
     if magic in (HELLO, END):
-        return magic, recv_json(sock)
+        return magic, recv_json(sock, deadline)
     raise TransferError("bad_frame", f"unknown frame {magic!r}")
+
+
+def _refusal(reply: dict[str, Any]) -> TransferError | None:
+    if reply.get("ok") is True:
+        return None
+    return TransferError(str(reply.get("code")), str(reply.get("message")))
 
 
 def send_reply(sock: socket.socket, ok: bool, code: str = "", message: str = "") -> None:

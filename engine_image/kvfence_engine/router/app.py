@@ -12,10 +12,8 @@ GET /v1/kvpool summarises the backends' pools and /metrics re-exports their isol
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -56,6 +54,7 @@ from kvfence_engine.disagg.wire import delta_of
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.router.backends import Backend, Backends
+from kvfence_engine.router.keys import ApiKeys, request_id_for
 from kvfence_engine.serving.limits import refuse_unfittable_prompt
 from kvfence_engine.serving.openai_api import (
     OpenAIOutput,
@@ -71,24 +70,6 @@ from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionReq
 log = logging.getLogger(__name__)
 DEFAULT_TENANT = "default"
 BACKEND_READ_TIMEOUT = 2.0  # a slow engine must not stall the router's /metrics or /v1/kvpool
-
-
-def read_api_keys(paths: list[str]) -> dict[str, str] | None:
-    """Keys files: one "KEY TENANT" per line (# comments allowed). None: no files given."""
-    if not paths:
-        return None
-    keys: dict[str, str] = {}
-    for path in paths:
-        with open(path) as f:
-            for number, line in enumerate(f, 1):
-                line = line.strip()
-                if not line or line.startswith("#"):
-                    continue
-                parts = line.split()
-                if len(parts) != 2:
-                    raise ValueError(f"{path}:{number}: expected 'KEY TENANT', got {line!r}")
-                keys[parts[0]] = parts[1]
-    return keys
 
 
 @dataclass(slots=True)
@@ -122,7 +103,7 @@ class RouterState:
     model_name: str
     tokenizer: Tokenizer
     backends: Backends
-    api_keys: dict[str, str] | None
+    api_keys: ApiKeys | None  # None: no keys files, every request is the default tenant
     internal_token: str | None
     context_length: int | None = None  # explicit --context-length wins over everything
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
@@ -144,12 +125,12 @@ class RouterState:
             return DEFAULT_TENANT
         header = request.headers.get("authorization", "")
         key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-        for known, tenant in self.api_keys.items():
-            if key and hmac.compare_digest(key, known):
-                return tenant
-        raise EngineError(
-            401, "missing or invalid API key", "invalid_request_error", "invalid_api_key"
-        )
+        tenant = self.api_keys.tenant_of(key)
+        if tenant is None:
+            raise EngineError(
+                401, "missing or invalid API key", "invalid_request_error", "invalid_api_key"
+            )
+        return tenant
 
     def headers(self) -> dict[str, str]:
         return {TOKEN_HEADER: self.internal_token} if self.internal_token else {}
@@ -347,7 +328,7 @@ async def _route(
         logprobs=logprobs,
         ignore_eos=body.ignore_eos,
     )
-    request_id = f"{tenant}-{uuid.uuid4().hex}"
+    request_id = request_id_for(tenant)
     try:
         reserve = ReserveBody(
             request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling

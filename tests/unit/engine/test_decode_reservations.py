@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import fields
 
 import pytest
 
@@ -15,7 +16,13 @@ from helpers.engines import generate, make_tiny_engine, prompt_of, run_until_don
 from helpers.pool_watch import watch_reservations
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.errors import EngineError
-from kvfence_engine.core.request import Request, SamplingParams, TokenLogprob, is_terminal
+from kvfence_engine.core.request import (
+    InboundKV,
+    Request,
+    SamplingParams,
+    TokenLogprob,
+    is_terminal,
+)
 from kvfence_engine.disagg.reservations import DecodeReservations
 from kvfence_engine.disagg.transfer import Handle, page_views
 
@@ -338,6 +345,56 @@ def test_a_page_write_waits_while_another_thread_holds_the_reservation_state() -
     writer.join()
     assert int(book.engine.pool.fill[page]) == PAGE
     book.end_transfer(inbound, None)  # as the receiver thread does when the connection ends
+
+
+def test_start_decode_never_sees_a_transfer_half_ended() -> None:
+    """Issue 12, finding 7: end_transfer marks a transfer done and then records its error. Both
+    happen under the reservations' lock and start_decode reads both under it, so a
+    start_decode that arrives in between waits, and refuses the failed transfer instead of
+    decoding from it."""
+    book = decode_side()
+    prompt = prompt_of(40)
+    seq = admitted(book.engine, prompt)
+    handle = book.reserve(seq, "race")
+    _, first = prefilled(prompt)
+    inbound = book.begin_transfer("race", handle.seq_id, handle.pages, handle.tags)
+    between, go_on = threading.Event(), threading.Event()
+
+    class PausesWhenDone(InboundKV):
+        """Stops end_transfer right after `done` is set, before the error is."""
+
+        def __setattr__(self, name: str, value: object) -> None:
+            super().__setattr__(name, value)
+            if name == "done" and value:
+                between.set()
+                go_on.wait(timeout=10)
+
+    assert seq.inbound is not None
+    seq.inbound = PausesWhenDone(
+        **{f.name: getattr(seq.inbound, f.name) for f in fields(seq.inbound)}
+    )
+    failure = EngineError(502, "KV transfer failed: reset", "server_error", "transfer_incomplete")
+    ender = threading.Thread(target=book.end_transfer, args=(inbound, failure))
+    ender.start()
+    assert between.wait(timeout=10)
+    outcome: dict[str, object] = {}
+
+    def start() -> None:
+        try:
+            outcome["decoding"] = book.start_decode("race", first)
+        except EngineError as refused:
+            outcome["refused"] = refused
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    starter.join(timeout=0.5)
+    waited = starter.is_alive()  # held off while the transfer was half ended
+    go_on.set()
+    ender.join(timeout=10)
+    starter.join(timeout=10)
+    assert outcome == {"refused": failure}
+    assert waited
+    assert book.engine.pool.num_used == 0
 
 
 def test_concurrent_transfers_aborts_and_expiry_leave_every_page_free() -> None:

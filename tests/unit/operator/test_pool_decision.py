@@ -101,6 +101,37 @@ def test_an_engine_with_its_tag_check_off_is_never_sufficient():
     assert "tag check is off" in decision.gates["d-0"].message
 
 
+@pytest.mark.parametrize("fault", ["early-release", "late-write", "skip-count-check"])
+def test_an_engine_reporting_any_unsafe_fault_is_never_sufficient(fault):
+    """Issue 12, finding 7: only the tag check and deferred release were looked at, so an
+    engine whose defences report on but that runs another fault passed the gate."""
+    for policy in PoolPolicy:
+        decision = judge_pools(
+            [pod("d-0", 4096, unsafe_faults=[fault]), pod("p-0", 4096, "prefill")],
+            policy,
+            512,
+            None,
+        )
+        gate = decision.gates["d-0"]
+        assert not gate.sufficient and gate.reason == "IsolationDefenceOff"
+        assert f"unsafe faults ({fault})" in gate.message
+        assert not decision.sufficient and decision.reason == "IsolationDefenceOff"
+        assert decision.gates["p-0"].sufficient  # the control: the same pod without the fault
+
+
+def test_a_tests_operator_may_let_unsafe_faults_through_but_nothing_else():
+    """KVFENCE_ALLOW_UNSAFE=1 on the operator: a test can watch the canary catch a fault. The
+    other defences still close the gate."""
+    faulty = pod("d-0", 4096, unsafe_faults=["early-release"])
+    tagless = pod("d-1", 4096, unsafe_faults=["no-tag-check"], tag_check=False)
+    decision = judge_pools(
+        [faulty, tagless], PoolPolicy.REFUSE, 512, None, unsafe_faults_allowed=True
+    )
+    assert decision.gates["d-0"].sufficient
+    assert not decision.gates["d-1"].sufficient
+    assert "tag check is off" in decision.gates["d-1"].message
+
+
 def test_an_unreachable_pod_counts_as_not_sufficient():
     unreachable = read_pool("d-0", "decode", "r1", "http://127.0.0.1:9")  # discard port
     assert unreachable.report is None and "unreachable" in (unreachable.error or "")

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from helpers.pool_watch import watch_reservations
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import Request, SamplingParams, TokenLogprob
@@ -26,7 +27,7 @@ def decode() -> Iterator[DecodeReservations]:
     server needed)."""
     budget = TINY_CONFIG.kv_bytes_per_token(4) * PAGE * 8
     engine = LLMEngine(tiny_random(), EngineArgs(role="decode", kv_cache_memory=budget))
-    book = DecodeReservations(engine)
+    book = watch_reservations(DecodeReservations(engine))
     receiver = KVReceiver(book, "127.0.0.1", 0, token=None)
     engine.args.transfer_port = receiver.port
     receiver.start()

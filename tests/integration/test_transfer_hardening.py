@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from helpers.engines import make_tiny_engine, prompt_of
+from helpers.pool_watch import watch_reservations
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import Request, SamplingParams, TokenLogprob
 from kvfence_engine.disagg.receiver import KVReceiver
@@ -48,7 +49,7 @@ def decode() -> Iterator[ReceiverFactory]:
     started: list[KVReceiver] = []
 
     def start(**settings: object) -> tuple[DecodeReservations, KVReceiver]:
-        book = DecodeReservations(make_tiny_engine(pages=16, role="decode"))
+        book = watch_reservations(DecodeReservations(make_tiny_engine(pages=16, role="decode")))
         receiver = KVReceiver(book, "127.0.0.1", 0, **({"token": None} | settings))  # type: ignore[arg-type]
         book.engine.args.transfer_port = receiver.port
         receiver.start()

@@ -43,7 +43,12 @@ def add_parser(sub: Subparsers) -> None:
         default="builtin:smollm2-135m-instruct",
         help="where the tokenizer and chat template come from",
     )
-    p.add_argument("--internal-token-file", default=None)
+    p.add_argument(
+        "--internal-token-file",
+        default=None,
+        help="send this token to the engines; require it on /metrics and for the full "
+        "/v1/kvpool (with API keys and no token, /metrics is off)",
+    )
     add_max_request_bytes(p)
     p.set_defaults(func=run)
 

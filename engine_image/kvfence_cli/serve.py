@@ -49,7 +49,8 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument(
         "--internal-token-file",
         default=None,
-        help="require this token on internal endpoints and KV transfers",
+        help="require this token on internal endpoints, KV transfers, /v1/kvpool and /metrics "
+        "(X-Kvfence-Internal-Token, or Authorization: Bearer for Prometheus)",
     )
     p.add_argument(
         "--no-kv-checksum",

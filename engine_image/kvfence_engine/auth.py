@@ -1,7 +1,11 @@
 """Checking a secret a caller presents: the router's API keys, the internal token on
-/internal/* calls and on a KV transfer's HELLO."""
+/internal/* calls, on the operational endpoints (/metrics, /v1/kvpool) and on a KV transfer's
+HELLO."""
 
 import hmac
+from collections.abc import Mapping
+
+from kvfence_engine.contracts import TOKEN_HEADER
 
 
 def secret_matches(presented: object, expected: str) -> bool:
@@ -15,3 +19,17 @@ def secret_matches(presented: object, expected: str) -> bool:
     if not isinstance(presented, bytes) or not presented:
         return False
     return hmac.compare_digest(presented, expected.encode("utf-8", "surrogatepass"))
+
+
+def bearer_of(headers: Mapping[str, str]) -> str:
+    """The token of `Authorization: Bearer <token>`, or "" when there is none."""
+    header = headers.get("authorization", "")
+    return header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+
+
+def presents_internal_token(headers: Mapping[str, str], expected: str) -> bool:
+    """Whether a request carries the internal token: in X-Kvfence-Internal-Token, or as a
+    bearer token (how Prometheus authenticates a scrape)."""
+    return secret_matches(headers.get(TOKEN_HEADER), expected) or secret_matches(
+        bearer_of(headers), expected
+    )

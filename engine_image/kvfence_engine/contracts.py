@@ -149,9 +149,9 @@ class BackendUnread(_Message):
     error: str
 
 
-class RouterPoolSummary(_Message):
-    """Each backend's report (or why there is none) and the numbers that bound a request
-    whichever instances it lands on: the smallest pool and context, defences on everywhere."""
+class _PoolBounds(_Message):
+    """The numbers that bound a request whichever instances it lands on: the smallest pool
+    and context, defences on everywhere."""
 
     role: Literal["router"] = "router"
     context_length_served: Positive
@@ -161,14 +161,34 @@ class RouterPoolSummary(_Message):
     tag_check: bool
     kv_checksum: bool
     deferred_release: bool
+
+
+class RouterPoolSummary(_PoolBounds):
+    """The operator's view (with the internal token): each backend's whole report, with its
+    URL, transfer port and free pages, or why there is none."""
+
     backends: list[BackendReport | BackendUnread]
 
 
-class BackendPoolSize(_Reading):
-    """The canary's reading of one backend in the router's summary."""
+class BackendPool(_Message):
+    """One backend as a tenant sees it: its role and pool size, not where it is or how full."""
 
     role: Role
-    url: str
+    report: PoolSize | None = None
+    error: str | None = None
+
+
+class TenantPoolSummary(_PoolBounds):
+    """A tenant's view: the same bounds and one entry per backend, in the same order."""
+
+    backends: list[BackendPool]
+
+
+class BackendPoolSize(_Reading):
+    """The canary's reading of one backend in the router's summary (either view)."""
+
+    role: Role
+    url: str | None = None  # the operator's view only
     report: PoolSize | None = None
     error: str | None = None
 

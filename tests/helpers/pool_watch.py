@@ -11,9 +11,11 @@ tests/conftest.py snapshots them before each test and checks them after. Engines
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
+from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.disagg.reservations import DecodeReservations
 from kvfence_engine.tools.localproc import LocalProcess
@@ -25,6 +27,7 @@ SETTLE_SECONDS = 10.0
 _engines: "weakref.WeakSet[LLMEngine]" = weakref.WeakSet()
 _books: list[DecodeReservations] = []  # held until the next check: nothing else may hold them
 _servers: list[LocalProcess] = []
+_token_files: dict[int, Path] = {}  # id(server) -> its --internal-token-file
 
 
 def watch_engine(engine: LLMEngine) -> LLMEngine:
@@ -40,9 +43,15 @@ def watch_reservations(book: DecodeReservations) -> DecodeReservations:
     return book
 
 
-def watch_server(proc: LocalProcess, *, unsafe: bool) -> LocalProcess:
+def watch_server(
+    proc: LocalProcess, *, unsafe: bool, token_file: Path | None = None
+) -> LocalProcess:
+    """token_file: the engine's internal token, which its /v1/kvpool then requires (read at
+    each check: a test may write the file after starting the engine's definition)."""
     if not unsafe:
         _servers.append(proc)
+        if token_file is not None:
+            _token_files[id(proc)] = token_file
     return proc
 
 
@@ -58,8 +67,10 @@ Snapshot = dict[int, Level]
 def _server_level(proc: LocalProcess) -> Level | None:
     if proc.proc is None or proc.proc.poll() is not None:
         return None  # not started yet, or stopped: nothing to hold pages
+    token_file = _token_files.get(id(proc))
+    headers = {TOKEN_HEADER: token_file.read_text().strip()} if token_file is not None else {}
     try:
-        report = httpx.get(proc.url + "/v1/kvpool", timeout=5.0).json()
+        report = httpx.get(proc.url + "/v1/kvpool", headers=headers, timeout=5.0).json()
         return Level(int(report["free_pages"]), int(report["num_pages"]))
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None  # still loading, or failed on purpose: the test says what it expects
@@ -105,6 +116,7 @@ def leaks(before: Snapshot) -> list[str]:
     for proc in list(_servers):
         if proc.proc is not None and proc.proc.poll() is not None:
             _servers.remove(proc)  # stopped for good: it holds nothing any more
+            _token_files.pop(id(proc), None)
             continue
         while True:
             now = _server_level(proc)

@@ -15,7 +15,9 @@ def serve(logs_dir: Path, name: str, *args: str, unsafe: bool = False) -> LocalP
     proc = LocalProcess(
         ["serve", *args, "--threads", "1"], env=env, log_path=logs_dir / f"{name}.log"
     )
-    return watch_server(proc, unsafe=unsafe)
+    flag = "--internal-token-file"
+    token_file = Path(args[args.index(flag) + 1]) if flag in args else None
+    return watch_server(proc, unsafe=unsafe, token_file=token_file)
 
 
 def metric(url: str, name: str) -> float:

@@ -15,7 +15,7 @@ from kvfence_engine.contracts import EnginePoolSize, PoolSize, Role, RouterPoolS
 @dataclass(frozen=True, slots=True)
 class EnginePool:
     role: Role
-    url: str  # "" when the target is itself a combined engine
+    url: str  # "" when the target is itself a combined engine; "#N" from a tenant's view
     pool_tokens: int
     context_length_effective: int
     page_size: int
@@ -104,8 +104,16 @@ def parse_pools(report: object) -> tuple[tuple[EnginePool, ...], tuple[str, ...]
         backends = RouterPoolSizes.model_validate(report).backends
     except ValidationError as exc:
         raise CannotRun(f"cannot read the target's /v1/kvpool: {exc}") from exc
-    engines = tuple(_pool(b.role, b.url, b.report) for b in backends if b.report is not None)
-    unreachable = tuple(f"{b.role} {b.url}" for b in backends if b.error is not None)
+    # A tenant's view of the router names no URL: the canary names a backend by its place.
+    names = [b.url or f"#{i}" for i, b in enumerate(backends, 1)]
+    engines = tuple(
+        _pool(b.role, name, b.report)
+        for b, name in zip(backends, names, strict=True)
+        if b.report is not None
+    )
+    unreachable = tuple(
+        f"{b.role} {name}" for b, name in zip(backends, names, strict=True) if b.error is not None
+    )
     if not engines:
         raise CannotRun("the target's /v1/kvpool lists no engine that reported its pool")
     return engines, unreachable

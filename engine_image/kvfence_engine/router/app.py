@@ -8,10 +8,17 @@ token exists does not cancel the work mid-transfer: both halves are cancelled on
 
 The engines sit behind a NetworkPolicy, so the router also shows what a canary must check:
 GET /v1/kvpool summarises the backends' pools and /metrics re-exports their isolation counters.
+
+What a tenant sees (issue 12, finding 4): its own answers, the served context, each engine's
+role and pool size. Not other tenants' names or counts (/metrics needs the internal token),
+not where the engines are (the tenant's /v1/kvpool names no URL or port, and a backend's
+server-side error reaches the client as a generic message; the detail goes to the log under
+the request id), not how full the pools are.
 """
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
@@ -27,9 +34,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
 
+from kvfence_engine.auth import bearer_of, presents_internal_token
 from kvfence_engine.contracts import (
     TOKEN_HEADER,
     AbortBody,
+    BackendPool,
     BackendReport,
     BackendUnread,
     DecodeBody,
@@ -44,6 +53,7 @@ from kvfence_engine.contracts import (
     Role,
     RouterPoolSummary,
     Sampling,
+    TenantPoolSummary,
     TransferHandle,
 )
 from kvfence_engine.core import errors
@@ -123,9 +133,7 @@ class RouterState:
     def tenant(self, request: Request) -> str:
         if self.api_keys is None:
             return DEFAULT_TENANT
-        header = request.headers.get("authorization", "")
-        key = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
-        tenant = self.api_keys.tenant_of(key)
+        tenant = self.api_keys.tenant_of(bearer_of(request.headers))
         if tenant is None:
             raise EngineError(
                 401, "missing or invalid API key", "invalid_request_error", "invalid_api_key"
@@ -134,6 +142,42 @@ class RouterState:
 
     def headers(self) -> dict[str, str]:
         return {TOKEN_HEADER: self.internal_token} if self.internal_token else {}
+
+    def is_operator(self, request: Request) -> bool:
+        """Whether the caller may see the operational view (every tenant's counts, backend
+        addresses): it presents the internal token. A router without one shows that view
+        only when it has no tenants either (no keys: one user, on a laptop); with keys and no
+        token, nobody sees it."""
+        if self.internal_token is None:
+            return self.api_keys is None
+        return presents_internal_token(request.headers, self.internal_token)
+
+    def require_operator(self, request: Request) -> None:
+        if self.is_operator(request):
+            return
+        if self.internal_token is None:
+            raise EngineError(
+                403,
+                f"{request.url.path} is off: this router has API keys but no internal token "
+                "(start it with --internal-token-file)",
+                "permission_error",
+                "forbidden",
+            )
+        if self.api_keys is not None and self.api_keys.tenant_of(bearer_of(request.headers)):
+            raise EngineError(
+                403,
+                f"{request.url.path} is for the operator and Prometheus, not tenants: "
+                "it needs the internal token",
+                "permission_error",
+                "forbidden",
+            )
+        raise EngineError(
+            401,
+            f"{request.url.path} needs the internal token (X-Kvfence-Internal-Token or "
+            "Authorization: Bearer)",
+            "authentication_error",
+            "unauthorized",
+        )
 
     async def served_context(self) -> int:
         """--context-length, else what the operator wrote, else the smallest decode pool's
@@ -147,7 +191,9 @@ class RouterState:
             values = []
             for backend in self.backends.decode.backends:
                 try:
-                    r = await self.client.get(backend.url + "/v1/kvpool", timeout=5.0)
+                    r = await self.client.get(
+                        backend.url + "/v1/kvpool", headers=self.headers(), timeout=5.0
+                    )
                     r.raise_for_status()
                     values.append(PoolSize.model_validate_json(r.content).context_length_effective)
                 except (httpx.HTTPError, ValueError):  # ValidationError is a ValueError
@@ -170,7 +216,8 @@ def create_router_app(state: RouterState) -> FastAPI:
         )
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        state.require_operator(request)
         scraped = await _read_backends(state, "/metrics", lambda r: r.text)
         backends = CollectorRegistry(auto_describe=False)
         backends.register(BackendCounters(scraped))
@@ -178,12 +225,15 @@ def create_router_app(state: RouterState) -> FastAPI:
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/kvpool")
-    async def kvpool(request: Request) -> RouterPoolSummary:
-        state.tenant(request)
+    async def kvpool(request: Request) -> RouterPoolSummary | TenantPoolSummary:
+        operator = state.is_operator(request)
+        if not operator:
+            state.tenant(request)
         reports = await _read_backends(
             state, "/v1/kvpool", lambda r: KvPoolReport.model_validate_json(r.content)
         )
-        return summarise_pools(reports, await state.served_context())
+        summary = summarise_pools(reports, await state.served_context())
+        return summary if operator else tenant_view(summary)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -234,7 +284,9 @@ async def _read_backends(
 
     async def read(url: str) -> Any:
         try:
-            r = await state.client.get(url + path, timeout=BACKEND_READ_TIMEOUT)
+            r = await state.client.get(
+                url + path, headers=state.headers(), timeout=BACKEND_READ_TIMEOUT
+            )
             return parse(r) if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):  # ValidationError is a ValueError
             return None
@@ -262,6 +314,20 @@ def summarise_pools(reports: list[BackendRead], served_context: int) -> RouterPo
             if report is not None
             else BackendUnread(role=role, url=url, error="unreachable or not ready")
             for role, url, report in reports
+        ],
+    )
+
+
+def tenant_view(summary: RouterPoolSummary) -> TenantPoolSummary:
+    """The summary without where the engines are (URL, transfer port) or how full they are
+    (free pages): each engine's role and the numbers that bound a request."""
+    return TenantPoolSummary(
+        **summary.model_dump(exclude={"role", "backends"}),
+        backends=[
+            BackendPool(role=b.role, report=PoolSize.model_validate(b.report.model_dump()))
+            if isinstance(b, BackendReport)
+            else BackendPool(role=b.role, error=b.error)
+            for b in summary.backends
         ],
     )
 
@@ -371,6 +437,30 @@ class Unreachable(EngineError):
     """An instance did not answer at all (refused, reset, timed out): a clean 503."""
 
 
+# What a client reads instead of a backend's server-side error message, by error code. The
+# engines' messages are for the router and the log: they may name an instance's address ("KV
+# transfer to decode failed: ... 10.0.3.7:9000") or the pool's occupancy ("no free KV pages
+# for 300 tokens: ... 3 free").
+CLIENT_MESSAGES = {
+    "overloaded": "the service is at capacity; retry shortly",
+    "not_ready": "the service is starting; retry shortly",
+    "backend_unreachable": "no instance of the service answered; retry shortly",
+    "kv_isolation_violation": "The request was stopped before generating from KV cache it does "
+    "not own. No output was produced from that data.",
+}
+
+
+def client_facing(error: EngineError, request_id: str) -> EngineError:
+    """A backend's error as the client may see it: a 4xx is about the request and passes on
+    whole; a 5xx keeps its status, type, code and Retry-After, gets a generic message, and its
+    detail is logged under the request id (which the client's message names)."""
+    if error.status < 500 or error.code == "internal_error":  # that one names a reference only
+        return error
+    log.warning("request %s: %s", request_id, error)
+    generic = CLIENT_MESSAGES.get(error.code, "the service could not complete the request")
+    return dataclasses.replace(error, message=f"{generic} (request {request_id})")
+
+
 async def _call(
     state: RouterState,
     backend: Backend,
@@ -378,8 +468,10 @@ async def _call(
     path: str,
     body: BaseModel,
     reply: type[ReplyT],
+    request_id: str,
 ) -> ReplyT:
-    """POST to an instance. Unreachable -> out of rotation + 503; its own error -> passed on."""
+    """POST to an instance. Unreachable -> out of rotation + 503; its own error -> passed on
+    as the client may see it."""
     backend.outstanding += 1
     try:
         r = await state.client.post(
@@ -389,18 +481,19 @@ async def _call(
         state.metrics.backend_errors.labels(role=role).inc()
         pool = state.backends.prefill if role is Role.PREFILL else state.backends.decode
         pool.mark_down(backend)
-        raise Unreachable(
+        unreachable = Unreachable(
             503,
             f"{role} instance {backend.url} is unreachable: {exc!r}",
             "server_error",
             "backend_unreachable",
             None,
             1,
-        ) from exc
+        )
+        raise client_facing(unreachable, request_id) from exc
     finally:
         backend.outstanding -= 1
     if r.status_code >= 400:
-        raise _error_from(r)
+        raise client_facing(_error_from(r), request_id)
     return reply.model_validate_json(r.content)
 
 
@@ -425,7 +518,9 @@ async def _reserve(state: RouterState, body: ReserveBody) -> tuple[Backend, Tran
         decode = state.backends.decode.pick(tried)
         tried.add(decode.url)
         try:
-            reply = await _call(state, decode, Role.DECODE, "/internal/reserve", body, ReserveReply)
+            reply = await _call(
+                state, decode, Role.DECODE, "/internal/reserve", body, ReserveReply, body.request_id
+            )
         except Unreachable:
             continue  # out of rotation now; try another decode instance
         handle = reply.model_dump(exclude={"max_tokens"}) | {"transfer_host": decode.host}
@@ -443,7 +538,15 @@ async def _prefill(
     body = PrefillBody(handle=handle, prompt_ids=prompt_ids, sampling=sampling)
     decode.outstanding += 1
     try:
-        result = await _call(state, prefill, Role.PREFILL, "/internal/prefill", body, PrefillReply)
+        result = await _call(
+            state,
+            prefill,
+            Role.PREFILL,
+            "/internal/prefill",
+            body,
+            PrefillReply,
+            handle.request_id,
+        )
     finally:
         decode.outstanding -= 1
     return result.first
@@ -488,19 +591,22 @@ async def _decode(
             if r.status_code >= 400:
                 await r.aread()
                 finished = True
-                yield Delta([], [], "error", _error_from(r))
+                yield Delta([], [], "error", client_facing(_error_from(r), request_id))
                 return
             async for line in r.aiter_lines():
                 if line:
                     delta = delta_of(DeltaLine.model_validate_json(line))
                     finished = delta.finish_reason is not None
+                    if delta.error is not None:
+                        delta.error = client_facing(delta.error, request_id)
                     yield delta
         if not finished:
             raise httpx.RemoteProtocolError("decode stream ended without a finish")
     except httpx.HTTPError as exc:
         state.metrics.backend_errors.labels(role="decode").inc()
         finished = True
-        yield Delta([], [], "error", errors.overloaded(f"decode instance failed: {exc!r}", 1))
+        broken = errors.overloaded(f"decode instance {decode.url} failed: {exc!r}", 1)
+        yield Delta([], [], "error", client_facing(broken, request_id))
     finally:
         decode.outstanding -= 1
         if not finished:

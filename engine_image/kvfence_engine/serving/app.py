@@ -1,16 +1,22 @@
 """The engine's HTTP server: health, pool report, metrics and the OpenAI API (combined role).
-The disaggregated roles add the internal endpoints (kvfence_engine.disagg.internal_api)."""
+The disaggregated roles add the internal endpoints (kvfence_engine.disagg.internal_api).
+
+With an internal token (--internal-token-file) the pool report and the metrics are for the
+operator, the router and Prometheus only: they show pool occupancy and every request's
+counts. /healthz and /readyz stay open for the kubelet's probes."""
 
 import asyncio
 import logging
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvfence_engine.auth import presents_internal_token
 from kvfence_engine.contracts import KvPoolReport, Role
 from kvfence_engine.core import errors
+from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import SamplingParams, is_terminal
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.serving.async_engine import AsyncEngine
@@ -34,6 +40,18 @@ def create_app(state: ServerState) -> FastAPI:
     app = new_app("kvfence engine")
     app.state.kvfence = state
 
+    def operational(request: Request) -> None:
+        """The internal token, when the engine has one (a lone engine on a laptop has none)."""
+        token = state.internal_token
+        if token is not None and not presents_internal_token(request.headers, token):
+            raise EngineError(
+                401,
+                f"{request.url.path} needs the internal token (X-Kvfence-Internal-Token or "
+                "Authorization: Bearer)",
+                "authentication_error",
+                "unauthorized",
+            )
+
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         if state.engine is not None:
@@ -41,11 +59,11 @@ def create_app(state: ServerState) -> FastAPI:
         status = "failed" if state.load_error else "loading"
         return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
 
-    @app.get("/v1/kvpool")
+    @app.get("/v1/kvpool", dependencies=[Depends(operational)])
     async def kvpool() -> KvPoolReport:
         return state.require_engine().engine.kvpool_report()
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(operational)])
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -1,0 +1,148 @@
+"""Information hygiene (issue 12, finding 4): what shows pool occupancy, backend addresses or
+other tenants' names and counts is for the operator, the router and Prometheus, never for a
+tenant. An engine with an internal token requires it on /v1/kvpool and /metrics (in its own
+header, or as a bearer token, as Prometheus sends it); the router requires it on /metrics and
+shows a tenant's /v1/kvpool without addresses; a backend's server-side error reaches the client
+with a generic message."""
+
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvfence_engine.contracts import TOKEN_HEADER, Role
+from kvfence_engine.core import errors
+from kvfence_engine.core.errors import EngineError
+from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
+from kvfence_engine.router import app as router_app
+from kvfence_engine.router.app import RouterState, create_router_app
+from kvfence_engine.router.backends import Backends
+from kvfence_engine.router.keys import ApiKeys
+from kvfence_engine.serving.app import create_app
+from kvfence_engine.serving.state import ServerState
+
+TOKEN = "internal-" + "t" * 32
+TENANT_KEY = "tenant-key-" + "k" * 32
+OPERATIONAL = ["/v1/kvpool", "/metrics"]
+
+
+def engine(token: str | None) -> TestClient:
+    """A decode engine's HTTP side, no engine loaded: /v1/kvpool says not_ready once past
+    the token check, /metrics answers."""
+    return TestClient(create_app(ServerState(role=Role.DECODE, internal_token=token)))
+
+
+def passed_the_check(path: str, r) -> bool:  # type: ignore[no-untyped-def]
+    if path == "/metrics":
+        return r.status_code == 200 and "kvfence_" in r.text
+    return r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+
+
+@pytest.mark.parametrize("path", OPERATIONAL)
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {TOKEN_HEADER: "wrong"}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}],
+    ids=["none", "wrong-header", "wrong-bearer", "no-bearer-prefix"],
+)
+def test_an_engine_with_a_token_refuses_its_pool_and_metrics_without_it(
+    path: str, headers: dict[str, str]
+) -> None:
+    r = engine(TOKEN).get(path, headers=headers)
+    assert r.status_code == 401, r.text
+    error = r.json()["error"]
+    assert error["type"] == "authentication_error" and error["code"] == "unauthorized"
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("path", OPERATIONAL)
+@pytest.mark.parametrize(
+    "headers",
+    [{TOKEN_HEADER: TOKEN}, {"Authorization": f"Bearer {TOKEN}"}],
+    ids=["header", "bearer"],
+)
+def test_an_engine_with_a_token_answers_with_it_in_the_header_or_as_a_bearer(
+    path: str, headers: dict[str, str]
+) -> None:
+    assert passed_the_check(path, engine(TOKEN).get(path, headers=headers))
+
+
+@pytest.mark.parametrize("path", OPERATIONAL)
+def test_an_engine_without_a_token_file_keeps_them_open(path: str) -> None:
+    """The negative control: a lone combined engine on a laptop has no token to ask for."""
+    assert passed_the_check(path, engine(None).get(path))
+
+
+def test_health_and_readiness_stay_open_and_say_only_the_status() -> None:
+    client = engine(TOKEN)
+    assert client.get("/healthz").status_code == 200
+    r = client.get("/readyz")
+    assert r.status_code == 503 and r.json() == {"status": "loading", "error": None}
+
+
+def router(tmp_path: Path, *, token: str | None, keys: bool = True) -> TestClient:
+    """A router whose backends answer nothing (port 9): what is checked happens first."""
+    api_keys = None
+    if keys:
+        (tmp_path / "keys").write_text(f"{TENANT_KEY} tenant-a\n")
+        api_keys = ApiKeys.load([str(tmp_path / "keys")])
+    _, tokenizer = load_tokenizer(TINY_RANDOM)
+    backends = Backends.create(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], None)
+    state = RouterState("tiny", tokenizer, backends, api_keys, token, 512)
+    return TestClient(create_router_app(state), raise_server_exceptions=False)
+
+
+def test_a_tenant_cannot_read_the_routers_metrics(tmp_path: Path) -> None:
+    client = router(tmp_path, token=TOKEN)
+    r = client.get("/metrics", headers={"Authorization": f"Bearer {TENANT_KEY}"})
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["type"] == "permission_error"
+    assert "tenant-a" not in r.text
+    r = client.get("/metrics")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{TOKEN_HEADER: TOKEN}, {"Authorization": f"Bearer {TOKEN}"}],
+    ids=["header", "bearer"],
+)
+def test_the_routers_metrics_answer_the_internal_token(
+    tmp_path: Path, headers: dict[str, str]
+) -> None:
+    r = router(tmp_path, token=TOKEN).get("/metrics", headers=headers)
+    assert r.status_code == 200 and "# TYPE kvfence_router_requests_total counter" in r.text
+
+
+def test_a_router_with_keys_and_no_token_shows_its_metrics_to_nobody(tmp_path: Path) -> None:
+    client = router(tmp_path, token=None)
+    for headers in ({}, {"Authorization": f"Bearer {TENANT_KEY}"}):
+        r = client.get("/metrics", headers=headers)
+        assert r.status_code == 403 and "--internal-token-file" in r.json()["error"]["message"]
+
+
+def test_a_router_with_neither_keys_nor_token_keeps_its_metrics_open(tmp_path: Path) -> None:
+    """The negative control: one user on a laptop, no tenants to keep apart."""
+    assert router(tmp_path, token=None, keys=False).get("/metrics").status_code == 200
+
+
+def test_a_backends_server_error_reaches_the_client_without_its_detail() -> None:
+    full = errors.overloaded("no free KV pages for 300 tokens: need 19 pages, 3 free", 1)
+    shown = router_app.client_facing(full, "tenant-a-0123")
+    assert (shown.status, shown.type, shown.code, shown.retry_after) == (
+        503,
+        "server_error",
+        "overloaded",
+        1,
+    )
+    assert "free" not in shown.message and "300" not in shown.message
+    assert "tenant-a-0123" in shown.message  # what to quote to the operator
+    gone = EngineError(502, "KV transfer to decode failed: 10.0.3.7:9000", "server_error", "x")
+    assert "10.0.3.7" not in router_app.client_facing(gone, "r").message
+
+
+def test_a_backends_client_error_passes_on_whole() -> None:
+    """The control: a 4xx is about the request, and the client needs its detail."""
+    too_long = errors.context_length_exceeded(600, 512, "the served context")
+    assert router_app.client_facing(too_long, "r") is too_long
+    internal = errors.internal_error("abc123")  # names a reference, nothing internal
+    assert router_app.client_facing(internal, "r") is internal

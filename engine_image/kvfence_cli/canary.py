@@ -4,7 +4,7 @@ import argparse
 import logging
 import sys
 
-from kvfence_cli.common import Subparsers, positive
+from kvfence_cli.common import Subparsers, positive, read_token
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -15,6 +15,13 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--target", required=True, help="the router's URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--tenant-a-key", required=True, help="API key of the tenant who plants data")
     p.add_argument("--tenant-b-key", required=True, help="API key of the tenant who probes")
+    p.add_argument(
+        "--internal-token-file",
+        default=None,
+        metavar="FILE",
+        help="the internal token, sent only to read the router's /metrics (the engines' "
+        "isolation counters); without it that check cannot run against a router that has one",
+    )
     p.add_argument(
         "--context-length",
         type=positive,
@@ -56,11 +63,12 @@ def run(args: argparse.Namespace) -> int:
             target=args.target,
             tenant_a_key=args.tenant_a_key,
             tenant_b_key=args.tenant_b_key,
+            internal_token=read_token(args.internal_token_file),
             context_length=args.context_length,
             timeout=args.timeout,
             rounds=args.rounds,
         )
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # a bad flag, or an unreadable token file
         print(f"kvfence canary: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
     report = run_canary(config)

@@ -1,8 +1,9 @@
 """`kvfence preflight`: does the KV pool hold the context? (no GPU needed)"""
 
 import argparse
+import sys
 
-from kvfence_cli.common import Subparsers
+from kvfence_cli.common import Subparsers, read_token
 from kvfence_engine.tools.preflight import DTYPE_BYTES
 from kvfence_engine.tools.units import parse_size
 
@@ -15,10 +16,21 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-cache-dtype", choices=sorted(DTYPE_BYTES), default="float32")
     p.add_argument("--target", help="a running engine: read its live /v1/kvpool too")
+    p.add_argument(
+        "--internal-token-file",
+        default=None,
+        metavar="FILE",
+        help="the target's internal token (an engine started with one requires it on /v1/kvpool)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvfence_engine.tools.preflight import run_preflight
 
+    try:
+        args.internal_token = read_token(args.internal_token_file)
+    except (ValueError, OSError) as exc:
+        print(f"kvfence preflight: {exc}", file=sys.stderr)
+        return 2
     return run_preflight(args)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import httpx
 from pydantic import ValidationError
 
-from kvfence_engine.contracts import PoolGateReport
+from kvfence_engine.contracts import TOKEN_HEADER, PoolGateReport
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context
 from kvfence_operator.crd.types import PoolPolicy
 
@@ -47,12 +47,16 @@ def parse_pool(pod: str, role: str, revision: str, payload: object) -> PodPool:
     return PodPool(pod, role, revision, report=report)
 
 
-def read_pool(pod: str, role: str, revision: str, url: str | None) -> PodPool:
-    """GET <url>/v1/kvpool. Never raises: an unreachable pod is a PodPool with an error."""
+def read_pool(
+    pod: str, role: str, revision: str, url: str | None, internal_token: str | None = None
+) -> PodPool:
+    """GET <url>/v1/kvpool, with the revision's internal token (an engine that has one
+    requires it there). Never raises: an unreachable pod is a PodPool with an error."""
     if url is None:
         return PodPool(pod, role, revision, error="no pod IP yet")
+    headers = {TOKEN_HEADER: internal_token} if internal_token else {}
     try:
-        response = httpx.get(url + "/v1/kvpool", timeout=PROBE_TIMEOUT_SECONDS)
+        response = httpx.get(url + "/v1/kvpool", headers=headers, timeout=PROBE_TIMEOUT_SECONDS)
         response.raise_for_status()
         payload = response.json()
     except httpx.HTTPStatusError as exc:

@@ -14,7 +14,7 @@ from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.canary_job import build_canary_job, canary_job_name
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
 from kvfence_operator.builders.router_deployment import build_router_configmap, build_stable_service
-from kvfence_operator.builders.secret import RevisionCredentials, secret_name
+from kvfence_operator.builders.secret import RevisionCredentials, internal_token_of, secret_name
 from kvfence_operator.crd.types import (
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
@@ -41,7 +41,7 @@ from kvfence_operator.rollout import (
 )
 from kvfence_operator.status import compute_status
 
-PoolReader = Callable[[str, str, str, str | None], PodPool]
+PoolReader = Callable[[str, str, str, str | None, str | None], PodPool]
 
 # The kinds a revision owns that the operator may list. Secrets are deleted by name: the
 # operator has no list/watch on Secrets (least privilege), so they are found from the others.
@@ -233,13 +233,19 @@ class Reconciler:
         ns = instance.namespace
         pods: list[dict[str, Any]] = []
         pools: list[PodPool] = []
+        # the engines require the revision's token on /v1/kvpool
+        token = internal_token_of(
+            self.kube.get("v1", "Secret", ns, secret_name(instance, revision))
+        )
         for role in ENGINE_ROLES:
             for pod in self.kube.list("v1", "Pod", ns, selector(instance, revision, role)):
                 if pod["metadata"].get("deletionTimestamp"):
                     continue
                 pods.append(pod)
                 pools.append(
-                    self.read_pool(pod["metadata"]["name"], str(role), revision, pod_url(pod))
+                    self.read_pool(
+                        pod["metadata"]["name"], str(role), revision, pod_url(pod), token
+                    )
                 )
         decision = judge_pools(
             pools,

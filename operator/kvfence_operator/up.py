@@ -153,9 +153,9 @@ def _wait_all(
         say(f"  {name} ready ({time.monotonic() - started:.0f}s) on {proc.url}")
 
 
-def read_pools(local: LocalDeployment) -> list[PodPool]:
+def read_pools(local: LocalDeployment, internal_token: str) -> list[PodPool]:
     return [
-        read_pool(name, str(role), local.revision, proc.url)
+        read_pool(name, str(role), local.revision, proc.url, internal_token)
         for name, (role, proc) in local.engines.items()
     ]
 
@@ -232,6 +232,7 @@ def run_canary_gate(
             target=target,
             tenant_a_key=credentials.tenant_a_key,
             tenant_b_key=credentials.tenant_b_key,
+            internal_token=credentials.internal_token,
             context_length=context,
             timeout=timeout,
             progress=lambda line: say(f"  {line}"),
@@ -294,7 +295,7 @@ def up(
     replicas = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas}
     local = start_engines(manifest, revision, workdir, token_file, device, say)
     try:
-        pools = read_pools(local)
+        pools = read_pools(local, credentials.internal_token)
         decision = judge_pools(
             pools, spec.pool_policy, spec.context_length, spec.min_context_length
         )

@@ -494,8 +494,11 @@ class RecordingKube:
                 obj["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
 
 
-def sufficient_pool(pod: str, role: str, revision: str, url: str | None) -> PodPool:
+def sufficient_pool(
+    pod: str, role: str, revision: str, url: str | None, internal_token: str | None
+) -> PodPool:
     assert url is not None, f"{pod} has no URL"
+    assert internal_token, f"{pod} was probed without the revision's internal token"
     report = PoolGateReport(
         role=role,
         revision=revision,

@@ -265,16 +265,20 @@ def check_latency_floor(
 
 
 def check_engine_counters(
-    before: CounterSnapshot | None, after: CounterSnapshot | None
+    before: CounterSnapshot | None, after: CounterSnapshot | None, unread: str | None = None
 ) -> CheckResult:
-    """The engines' isolation counters must not rise during the run."""
+    """The engines' isolation counters must not rise during the run. `unread`: why the
+    target's /metrics could not be read, when it could not."""
     inputs: dict[str, Any] = {
         "must_not_rise": list(MUST_NOT_RISE),
         "before": before.as_dict() if before else None,
         "after": after.as_dict() if after else None,
     }
     if before is None or after is None:
-        return _verdict(ENGINE_COUNTERS, inputs, [], "", "the target's /metrics could not be read")
+        why = f" ({unread})" if unread else ""
+        return _verdict(
+            ENGINE_COUNTERS, inputs, [], "", f"the target's /metrics could not be read{why}"
+        )
     findings = [
         f"could not read the counters of {source} ({when} the run)"
         for when, snapshot in (("before", before), ("after", after))

@@ -9,6 +9,9 @@ class CanaryConfig:
     target: str  # the router (or a combined engine): http://host:port
     tenant_a_key: str  # A plants the marker and pollutes the pool
     tenant_b_key: str  # B probes and must never see A's data
+    # The internal token, sent only on GET /metrics: a router requires it there (its metrics
+    # name every tenant); everything else the canary does, it does as a tenant.
+    internal_token: str | None = None
     context_length: int | None = None  # the served context; default: the target's max_model_len
     timeout: float = 300.0  # whole run, seconds; past it the run stops and exits 2
     max_requests: int = 1000  # hard bound on HTTP requests; the plan stays well below it

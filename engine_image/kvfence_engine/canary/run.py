@@ -71,6 +71,7 @@ class CanaryRun:
         self.marker_tokens: int | None = None
         self.before: CounterSnapshot | None = None
         self.after: CounterSnapshot | None = None
+        self.counters_unread: str | None = None  # why /metrics could not be read, if it was not
         self._prompts: dict[str, list[int]] = {}  # B's probes, replayed identically
 
     async def execute(self) -> None:
@@ -112,11 +113,21 @@ class CanaryRun:
 
     async def read_counters(self) -> CounterSnapshot | None:
         r = await self.target.get("/metrics")
+        if r.status_code in (401, 403):
+            self.counters_unread = (
+                f"/metrics answered {r.status_code}: it needs the internal token "
+                "(--internal-token-file)"
+                if self.config.internal_token is None
+                else f"/metrics answered {r.status_code}: the internal token was refused"
+            )
+            return None
         if r.status_code != 200:
+            self.counters_unread = f"/metrics answered {r.status_code}"
             return None
         try:
             return parse_counters(r.text)
         except ValueError:
+            self.counters_unread = "/metrics is not Prometheus text"
             return None
 
     async def ask(
@@ -257,7 +268,7 @@ class CanaryRun:
             check_status_codes(self.answers, self.facts.limit),
             check_honest_usage(self.answers),
             check_latency_floor(self.answers, c.latency_factor, c.latency_min_prefill),
-            check_engine_counters(self.before, self.after),
+            check_engine_counters(self.before, self.after, self.counters_unread),
         ]
 
     def plan(self) -> dict[str, Any] | None:

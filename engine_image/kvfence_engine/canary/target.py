@@ -10,6 +10,7 @@ import httpx
 
 from kvfence_engine.canary.config import CanaryConfig
 from kvfence_engine.canary.observations import TENANT_A, TENANT_B, Answer
+from kvfence_engine.contracts import TOKEN_HEADER
 
 
 class CannotRun(Exception):
@@ -26,6 +27,7 @@ class TargetClient:
     def __init__(self, config: CanaryConfig) -> None:
         self.base = config.target.rstrip("/")
         self.keys = {TENANT_A: config.tenant_a_key, TENANT_B: config.tenant_b_key}
+        self.internal_token = config.internal_token
         self.max_requests = config.max_requests
         self.requests = 0
         self.model = "default"  # set from /v1/models at discovery
@@ -53,8 +55,11 @@ class TargetClient:
 
     async def get(self, path: str, tenant: str | None = None) -> httpx.Response:
         self._spend()
+        headers = self._auth(tenant)
+        if path == "/metrics" and self.internal_token:
+            headers[TOKEN_HEADER] = self.internal_token
         try:
-            return await self.http.get(self.base + path, headers=self._auth(tenant))
+            return await self.http.get(self.base + path, headers=headers)
         except httpx.HTTPError as exc:
             raise CannotRun(
                 f"cannot reach the target at {self.base}{path}: {describe_http_error(exc)}"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvfence_engine.contracts import PoolPlanReport
+from kvfence_engine.contracts import TOKEN_HEADER, PoolPlanReport
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, plan_pool
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -42,8 +42,18 @@ def estimate(
     return _verdict(lines, context_length, plan.pool_tokens, lowered, config.max_positions)
 
 
-def live(target: str, context_length: int) -> Verdict:
-    response = httpx.get(target.rstrip("/") + "/v1/kvpool", timeout=10.0)
+def live(target: str, context_length: int, internal_token: str | None = None) -> Verdict:
+    headers = {TOKEN_HEADER: internal_token} if internal_token else {}
+    response = httpx.get(target.rstrip("/") + "/v1/kvpool", headers=headers, timeout=10.0)
+    if response.status_code == 401:
+        raise ValueError(
+            f"{target}/v1/kvpool answered 401: "
+            + (
+                "the internal token was refused"
+                if internal_token
+                else "this engine needs its internal token (--internal-token-file)"
+            )
+        )
     response.raise_for_status()
     pool = PoolPlanReport.model_validate_json(response.content)
     lines = [
@@ -93,7 +103,7 @@ def run_preflight(args: argparse.Namespace) -> int:
                 )
             )
         if args.target:
-            verdicts.append(live(args.target, args.context_length))
+            verdicts.append(live(args.target, args.context_length, args.internal_token))
     except (httpx.HTTPError, KeyError, ValueError, OSError) as exc:
         print(f"kvfence preflight: {exc}", file=sys.stderr)
         return 2

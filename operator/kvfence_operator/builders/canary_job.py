@@ -4,12 +4,18 @@ Promotion waits for it to succeed."""
 from typing import Any
 
 from kvfence_operator.builders.pod_template import (
+    INTERNAL_TOKEN_FILE,
     container_security_context,
     home_in_tmp,
     pod_template,
     tmp_volume,
 )
-from kvfence_operator.builders.secret import CANARY_TENANT_A_KEY, CANARY_TENANT_B_KEY, secret_name
+from kvfence_operator.builders.secret import (
+    CANARY_TENANT_A_KEY,
+    CANARY_TENANT_B_KEY,
+    internal_token_volume,
+    secret_name,
+)
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import Instance, child_name, labels, object_meta, service_url
 
@@ -37,6 +43,8 @@ def canary_args(
         # take for an option.
         f"--tenant-a-key=$({TENANT_A_ENV})",
         f"--tenant-b-key=$({TENANT_B_ENV})",
+        # only for the router's /metrics (the engines' isolation counters), not for tenants
+        "--internal-token-file", INTERNAL_TOKEN_FILE,
         "--context-length", str(context_length),
         "--termination-log", TERMINATION_LOG,
         "--timeout", str(spec.canary.timeout_seconds),
@@ -52,6 +60,7 @@ def build_canary_job(
     """context_length: the context the revision serves (effective, under LowerContext)."""
     secret = secret_name(instance, revision)
     tmp, tmp_mount = tmp_volume()
+    token, token_mount = internal_token_volume(instance, revision)
     container = {
         "name": "canary",
         "image": spec.canary.image or spec.engine.image,
@@ -75,12 +84,12 @@ def build_canary_job(
         "resources": {k: dict(v) for k, v in CANARY_RESOURCES.items()},
         "securityContext": container_security_context(),
         "terminationMessagePolicy": "File",
-        "volumeMounts": [tmp_mount],
+        "volumeMounts": [tmp_mount, token_mount],
     }
     template = pod_template(
         pod_labels=labels(instance, revision, Role.CANARY),
         containers=[container],
-        volumes=[tmp],
+        volumes=[tmp, token],
         restart_policy="Never",
     )
     return {

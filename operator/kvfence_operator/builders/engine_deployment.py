@@ -3,7 +3,6 @@
 from typing import Any
 
 from kvfence_operator.builders.pod_template import (
-    CREDENTIALS_DIR,
     INTERNAL_TOKEN_FILE,
     container_security_context,
     cpu_threads,
@@ -17,7 +16,7 @@ from kvfence_operator.builders.pod_template import (
     requests_gpu,
     tmp_volume,
 )
-from kvfence_operator.builders.secret import INTERNAL_TOKEN_KEY, secret_name
+from kvfence_operator.builders.secret import internal_token_volume
 from kvfence_operator.crd.types import InferenceDeploymentSpec, KvCacheDtype, PoolPolicy, Role
 from kvfence_operator.meta import (
     HTTP_PORT,
@@ -92,15 +91,7 @@ def build_engine_deployment(
     if role is Role.DECODE:  # decode receives KV from prefill here
         ports.append({"name": "transfer", "containerPort": TRANSFER_PORT, "protocol": "TCP"})
     tmp, tmp_mount = tmp_volume()
-    token = {
-        "name": "credentials",
-        "secret": {
-            "secretName": secret_name(instance, revision),
-            "items": [{"key": INTERNAL_TOKEN_KEY, "path": "internal-token"}],
-            "defaultMode": 0o440,
-        },
-    }
-    token_mount = {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True}
+    token, token_mount = internal_token_volume(instance, revision)
     models = model_volume(spec.model)
     container = {
         "name": "engine",

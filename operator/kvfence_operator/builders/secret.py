@@ -6,6 +6,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from kvfence_operator.builders.pod_template import CREDENTIALS_DIR
 from kvfence_operator.meta import Instance, child_name, labels, object_meta
 
 INTERNAL_TOKEN_KEY = "internal-token"
@@ -41,6 +42,30 @@ class RevisionCredentials:
         return "".join(
             f"{key} {tenant}\n" for key, tenant in zip(keys, CANARY_TENANTS, strict=True)
         )
+
+
+def internal_token_volume(
+    instance: Instance, revision: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The revision's internal token, read-only at pod_template.INTERNAL_TOKEN_FILE: the
+    engines require it, the router sends it, the canary reads the router's /metrics with it."""
+    volume = {
+        "name": "credentials",
+        "secret": {
+            "secretName": secret_name(instance, revision),
+            "items": [{"key": INTERNAL_TOKEN_KEY, "path": "internal-token"}],
+            "defaultMode": 0o440,
+        },
+    }
+    return volume, {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True}
+
+
+def internal_token_of(secret: dict[str, Any] | None) -> str | None:
+    """The internal token in a revision Secret as the API server returns it (base64 data)."""
+    data = (secret or {}).get("data") or {}
+    if INTERNAL_TOKEN_KEY not in data:
+        return None
+    return base64.b64decode(data[INTERNAL_TOKEN_KEY]).decode()
 
 
 def _b64(text: str) -> str:

@@ -3,6 +3,7 @@
 import httpx
 import pytest
 
+from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_operator.crd.types import PoolPolicy
 from kvfence_operator.pool_gate import PodPool, judge_pools, parse_pool, read_pool
 
@@ -146,7 +147,7 @@ def test_an_unreachable_pod_counts_as_not_sufficient():
 
 def test_read_pool_reports_an_error_status_and_non_json(monkeypatch):
     def answer(status: int, text: str):
-        return lambda url, timeout: httpx.Response(
+        return lambda url, timeout, headers: httpx.Response(
             status, text=text, request=httpx.Request("GET", url)
         )
 
@@ -159,3 +160,21 @@ def test_read_pool_reports_an_error_status_and_non_json(monkeypatch):
 def test_no_engine_pods_is_not_sufficient():
     decision = judge_pools([], PoolPolicy.REFUSE, 512, None)
     assert not decision.sufficient and decision.reason == "NoEnginePods"
+
+
+def test_read_pool_presents_the_revisions_internal_token(monkeypatch):
+    """An engine with a token refuses its /v1/kvpool without it: the probe must carry it."""
+    token = "t" * 40
+    report = pod("d-0", 4096).report
+    assert report is not None
+
+    def engine(url: str, timeout: float, headers: dict[str, str]) -> httpx.Response:
+        status = 200 if headers.get(TOKEN_HEADER) == token else 401
+        return httpx.Response(
+            status, json=report.model_dump(mode="json"), request=httpx.Request("GET", url)
+        )
+
+    monkeypatch.setattr(httpx, "get", engine)
+    assert read_pool("d-0", "decode", "r1", "http://x", token).report == report
+    refused = read_pool("d-0", "decode", "r1", "http://x")  # the control: no token, no report
+    assert refused.report is None and "answered 401" in (refused.error or "")

@@ -227,3 +227,22 @@ def test_canary_keys_that_start_with_a_dash_still_reach_the_canary():
         argv = [a.replace(f"$({name})", value) for a in argv]
     parsed = build_parser().parse_args(argv)
     assert (parsed.tenant_a_key, parsed.tenant_b_key) == tuple(keys.values())
+
+
+def test_canary_job_reads_the_routers_metrics_with_the_revisions_internal_token():
+    """The router's /metrics needs the internal token (tenants may not read it): the canary
+    mounts only that key of the revision Secret, read-only, and passes the file."""
+    job = build_canary_job(sample_spec("minimal"), instance_for("minimal"), REVISION, 512)
+    c = container(job)
+    assert flag(c["args"], "--internal-token-file") == "/var/run/kvfence/internal-token"
+    volumes = {v["name"]: v for v in pod_spec(job)["volumes"]}
+    assert volumes["credentials"]["secret"]["secretName"] == f"smollm-{REVISION}-credentials"
+    assert volumes["credentials"]["secret"]["items"] == [
+        {"key": "internal-token", "path": "internal-token"}
+    ]
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["credentials"] == {
+        "name": "credentials",
+        "mountPath": "/var/run/kvfence",
+        "readOnly": True,
+    }

@@ -20,9 +20,11 @@ def serve(logs_dir: Path, name: str, *args: str, unsafe: bool = False) -> LocalP
     return watch_server(proc, unsafe=unsafe, token_file=token_file)
 
 
-def metric(url: str, name: str) -> float:
-    """One sample of a Prometheus series (name including labels) from url/metrics."""
-    text = httpx.get(url + "/metrics").text
+def metric(url: str, name: str, token: str | None = None) -> float:
+    """One sample of a Prometheus series (name including labels) from url/metrics (`token`:
+    the engine's internal token, which its /metrics then requires)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    text = httpx.get(url + "/metrics", headers=headers).text
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     assert match, f"{name} missing from {url}/metrics"
     return float(match.group(1))

@@ -27,6 +27,7 @@ from kvfence_engine.loading.loader import TINY_CONFIG
 from kvfence_engine.tools.localproc import free_port
 
 KEY_A, KEY_B = "canary-key-a", "canary-key-b"
+TOKEN = "canary-internal-token"
 # Long enough that a tiny-random prefill stands out of request jitter: the latency floor judges
 # only prefills of at least 0.15 s, and at 1536 tokens a quiet 2-core machine took 0.144 s.
 HEALTHY_CONTEXT = 3072
@@ -36,9 +37,13 @@ PAGE = 16
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    path = tmp_path_factory.mktemp("canary") / "api-keys"
+    """The router's keys, and its internal token: with tenants, its /metrics (where the canary
+    reads the engines' isolation counters) needs the token."""
+    folder = tmp_path_factory.mktemp("canary")
+    path, token = folder / "api-keys", folder / "internal-token"
     path.write_text(f"{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
-    return ["--api-keys", str(path)]
+    token.write_text(TOKEN + "\n")
+    return ["--api-keys", str(path), "--internal-token-file", str(token)]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +62,7 @@ BROKEN_ROUNDS = 1
 
 
 def canary(target: str, **overrides: object) -> CanaryReport:
+    overrides = {"internal_token": TOKEN, **overrides}
     report = run_canary(CanaryConfig(target, KEY_A, KEY_B, **overrides))  # type: ignore[arg-type]
     print(report.human())  # shown when a test fails
     return report

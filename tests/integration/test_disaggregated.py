@@ -36,8 +36,8 @@ def greedy(client: openai.OpenAI, prompt: str) -> tuple[str, list[float]]:
     return r.choices[0].text, r.choices[0].logprobs.token_logprobs
 
 
-def pages_used(proc: LocalProcess) -> float:
-    return metric(proc.url, "kvfence_kv_pages_used")
+def pages_used(proc: LocalProcess, token: str | None = None) -> float:
+    return metric(proc.url, "kvfence_kv_pages_used", token)
 
 
 def test_one_prefill_one_decode_answer_exactly_like_the_combined_engine(
@@ -146,15 +146,16 @@ def test_internal_endpoints_refuse_calls_without_the_token(logs_dir: Path, tmp_p
         )
         assert r.status_code == 401
         assert d.client().completions.create(model="tiny", prompt="hi", max_tokens=3).usage
-        assert pages_used(d.decodes[0]) == 0
+        assert pages_used(d.decodes[0], token="s3cret") == 0
     finally:
         d.stop()
 
 
 def test_tenants_need_a_valid_api_key(logs_dir: Path, tmp_path: Path) -> None:
-    keys = tmp_path / "keys"
+    keys, token = tmp_path / "keys", tmp_path / "token"
     keys.write_text("# key tenant\nkey-a tenant-a\nkey-b tenant-b\n")
-    d = start_deployment(logs_dir, "keys", router_args=["--api-keys", str(keys)])
+    token.write_text("s3cret\n")
+    d = start_deployment(logs_dir, "keys", router_args=["--api-keys", str(keys)], token_file=token)
     try:
         with pytest.raises(openai.AuthenticationError):
             d.client("nope").completions.create(model="tiny", prompt="hi", max_tokens=2)
@@ -162,7 +163,14 @@ def test_tenants_need_a_valid_api_key(logs_dir: Path, tmp_path: Path) -> None:
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         ok = d.client("key-b").completions.create(model="tiny", prompt="hi", max_tokens=2)
         assert ok.usage.completion_tokens == 2
-        assert 'tenant="tenant-b"' in httpx.get(d.router.url + "/metrics").text
+        scrape = {"Authorization": "Bearer s3cret"}  # the internal token, as Prometheus sends it
+        assert 'tenant="tenant-b"' in httpx.get(d.router.url + "/metrics", headers=scrape).text
+        assert (
+            httpx.get(
+                d.router.url + "/metrics", headers={"Authorization": "Bearer key-b"}
+            ).status_code
+            == 403
+        )
     finally:
         d.stop()
 

@@ -3,9 +3,11 @@ records, fails on a doctored one with a reason naming what was wrong, and fails 
 nothing to judge. Plus the probe plan, the report and the exit codes (the import weight, in a
 fresh interpreter: tests/integration/test_commands.py)."""
 
+import asyncio
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvfence_cli.main import main
@@ -36,6 +38,8 @@ from kvfence_engine.canary.prompts import (
     token_prompt,
 )
 from kvfence_engine.canary.report import CanaryReport, decide
+from kvfence_engine.canary.run import CanaryRun
+from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_engine.tools.localproc import free_port
 
 MARKER = "CANARY-0123456789abcdef"
@@ -355,3 +359,31 @@ def test_callers_are_told_each_step_and_a_down_target_is_exit_code_2() -> None:
     report = run_canary(CanaryConfig(url, "a", "b", progress=steps.append))
     assert steps == ["discovering the target"]
     assert report.exit_code == 2 and report.summary.startswith("kvfence canary ERROR: could not")
+
+
+# --- the router's /metrics needs the internal token ---------------------------------------
+
+
+def metrics_behind_a_token(request: httpx.Request) -> httpx.Response:
+    """A router's /metrics that answers only its internal token, as a real router with keys
+    and a token does (a tenant's key gets 403)."""
+    if request.headers.get(TOKEN_HEADER) == "tok":
+        return httpx.Response(200, text="kvfence_kv_tag_mismatch_total 0.0\n")
+    return httpx.Response(403, json={"error": {"message": "no", "type": "permission_error"}})
+
+
+@pytest.mark.parametrize("token", ["tok", None])
+def test_the_canary_reads_the_routers_metrics_with_the_token_and_says_why_not_without(
+    token: str | None,
+) -> None:
+    config = CanaryConfig("http://router", "key-a", "key-b", internal_token=token)
+    run = CanaryRun(config, seed=1)
+    run.target.http = httpx.AsyncClient(transport=httpx.MockTransport(metrics_behind_a_token))
+    snapshot = asyncio.run(run.read_counters())
+    if token is not None:
+        assert snapshot is not None and run.counters_unread is None
+        return
+    assert snapshot is None
+    result = check_engine_counters(None, None, run.counters_unread)
+    assert not result.passed  # as any unreadable /metrics: no verdict on the counters
+    assert "needs the internal token (--internal-token-file)" in result.reason

@@ -31,6 +31,7 @@ from kvfence_engine.contracts import (
     RouterPoolSummary,
     Sampling,
     ServedModel,
+    TenantPoolSummary,
     TransferHandle,
     TransferHello,
     TransferLayout,
@@ -41,7 +42,7 @@ from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import TokenLogprob
 from kvfence_engine.disagg.wire import delta_line, delta_of
 from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
-from kvfence_engine.router.app import RouterState, create_router_app
+from kvfence_engine.router.app import RouterState, create_router_app, tenant_view
 from kvfence_engine.router.backends import Backends
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
 
@@ -191,6 +192,17 @@ def test_the_canary_reads_the_routers_summary_as_the_router_writes_it() -> None:
     engines, unreachable = parse_pools(summary)
     assert [(e.role, e.url, e.pool_tokens) for e in engines] == [(Role.DECODE, "http://d", 1024)]
     assert unreachable == ("prefill http://p",)
+
+
+def test_the_canary_reads_a_tenants_view_of_the_summary_which_names_no_address() -> None:
+    view = tenant_view(SUMMARY)
+    text = view.model_dump_json()
+    assert "http" not in text and "transfer_port" not in text and "free_pages" not in text
+    assert view.pool_tokens == SUMMARY.pool_tokens and view.context_length_served == 512
+    engines, unreachable = parse_pools(json.loads(text))
+    assert [(e.role, e.url, e.pool_tokens) for e in engines] == [(Role.DECODE, "#1", 1024)]
+    assert unreachable == ("prefill #2",)
+    assert TenantPoolSummary.model_validate_json(text) == view
 
 
 def test_the_backends_file_keeps_its_keys_and_a_hand_written_one_still_reads() -> None:

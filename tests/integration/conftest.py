@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers.deployments import Deployment, start_deployment
 from helpers.engines import tiny_budget
+from helpers.fuzzing import FUZZ_CONTEXT, FUZZ_KEY
 from helpers.processes import serve
 from kvfence_engine.tools.localproc import LocalProcess
 
@@ -42,3 +44,31 @@ def smollm2_server(logs_dir: Path) -> Iterator[LocalProcess]:
         "256Mi",
     ) as proc:
         yield proc
+
+
+@pytest.fixture(scope="session")
+def fuzz_server(logs_dir: Path) -> Iterator[LocalProcess]:
+    """A tiny-random engine process, context FUZZ_CONTEXT, pool 64 pages of 16."""
+    args = ["--model", "builtin:tiny-random", "--context-length", str(FUZZ_CONTEXT)]
+    with serve(logs_dir, "fuzz-combined", *args, "--kv-cache-memory", str(tiny_budget(64))) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="session")
+def fuzz_deployment(
+    logs_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    """Router + prefill + decode of tiny-random, context FUZZ_CONTEXT, internal token on, one
+    tenant whose key is FUZZ_KEY."""
+    folder = tmp_path_factory.mktemp("fuzz-deployment")
+    (folder / "keys").write_text(f"{FUZZ_KEY} fuzzer\n")
+    (folder / "token").write_text("fuzz-internal-token\n")
+    d = start_deployment(
+        logs_dir,
+        "fuzz",
+        context=FUZZ_CONTEXT,
+        router_args=["--api-keys", str(folder / "keys")],
+        token_file=folder / "token",
+    )
+    yield d
+    d.stop()

@@ -383,6 +383,8 @@ async def _route(
     request: Request,
 ) -> Response:
     limit = await state.served_context()
+    if not prompt_ids:  # what the engine's admission says, not ReserveBody's field name
+        raise errors.invalid_request("the prompt is empty", "prompt")
     if len(prompt_ids) > limit:
         state.metrics.rejected.labels(reason="context_length_exceeded").inc()
         raise errors.context_length_exceeded(len(prompt_ids), limit, "the served context")

@@ -263,7 +263,8 @@ def test_the_operator_runs_only_engine_roles() -> None:
 
 def test_the_router_refuses_what_decode_would_refuse_as_the_clients_400() -> None:
     """An empty prompt never reaches a backend (here: none is reachable) and is a 400 in the
-    same words decode used, not a router error."""
+    words of the engine's admission, naming the client's field (not ReserveBody's
+    `prompt_ids`), not a router error."""
     name, tokenizer = load_tokenizer(TINY_RANDOM)
     backends = Backends.create(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], None)
     with TestClient(
@@ -271,5 +272,5 @@ def test_the_router_refuses_what_decode_would_refuse_as_the_clients_400() -> Non
     ) as c:
         r = c.post("/v1/completions", json={"prompt": "", "max_tokens": 2})
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "prompt_ids"
-    assert "at least 1 item" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["message"] == "the prompt is empty"

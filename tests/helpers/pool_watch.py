@@ -70,9 +70,16 @@ def _server_level(proc: LocalProcess) -> Level | None:
     token_file = _token_files.get(id(proc))
     headers = {TOKEN_HEADER: token_file.read_text().strip()} if token_file is not None else {}
     try:
-        report = httpx.get(proc.url + "/v1/kvpool", headers=headers, timeout=5.0).json()
+        r = httpx.get(proc.url + "/v1/kvpool", headers=headers, timeout=5.0)
+    except httpx.HTTPError:
+        return None  # not listening (yet): nothing it holds can be read
+    if r.status_code in (401, 403):  # a watch that cannot read the pool would pass silently
+        raise AssertionError(f"{proc.describe()}: /v1/kvpool refused the pool watch "
+                             f"({r.status_code}): register the engine's token file")  # fmt: skip
+    try:
+        report = r.json()
         return Level(int(report["free_pages"]), int(report["num_pages"]))
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None  # still loading, or failed on purpose: the test says what it expects
 
 

@@ -13,6 +13,7 @@ from kubernetes import client, watch
 
 from kvfence_devcluster.fixtures import Cluster, ClusterApiError
 from kvfence_devcluster.sandbox import VENV_BIN
+from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_operator.builders.engine_deployment import (
     build_engine_deployment,
     build_engine_service,
@@ -590,7 +591,8 @@ def test_engine_pods_from_the_operators_builders_serve_and_are_ready_only_past_t
     )
     instance = Instance("tiny", "default", owner["metadata"]["uid"])
     revision = revision_of(spec)
-    cluster.create(build_revision_secret(instance, revision, RevisionCredentials.generate()))
+    credentials = RevisionCredentials.generate()
+    cluster.create(build_revision_secret(instance, revision, credentials))
     deployment = build_engine_deployment(spec, instance, revision, Role.DECODE)
     cluster.create(deployment)
     service = cluster.create(build_engine_service(instance, revision, Role.DECODE))
@@ -604,7 +606,9 @@ def test_engine_pods_from_the_operators_builders_serve_and_are_ready_only_past_t
     ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
     assert pod["status"]["podIP"] == "127.0.0.1" and 8000 not in ports.values()
     assert httpx.get(url + "/readyz").status_code == 200
-    pool = httpx.get(url + "/v1/kvpool").json()
+    assert httpx.get(url + "/v1/kvpool").status_code == 401  # the Secret's token guards it
+    token = {TOKEN_HEADER: credentials.internal_token}
+    pool = httpx.get(url + "/v1/kvpool", headers=token).json()
     assert (pool["role"], pool["revision"]) == ("decode", revision)
     assert pool["transfer_port"] == ports["transfer"], "--transfer-port follows the pod's port"
     assert cluster.pod_condition(pod, "ContainersReady")["status"] == "True"

@@ -22,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from helpers.deployments import Deployment, start_deployment
 from helpers.engines import prompt_of
 from kvfence_engine.canary import CanaryConfig, CanaryReport, run_canary
+from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_engine.disagg.transfer import Handle, Layout, Sender, page_views
 from kvfence_engine.loading.loader import TINY_CONFIG
 from kvfence_engine.tools.localproc import free_port
@@ -231,6 +232,11 @@ def test_late_writes_without_the_tag_check_corrupt_bs_answers_and_are_caught(
 # --- deliberately wrong fronts ------------------------------------------------------------
 
 
+# What a front passes on: the tenant's key, the body's type, and the internal token the canary
+# reads the router's /metrics with.
+FORWARDED_HEADERS = ("authorization", "content-type", TOKEN_HEADER.lower())
+
+
 def wrong_front(upstream: str, behaviour: str) -> FastAPI:
     """Forwards everything to `upstream` except one deliberate fault:
     truncate: over-limit token-id prompts are cut to the context and answered (200);
@@ -254,9 +260,7 @@ def wrong_front(upstream: str, behaviour: str) -> FastAPI:
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request) -> Response:
-        headers = {
-            k: v for k, v in request.headers.items() if k in ("authorization", "content-type")
-        }
+        headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
         body = await request.body()
         if path != "v1/completions":
             r = await client.request(request.method, "/" + path, content=body, headers=headers)

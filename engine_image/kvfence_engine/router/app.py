@@ -36,6 +36,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvfence_engine.auth import bearer_of, presents_internal_token
 from kvfence_engine.contracts import (
+    DEFAULT_TENANT,
     TOKEN_HEADER,
     AbortBody,
     BackendPool,
@@ -78,7 +79,6 @@ from kvfence_engine.serving.openai_api import (
 from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
-DEFAULT_TENANT = "default"
 BACKEND_READ_TIMEOUT = 2.0  # a slow engine must not stall the router's /metrics or /v1/kvpool
 
 
@@ -397,14 +397,20 @@ async def _route(
     request_id = request_id_for(tenant)
     try:
         reserve = ReserveBody(
-            request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            tenant=tenant,
         )
     except ValidationError as exc:  # what decode would refuse is the client's 400, as it was
         raise invalid_body(exc.errors()) from exc
     decode, handle = await _reserve(state, reserve)
     try:
         # Shielded: a client that leaves now must not cancel the prefill mid-transfer.
-        prefill = asyncio.ensure_future(_prefill(state, decode, handle, prompt_ids, sampling))
+        prefill = asyncio.ensure_future(
+            _prefill(state, decode, handle, prompt_ids, sampling, tenant)
+        )
         first = await asyncio.shield(prefill)
     except asyncio.CancelledError:
         state.in_background(_abort_after(state, decode, request_id, prefill))
@@ -533,9 +539,10 @@ async def _prefill(
     handle: TransferHandle,
     prompt_ids: list[int],
     sampling: Sampling,
+    tenant: str,
 ) -> FirstToken:
     prefill = state.backends.prefill.pick()
-    body = PrefillBody(handle=handle, prompt_ids=prompt_ids, sampling=sampling)
+    body = PrefillBody(handle=handle, prompt_ids=prompt_ids, sampling=sampling, tenant=tenant)
     decode.outstanding += 1
     try:
         result = await _call(

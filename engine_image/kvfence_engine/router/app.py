@@ -21,13 +21,13 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -66,6 +66,7 @@ from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.router.backends import Backend, Backends
 from kvfence_engine.router.keys import ApiKeys, request_id_for
+from kvfence_engine.router.tenants import InflightCollector, Slot, TenantInflight
 from kvfence_engine.serving.limits import refuse_unfittable_prompt
 from kvfence_engine.serving.openai_api import (
     OpenAIOutput,
@@ -122,8 +123,12 @@ class RouterState:
             timeout=httpx.Timeout(300.0, connect=3.0), limits=httpx.Limits(max_connections=512)
         )
     )
+    inflight: TenantInflight = field(default_factory=TenantInflight)
     _discovered_context: int | None = None
     background: set["asyncio.Task[None]"] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.metrics.registry.register(InflightCollector(self.inflight))
 
     def in_background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -245,25 +250,28 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        tenant = state.tenant(request)
-        context = await state.served_context()
-        refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
-        prompt_ids = await asyncio.to_thread(
-            completion_prompt, body.prompt, state.tokenizer, 1 << 31
-        )
-        return await _route(
-            state, tenant, prompt_ids, body, body.max_tokens, body.logprobs, False, request
-        )
+        async def admitted(slot: Slot) -> Response:
+            context = await state.served_context()
+            refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
+            prompt_ids = await asyncio.to_thread(
+                completion_prompt, body.prompt, state.tokenizer, 1 << 31
+            )
+            return await _route(
+                state, slot, prompt_ids, body, body.max_tokens, body.logprobs, False, request
+            )
+
+        return await _in_flight(state, state.tenant(request), admitted)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        tenant = state.tenant(request)
-        context = await state.served_context()
-        refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
-        prompt_ids = await asyncio.to_thread(chat_prompt, state.tokenizer, body)
-        return await _route(
-            state, tenant, prompt_ids, body, body.token_limit(), chat_logprobs(body), True, request
-        )
+        async def admitted(slot: Slot) -> Response:
+            context = await state.served_context()
+            refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
+            prompt_ids = await asyncio.to_thread(chat_prompt, state.tokenizer, body)
+            max_tokens, logprobs = body.token_limit(), chat_logprobs(body)
+            return await _route(state, slot, prompt_ids, body, max_tokens, logprobs, True, request)
+
+        return await _in_flight(state, state.tenant(request), admitted)
 
     return app
 
@@ -372,9 +380,30 @@ def _parse_metrics(text: str | None) -> list[Metric] | None:
         return None
 
 
+async def _in_flight(
+    state: RouterState, tenant: str, admitted: Callable[[Slot], Awaitable[Response]]
+) -> Response:
+    """Run a request within its tenant's --max-concurrent-per-tenant: counted in now, out
+    when its answer is over (a stream: when it ends, breaks or its client leaves)."""
+    try:
+        slot = state.inflight.enter(tenant)
+    except EngineError as exc:
+        state.metrics.rejected.labels(reason=exc.code).inc()
+        state.metrics.requests.labels(tenant=tenant, status=str(exc.status)).inc()
+        raise
+    try:
+        response = await admitted(slot)
+    except BaseException:
+        slot.release()
+        raise
+    if not isinstance(response, StreamingResponse):
+        slot.release()  # whole: the answer is over (a stream's deltas release it at their end)
+    return response
+
+
 async def _route(
     state: RouterState,
-    tenant: str,
+    slot: Slot,
     prompt_ids: list[int],
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int | None,
@@ -382,6 +411,7 @@ async def _route(
     chat: bool,
     request: Request,
 ) -> Response:
+    tenant = slot.tenant
     limit = await state.served_context()
     if len(prompt_ids) > limit:
         state.metrics.rejected.labels(reason="context_length_exceeded").inc()
@@ -422,7 +452,7 @@ async def _route(
         # the first token exists now: cancel both halves (prefill is already done)
         await _abort(state, decode, request_id)
         return Response(status_code=499)
-    deltas = _decode(state, decode, request_id, first)
+    deltas = slot.held_until_closed(_decode(state, decode, request_id, first))
     out = OpenAIOutput(chat, state.model_name, state.tokenizer, len(prompt_ids))
     try:
         first_delta = await anext(deltas)

@@ -6,6 +6,7 @@ import sys
 from kvfence_cli.common import (
     Subparsers,
     add_max_request_bytes,
+    non_negative,
     positive,
     read_token,
     serve_http,
@@ -39,6 +40,16 @@ def add_parser(sub: Subparsers) -> None:
         help="served context (default: from the backends file or the decode pools)",
     )
     p.add_argument(
+        "--max-concurrent-per-tenant",
+        type=non_negative,
+        default=0,
+        metavar="N",
+        help="requests one tenant may have in flight at once, from admission to the end of "
+        "its answer; more get 429 tenant_limit + Retry-After (default 0: no limit, since a "
+        "fair number depends on the deployment's capacity; the operator sets it from "
+        "spec.tenantLimits.maxConcurrentRequests)",
+    )
+    p.add_argument(
         "--model",
         default="builtin:smollm2-135m-instruct",
         help="where the tokenizer and chat template come from",
@@ -58,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.router.app import RouterState, create_router_app
     from kvfence_engine.router.backends import Backends
     from kvfence_engine.router.keys import ApiKeys
+    from kvfence_engine.router.tenants import TenantInflight
     from kvfence_engine.serving.limits import set_max_request_bytes
 
     if not (args.prefill and args.decode) and not args.backends_file:
@@ -73,7 +85,15 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"kvfence router: {exc}", file=sys.stderr)
         return 2
-    state = RouterState(name, tokenizer, backends, keys, token, args.context_length)
+    state = RouterState(
+        name,
+        tokenizer,
+        backends,
+        keys,
+        token,
+        args.context_length,
+        inflight=TenantInflight(args.max_concurrent_per_tenant),
+    )
     app = create_router_app(state)
     set_max_request_bytes(app, args.max_request_bytes)
     return serve_http(app, args)

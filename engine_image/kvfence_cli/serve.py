@@ -11,6 +11,7 @@ from kvfence_cli.common import (
     positive_seconds,
     read_token,
     serve_http,
+    share,
     size,
 )
 from kvfence_engine.core.faults import Fault
@@ -109,6 +110,15 @@ def add_parser(sub: Subparsers) -> None:
         default=512,
         help="queue length beyond which requests get 503 + Retry-After",
     )
+    p.add_argument(
+        "--max-pool-share-per-tenant",
+        type=share,
+        default=1.0,
+        metavar="F",
+        help="fraction of the KV pool (0 < F <= 1) one tenant's requests may reserve, each its "
+        "prompt plus max_tokens; a request over it gets 429 tenant_pool_share + Retry-After "
+        "(default 1.0: no cap). The combined role serves one tenant, 'default'",
+    )
     add_max_request_bytes(p)
     p.add_argument("--scrub-on-free", action="store_true", help="zero pages when released")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
@@ -163,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         revision=args.revision,
         transfer_port=args.transfer_port,
         reserve_timeout=args.reserve_timeout,
+        max_pool_share_per_tenant=args.max_pool_share_per_tenant,
         kv_checksum=args.kv_checksum,
         faults=faults,
     )

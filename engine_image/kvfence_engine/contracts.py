@@ -27,6 +27,11 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 REQUEST_ID_CHARS = "A-Za-z0-9_.:-"  # a regex class; the router's ids start with the tenant
 REQUEST_ID_MAX = 128
 RequestId = Annotated[str, Field(pattern=rf"^[{REQUEST_ID_CHARS}]{{1,{REQUEST_ID_MAX}}}$")]
+# A tenant name starts each of its request ids ("TENANT-" and 32 hex digits): the keys file's
+# names (router/keys.py) and the tenant the router names on the internal API.
+TENANT_MAX = REQUEST_ID_MAX - 33
+TenantName = Annotated[str, Field(pattern=rf"^[{REQUEST_ID_CHARS}]{{1,{TENANT_MAX}}}$")]
+DEFAULT_TENANT = "default"  # without API keys every request is this tenant's
 # What torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 
@@ -244,6 +249,7 @@ class ReserveBody(_Message):
     prompt_ids: list[int] = Field(min_length=1)
     max_tokens: Positive | None = None
     sampling: Sampling = Field(default_factory=Sampling)
+    tenant: TenantName = DEFAULT_TENANT  # whose share of decode's pool it reserves
 
 
 class TransferHandle(_Message):
@@ -270,6 +276,7 @@ class PrefillBody(_Message):
     handle: TransferHandle
     prompt_ids: list[int] = Field(min_length=1)
     sampling: Sampling = Field(default_factory=Sampling)
+    tenant: TenantName = DEFAULT_TENANT  # whose share of prefill's pool it reserves
 
 
 class FirstToken(_Message):

@@ -23,6 +23,8 @@ def pod_shaping_parts(spec: InferenceDeploymentSpec) -> dict[str, object]:
         "prefill": {k: v for k, v in dump["prefill"].items() if k != "replicas"},
         "decode": {k: v for k, v in dump["decode"].items() if k != "replicas"},
         "router": {"apiKeysSecret": dump["router"]["apiKeysSecret"]},
+        # the router's and the engines' flags; absent while unset (older revisions' hashes)
+        **({"tenantLimits": dump["tenantLimits"]} if dump["tenantLimits"] else {}),
     }
 
 

@@ -119,6 +119,10 @@ def leaks(before: Snapshot) -> list[str]:
         if now.free < start.free:
             found.append(f"in-process engine ({engine.args.role}): {now.free} free pages of "
                          f"{now.total}, {start.free} at the start")  # fmt: skip
+        reserved = engine.shares.by_tenant()
+        if now.free == now.total and reserved:  # no request holds a page: none may reserve any
+            found.append(f"in-process engine ({engine.args.role}): a whole pool, yet tenants "
+                         f"still reserve pages of it: {reserved}")  # fmt: skip
     deadline = time.monotonic() + SETTLE_SECONDS
     for proc in list(_servers):
         if proc.proc is not None and proc.proc.poll() is not None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvfence_engine.contracts import KvPoolReport, Role
+from kvfence_engine.contracts import DEFAULT_TENANT, KvPoolReport, Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.faults import Fault, Faults
@@ -33,6 +33,7 @@ from kvfence_engine.core.request import (
 from kvfence_engine.core.runner import ModelRunner, PreparedStep
 from kvfence_engine.core.sampler import sample
 from kvfence_engine.core.scheduler import Scheduler
+from kvfence_engine.core.tenants import TenantShares
 from kvfence_engine.loading.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class EngineArgs:
     transfer_port: int = 0  # decode role: where prefill streams KV to
     kv_checksum: bool = True  # per-page XXH3-64 checksum on KV transfers (both ends must agree)
     reserve_timeout: float = 60.0  # decode role: a reservation whose KV never starts expires
+    max_pool_share_per_tenant: float = 1.0  # of the pool, reserved by one tenant; 1.0: no cap
     faults: Faults = field(default_factory=Faults)
 
 
@@ -136,8 +138,12 @@ class LLMEngine:
                 f"the KV pool ({self.pool.pool_tokens} tokens) holds less than one page of context"
             )
         self.limit = admission_limit(self.context_effective, self.pool.pool_tokens)
+        self.shares = TenantShares(self.pool.num_pages, args.max_pool_share_per_tenant)
         self.scheduler = Scheduler(
-            self.pool, max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens
+            self.pool,
+            max_num_seqs=args.max_num_seqs,
+            max_batched_tokens=args.max_batched_tokens,
+            shares=self.shares,
         )
         self.runner = ModelRunner(model, self.pool, self.device, self.faults)
         self._ids = itertools.count(1)
@@ -146,16 +152,22 @@ class LLMEngine:
         m.pages_total.set(self.pool.num_pages)
         m.context_length.set(self.context_effective)
         m.pages_used.set_function(lambda: self.pool.num_used)
+        m.watch_tenants(self.shares.by_tenant)
 
     # --- admission (any thread; allocates nothing) ---------------------------------------------
 
     def admit(
-        self, prompt_ids: list[int], params: SamplingParams | None = None, *, max_tokens: int | None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        max_tokens: int | None,
+        tenant: str = DEFAULT_TENANT,
     ) -> Request:
         """Build a sequence and decide whether it may run. A rejected sequence comes back
         terminal (finish_reason "error") and must not be scheduled; nothing was allocated."""
         params = params or SamplingParams(max_tokens=1)
-        seq = Request(next(self._ids), list(prompt_ids), params)
+        seq = Request(next(self._ids), list(prompt_ids), params, tenant=tenant)
         n = len(prompt_ids)
         error: EngineError | None = None
         if n == 0:
@@ -187,15 +199,61 @@ class LLMEngine:
         # A sequence may hold at most `limit` KV slots: prompt + generated - 1.
         room = self.limit - n + 1
         seq.params = _with_max_tokens(params, min(max_tokens or room, room))
+        error = self._refuse_over_share(seq, explicit_max_tokens=max_tokens is not None)
+        if error is not None:
+            seq.finish("error", error)
+            self.metrics.rejected.labels(reason=error.code).inc()
+            return seq
         if params.seed is not None or not params.greedy:
             seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4))
             seq.generator = torch.Generator().manual_seed(seed)
         return seq
 
+    def _refuse_over_share(self, seq: Request, *, explicit_max_tokens: bool) -> EngineError | None:
+        """Whether the request's worst case fits its tenant's share of the pool (core/tenants).
+        One that could never fit is a 400 (retrying would not help): a max_tokens left to the
+        engine shrinks to fit instead. One that does not fit now, beside the tenant's other
+        requests, is a 429."""
+        if not self.shares.capped:
+            return None
+        cap_tokens = self.shares.cap_pages * self.pool.page_size
+        n = len(seq.prompt_ids)
+        if n > cap_tokens:
+            return errors.invalid_request(
+                f"the prompt has {n} tokens; one tenant may reserve at most {cap_tokens} "
+                "(its share of the KV pool). Shorten the prompt.",
+                "messages",
+            )
+        room = cap_tokens - n + 1
+        if seq.params.max_tokens > room:
+            if explicit_max_tokens:
+                return errors.invalid_request(
+                    f"prompt ({n} tokens) plus max_tokens ({seq.params.max_tokens}) is more than "
+                    f"one tenant may reserve ({cap_tokens} tokens, its share of the KV pool); "
+                    f"set max_tokens to at most {room}",
+                    "max_tokens",
+                )
+            seq.params = _with_max_tokens(seq.params, room)
+        return self.shares.refusal(seq.tenant, self.footprint(seq))
+
+    def footprint(self, seq: Request) -> int:
+        """The pages a request holds at most: its prompt and every token it may generate."""
+        return self.pool.pages_for(len(seq.prompt_ids) + seq.params.max_tokens - 1)
+
+    def _take_share(self, seq: Request) -> None:
+        """(engine thread) Reserve the request's worst case in its tenant's share; the
+        admission check ran before, but other requests of the tenant may have come in since."""
+        try:
+            self.shares.take(seq.seq_id, seq.tenant, self.footprint(seq))
+        except EngineError as exc:
+            self.metrics.rejected.labels(reason=exc.code).inc()
+            raise
+
     # --- the step loop (engine thread only) ----------------------------------------------------
 
     def add(self, seq: Request) -> None:
         assert not is_terminal(seq)
+        self._take_share(seq)
         self.scheduler.add(seq)
         self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
 
@@ -355,9 +413,11 @@ class LLMEngine:
         scheduler: its KV will be written into them by a transfer, not computed here."""
         assert not is_terminal(seq)
         n = len(seq.prompt_ids)
+        self._take_share(seq)
         try:
             seq.pages, seq.page_tags = self.pool.allocate(seq.seq_id, self.pool.pages_for(n))
         except PoolExhausted as exc:
+            self.shares.give_back(seq.seq_id)
             self.metrics.rejected.labels(reason="overloaded").inc()
             raise errors.overloaded(f"no free KV pages for {n} tokens: {exc}") from exc
         self.metrics.prompt_tokens.inc(n)

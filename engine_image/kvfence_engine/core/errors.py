@@ -50,6 +50,21 @@ def overloaded(message: str, retry_after: int = 1) -> EngineError:
     return EngineError(503, message, "server_error", "overloaded", None, retry_after)
 
 
+# A tenant over its own limit gets 429 with Retry-After, typed as OpenAI types its rate limits:
+# "requests" for a limit on requests, "tokens" for one on tokens (here: KV pages).
+TENANT_RETRY_AFTER = 1
+
+
+def tenant_limit(message: str) -> EngineError:
+    """The router: the tenant already has its most concurrent requests in flight."""
+    return EngineError(429, message, "requests", "tenant_limit", None, TENANT_RETRY_AFTER)
+
+
+def tenant_pool_share(message: str) -> EngineError:
+    """An engine: the tenant's requests already reserve its share of the KV pool."""
+    return EngineError(429, message, "tokens", "tenant_pool_share", None, TENANT_RETRY_AFTER)
+
+
 def new_incident() -> str:
     """A short random id for one internal failure, for the client's message and the log."""
     return uuid.uuid4().hex[:16]

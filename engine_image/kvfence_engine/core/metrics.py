@@ -1,6 +1,10 @@
 """Prometheus metrics of one engine process (own registry, so tests can run several)."""
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -97,3 +101,26 @@ class EngineMetrics:
         )
         self.running = Gauge("kvfence_requests_running", "sequences decoding", registry=r)
         self.waiting = Gauge("kvfence_requests_waiting", "sequences waiting", registry=r)
+
+    def watch_tenants(self, reserved: Callable[[], dict[str, int]]) -> None:
+        """Export each tenant's reserved KV pages (core/tenants) as read at scrape time."""
+        self.registry.register(_TenantPages(reserved))
+
+
+class _TenantPages(Collector):
+    """kvfence_tenant_kv_pages_reserved{tenant}: only tenants with requests in the engine, so
+    the label set is bounded by the pool, not by every name a request ever carried."""
+
+    def __init__(self, reserved: Callable[[], dict[str, int]]) -> None:
+        self.reserved = reserved
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "kvfence_tenant_kv_pages_reserved",
+            "KV pages reserved by each tenant's requests in this engine (their prompts and "
+            "max_tokens): what --max-pool-share-per-tenant caps",
+            labels=["tenant"],
+        )
+        for tenant, pages in sorted(self.reserved().items()):
+            family.add_metric([tenant], pages)
+        yield family

@@ -82,6 +82,7 @@ class Request:
     generator: torch.Generator | None = None
     first_token_at: float | None = None
     request_id: str | None = None  # the router's id, for disaggregated requests
+    tenant: str = "default"  # whose share of the KV pool it reserves (core/tenants)
     inbound: InboundKV | None = None  # decode role: KV still to arrive from prefill
     export_kv: bool = False  # prefill role: copy the prompt's KV out after the prefill step
     exported: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (k, v, tokens written)

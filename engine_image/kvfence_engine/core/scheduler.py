@@ -9,11 +9,20 @@ from collections.abc import Sequence
 
 from kvfence_engine.core.kv_pool import KVPool
 from kvfence_engine.core.request import Request, Status, is_terminal
+from kvfence_engine.core.tenants import TenantShares
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, *, max_num_seqs: int, max_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        *,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        shares: TenantShares | None = None,
+    ) -> None:
         self.pool = pool
+        self.shares = shares
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -112,9 +121,13 @@ class Scheduler:
         self.running.extend(s for s in seqs if not is_terminal(s))
 
     def release(self, seq: Request) -> None:
+        """Return a request's pages. Every finished request passes here (and a preempted one,
+        which keeps its tenant's reservation): the one place a reservation is given back."""
         self.pool.release(seq.seq_id, seq.pages, seq.page_tags)
         seq.pages, seq.page_tags = [], []
         seq.num_cached = 0
+        if self.shares is not None and is_terminal(seq):
+            self.shares.give_back(seq.seq_id)
 
     def remove_finished(self, batch: Sequence = ()) -> list[Request]:
         """Drop terminal sequences from both queues and from the step's batch (a prefill that

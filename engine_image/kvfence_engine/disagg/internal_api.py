@@ -106,7 +106,7 @@ def internal_router(
     @router.post("/reserve")
     async def reserve(body: ReserveBody) -> ReserveReply:
         engine, book = decode_side()
-        seq = engine.admit(body.prompt_ids, params_of(body.sampling), body.max_tokens)
+        seq = engine.admit(body.prompt_ids, params_of(body.sampling), body.max_tokens, body.tenant)
         if is_terminal(seq):  # rejected before any page was allocated
             assert seq.error is not None
             raise seq.error
@@ -141,7 +141,7 @@ def internal_router(
     @router.post("/prefill")
     async def prefill(body: PrefillBody) -> PrefillReply:
         engine = engine_for(Role.PREFILL)
-        seq = engine.admit(body.prompt_ids, params_of(body.sampling), 1)
+        seq = engine.admit(body.prompt_ids, params_of(body.sampling), 1, body.tenant)
         if is_terminal(seq):
             assert seq.error is not None
             raise seq.error

@@ -21,13 +21,13 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,6 +36,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvfence_engine.auth import bearer_of, presents_internal_token
 from kvfence_engine.contracts import (
+    DEFAULT_TENANT,
     TOKEN_HEADER,
     AbortBody,
     BackendPool,
@@ -65,6 +66,7 @@ from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.router.backends import Backend, Backends
 from kvfence_engine.router.keys import ApiKeys, request_id_for
+from kvfence_engine.router.tenants import InflightCollector, Slot, TenantInflight
 from kvfence_engine.serving.limits import refuse_unfittable_prompt
 from kvfence_engine.serving.openai_api import (
     OpenAIOutput,
@@ -78,7 +80,6 @@ from kvfence_engine.serving.openai_api import (
 from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
-DEFAULT_TENANT = "default"
 BACKEND_READ_TIMEOUT = 2.0  # a slow engine must not stall the router's /metrics or /v1/kvpool
 
 
@@ -122,8 +123,12 @@ class RouterState:
             timeout=httpx.Timeout(300.0, connect=3.0), limits=httpx.Limits(max_connections=512)
         )
     )
+    inflight: TenantInflight = field(default_factory=TenantInflight)
     _discovered_context: int | None = None
     background: set["asyncio.Task[None]"] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.metrics.registry.register(InflightCollector(self.inflight))
 
     def in_background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -245,25 +250,28 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        tenant = state.tenant(request)
-        context = await state.served_context()
-        refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
-        prompt_ids = await asyncio.to_thread(
-            completion_prompt, body.prompt, state.tokenizer, 1 << 31
-        )
-        return await _route(
-            state, tenant, prompt_ids, body, body.max_tokens, body.logprobs, False, request
-        )
+        async def admitted(slot: Slot) -> Response:
+            context = await state.served_context()
+            refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
+            prompt_ids = await asyncio.to_thread(
+                completion_prompt, body.prompt, state.tokenizer, 1 << 31
+            )
+            return await _route(
+                state, slot, prompt_ids, body, body.max_tokens, body.logprobs, False, request
+            )
+
+        return await _in_flight(state, state.tenant(request), admitted)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        tenant = state.tenant(request)
-        context = await state.served_context()
-        refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
-        prompt_ids = await asyncio.to_thread(chat_prompt, state.tokenizer, body)
-        return await _route(
-            state, tenant, prompt_ids, body, body.token_limit(), chat_logprobs(body), True, request
-        )
+        async def admitted(slot: Slot) -> Response:
+            context = await state.served_context()
+            refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
+            prompt_ids = await asyncio.to_thread(chat_prompt, state.tokenizer, body)
+            max_tokens, logprobs = body.token_limit(), chat_logprobs(body)
+            return await _route(state, slot, prompt_ids, body, max_tokens, logprobs, True, request)
+
+        return await _in_flight(state, state.tenant(request), admitted)
 
     return app
 
@@ -372,9 +380,30 @@ def _parse_metrics(text: str | None) -> list[Metric] | None:
         return None
 
 
+async def _in_flight(
+    state: RouterState, tenant: str, admitted: Callable[[Slot], Awaitable[Response]]
+) -> Response:
+    """Run a request within its tenant's --max-concurrent-per-tenant: counted in now, out
+    when its answer is over (a stream: when it ends, breaks or its client leaves)."""
+    try:
+        slot = state.inflight.enter(tenant)
+    except EngineError as exc:
+        state.metrics.rejected.labels(reason=exc.code).inc()
+        state.metrics.requests.labels(tenant=tenant, status=str(exc.status)).inc()
+        raise
+    try:
+        response = await admitted(slot)
+    except BaseException:
+        slot.release()
+        raise
+    if not isinstance(response, StreamingResponse):
+        slot.release()  # whole: the answer is over (a stream's deltas release it at their end)
+    return response
+
+
 async def _route(
     state: RouterState,
-    tenant: str,
+    slot: Slot,
     prompt_ids: list[int],
     body: CompletionRequest | ChatCompletionRequest,
     max_tokens: int | None,
@@ -382,6 +411,7 @@ async def _route(
     chat: bool,
     request: Request,
 ) -> Response:
+    tenant = slot.tenant
     limit = await state.served_context()
     if not prompt_ids:  # what the engine's admission says, not ReserveBody's field name
         raise errors.invalid_request("the prompt is empty", "prompt")
@@ -399,14 +429,20 @@ async def _route(
     request_id = request_id_for(tenant)
     try:
         reserve = ReserveBody(
-            request_id=request_id, prompt_ids=prompt_ids, max_tokens=max_tokens, sampling=sampling
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            tenant=tenant,
         )
     except ValidationError as exc:  # what decode would refuse is the client's 400, as it was
         raise invalid_body(exc.errors()) from exc
     decode, handle = await _reserve(state, reserve)
     try:
         # Shielded: a client that leaves now must not cancel the prefill mid-transfer.
-        prefill = asyncio.ensure_future(_prefill(state, decode, handle, prompt_ids, sampling))
+        prefill = asyncio.ensure_future(
+            _prefill(state, decode, handle, prompt_ids, sampling, tenant)
+        )
         first = await asyncio.shield(prefill)
     except asyncio.CancelledError:
         state.in_background(_abort_after(state, decode, request_id, prefill))
@@ -418,7 +454,7 @@ async def _route(
         # the first token exists now: cancel both halves (prefill is already done)
         await _abort(state, decode, request_id)
         return Response(status_code=499)
-    deltas = _decode(state, decode, request_id, first)
+    deltas = slot.held_until_closed(_decode(state, decode, request_id, first))
     out = OpenAIOutput(chat, state.model_name, state.tokenizer, len(prompt_ids))
     try:
         first_delta = await anext(deltas)
@@ -535,9 +571,10 @@ async def _prefill(
     handle: TransferHandle,
     prompt_ids: list[int],
     sampling: Sampling,
+    tenant: str,
 ) -> FirstToken:
     prefill = state.backends.prefill.pick()
-    body = PrefillBody(handle=handle, prompt_ids=prompt_ids, sampling=sampling)
+    body = PrefillBody(handle=handle, prompt_ids=prompt_ids, sampling=sampling, tenant=tenant)
     decode.outstanding += 1
     try:
         result = await _call(

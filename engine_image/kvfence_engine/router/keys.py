@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from kvfence_engine.auth import secret_matches
-from kvfence_engine.contracts import REQUEST_ID_CHARS, REQUEST_ID_MAX
+from kvfence_engine.contracts import REQUEST_ID_CHARS, REQUEST_ID_MAX, TENANT_MAX
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def request_id_for(tenant: str) -> str:
     return f"{tenant}-{uuid.uuid4().hex}"
 
 
-TENANT_MAX = REQUEST_ID_MAX - len(request_id_for(""))
+assert REQUEST_ID_MAX - len(request_id_for("")) == TENANT_MAX, "contracts.TenantName"
 TENANT = re.compile(rf"[{REQUEST_ID_CHARS}]{{1,{TENANT_MAX}}}")
 _KEY = re.compile(r"[!-~]+")  # printable ASCII without space: what a Bearer token carries
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvfence_engine.contracts import DEFAULT_TENANT
 from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
 from kvfence_engine.core.engine import LLMEngine
@@ -53,9 +54,13 @@ class AsyncEngine:
             self._thread.join(timeout=10)
 
     def admit(
-        self, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int | None,
+        tenant: str = DEFAULT_TENANT,
     ) -> Request:
-        return self.engine.admit(prompt_ids, params, max_tokens=max_tokens)
+        return self.engine.admit(prompt_ids, params, max_tokens=max_tokens, tenant=tenant)
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread and await its result (or exception)."""

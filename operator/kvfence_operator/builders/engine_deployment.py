@@ -75,6 +75,9 @@ def engine_args(spec: InferenceDeploymentSpec, role: Role, revision: str, device
         args.append("--no-kv-checksum")
     if engine.scrub_on_free:
         args.append("--scrub-on-free")
+    share = spec.tenant_limits.max_pool_share_per_tenant
+    if share is not None:
+        args += ["--max-pool-share-per-tenant", str(share)]
     return args
 
 

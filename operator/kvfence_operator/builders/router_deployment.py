@@ -73,6 +73,8 @@ def build_router_configmap(
 
 
 def router_args(spec: InferenceDeploymentSpec) -> list[str]:
+    concurrent = spec.tenant_limits.max_concurrent_requests
+    limits = ["--max-concurrent-per-tenant", str(concurrent)] if concurrent else []
     return [
         "router",
         "--host", "0.0.0.0",
@@ -84,6 +86,7 @@ def router_args(spec: InferenceDeploymentSpec) -> list[str]:
         # No --context-length: it would override the backends file, where the operator
         # writes the served (possibly lowered) context.
         "--internal-token-file", INTERNAL_TOKEN_FILE,
+        *limits,
     ]  # fmt: skip
 
 

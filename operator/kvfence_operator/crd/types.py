@@ -258,6 +258,26 @@ class RouterSpec(_ApiModel):
     service: RouterServiceSpec = Field(default_factory=RouterServiceSpec)
 
 
+class TenantLimits(_ApiModel):
+    """Per-tenant limits, so that no tenant takes the queue or the KV pool from the others; a
+    request over one gets 429 with Retry-After. Unset: no limit."""
+
+    max_concurrent_requests: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Requests one tenant may have in flight at a router pod at once "
+        "(kvfence router --max-concurrent-per-tenant).",
+    )
+    max_pool_share_per_tenant: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Fraction of each engine's KV pool one tenant's requests may reserve, each "
+        "its prompt plus max_tokens (kvfence serve --max-pool-share-per-tenant).",
+    )
+
+
 class CanarySpec(_ApiModel):
     """The isolation canary Job that gates every rollout."""
 
@@ -294,6 +314,7 @@ class InferenceDeploymentSpec(_ApiModel):
     prefill: EngineRoleSpec = Field(default_factory=EngineRoleSpec)
     decode: EngineRoleSpec = Field(default_factory=EngineRoleSpec)
     router: RouterSpec
+    tenant_limits: TenantLimits = Field(default_factory=TenantLimits)
     canary: CanarySpec = Field(default_factory=CanarySpec)
 
     @model_validator(mode="after")

@@ -47,6 +47,7 @@ def _prefill_logits_all_positions(engine: LLMEngine, prompts: list[list[int]]) -
     step.logits_rows = torch.arange(sum(len(p) for p in prompts))
     logits = engine.runner.run(step)
     for seq in seqs:
+        seq.finish("abort")  # over: its pages and its tenant's reservation go back
         engine.scheduler.release(seq)
     return logits
 

@@ -106,6 +106,10 @@ INVALID = [
     ("unknown service type", _set("spec.router.service.type", "Ingress"), "openapi"),
     ("bad secret name", _set("spec.router.apiKeysSecret", "Keys_Secret"), "openapi"),
     ("canary timeout zero", _set("spec.canary.timeoutSeconds", 0), "openapi"),
+    ("zero concurrent requests", _set("spec.tenantLimits.maxConcurrentRequests", 0), "openapi"),
+    ("zero pool share", _set("spec.tenantLimits.maxPoolSharePerTenant", 0), "openapi"),
+    ("pool share above one", _set("spec.tenantLimits.maxPoolSharePerTenant", 1.5), "openapi"),
+    ("unknown tenant limit", _set("spec.tenantLimits.maxTokensPerMinute", 10), "unknown-field"),
     (
         "bad GPU quantity",
         _set("spec.prefill.resources", {"limits": {"nvidia.com/gpu": "one"}}),
@@ -177,6 +181,7 @@ def _edge_values() -> dict:
     manifest["spec"]["prefill"]["replicas"] = 0
     manifest["spec"]["minContextLength"] = manifest["spec"]["contextLength"]
     manifest["spec"]["engine"] = {"memoryFraction": 1, "extraArgs": ["--threads", "2"]}
+    manifest["spec"]["tenantLimits"] = {"maxConcurrentRequests": 1, "maxPoolSharePerTenant": 1}
     return manifest
 
 

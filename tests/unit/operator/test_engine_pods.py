@@ -85,6 +85,15 @@ def test_a_default_spec_passes_no_optional_engine_flags():
     assert "--kv-cache-memory" not in args and "--memory-fraction" not in args
 
 
+@pytest.mark.parametrize("role", ENGINE_ROLES)
+def test_the_tenant_pool_share_becomes_the_engines_flag(role):
+    spec = sample_spec("minimal")
+    assert "--max-pool-share-per-tenant" not in engine_args(spec, role, REVISION, "cuda")
+    spec.tenant_limits.max_pool_share_per_tenant = 0.25
+    args = engine_args(spec, role, REVISION, "cuda")
+    assert flag(args, "--max-pool-share-per-tenant") == "0.25"
+
+
 def test_disabling_kv_checksums_is_passed_to_the_engine():
     spec = sample_spec("minimal")
     spec.engine.kv_checksum = False

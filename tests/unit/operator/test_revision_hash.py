@@ -72,6 +72,8 @@ def test_changes_applied_in_place_keep_the_revision(change):
         {"prefill.resources": {"limits": {"nvidia.com/gpu": 2}}},
         {"decode.pod": {"nodeSelector": {"gpu": "h100"}}},
         {"router.apiKeysSecret": "other-keys"},
+        {"tenantLimits.maxConcurrentRequests": 8},
+        {"tenantLimits.maxPoolSharePerTenant": 0.25},
     ],
     ids=lambda c: next(iter(c)),
 )

@@ -21,6 +21,7 @@ from kvfence_operator.builders.router_deployment import (
     build_router_deployment,
     build_router_service,
     build_stable_service,
+    router_args,
 )
 from kvfence_operator.builders.secret import RevisionCredentials, build_revision_secret
 
@@ -43,6 +44,13 @@ def test_router_runs_with_backends_file_both_key_files_context_and_token():
     assert deployment["spec"]["replicas"] == 2
     assert "readinessGates" not in pod_spec(deployment)
     assert "nvidia.com/gpu" not in json.dumps(c["resources"])
+
+
+def test_the_tenant_concurrency_limit_becomes_the_routers_flag():
+    spec = sample_spec("minimal")
+    assert "--max-concurrent-per-tenant" not in router_args(spec)
+    spec.tenant_limits.max_concurrent_requests = 8
+    assert flag(router_args(spec), "--max-concurrent-per-tenant") == "8"
 
 
 def test_router_credentials_combine_the_users_keys_with_the_revisions_token_and_canary_keys():

@@ -11,7 +11,7 @@ import httpx
 from pydantic import ValidationError
 
 from kvfence_engine.contracts import TOKEN_HEADER, PoolGateReport
-from kvfence_engine.core.pool_plan import ContextPolicy, effective_context
+from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, tenant_share_pages
 from kvfence_operator.crd.types import PoolPolicy
 
 PROBE_TIMEOUT_SECONDS = 3.0
@@ -105,13 +105,16 @@ def judge_pools(
     min_context_length: int | None,
     *,
     unsafe_faults_allowed: bool = False,
+    pool_share: float | None = None,
 ) -> PoolDecision:
     """Refuse: a pod may serve only if its pool holds `context_length`. LowerContext: the
     served context is the smallest pool (whole pages, at most `context_length`); below
     `min_context_length` (default: one page) nothing is served. A pod without a valid report,
     or with an isolation defence off (its tag check, deferred release, or any unsafe fault),
     is never sufficient. `unsafe_faults_allowed` (the operator under KVFENCE_ALLOW_UNSAFE=1,
-    for tests whose canary must catch a fault) lets a pod's faults through; nothing else."""
+    for tests whose canary must catch a fault) lets a pod's faults through; nothing else.
+    `pool_share` (spec.tenantLimits.maxPoolSharePerTenant): a request is one tenant's, so what
+    must hold the context is one tenant's share of each pool, not the whole pool."""
     gates: dict[str, PodGate] = {}
     reports: dict[str, PoolGateReport] = {}
     for pool in pools:
@@ -126,26 +129,30 @@ def judge_pools(
             continue
         reports[pool.pod] = pool.report
     min_pool = min((r.pool_tokens for r in reports.values()), default=None)
+    usable = {pod: _tenant_pool(r, pool_share) for pod, r in reports.items()}
+    min_usable = min(usable.values(), default=None)
+    share_note = f" (a tenant's share {pool_share:g} of it)" if _shared(pool_share) else ""
 
     if policy is PoolPolicy.REFUSE:
         effective: int | None = context_length
         for pod, report in reports.items():
-            if report.pool_tokens >= context_length:
+            if usable[pod] >= context_length:
                 gates[pod] = PodGate(pod, True, "PoolHoldsContext", _holds(pod, report))
             else:
                 gates[pod] = PodGate(
                     pod,
                     False,
                     "PoolTooSmall",
-                    f"pod {pod} ({report.role}) has a KV pool of {report.pool_tokens} tokens, "
-                    f"smaller than contextLength {context_length}",
+                    f"pod {pod} ({report.role}) has a KV pool of {report.pool_tokens} tokens"
+                    f"{share_note}: {usable[pod]} tokens, smaller than contextLength "
+                    f"{context_length}",
                 )
     else:
         floor = min_context_length or 1
         effective = None
-        if min_pool is not None:
+        if min_usable is not None:
             page = max(r.page_size for r in reports.values())
-            lowered = effective_context(context_length, min_pool, page, ContextPolicy.LOWER)
+            lowered = effective_context(context_length, min_usable, page, ContextPolicy.LOWER)
             effective = lowered if lowered >= floor else None
         for pod, report in reports.items():
             if effective is None:
@@ -153,7 +160,8 @@ def judge_pools(
                     pod,
                     False,
                     "PoolTooSmall",
-                    f"the smallest KV pool ({min_pool} tokens) is below minContextLength {floor}",
+                    f"the smallest KV pool ({min_usable} tokens{share_note}) is below "
+                    f"minContextLength {floor}",
                 )
             else:
                 gates[pod] = PodGate(pod, True, "PoolHoldsContext", _holds(pod, report, effective))
@@ -184,6 +192,18 @@ def judge_pools(
         f"every engine pool holds the served context {effective}{lowered_note}; "
         f"smallest pool {min_pool} tokens",
     )
+
+
+def _shared(pool_share: float | None) -> bool:
+    return pool_share is not None and pool_share < 1.0
+
+
+def _tenant_pool(report: PoolGateReport, pool_share: float | None) -> int:
+    """The tokens one tenant's requests may hold in this pool."""
+    if not _shared(pool_share):
+        return report.pool_tokens
+    assert pool_share is not None
+    return tenant_share_pages(report.num_pages, pool_share) * report.page_size
 
 
 def _holds(pod: str, report: PoolGateReport, context: int | None = None) -> str:

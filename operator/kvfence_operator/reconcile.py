@@ -253,6 +253,7 @@ class Reconciler:
             spec.context_length,
             spec.min_context_length,
             unsafe_faults_allowed=self.unsafe_faults_allowed,
+            pool_share=spec.tenant_limits.max_pool_share_per_tenant,
         )
         events = [
             event

@@ -297,7 +297,11 @@ def up(
     try:
         pools = read_pools(local, credentials.internal_token)
         decision = judge_pools(
-            pools, spec.pool_policy, spec.context_length, spec.min_context_length
+            pools,
+            spec.pool_policy,
+            spec.context_length,
+            spec.min_context_length,
+            pool_share=spec.tenant_limits.max_pool_share_per_tenant,
         )
         for line in pool_lines(pools, decision):
             say(line)

@@ -48,3 +48,9 @@ def effective_context(
 def admission_limit(effective: int, pool_tokens: int) -> int:
     """No request may hold more KV slots than the served context or the whole pool."""
     return min(effective, pool_tokens)
+
+
+def tenant_share_pages(num_pages: int, share: float) -> int:
+    """Pages one tenant may reserve at once under --max-pool-share-per-tenant: at least one (a
+    share never shuts a tenant out completely). The operator's pool gate uses the same rule."""
+    return max(1, int(num_pages * share))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from kvfence_engine.core import errors
 from kvfence_engine.core.errors import EngineError
+from kvfence_engine.core.pool_plan import tenant_share_pages
 
 
 @dataclass(slots=True)
@@ -36,9 +37,8 @@ class TenantShares:
 
     @property
     def cap_pages(self) -> int:
-        """Pages one tenant may reserve at once (at least one: a share never shuts a tenant
-        out completely)."""
-        return max(1, int(self.num_pages * self.share))
+        """Pages one tenant may reserve at once."""
+        return tenant_share_pages(self.num_pages, self.share)
 
     @property
     def capped(self) -> bool:

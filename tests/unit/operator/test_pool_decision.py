@@ -178,3 +178,26 @@ def test_read_pool_presents_the_revisions_internal_token(monkeypatch):
     assert read_pool("d-0", "decode", "r1", "http://x", token).report == report
     refused = read_pool("d-0", "decode", "r1", "http://x")  # the control: no token, no report
     assert refused.report is None and "answered 401" in (refused.error or "")
+
+
+def test_a_tenant_share_of_the_pool_must_hold_the_context_since_a_request_is_one_tenants():
+    """With maxPoolSharePerTenant, one tenant's full-context request can use only its share:
+    a pool that holds the context whole but not in a share would refuse every such request
+    (the canary's full-context probe too) while the gate said it was sufficient."""
+    pools = [pod("p-0", 4096, "prefill"), pod("d-0", 4096)]
+    whole = judge_pools(pools, PoolPolicy.REFUSE, context_length=2048, min_context_length=None)
+    assert whole.sufficient
+    shared = judge_pools(
+        pools, PoolPolicy.REFUSE, context_length=2048, min_context_length=None, pool_share=0.25
+    )
+    assert not shared.sufficient and shared.reason == "PoolTooSmall"
+    assert "a tenant's share 0.25 of it): 1024 tokens, smaller than contextLength 2048" in (
+        shared.message
+    )
+    lowered = judge_pools(
+        pools, PoolPolicy.LOWER_CONTEXT, 2048, min_context_length=512, pool_share=0.25
+    )
+    assert lowered.sufficient and lowered.effective_context == 1024
+    assert lowered.min_pool_tokens == 4096  # the status still shows the pools themselves
+    no_cap = judge_pools(pools, PoolPolicy.REFUSE, 2048, None, pool_share=1.0)
+    assert no_cap.sufficient

@@ -131,7 +131,11 @@ def judge_pools(
     min_pool = min((r.pool_tokens for r in reports.values()), default=None)
     usable = {pod: _tenant_pool(r, pool_share) for pod, r in reports.items()}
     min_usable = min(usable.values(), default=None)
-    share_note = f" (a tenant's share {pool_share:g} of it)" if _shared(pool_share) else ""
+
+    def share_note(pod: str) -> str:
+        if not _shared(pool_share):
+            return ""
+        return f"; a tenant's share {pool_share:g} of it holds {usable[pod]} tokens"
 
     if policy is PoolPolicy.REFUSE:
         effective: int | None = context_length
@@ -144,11 +148,13 @@ def judge_pools(
                     False,
                     "PoolTooSmall",
                     f"pod {pod} ({report.role}) has a KV pool of {report.pool_tokens} tokens"
-                    f"{share_note}: {usable[pod]} tokens, smaller than contextLength "
-                    f"{context_length}",
+                    f"{share_note(pod)}, smaller than contextLength {context_length}",
                 )
     else:
         floor = min_context_length or 1
+        smallest_share = (
+            f"; a tenant's share of it holds {min_usable}" if _shared(pool_share) else ""
+        )
         effective = None
         if min_usable is not None:
             page = max(r.page_size for r in reports.values())
@@ -160,7 +166,7 @@ def judge_pools(
                     pod,
                     False,
                     "PoolTooSmall",
-                    f"the smallest KV pool ({min_usable} tokens{share_note}) is below "
+                    f"the smallest KV pool ({min_pool} tokens{smallest_share}) is below "
                     f"minContextLength {floor}",
                 )
             else:

@@ -191,7 +191,7 @@ def test_a_tenant_share_of_the_pool_must_hold_the_context_since_a_request_is_one
         pools, PoolPolicy.REFUSE, context_length=2048, min_context_length=None, pool_share=0.25
     )
     assert not shared.sufficient and shared.reason == "PoolTooSmall"
-    assert "a tenant's share 0.25 of it): 1024 tokens, smaller than contextLength 2048" in (
+    assert "a tenant's share 0.25 of it holds 1024 tokens, smaller than contextLength 2048" in (
         shared.message
     )
     lowered = judge_pools(

@@ -65,6 +65,16 @@ def tenant_pool_share(message: str) -> EngineError:
     return EngineError(429, message, "tokens", "tenant_pool_share", None, TENANT_RETRY_AFTER)
 
 
+def internal_token_required(path: str) -> EngineError:
+    """An operational endpoint (/metrics, /v1/kvpool) asked for without the internal token."""
+    return EngineError(
+        401,
+        f"{path} needs the internal token (X-Kvfence-Internal-Token or Authorization: Bearer)",
+        "authentication_error",
+        "unauthorized",
+    )
+
+
 def new_incident() -> str:
     """A short random id for one internal failure, for the client's message and the log."""
     return uuid.uuid4().hex[:16]

@@ -176,13 +176,7 @@ class RouterState:
                 "permission_error",
                 "forbidden",
             )
-        raise EngineError(
-            401,
-            f"{request.url.path} needs the internal token (X-Kvfence-Internal-Token or "
-            "Authorization: Bearer)",
-            "authentication_error",
-            "unauthorized",
-        )
+        raise errors.internal_token_required(request.url.path)
 
     async def served_context(self) -> int:
         """--context-length, else what the operator wrote, else the smallest decode pool's

@@ -16,7 +16,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvfence_engine.auth import presents_internal_token
 from kvfence_engine.contracts import KvPoolReport, Role
 from kvfence_engine.core import errors
-from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import SamplingParams, is_terminal
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.serving.async_engine import AsyncEngine
@@ -44,13 +43,7 @@ def create_app(state: ServerState) -> FastAPI:
         """The internal token, when the engine has one (a lone engine on a laptop has none)."""
         token = state.internal_token
         if token is not None and not presents_internal_token(request.headers, token):
-            raise EngineError(
-                401,
-                f"{request.url.path} needs the internal token (X-Kvfence-Internal-Token or "
-                "Authorization: Bearer)",
-                "authentication_error",
-                "unauthorized",
-            )
+            raise errors.internal_token_required(request.url.path)
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:

@@ -10,7 +10,13 @@ def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
     from kvfence_operator import handlers  # noqa: F401  (registers the handlers)
+    from kvfence_operator.kube import NoClusterAccess, load_cluster_config
 
+    try:  # before kopf, whose startup handler would retry it every 60 s with a traceback
+        load_cluster_config()
+    except NoClusterAccess as exc:
+        print(f"kvfence operator: {exc}", file=sys.stderr)
+        return 2
     if args.verbose:
         logging.getLogger().setLevel(logging.DEBUG)
     try:

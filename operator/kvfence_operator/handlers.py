@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 import kopf
-from kubernetes import client, config
+from kubernetes import client
 from pydantic import ValidationError
 
 from kvfence_engine.core.faults import ALLOW_ENV
@@ -19,7 +19,7 @@ from kvfence_operator.crd.types import (
     ConditionType,
     InferenceDeploymentStatus,
 )
-from kvfence_operator.kube import Kube
+from kvfence_operator.kube import Kube, load_cluster_config
 from kvfence_operator.reconcile import Reconciler
 
 RECONCILE_INTERVAL_ENV = "KVFENCE_RECONCILE_INTERVAL"
@@ -28,11 +28,7 @@ RECONCILE_INTERVAL = float(os.environ.get(RECONCILE_INTERVAL_ENV, "5"))
 
 
 def api_client() -> client.ApiClient:
-    """In a pod: the service account. Elsewhere: $KUBECONFIG or ~/.kube/config."""
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+    load_cluster_config()
     return client.ApiClient()
 
 

@@ -4,11 +4,12 @@ Dicts in and out, so the builders' output is exactly what gets sent.
 """
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes import client
+from kubernetes import client, config
 
 from kvfence_operator.crd.types import API_GROUP, API_VERSION, KIND, PLURAL
 
@@ -25,6 +26,29 @@ _PLURALS: dict[tuple[str, str], str] = {
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     (f"{API_GROUP}/{API_VERSION}", KIND): PLURAL,
 }
+
+
+class NoClusterAccess(RuntimeError):
+    """Neither config the operator looks for works; the message names both and the fix."""
+
+
+def load_cluster_config() -> None:
+    """In a pod: the service account. Elsewhere: $KUBECONFIG or ~/.kube/config."""
+    try:
+        config.load_incluster_config()
+        return
+    except config.ConfigException as exc:
+        in_cluster = str(exc).rstrip(".")
+    kubeconfig = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
+    try:
+        config.load_kube_config()
+    except (config.ConfigException, OSError) as exc:
+        raise NoClusterAccess(
+            f"no cluster access: not in a pod (service account: {in_cluster}) and the "
+            f"kubeconfig {kubeconfig} (KUBECONFIG or ~/.kube/config) cannot be used "
+            f"({str(exc).rstrip('.')}); point KUBECONFIG at a kubeconfig file, or run the "
+            "operator in a pod with a service account"
+        ) from None
 
 
 class KubeError(RuntimeError):

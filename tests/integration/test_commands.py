@@ -1,6 +1,7 @@
 """`kvfence` commands where a process is part of the test: run in a fresh interpreter (what
 they import, what they print), or judged against a running engine."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,24 @@ def test_the_router_refuses_to_start_on_a_tenant_name_outside_the_request_id_pat
     assert done.returncode == 2, done.stderr
     assert f"kvfence router: {keys}:2: tenant 'team/x' is not a valid tenant name" in done.stderr
     assert "key-x" not in done.stderr
+
+
+def test_the_operator_without_cluster_access_exits_at_once_saying_which_config_it_tried(
+    tmp_path: Path,
+) -> None:
+    """Issue 18, item 12: it printed tracebacks and retried every 60 s instead."""
+    missing = tmp_path / "no-such-kubeconfig"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env.update(KUBECONFIG=str(missing), HOME=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfence_cli", "operator", "--standalone"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvfence operator: "), done.stderr
+    assert str(missing) in lines[0] and "KUBECONFIG" in lines[0]
+    assert "service account" in lines[0]  # the in-cluster config it tried too

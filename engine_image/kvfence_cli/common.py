@@ -37,9 +37,12 @@ def positive_size(text: str) -> int:
 
 
 def positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
     return value
 
 
@@ -55,17 +58,31 @@ def share(text: str) -> float:
 
 
 def non_negative(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
     if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
     return value
 
 
 def positive_seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value
+
+
+def device(text: str) -> str:
+    """What torch.device takes for the engines kvfence runs: cpu, cuda or cuda:N."""
+    kind, colon, index = text.partition(":")
+    if text == "cpu" or (kind == "cuda" and (not colon or index.isdigit())):
+        return text
+    raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
 
 
 def read_token(path: str | None) -> str | None:

@@ -3,18 +3,19 @@
 import argparse
 import sys
 
-from kvfence_cli.common import Subparsers, read_token
-from kvfence_engine.tools.preflight import DTYPE_BYTES
-from kvfence_engine.tools.units import parse_size
+from kvfence_cli.common import Subparsers, device, positive, positive_size, read_token
+from kvfence_engine.tools.preflight import KV_DTYPES, WEIGHT_DTYPES
 
 
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("preflight", help="does the KV pool hold the context? (no GPU needed)")
     p.add_argument("--model", help="builtin:..., a .gguf file or a folder (for the estimate)")
-    p.add_argument("--kv-cache-memory", type=parse_size, help="pool budget, e.g. 512Mi")
-    p.add_argument("--context-length", type=int, required=True)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-dtype", choices=sorted(DTYPE_BYTES), default="float32")
+    p.add_argument("--kv-cache-memory", type=positive_size, help="pool budget, e.g. 512Mi")
+    p.add_argument("--context-length", type=positive, required=True)
+    p.add_argument("--page-size", type=positive, default=16)
+    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto")
+    p.add_argument("--device", type=device, default="cpu")
+    p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default=None)
     p.add_argument("--target", help="a running engine: read its live /v1/kvpool too")
     p.add_argument(
         "--internal-token-file",

@@ -14,6 +14,21 @@ from kvfence_engine.contracts import TOKEN_HEADER, PoolPlanReport
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, plan_pool
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_DTYPES = ["auto", *DTYPE_BYTES]
+WEIGHT_DTYPES = ["float32", "bfloat16", "float16", "int8"]
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, weight_dtype: str | None, device: str) -> str:
+    """The dtype `kvfence serve` allocates its pool in: `auto` is the model's compute dtype,
+    core.quantization.resolve_precision's rule without torch (a test pins them equal)."""
+    cuda = device.partition(":")[0] == "cuda"
+    if cuda and weight_dtype == "int8":
+        raise ValueError("--weight-dtype int8 is a CPU path; on CUDA use bfloat16 or float16")
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    if cuda:
+        return weight_dtype or "bfloat16"
+    return "bfloat16" if weight_dtype == "bfloat16" else "float32"  # packed weights: float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +108,10 @@ def run_preflight(args: argparse.Namespace) -> int:
     verdicts = []
     try:
         if args.model and args.kv_cache_memory:
+            kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, args.weight_dtype, args.device)
             verdicts.append(
                 estimate(
-                    args.model,
-                    args.kv_cache_memory,
-                    args.context_length,
-                    args.page_size,
-                    args.kv_cache_dtype,
+                    args.model, args.kv_cache_memory, args.context_length, args.page_size, kv_dtype
                 )
             )
         if args.target:

@@ -10,8 +10,17 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    computed_field,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
+
+from kvfence_engine.tools.units import SIZE_GRAMMAR, SIZE_PATTERN, parse_size
 
 API_GROUP = "kvfence.dev"
 API_VERSION = "v1alpha1"
@@ -31,8 +40,6 @@ QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
-# What the engine's size parser reads: bytes or a K/M/G or Ki/Mi/Gi/Ti suffix.
-SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?([KMG]i?|Ti)?$"
 UNSAFE_ENV = "KVFENCE_ALLOW_UNSAFE"
 # argparse accepts any unambiguous prefix of a long option, and `kvfence serve` has a single
 # option starting with --u, so this prefix catches --unsafe-fault and all its abbreviations.
@@ -142,7 +149,8 @@ class EngineSpec(_ApiModel):
     kv_cache_memory: str | None = Field(
         None,
         pattern=SIZE_PATTERN,
-        description="KV pool budget per pod in bytes or with a Ki/Mi/Gi suffix, e.g. 8Gi.",
+        description=f"KV pool budget per pod: {SIZE_GRAMMAR} (what `kvfence serve "
+        "--kv-cache-memory` reads).",
     )
     memory_fraction: float | None = Field(
         None, gt=0, le=1, description="KV pool budget as a fraction of free device memory."
@@ -162,6 +170,14 @@ class EngineSpec(_ApiModel):
             )
         ),
     )
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _a_size(cls, value: Any) -> Any:
+        # before the pattern check, so the refusal says what the text could have meant
+        if isinstance(value, str):
+            parse_size(value)
+        return value
 
     @model_validator(mode="after")
     def _one_budget_and_no_faults(self) -> "EngineSpec":

@@ -1,7 +1,10 @@
 """`kvfence preflight`: the engine's own pool arithmetic, before anything starts (and against
 a running engine: tests/integration/test_commands.py)."""
 
+import pytest
+
 from kvfence_cli.main import main
+from kvfence_engine.tools.units import SIZE_GRAMMAR
 
 
 def test_preflight_says_a_context_does_not_fit_and_what_lower_context_would_serve(capsys):
@@ -32,3 +35,81 @@ def test_preflight_over_the_models_positions_does_not_fit(capsys):
     )  # fmt: skip
     assert code == 1
     assert "DOES NOT FIT the model's 4096 positions" in capsys.readouterr().out
+
+
+TINY = ["preflight", "--model", "builtin:tiny-random", "--kv-cache-memory", "1Mi"]
+
+
+WHOLE = "must be a whole number >= 1, got"
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--context-length", "0"], f"argument --context-length: {WHOLE} '0'"),
+        (["--context-length", "-5"], f"argument --context-length: {WHOLE} '-5'"),
+        (["--context-length", "many"], f"argument --context-length: {WHOLE} 'many'"),
+        (["--context-length", "512", "--page-size", "0"], f"argument --page-size: {WHOLE} '0'"),
+        (["--context-length", "512", "--page-size", "-16"], f"argument --page-size: {WHOLE} '-16'"),
+        (
+            ["--context-length", "512", "--kv-cache-memory", "0"],
+            "argument --kv-cache-memory: must be at least 1 byte, got '0'",
+        ),
+        (
+            ["--context-length", "512", "--kv-cache-memory", "lots"],
+            f"argument --kv-cache-memory: cannot read size 'lots': {SIZE_GRAMMAR}",
+        ),
+        (
+            ["--context-length", "512", "--device", "tpu"],
+            "argument --device: must be cpu, cuda or cuda:N, got 'tpu'",
+        ),
+    ],
+)
+def test_preflight_input_that_is_not_a_number_it_can_use_is_a_usage_error(flags, error, capsys):
+    """Issue 18, item 6: 0 gave a ZeroDivisionError traceback and exit 1 ("does not fit"),
+    -5 "fit", and `lots` said `invalid parse_size value`."""
+    with pytest.raises(SystemExit) as exited:
+        main(TINY + flags)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"kvfence preflight: error: {error}"
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("device", "weight_dtype", "kv_dtype", "bytes_per_token"),
+    [
+        ([], [], "float32", 768),  # 2 x 3 layers x 2 heads x 16 dims x 4 bytes
+        (["--device", "cuda"], [], "bfloat16", 384),
+        (["--device", "cuda:1"], ["--weight-dtype", "float16"], "float16", 384),
+        ([], ["--weight-dtype", "int8"], "float32", 768),
+    ],
+)
+def test_preflight_resolves_kv_dtype_auto_as_the_engine_does(
+    device, weight_dtype, kv_dtype, bytes_per_token, capsys
+):
+    """`auto` is the CRD's default: preflight took only explicit dtypes."""
+    code = main(
+        [*TINY, "--context-length", "512", "--kv-cache-dtype", "auto", *device, *weight_dtype]
+    )
+    assert code == 0
+    assert f"KV bytes per token: {bytes_per_token} ({kv_dtype}," in capsys.readouterr().out
+
+
+def test_preflights_auto_kv_dtype_is_the_engines_compute_dtype():
+    """One rule, two places: preflight runs without torch, the engine with it."""
+    import torch
+
+    from kvfence_engine.core.quantization import resolve_precision
+    from kvfence_engine.tools.preflight import resolve_kv_dtype
+
+    for device in ("cpu", "cuda", "cuda:0"):
+        for weight_dtype in (None, "float32", "bfloat16", "float16", "int8"):
+            try:
+                engine = str(resolve_precision(weight_dtype, torch.device(device)).compute)
+            except ValueError as refused:
+                with pytest.raises(ValueError, match=str(refused)):
+                    resolve_kv_dtype("auto", weight_dtype, device)
+                continue
+            assert engine == f"torch.{resolve_kv_dtype('auto', weight_dtype, device)}"
+            assert resolve_kv_dtype("float16", weight_dtype, device) == "float16"

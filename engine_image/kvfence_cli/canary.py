@@ -4,7 +4,7 @@ import argparse
 import logging
 import sys
 
-from kvfence_cli.common import Subparsers, positive, read_token
+from kvfence_cli.common import Subparsers, positive, read_token, server_url
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -12,7 +12,12 @@ def add_parser(sub: Subparsers) -> None:
         "canary",
         help="try to make tenant B see tenant A's data; exit 0 pass, 1 fail, 2 could not run",
     )
-    p.add_argument("--target", required=True, help="the router's URL, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--target",
+        type=server_url,
+        required=True,
+        help="the router's URL, e.g. http://127.0.0.1:8000",
+    )
     p.add_argument("--tenant-a-key", required=True, help="API key of the tenant who plants data")
     p.add_argument("--tenant-b-key", required=True, help="API key of the tenant who probes")
     p.add_argument(

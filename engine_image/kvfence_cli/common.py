@@ -2,6 +2,7 @@
 
 import argparse
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from kvfence_engine.tools.units import parse_size
 
@@ -83,6 +84,26 @@ def device(text: str) -> str:
     if text == "cpu" or (kind == "cuda" and (not colon or index.isdigit())):
         return text
     raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+
+
+def server_url(text: str) -> str:
+    """A running kvfence server (router or engine) as people paste it: `127.0.0.1:8000`,
+    `http://host:8000/` and `http://host:8000/v1` all mean `http://host:8000`."""
+    url = text.strip()
+    if "://" not in url:
+        url = "http://" + url
+    url = url.rstrip("/").removesuffix("/v1").rstrip("/")
+    try:
+        parts = urlsplit(url)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.query
+        parts.port  # noqa: B018  (raises ValueError on a port that is not a number)
+    except ValueError:
+        valid = False
+    if not valid:
+        raise argparse.ArgumentTypeError(
+            f"must be a kvfence server's URL, e.g. http://127.0.0.1:8000, got {text!r}"
+        )
+    return url
 
 
 def read_token(path: str | None) -> str | None:

@@ -1,9 +1,18 @@
 """`kvfence preflight`: does the KV pool hold the context? (no GPU needed)"""
 
 import argparse
+import logging
+import os
 import sys
 
-from kvfence_cli.common import Subparsers, device, positive, positive_size, read_token
+from kvfence_cli.common import (
+    Subparsers,
+    device,
+    positive,
+    positive_size,
+    read_token,
+    server_url,
+)
 from kvfence_engine.tools.preflight import KV_DTYPES, WEIGHT_DTYPES
 
 
@@ -16,7 +25,14 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto")
     p.add_argument("--device", type=device, default="cpu")
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default=None)
-    p.add_argument("--target", help="a running engine: read its live /v1/kvpool too")
+    p.add_argument(
+        "--target", type=server_url, help="a running engine: read its live /v1/kvpool too"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVFENCE_API_KEY") or None,
+        help="a tenant's key, for a --target router that has API keys",
+    )
     p.add_argument(
         "--internal-token-file",
         default=None,
@@ -29,6 +45,7 @@ def add_parser(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvfence_engine.tools.preflight import run_preflight
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     try:
         args.internal_token = read_token(args.internal_token_file)
     except (ValueError, OSError) as exc:

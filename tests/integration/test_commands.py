@@ -6,8 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers.deployments import Deployment
 from helpers.engines import tiny_budget
+from helpers.fuzzing import FUZZ_KEY
 from kvfence_cli.main import main
+from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.crd.schema import CRD_PATH
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,3 +90,66 @@ def test_the_operator_without_cluster_access_exits_at_once_saying_which_config_i
     assert len(lines) == 1 and lines[0].startswith("kvfence operator: "), done.stderr
     assert str(missing) in lines[0] and "KUBECONFIG" in lines[0]
     assert "service account" in lines[0]  # the in-cluster config it tried too
+
+
+def _preflight(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvfence_cli", "preflight", "--context-length", "256", *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_preflight_reads_the_router_url_with_an_api_key_however_the_url_is_written(
+    fuzz_deployment: Deployment,
+) -> None:
+    """Issue 18, item 7: the router URL `kvfence up` prints gave a raw 401 (no way to pass a
+    key), and a URL without http:// or ending in /v1 failed oddly."""
+    url = fuzz_deployment.router.url
+    bare = url.removeprefix("http://")
+    for target in (url, bare, f"{url}/", f"{url}/v1", f"{bare}/v1/"):
+        done = _preflight("--target", target, "--api-key", FUZZ_KEY)
+        assert done.returncode == 0, (target, done.stderr)
+        assert f"target {url}: router over 2 engines" in done.stdout, done.stdout
+        assert "context 256: fits" in done.stdout
+        assert "HTTP Request" not in done.stderr + done.stdout  # httpx's INFO lines
+    from_env = _preflight("--target", bare, env={"KVFENCE_API_KEY": FUZZ_KEY})
+    assert from_env.returncode == 0, from_env.stderr
+
+
+def test_preflight_without_the_routers_api_key_says_one_is_needed(
+    fuzz_deployment: Deployment,
+) -> None:
+    url = fuzz_deployment.router.url
+    done = _preflight("--target", url + "/v1", env={"KVFENCE_API_KEY": ""})
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"kvfence preflight: {url}/v1/kvpool answered 401: an API key is needed "
+        "(--api-key or $KVFENCE_API_KEY)"
+    ]
+    wrong = _preflight("--target", url, "--api-key", "not-a-key")
+    assert wrong.returncode == 2
+    assert wrong.stderr.splitlines() == [
+        f"kvfence preflight: {url}/v1/kvpool answered 401: the API key was refused"
+    ]
+
+
+def test_preflight_against_nothing_listening_names_the_url_in_one_line() -> None:
+    done = _preflight("--target", "127.0.0.1:9")
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("kvfence preflight: cannot reach http://127.0.0.1:9/v1/kvpool: ")
+
+
+def test_the_canary_reads_target_as_preflight_does() -> None:
+    """One meaning for --target: a running kvfence server's URL, written as people paste it."""
+    port = free_port()
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfence_cli", "canary", "--target", f"127.0.0.1:{port}/v1/",
+         "--tenant-a-key", "a", "--tenant-b-key", "b"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert f"cannot reach the target at http://127.0.0.1:{port}/v1/models:" in done.stdout

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvfence_engine.contracts import TOKEN_HEADER, PoolPlanReport
+from kvfence_engine.contracts import TOKEN_HEADER, PoolPlanReport, PoolSize, RouterPoolSizes
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, plan_pool
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -57,20 +57,33 @@ def estimate(
     return _verdict(lines, context_length, plan.pool_tokens, lowered, config.max_positions)
 
 
-def live(target: str, context_length: int, internal_token: str | None = None) -> Verdict:
+def live(
+    target: str,
+    context_length: int,
+    internal_token: str | None = None,
+    api_key: str | None = None,
+) -> Verdict:
+    """Ask a running engine or router (`target`: a URL without /v1) for its pool."""
+    url = f"{target}/v1/kvpool"
     headers = {TOKEN_HEADER: internal_token} if internal_token else {}
-    response = httpx.get(target.rstrip("/") + "/v1/kvpool", headers=headers, timeout=10.0)
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    try:
+        response = httpx.get(url, headers=headers, timeout=10.0)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"cannot reach {url}: {exc}") from None
     if response.status_code == 401:
-        raise ValueError(
-            f"{target}/v1/kvpool answered 401: "
-            + (
-                "the internal token was refused"
-                if internal_token
-                else "this engine needs its internal token (--internal-token-file)"
-            )
-        )
-    response.raise_for_status()
-    pool = PoolPlanReport.model_validate_json(response.content)
+        raise ValueError(f"{url} answered 401: {_refusal(response, internal_token, api_key)}")
+    if response.status_code != 200:
+        raise ValueError(f"{url} answered {response.status_code}: {response.text[:200]}")
+    try:
+        report = response.json()
+        if isinstance(report, dict) and report.get("role") == "router":
+            return _router_verdict(target, response.content, context_length)
+        pool = PoolPlanReport.model_validate(report)
+    except ValueError as exc:  # JSONDecodeError and ValidationError are ValueErrors
+        first = str(exc).splitlines()[0]
+        raise ValueError(f"{url} did not answer as a kvfence engine or router: {first}") from None
     lines = [
         f"target {target}: role {pool.role}, revision {pool.revision}",
         f"KV bytes per token: {pool.kv_bytes_per_token} ({pool.kv_dtype})",
@@ -81,6 +94,36 @@ def live(target: str, context_length: int, internal_token: str | None = None) ->
         context_length, pool.pool_tokens, pool.page_size, ContextPolicy.LOWER
     )
     return _verdict(lines, context_length, pool.pool_tokens, lowered, None)
+
+
+def _refusal(response: httpx.Response, internal_token: str | None, api_key: str | None) -> str:
+    """Which credential a 401 asks for: a router's tenant key, or an engine's internal token."""
+    try:
+        code = response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    if code == "invalid_api_key":
+        if api_key:
+            return "the API key was refused"
+        return "an API key is needed (--api-key or $KVFENCE_API_KEY)"
+    if internal_token:
+        return "the internal token was refused"
+    return "this engine needs its internal token (--internal-token-file)"
+
+
+def _router_verdict(target: str, content: bytes, context_length: int) -> Verdict:
+    """A router's /v1/kvpool: the smallest pool behind it bounds every request."""
+    bounds = PoolSize.model_validate_json(content)
+    engines = len(RouterPoolSizes.model_validate_json(content).backends)
+    lines = [
+        f"target {target}: router over {engines} engines",
+        f"smallest pool: {bounds.pool_tokens} tokens in pages of {bounds.page_size}; "
+        f"serves {bounds.context_length_effective}",
+    ]
+    lowered = effective_context(
+        context_length, bounds.pool_tokens, bounds.page_size, ContextPolicy.LOWER
+    )
+    return _verdict(lines, context_length, bounds.pool_tokens, lowered, None)
 
 
 def _verdict(
@@ -115,7 +158,9 @@ def run_preflight(args: argparse.Namespace) -> int:
                 )
             )
         if args.target:
-            verdicts.append(live(args.target, args.context_length, args.internal_token))
+            verdicts.append(
+                live(args.target, args.context_length, args.internal_token, args.api_key)
+            )
     except (httpx.HTTPError, KeyError, ValueError, OSError) as exc:
         print(f"kvfence preflight: {exc}", file=sys.stderr)
         return 2

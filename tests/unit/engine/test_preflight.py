@@ -63,6 +63,11 @@ WHOLE = "must be a whole number >= 1, got"
             ["--context-length", "512", "--device", "tpu"],
             "argument --device: must be cpu, cuda or cuda:N, got 'tpu'",
         ),
+        (
+            ["--context-length", "512", "--target", "http://:80"],
+            "argument --target: must be a kvfence server's URL, e.g. http://127.0.0.1:8000, got "
+            "'http://:80'",
+        ),
     ],
 )
 def test_preflight_input_that_is_not_a_number_it_can_use_is_a_usage_error(flags, error, capsys):

@@ -4,19 +4,42 @@ import argparse
 import logging
 import sys
 
-from kvfence_cli.common import Subparsers, positive, read_token, server_url
+from kvfence_cli.common import (
+    TARGET_HELP,
+    Subparsers,
+    positive,
+    positive_seconds,
+    read_token,
+    server_url,
+)
+
+EPILOG = """\
+example:
+  kvfence canary --target 127.0.0.1:8000 --tenant-a-key KEY_A --tenant-b-key KEY_B
+
+exit codes:
+  0  pass: tenant B saw nothing of tenant A's
+  1  fail: an isolation or status check failed (the report says which, and why)
+  2  could not run: the target is unreachable, a key was refused, or a flag is wrong"""
 
 
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "canary",
         help="try to make tenant B see tenant A's data; exit 0 pass, 1 fail, 2 could not run",
+        description="Try to make tenant B see tenant A's data through a running deployment: A "
+        "fills the KV pool with marked prompts, B's prompts of boundary lengths read the pages "
+        "A just released, and B's answers, lengths, latencies and the engines' isolation "
+        "counters are judged (docs/canary.md). The operator runs it as a Job before a revision "
+        "serves; `kvfence up` runs it before it says 'serving'.",
+        epilog=EPILOG,
     )
     p.add_argument(
         "--target",
         type=server_url,
         required=True,
-        help="the router's URL, e.g. http://127.0.0.1:8000",
+        metavar="URL",
+        help=TARGET_HELP,
     )
     p.add_argument("--tenant-a-key", required=True, help="API key of the tenant who plants data")
     p.add_argument("--tenant-b-key", required=True, help="API key of the tenant who probes")
@@ -47,9 +70,14 @@ def add_parser(sub: Subparsers) -> None:
         "pod's termination message)",
     )
     p.add_argument(
-        "--timeout", type=float, default=300.0, help="seconds for the whole run (then exit 2)"
+        "--timeout",
+        type=positive_seconds,
+        default=300.0,
+        help="seconds for the whole run (then exit 2)",
     )
-    p.add_argument("--rounds", type=positive, default=3, help="rounds of pool pollution")
+    p.add_argument(
+        "--rounds", type=positive, default=3, help="rounds of pool pollution and probing"
+    )
     p.set_defaults(func=run)
 
 

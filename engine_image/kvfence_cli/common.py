@@ -1,7 +1,7 @@
 """Argument types and helpers that more than one subcommand uses."""
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from kvfence_engine.tools.units import parse_size
@@ -10,6 +10,40 @@ if TYPE_CHECKING:  # the operator's subcommands import this module; its image ha
     from starlette.types import ASGIApp
 
 Subparsers = argparse._SubParsersAction
+SIZES_HELP = """\
+sizes: bytes, or with a k/M/G/T (10^3, 10^6, 10^9, 10^12) or Ki/Mi/Gi/Ti (2^10, 2^20, 2^30,
+  2^40) suffix, as a Kubernetes memory quantity: 512Mi (64MB and 64m are refused)"""
+TARGET_HELP = (
+    "a running kvfence server: a router, or one engine (e.g. http://127.0.0.1:8000; the "
+    "http:// and a trailing /v1 may be left out)"
+)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Text written on several lines (examples, exit codes) keeps its lines; a one-line
+    paragraph is wrapped to the terminal. An option's help ends with its default, unless it
+    says it itself or there is none (a flag, an unset value)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.nargs == 0 or action.default in (None, [], argparse.SUPPRESS):
+            return text
+        if "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """`kvfence` and each subcommand's parser (add_subparsers makes them of this class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def size(text: str) -> int:

@@ -5,9 +5,23 @@ import sys
 
 from kvfence_cli.common import Subparsers
 
+EPILOG = """\
+example:
+  kvfence crd | kubectl apply -f -
+
+exit codes:
+  0  printed"""
+
 
 def add_parser(sub: Subparsers) -> None:
-    p = sub.add_parser("crd", help="print the InferenceDeployment CRD YAML (what crds/ holds)")
+    p = sub.add_parser(
+        "crd",
+        help="print the InferenceDeployment CRD YAML (what crds/ holds)",
+        description="Print the InferenceDeployment CustomResourceDefinition: generated from the "
+        "operator's models, exactly what crds/ and the chart hold. Apply it before the operator "
+        "starts.",
+        epilog=EPILOG,
+    )
     p.set_defaults(func=run)
 
 

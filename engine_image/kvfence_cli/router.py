@@ -12,13 +12,39 @@ from kvfence_cli.common import (
     serve_http,
 )
 
+EPILOG = """\
+example (engines started with `kvfence serve --role prefill|decode`):
+  kvfence router --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 \\
+      --model builtin:tiny-random --api-keys keys.txt --port 8000
+
+exit codes:
+  0  stopped (Ctrl-C or SIGTERM)
+  2  a usage error, or an unreadable keys, token or backends file
+  other non-zero: the server could not start or failed (the reason is on stderr)"""
+
 
 def add_parser(sub: Subparsers) -> None:
-    p = sub.add_parser("router", help="the OpenAI front of prefill + decode instances")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill", action="append", default=[], metavar="URL")
-    p.add_argument("--decode", action="append", default=[], metavar="URL")
+    p = sub.add_parser(
+        "router",
+        help="the OpenAI front of prefill + decode instances",
+        description="The OpenAI front of prefill and decode engines: it checks each tenant's "
+        "API key and limits, tokenizes, has a prefill engine compute the prompt's KV and "
+        "stream it to a decode engine, and relays the answer. The operator and `kvfence up` "
+        "run it in front of their engines.",
+        epilog=EPILOG,
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API)")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill engine (repeatable)",
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="URL", help="a decode engine (repeatable)"
+    )
     p.add_argument(
         "--backends-file",
         default=None,

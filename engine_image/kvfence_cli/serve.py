@@ -5,6 +5,7 @@ import logging
 import sys
 
 from kvfence_cli.common import (
+    SIZES_HELP,
     Subparsers,
     add_max_request_bytes,
     positive,
@@ -16,18 +17,44 @@ from kvfence_cli.common import (
 )
 from kvfence_engine.core.faults import Fault
 
+EPILOG = f"""\
+examples:
+  kvfence serve --model builtin:tiny-random --kv-cache-memory 4Mi --port 8001
+  kvfence serve --model builtin:smollm2-135m-instruct --kv-cache-memory 256Mi --threads 2
+
+{SIZES_HELP}
+
+exit codes:
+  0  stopped (Ctrl-C or SIGTERM)
+  2  a usage error, an unreadable --internal-token-file, or --unsafe-fault refused
+  other non-zero: the server could not start or failed (the reason is on stderr)"""
+
 
 def add_parser(sub: Subparsers) -> None:
-    p = sub.add_parser("serve", help="run an engine (combined, prefill or decode role)")
+    p = sub.add_parser(
+        "serve",
+        help="run an engine (combined, prefill or decode role)",
+        description="Run one engine: load the model, size its KV pool from --kv-cache-memory "
+        "(or --memory-fraction) and serve the OpenAI API (/v1/completions, /v1/chat/completions, "
+        "/v1/models) with /healthz, /readyz and /v1/kvpool. The combined role is a whole server "
+        "for one tenant; prefill and decode engines sit behind `kvfence router`, as the "
+        "operator and `kvfence up` run them.",
+        epilog=EPILOG,
+    )
     # contracts.Role's values (a test pins them): importing it here would load pydantic
-    p.add_argument("--role", choices=["combined", "prefill", "decode"], default="combined")
+    p.add_argument(
+        "--role",
+        choices=["combined", "prefill", "decode"],
+        default="combined",
+        help="combined: prefill and decode here; prefill/decode: one half, behind a router",
+    )
     p.add_argument(
         "--model",
         required=True,
         help="builtin:smollm2-135m-instruct, builtin:tiny-random, FILE.gguf or a folder",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API, probes)")
     p.add_argument(
         "--transfer-port",
         type=int,
@@ -71,7 +98,13 @@ def add_parser(sub: Subparsers) -> None:
         default=None,
         help="advertised context (default: the model's max positions)",
     )
-    p.add_argument("--context-policy", choices=["refuse", "lower"], default="refuse")
+    p.add_argument(
+        "--context-policy",
+        choices=["refuse", "lower"],
+        default="refuse",
+        help="refuse: advertise the context even when the pool is smaller (the operator's "
+        "pool check decides); lower: serve what the pool holds, rounded down to a page",
+    )
     budget = p.add_mutually_exclusive_group()
     budget.add_argument(
         "--kv-cache-memory",
@@ -85,8 +118,10 @@ def add_parser(sub: Subparsers) -> None:
         default=None,
         help="KV pool budget as a fraction of free device memory",
     )
-    p.add_argument("--page-size", type=positive, default=16)
-    p.add_argument("--revision", default="dev")
+    p.add_argument("--page-size", type=positive, default=16, help="tokens per KV page")
+    p.add_argument(
+        "--revision", default="dev", help="the revision this engine reports (the operator's hash)"
+    )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument(
         "--weight-dtype",
@@ -102,8 +137,15 @@ def add_parser(sub: Subparsers) -> None:
         help="dtype of the KV pool (auto: the model's compute dtype); a narrower one holds "
         "more tokens in the same --kv-cache-memory",
     )
-    p.add_argument("--max-num-seqs", type=positive, default=64)
-    p.add_argument("--max-batched-tokens", type=positive, default=4096)
+    p.add_argument(
+        "--max-num-seqs", type=positive, default=64, help="sequences decoded together per step"
+    )
+    p.add_argument(
+        "--max-batched-tokens",
+        type=positive,
+        default=4096,
+        help="prompt tokens prefilled per step (longer prompts take several)",
+    )
     p.add_argument(
         "--max-waiting",
         type=positive,

@@ -153,3 +153,27 @@ def test_the_canary_reads_target_as_preflight_does() -> None:
     )  # fmt: skip
     assert done.returncode == 2
     assert f"cannot reach the target at http://127.0.0.1:{port}/v1/models:" in done.stdout
+
+
+def test_kvfence_alone_prints_its_help_as_git_and_kubectl_do() -> None:
+    """Issue 18, item 8: it printed an argparse error instead."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfence_cli"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: kvfence")
+    assert "kvfence up examples/smollm2-local.yaml" in done.stdout
+    assert done.stderr == ""
+
+
+def test_kvfence_version_is_the_installed_package_version() -> None:
+    from importlib.metadata import version
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfence_cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"kvfence {version('kvfence')}\n"

@@ -22,9 +22,9 @@ from kmock._internal import parsing, rendering
 
 from . import discovery, openapi, protobuf, tables
 from .protobuf import ProtobufError
-from .resources import ApiError, ResourceType, bad_request
+from .resources import ApiError, ResourceType, bad_request, not_found
 from .selectors import SelectorError, parse_field_selector, parse_label_selector
-from .store import FULL, Store
+from .store import FULL, MERGE_PATCH, STRATEGIC_MERGE_PATCH, Store
 
 REPO = Path(__file__).resolve().parents[2]
 INFERENCE_DEPLOYMENT_CRD = REPO / "crds" / "inferencedeployment.yaml"
@@ -42,6 +42,7 @@ CRD_TYPE = ResourceType(
 # recorded, so a short history is enough.
 REQUESTS_KEPT = 16
 VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
+APPLY_PATCH = "application/apply-patch+yaml"
 PodLogs = Callable[[str, str, str | None], str | None]  # namespace, pod, container -> text
 NAMESPACE_TYPE = ResourceType("", "v1", "namespaces", "Namespace", namespaced=False)
 # The namespaces a kube-apiserver creates for itself.
@@ -345,17 +346,26 @@ class ApiServer(kmock.KubernetesScaffold):
             return self._failure(exc)
         return _reply(text.encode(), **{"Content-Type": "text/plain; charset=utf-8"})
 
+    def _created(self, rt: ResourceType, created: dict[str, Any]) -> dict[str, Any]:
+        """What a kube-apiserver's own controllers do at once with a new object."""
+        if (rt.group, rt.plural) == (CRD_TYPE.group, CRD_TYPE.plural):
+            self._establish(created)
+        elif (rt.group, rt.plural) == ("", "namespaces"):
+            self._activate(created)
+            return self.store.get(rt, None, created["metadata"]["name"])
+        return created
+
+    def _updated(self, rt: ResourceType, updated: dict[str, Any]) -> dict[str, Any]:
+        if (rt.group, rt.plural) == (CRD_TYPE.group, CRD_TYPE.plural):
+            self.register_crd(updated)  # a re-applied CRD's columns and names take effect
+        return updated
+
     async def _serve_create(self, request: rendering.Request) -> Any:
         try:
             rt, namespace = self._target(request)
             if request.name is not None:
                 raise ApiError(405, "MethodNotAllowed", f"POST to {request.url.path} is not served")
-            created = self.store.create(rt, namespace, self._body(request))
-            if (rt.group, rt.plural) == (CRD_TYPE.group, CRD_TYPE.plural):
-                self._establish(created)
-            elif (rt.group, rt.plural) == ("", "namespaces"):
-                self._activate(created)
-                created = self.store.get(rt, None, created["metadata"]["name"])
+            created = self._created(rt, self.store.create(rt, namespace, self._body(request)))
         except ApiError as exc:
             return self._failure(exc)
         return _reply(created, 201)
@@ -365,11 +375,9 @@ class ApiServer(kmock.KubernetesScaffold):
             rt, namespace = self._target(request)
             if request.name is None:
                 raise ApiError(405, "MethodNotAllowed", "PUT needs an object name")
-            return _reply(
-                self.store.replace(
-                    rt, namespace, request.name, self._body(request), request.subresource
-                )
-            )
+            body = self._body(request)
+            replaced = self.store.replace(rt, namespace, request.name, body, request.subresource)
+            return _reply(self._updated(rt, replaced))
         except ApiError as exc:
             return self._failure(exc)
 
@@ -379,18 +387,47 @@ class ApiServer(kmock.KubernetesScaffold):
             if request.name is None:
                 raise ApiError(405, "MethodNotAllowed", "PATCH needs an object name")
             content_type = request.headers.get("Content-Type", "")
-            return _reply(
-                self.store.patch(
-                    rt,
-                    namespace,
-                    request.name,
-                    self._body(request),
-                    content_type,
-                    request.subresource,
-                )
+            if content_type.split(";")[0].strip().lower() == APPLY_PATCH:
+                return self._server_side_apply(rt, namespace, request)
+            patched = self.store.patch(
+                rt, namespace, request.name, self._body(request), content_type, request.subresource
             )
+            return _reply(self._updated(rt, patched))
         except ApiError as exc:
             return self._failure(exc)
+
+    def _server_side_apply(
+        self, rt: ResourceType, namespace: str | None, request: rendering.Request
+    ) -> rendering.Response:
+        """`kubectl apply --server-side`, reduced: the applied configuration (YAML or JSON)
+        creates the object, or is merged into it (a JSON merge patch for custom resources, a
+        strategic merge patch for built-in kinds). No field ownership is tracked (no
+        managedFields, never a conflict), so a field left out of a later apply is kept."""
+        assert request.name is not None
+        try:
+            applied = yaml.safe_load(request.body or b"")
+        except yaml.YAMLError as exc:
+            raise bad_request(f"the applied configuration is not YAML: {exc}") from None
+        if (
+            not isinstance(applied, dict)
+            or not applied.get("apiVersion")
+            or not applied.get("kind")
+        ):
+            raise bad_request(
+                "the applied configuration must be an object with apiVersion and kind"
+            )
+        if (applied.get("metadata") or {}).get("name", request.name) != request.name:
+            raise bad_request("the name of the object does not match the name on the URL")
+        if self.store.find(rt, namespace, request.name) is None:
+            if request.subresource:
+                raise not_found(rt, request.name)
+            applied.setdefault("metadata", {})["name"] = request.name
+            return _reply(self._created(rt, self.store.create(rt, namespace, applied)), 201)
+        patch_type = MERGE_PATCH if rt.custom else STRATEGIC_MERGE_PATCH
+        patched = self.store.patch(
+            rt, namespace, request.name, applied, patch_type, request.subresource
+        )
+        return _reply(self._updated(rt, patched))
 
     async def _serve_delete(self, request: rendering.Request) -> Any:
         try:

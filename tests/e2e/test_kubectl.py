@@ -1,0 +1,297 @@
+"""The real `kubectl` (1.32, on PATH) drives the devcluster's API server: discovery, OpenAPI,
+server-side printing, apply (client- and server-side), patch, watch, wait, describe, logs,
+delete and errors, each checked in what kubectl prints."""
+
+import base64
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvfence_devcluster.fixtures import Cluster, start_cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+KIND = "InferenceDeployment"
+API_VERSION = "kvfence.dev/v1alpha1"
+CRD_COLUMNS = ["NAME", "READY", "CONTEXT", "POOL", "PREFILL", "DECODE", "REVISION", "CANARY", "AGE"]
+
+
+def inference_deployment(name: str = "tiny", context_length: int = 512) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"source": "builtin:tiny-random"},
+            "contextLength": context_length,
+            "router": {"apiKeysSecret": f"{name}-keys"},
+        },
+    }
+
+
+def live_status() -> dict[str, Any]:
+    return {
+        "conditions": [
+            {"type": "Progressing", "status": "False", "reason": "Idle"},
+            {"type": "Ready", "status": "True", "reason": "Serving"},
+        ],
+        "contextLength": {"requested": 512, "effective": 512},
+        "minPoolTokens": 1536,
+        "prefill": {"ready": 1, "desired": 1, "summary": "1/1"},
+        "decode": {"ready": 0, "desired": 2, "summary": "0/2"},
+        "revision": {"current": "8d41c2a7e0"},
+        "canary": {"result": "Passed"},
+    }
+
+
+def rows(output: str) -> list[list[str]]:
+    """kubectl's table split on whitespace (empty cells vanish: for rows without them)."""
+    return [line.split() for line in output.strip().splitlines()]
+
+
+def cells(output: str) -> list[list[str]]:
+    """Cells by the header's column offsets, so empty cells stay in place."""
+    header, *lines = output.rstrip("\n").splitlines()
+    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[i - 1] == " ")]
+    bounds = [*starts[1:], None]
+    return [[line[a:b].strip() for a, b in zip(starts, bounds, strict=True)] for line in lines]
+
+
+def test_discovery_names_every_kind_once_with_short_names_and_the_server_version(
+    cluster: Cluster,
+) -> None:
+    listed = rows(cluster.kubectl("api-resources", "--no-headers").stdout)
+    assert ["inferencedeployments", "infd", API_VERSION, "true", KIND] in listed
+    assert ["pods", "po", "v1", "true", "Pod"] in listed
+    assert ["namespaces", "ns", "v1", "false", "Namespace"] in listed
+    assert ["deployments", "deploy", "apps/v1", "true", "Deployment"] in listed
+    assert not [r for r in listed if "/" in r[0]]  # subresources are not kinds
+
+    got = cluster.kubectl("get", "infd", "-v=2")
+    assert "could also match" not in got.stderr  # no ambiguous short names
+    assert "Server Version: v1.32" in cluster.kubectl("version").stdout
+
+
+def test_namespaces_are_listed_created_and_used(cluster: Cluster) -> None:
+    listed = cells(cluster.kubectl("get", "ns").stdout)
+    assert ["default", "Active"] in [row[:2] for row in listed]
+    assert "kube-system" in [row[0] for row in listed]
+
+    assert cluster.kubectl("create", "namespace", "team-a").stdout.strip() == (
+        "namespace/team-a created"
+    )
+    cluster.kubectl("create", "configmap", "settings", "-n", "team-a", "--from-literal=a=b")
+    assert cluster.get("ConfigMap", "settings", "team-a")["data"] == {"a": "b"}  # type: ignore[index]
+    assert cells(cluster.kubectl("get", "cm", "-n", "team-a").stdout)[0][:2] == ["settings", "1"]
+    assert cluster.get("Namespace", "team-a")["status"]["phase"] == "Active"  # type: ignore[index]
+
+
+def test_get_prints_the_crds_printer_columns_with_live_values(cluster: Cluster) -> None:
+    cluster.create(inference_deployment())
+    out = cluster.kubectl("get", "infd").stdout
+    assert out.splitlines()[0].split() == CRD_COLUMNS
+    assert cells(out) == [["tiny", "", "", "", "", "", "", "", cells(out)[0][-1]]]
+    assert cells(out)[0][-1].endswith("s")  # an age, not a timestamp
+
+    cluster.patch(KIND, "tiny", {"status": live_status()}, subresource="status",
+                  api_version=API_VERSION)  # fmt: skip
+    for args in (("get", "infd"), ("get", "infd", "-o", "wide"), ("get", "infd", "tiny")):
+        out = cluster.kubectl(*args).stdout
+        assert out.splitlines()[0].split() == CRD_COLUMNS, args
+        (row,) = cells(out)
+        # Ready is the Ready condition's status (the filter chose it, not Progressing's)
+        assert row[:-1] == ["tiny", "True", "512", "1536", "1/1", "0/2", "8d41c2a7e0", "Passed"]
+
+    names = cluster.kubectl("get", "infd", "-o", "name").stdout.split()
+    assert names == ["inferencedeployment.kvfence.dev/tiny"]
+    everywhere = cells(cluster.kubectl("get", "infd", "-A").stdout)
+    assert everywhere[0][:3] == ["default", "tiny", "True"]
+
+
+def test_builtin_kinds_get_their_usual_columns_and_pod_logs(cluster: Cluster) -> None:
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "hello", "labels": {"app": "hello"}},
+        "spec": {
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "python",
+                    "command": ["python", "-c",
+                                "import time; print('hello from the pod', flush=True); "
+                                "time.sleep(600)"],
+                    "ports": [{"containerPort": 8080, "name": "http"}],
+                }
+            ]
+        },
+    }  # fmt: skip
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "hello"},
+        "spec": {"selector": {"app": "hello"}, "ports": [{"port": 8000, "targetPort": "http"}]},
+    }
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([pod, service]))
+    cluster.kubectl("wait", "--for=condition=Ready", "pod/hello", "--timeout=30s")
+
+    pods = cluster.kubectl("get", "pods").stdout
+    assert pods.splitlines()[0].split() == ["NAME", "READY", "STATUS", "RESTARTS", "AGE"]
+    assert cells(pods)[0][:4] == ["hello", "1/1", "Running", "0"]
+    wide = cluster.kubectl("get", "pods", "-o", "wide").stdout.splitlines()[0].split()
+    assert wide[5:7] == ["IP", "NODE"]
+    assert "hello from the pod" in cluster.kubectl("logs", "hello").stdout
+
+    services = cluster.kubectl("get", "svc").stdout
+    assert services.splitlines()[0].split() == [
+        "NAME", "TYPE", "CLUSTER-IP", "EXTERNAL-IP", "PORT(S)", "AGE"
+    ]  # fmt: skip
+    (row,) = cells(services)
+    assert row[0:2] == ["hello", "ClusterIP"] and row[3:5] == ["<none>", "8000/TCP"]
+
+    cluster.kubectl(
+        "create", "secret", "generic", "tiny-keys", "--from-literal=api-keys=sk-1 team-a"
+    )
+    secret = cluster.get("Secret", "tiny-keys")
+    assert secret is not None
+    assert base64.b64decode(secret["data"]["api-keys"]).decode() == "sk-1 team-a"
+    assert cells(cluster.kubectl("get", "secrets").stdout)[0][:3] == ["tiny-keys", "Opaque", "1"]
+
+
+def test_apply_from_the_crds_folder_then_apply_patch_and_delete_an_inference_deployment(
+    tmp_path: Path,
+) -> None:
+    with start_cluster(tmp_path / "cluster", kubelet=False, crds=()) as cluster:
+        missing = cluster.kubectl("get", "infd", check=False)
+        assert missing.returncode != 0
+        assert 'the server doesn\'t have a resource type "infd"' in missing.stderr
+
+        out = cluster.kubectl("apply", "-f", str(ROOT / "crds")).stdout
+        assert "inferencedeployments.kvfence.dev created" in out
+        crd = cluster.get("CustomResourceDefinition", "inferencedeployments.kvfence.dev")
+        assert crd is not None
+        established = [c for c in crd["status"]["conditions"] if c["type"] == "Established"]
+        assert [c["status"] for c in established] == ["True"]
+
+        manifest = tmp_path / "tiny.yaml"
+        manifest.write_text(yaml.safe_dump(inference_deployment(context_length=512)))
+        assert cluster.kubectl("apply", "-f", str(manifest)).stdout.strip() == (
+            "inferencedeployment.kvfence.dev/tiny created"
+        )
+        manifest.write_text(yaml.safe_dump(inference_deployment(context_length=1024)))
+        assert cluster.kubectl("apply", "-f", str(manifest)).stdout.strip() == (
+            "inferencedeployment.kvfence.dev/tiny configured"
+        )
+        obj = cluster.get(KIND, "tiny", api_version=API_VERSION)
+        assert obj is not None
+        assert obj["spec"]["contextLength"] == 1024 and obj["metadata"]["generation"] == 2
+        applied = obj["metadata"]["annotations"]["kubectl.kubernetes.io/last-applied-configuration"]
+        assert '"contextLength":1024' in applied
+        unchanged = cluster.kubectl("apply", "-f", str(manifest)).stdout.strip()
+        assert unchanged == "inferencedeployment.kvfence.dev/tiny unchanged"
+
+        cluster.kubectl("patch", "infd", "tiny", "--type", "merge", "-p",
+                        '{"spec":{"poolPolicy":"LowerContext"}}')  # fmt: skip
+        obj = cluster.get(KIND, "tiny", api_version=API_VERSION)
+        assert obj is not None and obj["spec"]["poolPolicy"] == "LowerContext"
+        assert obj["metadata"]["generation"] == 3
+
+        server_side = inference_deployment("other", context_length=256)
+        out = cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.dump(server_side))
+        assert out.stdout.strip() == "inferencedeployment.kvfence.dev/other serverside-applied"
+        server_side["spec"]["contextLength"] = 128
+        cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(server_side))
+        other = cluster.get(KIND, "other", api_version=API_VERSION)
+        assert other is not None and other["spec"]["contextLength"] == 128
+
+        owner = cluster.get(KIND, "tiny", api_version=API_VERSION)
+        assert owner is not None
+        ref = {"apiVersion": API_VERSION, "kind": KIND, "name": "tiny",
+               "uid": owner["metadata"]["uid"], "controller": True}  # fmt: skip
+        cluster.create({"apiVersion": "v1", "kind": "ConfigMap",
+                        "metadata": {"name": "tiny-child", "ownerReferences": [ref]}})  # fmt: skip
+        deleted = cluster.kubectl("delete", "infd", "tiny", "--timeout=30s").stdout.strip()
+        assert deleted == 'inferencedeployment.kvfence.dev "tiny" deleted'
+        assert cluster.get(KIND, "tiny", api_version=API_VERSION) is None
+        cluster.wait_gone("ConfigMap", "tiny-child")  # cascading through ownerReferences
+
+
+def test_watch_prints_rows_as_they_change_and_wait_returns_on_the_condition(
+    cluster: Cluster,
+) -> None:
+    cluster.create(inference_deployment())
+    watcher = subprocess.Popen(
+        ["kubectl", "get", "infd", "-w"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cluster.kubectl_env(),
+    )
+    try:
+        timer = threading.Timer(
+            1.5,
+            lambda: cluster.patch(KIND, "tiny", {"status": live_status()}, subresource="status",
+                                  api_version=API_VERSION),
+        )  # fmt: skip
+        timer.start()
+        started = time.monotonic()
+        cluster.kubectl("wait", "--for=condition=Ready", "infd/tiny", "--timeout=30s")
+        assert time.monotonic() - started >= 1.0  # it waited for the status, not past it
+        time.sleep(1.0)
+    finally:
+        watcher.terminate()
+        out, err = watcher.communicate(timeout=10)
+    lines = out.splitlines()
+    assert lines[0].split() == CRD_COLUMNS, (out, err)
+    assert lines[1].split()[0] == "tiny" and len(lines[1].split()) == 2  # name and age only
+    assert any(line.split()[:3] == ["tiny", "True", "512"] for line in lines[2:]), (out, err)
+
+
+def test_describe_lists_the_objects_events(cluster: Cluster) -> None:
+    created = cluster.create(inference_deployment())
+    involved = {"apiVersion": API_VERSION, "kind": KIND, "name": "tiny", "namespace": "default",
+                "uid": created["metadata"]["uid"]}  # fmt: skip
+    for name, reason, message, target in (
+        ("tiny.1", "RolloutStarted", "revision 8d41c2a7e0 is rolling out", involved),
+        ("other.1", "Unrelated", "about something else", {**involved, "name": "other",
+                                                          "uid": "another-uid"}),
+    ):  # fmt: skip
+        cluster.create({"apiVersion": "v1", "kind": "Event",
+                        "metadata": {"name": name}, "involvedObject": target,
+                        "reason": reason, "message": message, "type": "Normal",
+                        "source": {"component": "kvfence-operator"}, "count": 1,
+                        "firstTimestamp": created["metadata"]["creationTimestamp"],
+                        "lastTimestamp": created["metadata"]["creationTimestamp"]})  # fmt: skip
+    described = cluster.kubectl("describe", "infd", "tiny").stdout
+    assert "Name:         tiny" in described
+    events = described.split("Events:", 1)[1]
+    assert "RolloutStarted" in events and "revision 8d41c2a7e0 is rolling out" in events
+    assert "kvfence-operator" in events
+    assert "Unrelated" not in events
+
+    listed = cluster.kubectl("get", "events").stdout
+    assert listed.splitlines()[0].split() == ["LAST", "SEEN", "TYPE", "REASON", "OBJECT", "MESSAGE"]
+    assert "inferencedeployment/tiny" in listed
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (("get", "infd", "nope"),
+         'Error from server (NotFound): inferencedeployments.kvfence.dev "nope" not found'),
+        (("delete", "pod", "nope"), 'Error from server (NotFound): pods "nope" not found'),
+        (("create", "serviceaccount", "robot"),
+         "error: failed to create serviceaccount: v1 ServiceAccount in protobuf is not "
+         "served (only Secret, ConfigMap, Namespace); send JSON"),
+    ],
+)  # fmt: skip
+def test_errors_are_one_line_in_kubectls_shape(
+    cluster: Cluster, args: tuple[str, ...], error: str
+) -> None:
+    failed = cluster.kubectl(*args, check=False)
+    assert failed.returncode == 1
+    assert failed.stderr.strip() == error

@@ -84,6 +84,7 @@ class ApiServer(kmock.KubernetesScaffold):
     _printer_columns: dict[tuple[str, str, str], list[dict[str, Any]]] = attrs.field(
         factory=dict, init=False
     )
+    _schemas: dict[tuple[str, str, str], dict[str, Any]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -147,6 +148,9 @@ class ApiServer(kmock.KubernetesScaffold):
             )
             self._custom.add(key)
             self._printer_columns[key] = list(version.get("additionalPrinterColumns") or [])
+            schema = (version.get("schema") or {}).get("openAPIV3Schema")
+            if isinstance(schema, dict):
+                self._schemas[key] = schema
 
     def install_crd(self, crd: dict[str, Any]) -> dict[str, Any]:
         """Create a CRD object as `kubectl apply` would, and mark it Established."""
@@ -220,12 +224,12 @@ class ApiServer(kmock.KubernetesScaffold):
         return self._failure(_not_served()) if found is None else _reply(found)
 
     async def _serve_openapi_root(self, request: rendering.Request) -> Any:
-        return _reply(openapi.root(self._discovery_entries()))
+        return _reply(openapi.root(self._discovery_entries(), self._schemas))
 
     async def _serve_openapi(self, request: rendering.Request) -> Any:
         parts = request.url.path.split("/")[3:]  # ["api", "v1"] or ["apis", group, version]
         group, version = ("", parts[1]) if parts[0] == "api" else (parts[1], parts[2])
-        found = openapi.document(self._discovery_entries(), group, version)
+        found = openapi.document(self._discovery_entries(), group, version, self._schemas)
         return self._failure(_not_served()) if found is None else _reply(found)
 
     # ---- request handling -----------------------------------------------------------------
@@ -360,6 +364,23 @@ class ApiServer(kmock.KubernetesScaffold):
             self.register_crd(updated)  # a re-applied CRD's columns and names take effect
         return updated
 
+    def _deleted(self, rt: ResourceType, gone: dict[str, Any]) -> None:
+        """A deleted namespace takes what is in it along, a deleted CRD its objects and its
+        API (at once: a kube-apiserver passes through Terminating while it does this)."""
+        name = gone["metadata"]["name"]
+        if (rt.group, rt.plural) == ("", "namespaces"):
+            for kind in self.resource_types():
+                if kind.namespaced:
+                    self.store.delete_collection(kind, name)
+        elif (rt.group, rt.plural) == (CRD_TYPE.group, CRD_TYPE.plural):
+            spec = gone["spec"]
+            for version in spec["versions"]:
+                key = (spec["group"], version["name"], spec["names"]["plural"])
+                if key in self._custom:
+                    self.store.delete_collection(self.resource_type(*key), None)
+                    del self.resources[kmock.resource(*key)]
+                    self._custom.discard(key)
+
     async def _serve_create(self, request: rendering.Request) -> Any:
         try:
             rt, namespace = self._target(request)
@@ -448,6 +469,8 @@ class ApiServer(kmock.KubernetesScaffold):
             remaining = self.store.delete(
                 rt, namespace, request.name, propagation, options.get("preconditions")
             )
+            if remaining is None:
+                self._deleted(rt, before)
         except ApiError as exc:
             return self._failure(exc)
         if remaining is not None or (rt.plural == "pods" and not rt.group):

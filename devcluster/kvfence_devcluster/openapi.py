@@ -5,13 +5,15 @@ fields itself (a PATCH operation of the kind that takes the `fieldValidation` qu
 parameter); without an answer they fail ("failed to download openapi") unless run with
 `--validate=false`. Each group-version's document here holds one PATCH operation per kind,
 saying so; the request's `fieldValidation` is then accepted and ignored (no admission here).
-The documents carry no schemas, so `kubectl explain` has nothing to show and client-side
-apply of built-in kinds uses the strategic-merge rules compiled into kubectl.
+The documents carry the schemas of custom resources (their CRD's openAPIV3Schema, so
+`kubectl explain infd.spec` works) and none of the built-in kinds (client-side apply then uses
+the strategic-merge rules compiled into kubectl; explain says the kind is not found). No path
+advertises strategic merge, so kubectl sends custom resources JSON merge patches, as it must.
 """
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .discovery import Entry
@@ -32,8 +34,19 @@ def _group_versions(entries: Iterable[Entry]) -> set[tuple[str, str]]:
     return {(r.group or "", r.version) for r, _, _ in entries if r.version and r.plural}
 
 
-def document(entries: Iterable[Entry], group: str, version: str) -> dict[str, Any] | None:
+Schemas = Mapping[tuple[str, str, str], dict[str, Any]]  # (group, version, plural) -> schema
+
+
+def _schema_name(group: str, version: str, kind: str) -> str:
+    """As Kubernetes names a CRD's schema: the group reversed (`dev.kvfence.v1alpha1.X`)."""
+    return ".".join([*reversed(group.split(".")), version, kind])
+
+
+def document(
+    entries: Iterable[Entry], group: str, version: str, schemas: Schemas
+) -> dict[str, Any] | None:
     paths: dict[str, Any] = {}
+    components: dict[str, Any] = {}
     for resource, info, _ in entries:
         if (resource.group or "", resource.version) != (group, version) or not resource.plural:
             continue
@@ -48,22 +61,25 @@ def document(entries: Iterable[Entry], group: str, version: str) -> dict[str, An
                 "x-kubernetes-group-version-kind": gvk,
             }
         }
+        if (schema := schemas.get((group, version, resource.plural))) is not None:
+            name = _schema_name(group, version, gvk["kind"])
+            components[name] = {**schema, "x-kubernetes-group-version-kind": [gvk]}
     if not paths:
         return None
     return {
         "openapi": "3.0.0",
         "info": {"title": "kvfence devcluster", "version": "v1.32.0"},
         "paths": dict(sorted(paths.items())),
-        "components": {"schemas": {}},
+        "components": {"schemas": components},
     }
 
 
-def root(entries: list[Entry]) -> dict[str, Any]:
+def root(entries: list[Entry], schemas: Schemas) -> dict[str, Any]:
     """`/openapi/v3`: every group-version's document, addressed with a hash of its content
     (kubectl caches them by URL, so a CRD applied later changes the hash)."""
     listed = {}
     for group, version in sorted(_group_versions(entries)):
-        text = json.dumps(document(entries, group, version), sort_keys=True)
+        text = json.dumps(document(entries, group, version, schemas), sort_keys=True)
         digest = hashlib.sha256(text.encode()).hexdigest()[:32].upper()
         prefix = _prefix(group, version)
         listed[prefix] = {"serverRelativeURL": f"/openapi/v3/{prefix}?hash={digest}"}

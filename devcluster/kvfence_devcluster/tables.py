@@ -124,7 +124,9 @@ def _custom_cell(column: Mapping[str, Any], obj: dict[str, Any]) -> Any:
         case _:
             if isinstance(value, str):
                 return value
-            return json.dumps(value) if isinstance(value, dict | list) else str(value)
+            if isinstance(value, dict | list):  # as client-go's JSONPath prints them
+                return json.dumps(value, separators=(",", ":"))
+            return json.dumps(value) if isinstance(value, bool) or value is None else str(value)
 
 
 def custom_columns(printer_columns: Iterable[Mapping[str, Any]]) -> tuple[list[Column], Cells]:

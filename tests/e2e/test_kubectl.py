@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from kvfence_devcluster.fixtures import Cluster, start_cluster
+from kvfence_devcluster.resources import ResourceType
 
 ROOT = Path(__file__).resolve().parents[2]
 KIND = "InferenceDeployment"
@@ -146,12 +147,16 @@ def test_builtin_kinds_get_their_usual_columns_and_pod_logs(cluster: Cluster) ->
     assert wide[5:7] == ["IP", "NODE"]
     assert "hello from the pod" in cluster.kubectl("logs", "hello").stdout
 
+    service["spec"]["ports"][0]["port"] = 8001  # re-applied: kubectl's strategic merge patch
+    assert cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(service)).stdout.strip() == (
+        "service/hello configured"
+    )
     services = cluster.kubectl("get", "svc").stdout
     assert services.splitlines()[0].split() == [
         "NAME", "TYPE", "CLUSTER-IP", "EXTERNAL-IP", "PORT(S)", "AGE"
     ]  # fmt: skip
     (row,) = cells(services)
-    assert row[0:2] == ["hello", "ClusterIP"] and row[3:5] == ["<none>", "8000/TCP"]
+    assert row[0:2] == ["hello", "ClusterIP"] and row[3:5] == ["<none>", "8001/TCP"]
 
     cluster.kubectl(
         "create", "secret", "generic", "tiny-keys", "--from-literal=api-keys=sk-1 team-a"
@@ -295,3 +300,94 @@ def test_errors_are_one_line_in_kubectls_shape(
     failed = cluster.kubectl(*args, check=False)
     assert failed.returncode == 1
     assert failed.stderr.strip() == error
+
+
+WIDGET_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "widgets.example.com"},
+    "spec": {
+        "group": "example.com",
+        "names": {"kind": "Widget", "plural": "widgets", "singular": "widget",
+                  "shortNames": ["wd"], "categories": ["all"]},
+        "scope": "Namespaced",
+        "versions": [{
+            "name": "v1", "served": True, "storage": True,
+            "schema": {"openAPIV3Schema": {
+                "type": "object",
+                "properties": {"spec": {"type": "object", "description": "What a widget is.",
+                                        "x-kubernetes-preserve-unknown-fields": True}},
+            }},
+            "additionalPrinterColumns": [
+                {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
+                {"name": "Owner", "type": "string", "jsonPath": ".spec.owner", "priority": 1},
+                {"name": "Shiny", "type": "boolean", "jsonPath": ".spec.shiny"},
+                {"name": "Tags", "type": "string", "jsonPath": ".spec.tags"},
+                {"name": "Since", "type": "date", "jsonPath": ".spec.since"},
+            ],
+        }],
+    },
+}  # fmt: skip
+
+
+def widget(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "example.com/v1", "kind": "Widget",
+            "metadata": {"name": name, "namespace": namespace, "labels": {"team": name}},
+            "spec": spec}  # fmt: skip
+
+
+def test_a_crd_applied_later_gets_its_columns_typed_with_priority_for_wide(
+    cluster: Cluster,
+) -> None:
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(WIDGET_CRD))
+    widgets = [
+        widget(
+            "b", size=3, owner="ann", shiny=True, tags=["red", "blue"], since="2020-01-01T00:00:00Z"
+        ),
+        widget("a", size="big", shiny="yes"),  # wrong types: empty cells, as Kubernetes shows
+    ]
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(widgets))
+
+    out = cluster.kubectl("get", "wd").stdout
+    assert out.splitlines()[0].split() == ["NAME", "SIZE", "SHINY", "TAGS", "SINCE"]
+    row_a, row_b = cells(out)
+    assert row_a == ["a", "", "", "", ""]
+    assert row_b[:4] == ["b", "3", "true", '["red","blue"]'] and row_b[4].endswith("d")
+    wide = cluster.kubectl("get", "wd", "-o", "wide").stdout
+    assert wide.splitlines()[0].split() == ["NAME", "SIZE", "OWNER", "SHINY", "TAGS", "SINCE"]
+    assert cells(wide)[1][2] == "ann"
+
+    labelled = cluster.kubectl("get", "wd", "--show-labels", "-L", "team").stdout
+    assert [row[-2:] for row in cells(labelled)] == [["a", "team=a"], ["b", "team=b"]]
+    by_name = cluster.kubectl("get", "wd", "--sort-by=.metadata.name", "--no-headers").stdout
+    assert [line.split()[0] for line in by_name.splitlines()] == ["a", "b"]
+    assert "widget.example.com/b" in cluster.kubectl("get", "all").stdout  # its category
+
+    explained = cluster.kubectl("explain", "wd.spec").stdout
+    assert "What a widget is." in explained
+    pods = cluster.kubectl("explain", "pods", check=False)
+    assert pods.returncode == 1 and "not found in OpenAPI schema" in pods.stderr
+
+    cluster.kubectl("delete", "crd", "widgets.example.com")
+    gone = cluster.kubectl("get", "widgets.example.com", check=False)
+    assert gone.returncode == 1 and "widgets" in gone.stderr
+    assert cluster.loop.run(_widgets_left(cluster)) == []  # its objects went with it
+
+
+async def _widgets_left(cluster: Cluster) -> list[dict[str, Any]]:
+    kind = ResourceType("example.com", "v1", "widgets", "Widget", namespaced=True, custom=True)
+    return cluster.server.store.list_objects(kind)
+
+
+def test_deleting_a_namespace_deletes_what_is_in_it(cluster: Cluster) -> None:
+    cluster.kubectl("create", "namespace", "team-b")
+    cluster.kubectl("create", "configmap", "settings", "-n", "team-b", "--from-literal=a=b")
+    cluster.create(inference_deployment("elsewhere"), namespace="team-b")
+    cluster.create(inference_deployment("kept"))
+    assert cluster.kubectl("delete", "namespace", "team-b").stdout.strip() == (
+        'namespace "team-b" deleted'
+    )
+    assert cluster.kubectl("get", "cm,infd", "-n", "team-b", "-o", "name").stdout == ""
+    assert cluster.kubectl("get", "infd", "-A", "-o", "name").stdout.split() == [
+        "inferencedeployment.kvfence.dev/kept"
+    ]

@@ -1,10 +1,13 @@
 """The test Kubernetes API server: kmock's scaffold, with the store behind it.
 
-kmock provides the HTTP server, the URL parsing into group/version/plural/namespace/name,
-API discovery from its bundled resource list, and its reaction DSL (a test can still inject a
-fault with `server["patch", kmock.resource("v1", "pods")] << 500`). Its own object store
+kmock provides the HTTP server, the URL parsing into group/version/plural/namespace/name, its
+bundled resource list, and its reaction DSL (a test can still inject a fault with
+`server["patch", kmock.resource("v1", "pods")] << 500`). Its own object store
 (KubernetesEmulator) is replaced by store.Store, which behaves like a kube-apiserver where
-kopf, the kubernetes client and the operator depend on it (see store.py).
+kopf, the kubernetes client and the operator depend on it (see store.py). What the real
+kubectl needs on top is here too: discovery documents it can read (discovery.py), OpenAPI v3
+(openapi.py), server-side printing (tables.py), the protobuf bodies of `kubectl create`
+(protobuf.py), server-side apply, and namespaces.
 """
 
 import asyncio

@@ -14,6 +14,7 @@ import yaml
 
 from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_devcluster.resources import ResourceType
+from kvfence_devcluster.tables import human_duration
 
 ROOT = Path(__file__).resolve().parents[2]
 KIND = "InferenceDeployment"
@@ -391,3 +392,29 @@ def test_deleting_a_namespace_deletes_what_is_in_it(cluster: Cluster) -> None:
     assert cluster.kubectl("get", "infd", "-A", "-o", "name").stdout.split() == [
         "inferencedeployment.kvfence.dev/kept"
     ]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [(1, "1s"), (70, "70s"), (190, "3m10s"), (70 * 60, "70m"), (47 * 3600, "47h"),
+     (49 * 3600, "2d1h"), ((8 * 24 + 2) * 3600, "8d"), (367 * 24 * 3600, "367d"),
+     ((365 * 2 * 24 + 25) * 3600, "2y1d"), ((365 * 8 * 24 + 2) * 3600, "8y"), (-5, "<invalid>")],
+)  # fmt: skip
+def test_ages_read_as_kubectl_shows_them(seconds: int, shown: str) -> None:
+    """apimachinery's duration.HumanDuration, whose test cases these are."""
+    assert human_duration(seconds) == shown
+
+
+def test_a_pods_status_column_says_how_its_containers_ended(cluster: Cluster) -> None:
+    def pod(name: str, code: int) -> dict[str, Any]:
+        command = ["python", "-c", f"raise SystemExit({code})"]
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                "spec": {"restartPolicy": "Never",
+                         "containers": [{"name": "main", "image": "python",
+                                         "command": command}]}}  # fmt: skip
+
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all([pod("ok", 0), pod("bad", 3)]))
+    cluster.kubectl("wait", "--for=jsonpath={.status.phase}=Succeeded", "pod/ok", "--timeout=30s")
+    cluster.kubectl("wait", "--for=jsonpath={.status.phase}=Failed", "pod/bad", "--timeout=30s")
+    shown = {row[0]: row[1:4] for row in cells(cluster.kubectl("get", "pods").stdout)}
+    assert shown == {"ok": ["0/1", "Completed", "0"], "bad": ["0/1", "Error", "0"]}

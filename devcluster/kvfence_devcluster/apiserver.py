@@ -13,7 +13,7 @@ kubectl needs on top is here too: discovery documents it can read (discovery.py)
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -530,7 +530,7 @@ class ApiServer(kmock.KubernetesScaffold):
         watcher: Any,
         timeout: float | None,
         bookmark: dict[str, Any] | None,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         try:
@@ -549,13 +549,17 @@ class ApiServer(kmock.KubernetesScaffold):
             self.store.unwatch(watcher)
 
     async def _tabulated(
-        self, rt: ResourceType, request: rendering.Request, events: AsyncIterator[Any]
+        self, rt: ResourceType, request: rendering.Request, events: AsyncGenerator[Any, None]
     ) -> AsyncIterator[Any]:
         """Watch events whose objects are one-row Tables (`kubectl get -w`)."""
-        async for event in events:
-            if isinstance(event, dict) and event.get("type") in ("ADDED", "MODIFIED", "DELETED"):
-                event = {**event, "object": self._table(rt, request, [event["object"]])}
-            yield event
+        try:
+            async for event in events:
+                kind = event.get("type") if isinstance(event, dict) else None
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    event = {**event, "object": self._table(rt, request, [event["object"]])}
+                yield event
+        finally:
+            await events.aclose()  # now, not when collected: it stops the store's watcher
 
     async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
         if isinstance(exc, ApiError):

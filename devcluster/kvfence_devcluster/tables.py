@@ -6,7 +6,7 @@ A custom resource's columns are its CRD version's `additionalPrinterColumns`, ea
 evaluated against the object as the apiextensions server does (first match; `date` shown as
 an age; a missing value is an empty cell). The built-in kinds kvfence creates or a user looks
 at get their kube-apiserver columns (pods, deployments, services, jobs, events, secrets,
-config maps, namespaces); any other kind gets NAME and AGE.
+config maps, namespaces, CRDs); any other kind gets NAME and AGE.
 """
 
 import json
@@ -406,6 +406,10 @@ BUILTIN: dict[tuple[str, str], tuple[list[Column], Cells]] = {
             (o.get("status") or {}).get("phase", ""),
             _created(o),
         ],
+    ),
+    ("apiextensions.k8s.io", "customresourcedefinitions"): (
+        [NAME, _column("Created At", "date")],
+        lambda o: [_meta(o).get("name"), _meta(o).get("creationTimestamp")],
     ),
 }
 DEFAULT: tuple[list[Column], Cells] = (

@@ -178,6 +178,11 @@ def test_apply_from_the_crds_folder_then_apply_patch_and_delete_an_inference_dep
 
         out = cluster.kubectl("apply", "-f", str(ROOT / "crds")).stdout
         assert "inferencedeployments.kvfence.dev created" in out
+        crds = cluster.kubectl("get", "crd").stdout
+        assert crds.splitlines()[0].split() == ["NAME", "CREATED", "AT"]
+        ((name, created),) = rows(crds)[1:]
+        assert name == "inferencedeployments.kvfence.dev"
+        assert created.endswith("Z")  # the timestamp, as kubectl shows it for CRDs
         crd = cluster.get("CustomResourceDefinition", "inferencedeployments.kvfence.dev")
         assert crd is not None
         established = [c for c in crd["status"]["conditions"] if c["type"] == "Established"]

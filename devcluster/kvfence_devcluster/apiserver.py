@@ -1,15 +1,19 @@
 """The test Kubernetes API server: kmock's scaffold, with the store behind it.
 
-kmock provides the HTTP server, the URL parsing into group/version/plural/namespace/name,
-API discovery from its bundled resource list, and its reaction DSL (a test can still inject a
-fault with `server["patch", kmock.resource("v1", "pods")] << 500`). Its own object store
+kmock provides the HTTP server, the URL parsing into group/version/plural/namespace/name, its
+bundled resource list, and its reaction DSL (a test can still inject a fault with
+`server["patch", kmock.resource("v1", "pods")] << 500`). Its own object store
 (KubernetesEmulator) is replaced by store.Store, which behaves like a kube-apiserver where
-kopf, the kubernetes client and the operator depend on it (see store.py).
+kopf, the kubernetes client and the operator depend on it (see store.py). What the real
+kubectl needs on top is here too: discovery documents it can read (discovery.py), OpenAPI v3
+(openapi.py), server-side printing (tables.py), the protobuf bodies of `kubectl create`
+(protobuf.py), server-side apply, and namespaces.
 """
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +21,13 @@ import aiohttp.web
 import attrs
 import kmock
 import yaml
-from kmock._internal import rendering
+from kmock._internal import parsing, rendering
 
-from .resources import ApiError, ResourceType, bad_request
+from . import discovery, openapi, protobuf, tables
+from .protobuf import ProtobufError
+from .resources import ApiError, ResourceType, bad_request, not_found
 from .selectors import SelectorError, parse_field_selector, parse_label_selector
-from .store import Store
+from .store import FULL, MERGE_PATCH, STRATEGIC_MERGE_PATCH, Store
 
 REPO = Path(__file__).resolve().parents[2]
 INFERENCE_DEPLOYMENT_CRD = REPO / "crds" / "inferencedeployment.yaml"
@@ -39,7 +45,27 @@ CRD_TYPE = ResourceType(
 # recorded, so a short history is enough.
 REQUESTS_KEPT = 16
 VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
+APPLY_PATCH = "application/apply-patch+yaml"
 PodLogs = Callable[[str, str, str | None], str | None]  # namespace, pod, container -> text
+NAMESPACE_TYPE = ResourceType("", "v1", "namespaces", "Namespace", namespaced=False)
+# The namespaces a kube-apiserver creates for itself.
+INITIAL_NAMESPACES = ("default", "kube-node-lease", "kube-public", "kube-system")
+_kmock_parse_path = parsing.parse_path
+
+
+def _parse_path(path: str) -> parsing.ParsedPath:
+    """kmock 0.8 reads `/api/v1/namespaces[/NAME[/status|finalize]]` as a namespace scope
+    without a resource (and fails on the bare list): here they are the Namespace kind."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and (
+        len(parts) <= 4 or (len(parts) == 5 and parts[4] in ("status", "finalize"))
+    ):
+        name, subresource = [*parts[3:], None, None][:2]
+        return parsing.ParsedPath("", "v1", "namespaces", None, name, subresource)
+    return _kmock_parse_path(path)
+
+
+parsing.parse_path = _parse_path  # kmock's Request._parse looks it up in its module each time
 
 
 def _reply(payload: Any, status: int = 200, **headers: str) -> rendering.Response:
@@ -58,11 +84,18 @@ class ApiServer(kmock.KubernetesScaffold):
     store: Store = attrs.field(factory=Store)
     pod_logs: PodLogs | None = None
     _custom: set[tuple[str, str, str]] = attrs.field(factory=set, init=False)
+    _printer_columns: dict[tuple[str, str, str], list[dict[str, Any]]] = attrs.field(
+        factory=dict, init=False
+    )
+    _schemas: dict[tuple[str, str, str], dict[str, Any]] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.resources.load_bundled()
         # Below kmock's discovery handlers and any reaction a test adds; above its catch-all 404.
+        self.fallback["get /openapi/v3"] << self._serve_openapi_root
+        openapi_paths = re.compile(r"/openapi/v3/(api|apis/[^/]+)/[^/]+")
+        self.fallback["get", openapi_paths] << self._serve_openapi
         self.fallback[kmock.action.WATCH] << self._serve_watch
         self.fallback[kmock.action.FETCH, kmock.subresource("log")] << self._serve_log
         self.fallback[kmock.action.LIST] << self._serve_list
@@ -71,6 +104,9 @@ class ApiServer(kmock.KubernetesScaffold):
         self.fallback[kmock.method.PUT] << self._serve_replace
         self.fallback[kmock.method.PATCH] << self._serve_patch
         self.fallback[kmock.method.DELETE] << self._serve_delete
+        for namespace in INITIAL_NAMESPACES:
+            created = self.store.create(NAMESPACE_TYPE, None, {"metadata": {"name": namespace}})
+            self._activate(created)
 
     # ---- resources ------------------------------------------------------------------------
 
@@ -114,6 +150,10 @@ class ApiServer(kmock.KubernetesScaffold):
                 subresources=set(version.get("subresources") or {}),
             )
             self._custom.add(key)
+            self._printer_columns[key] = list(version.get("additionalPrinterColumns") or [])
+            schema = (version.get("schema") or {}).get("openAPIV3Schema")
+            if isinstance(schema, dict):
+                self._schemas[key] = schema
 
     def install_crd(self, crd: dict[str, Any]) -> dict[str, Any]:
         """Create a CRD object as `kubectl apply` would, and mark it Established."""
@@ -140,8 +180,60 @@ class ApiServer(kmock.KubernetesScaffold):
             CRD_TYPE, None, crd["metadata"]["name"], lambda o: o.update(status=status), "status"
         )
 
+    def _activate(self, namespace: dict[str, Any]) -> None:
+        """A namespace is Active at once (nothing here terminates one slowly)."""
+        self.store.update(
+            NAMESPACE_TYPE,
+            None,
+            namespace["metadata"]["name"],
+            lambda o: o.update(spec={"finalizers": ["kubernetes"]}, status={"phase": "Active"}),
+            FULL,
+        )
+
     def install_crd_file(self, path: Path = INFERENCE_DEPLOYMENT_CRD) -> dict[str, Any]:
         return self.install_crd(yaml.safe_load(path.read_text()))
+
+    # ---- discovery (kmock routes these paths to the methods it names) -----------------------
+
+    def _discovery_entries(self) -> list[discovery.Entry]:
+        entries: list[discovery.Entry] = []
+        for resource in self.resources:
+            info = self.resources[resource]
+            served = {"status"} & set(info.subresources)
+            if (resource.group, resource.plural) == ("", "pods"):
+                served.add("log")
+            entries.append((resource, info, served))
+        return entries
+
+    async def _serve_server_version(self, request: rendering.Request) -> Any:
+        return _reply(discovery.SERVER_VERSION)
+
+    async def _serve_api(self, request: rendering.Request) -> Any:
+        return _reply(discovery.api_versions())
+
+    async def _serve_apis(self, request: rendering.Request) -> Any:
+        return _reply(discovery.group_list(self._discovery_entries()))
+
+    async def _serve_group(self, request: rendering.Request) -> Any:
+        assert request.resource is not None
+        found = discovery.group(self._discovery_entries(), request.resource.group or "")
+        return self._failure(_not_served()) if found is None else _reply(found)
+
+    async def _serve_version(self, request: rendering.Request) -> Any:
+        assert request.resource is not None
+        found = discovery.resource_list(
+            self._discovery_entries(), request.resource.group or "", request.resource.version or ""
+        )
+        return self._failure(_not_served()) if found is None else _reply(found)
+
+    async def _serve_openapi_root(self, request: rendering.Request) -> Any:
+        return _reply(openapi.root(self._discovery_entries(), self._schemas))
+
+    async def _serve_openapi(self, request: rendering.Request) -> Any:
+        parts = request.url.path.split("/")[3:]  # ["api", "v1"] or ["apis", group, version]
+        group, version = ("", parts[1]) if parts[0] == "api" else (parts[1], parts[2])
+        found = openapi.document(self._discovery_entries(), group, version, self._schemas)
+        return self._failure(_not_served()) if found is None else _reply(found)
 
     # ---- request handling -----------------------------------------------------------------
 
@@ -174,6 +266,12 @@ class ApiServer(kmock.KubernetesScaffold):
     def _body(request: rendering.Request) -> Any:
         if not request.body:
             return None
+        content_type = request.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        if content_type == protobuf.CONTENT_TYPE:
+            try:
+                return protobuf.decode(request.body)
+            except ProtobufError as exc:
+                raise ApiError(415, "UnsupportedMediaType", str(exc)) from None
         try:
             return json.loads(request.body)
         except ValueError:
@@ -196,6 +294,23 @@ class ApiServer(kmock.KubernetesScaffold):
     def _failure(exc: ApiError) -> rendering.Response:
         return _reply(exc.status(), exc.code, **{"Content-Type": "application/json"})
 
+    @staticmethod
+    def _wants_table(request: rendering.Request) -> bool:
+        return tables.wants_table(request.headers.get("Accept", ""))
+
+    def _table(
+        self, rt: ResourceType, request: rendering.Request, objects: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        key = (rt.group, rt.version, rt.plural)
+        printer = (
+            tables.custom_columns(self._printer_columns.get(key, []))
+            if rt.custom
+            else tables.BUILTIN.get((rt.group, rt.plural), tables.DEFAULT)
+        )
+        return tables.table(
+            printer, objects, self.store.resource_version, request.params.get("includeObject")
+        )
+
     async def _serve_list(self, request: rendering.Request) -> Any:
         try:
             rt, namespace = self._target(request)
@@ -203,6 +318,8 @@ class ApiServer(kmock.KubernetesScaffold):
             items = self.store.list_objects(rt, namespace, labels, fields)
         except ApiError as exc:
             return self._failure(exc)
+        if self._wants_table(request):
+            return _reply(self._table(rt, request, items))
         return _reply(
             {
                 "kind": f"{rt.kind}List",
@@ -216,9 +333,10 @@ class ApiServer(kmock.KubernetesScaffold):
         try:
             rt, namespace = self._target(request)
             assert request.name is not None
-            return _reply(self.store.get(rt, namespace, request.name))
+            obj = self.store.get(rt, namespace, request.name)
         except ApiError as exc:
             return self._failure(exc)
+        return _reply(self._table(rt, request, [obj]) if self._wants_table(request) else obj)
 
     async def _serve_log(self, request: rendering.Request) -> Any:
         try:
@@ -235,14 +353,43 @@ class ApiServer(kmock.KubernetesScaffold):
             return self._failure(exc)
         return _reply(text.encode(), **{"Content-Type": "text/plain; charset=utf-8"})
 
+    def _created(self, rt: ResourceType, created: dict[str, Any]) -> dict[str, Any]:
+        """What a kube-apiserver's own controllers do at once with a new object."""
+        if (rt.group, rt.plural) == (CRD_TYPE.group, CRD_TYPE.plural):
+            self._establish(created)
+        elif (rt.group, rt.plural) == ("", "namespaces"):
+            self._activate(created)
+            return self.store.get(rt, None, created["metadata"]["name"])
+        return created
+
+    def _updated(self, rt: ResourceType, updated: dict[str, Any]) -> dict[str, Any]:
+        if (rt.group, rt.plural) == (CRD_TYPE.group, CRD_TYPE.plural):
+            self.register_crd(updated)  # a re-applied CRD's columns and names take effect
+        return updated
+
+    def _deleted(self, rt: ResourceType, gone: dict[str, Any]) -> None:
+        """A deleted namespace takes what is in it along, a deleted CRD its objects and its
+        API (at once: a kube-apiserver passes through Terminating while it does this)."""
+        name = gone["metadata"]["name"]
+        if (rt.group, rt.plural) == ("", "namespaces"):
+            for kind in self.resource_types():
+                if kind.namespaced:
+                    self.store.delete_collection(kind, name)
+        elif (rt.group, rt.plural) == (CRD_TYPE.group, CRD_TYPE.plural):
+            spec = gone["spec"]
+            for version in spec["versions"]:
+                key = (spec["group"], version["name"], spec["names"]["plural"])
+                if key in self._custom:
+                    self.store.delete_collection(self.resource_type(*key), None)
+                    del self.resources[kmock.resource(*key)]
+                    self._custom.discard(key)
+
     async def _serve_create(self, request: rendering.Request) -> Any:
         try:
             rt, namespace = self._target(request)
             if request.name is not None:
                 raise ApiError(405, "MethodNotAllowed", f"POST to {request.url.path} is not served")
-            created = self.store.create(rt, namespace, self._body(request))
-            if (rt.group, rt.plural) == (CRD_TYPE.group, CRD_TYPE.plural):
-                self._establish(created)
+            created = self._created(rt, self.store.create(rt, namespace, self._body(request)))
         except ApiError as exc:
             return self._failure(exc)
         return _reply(created, 201)
@@ -252,11 +399,9 @@ class ApiServer(kmock.KubernetesScaffold):
             rt, namespace = self._target(request)
             if request.name is None:
                 raise ApiError(405, "MethodNotAllowed", "PUT needs an object name")
-            return _reply(
-                self.store.replace(
-                    rt, namespace, request.name, self._body(request), request.subresource
-                )
-            )
+            body = self._body(request)
+            replaced = self.store.replace(rt, namespace, request.name, body, request.subresource)
+            return _reply(self._updated(rt, replaced))
         except ApiError as exc:
             return self._failure(exc)
 
@@ -266,18 +411,47 @@ class ApiServer(kmock.KubernetesScaffold):
             if request.name is None:
                 raise ApiError(405, "MethodNotAllowed", "PATCH needs an object name")
             content_type = request.headers.get("Content-Type", "")
-            return _reply(
-                self.store.patch(
-                    rt,
-                    namespace,
-                    request.name,
-                    self._body(request),
-                    content_type,
-                    request.subresource,
-                )
+            if content_type.split(";")[0].strip().lower() == APPLY_PATCH:
+                return self._server_side_apply(rt, namespace, request)
+            patched = self.store.patch(
+                rt, namespace, request.name, self._body(request), content_type, request.subresource
             )
+            return _reply(self._updated(rt, patched))
         except ApiError as exc:
             return self._failure(exc)
+
+    def _server_side_apply(
+        self, rt: ResourceType, namespace: str | None, request: rendering.Request
+    ) -> rendering.Response:
+        """`kubectl apply --server-side`, reduced: the applied configuration (YAML or JSON)
+        creates the object, or is merged into it (a JSON merge patch for custom resources, a
+        strategic merge patch for built-in kinds). No field ownership is tracked (no
+        managedFields, never a conflict), so a field left out of a later apply is kept."""
+        assert request.name is not None
+        try:
+            applied = yaml.safe_load(request.body or b"")
+        except yaml.YAMLError as exc:
+            raise bad_request(f"the applied configuration is not YAML: {exc}") from None
+        if (
+            not isinstance(applied, dict)
+            or not applied.get("apiVersion")
+            or not applied.get("kind")
+        ):
+            raise bad_request(
+                "the applied configuration must be an object with apiVersion and kind"
+            )
+        if (applied.get("metadata") or {}).get("name", request.name) != request.name:
+            raise bad_request("the name of the object does not match the name on the URL")
+        if self.store.find(rt, namespace, request.name) is None:
+            if request.subresource:
+                raise not_found(rt, request.name)
+            applied.setdefault("metadata", {})["name"] = request.name
+            return _reply(self._created(rt, self.store.create(rt, namespace, applied)), 201)
+        patch_type = MERGE_PATCH if rt.custom else STRATEGIC_MERGE_PATCH
+        patched = self.store.patch(
+            rt, namespace, request.name, applied, patch_type, request.subresource
+        )
+        return _reply(self._updated(rt, patched))
 
     async def _serve_delete(self, request: rendering.Request) -> Any:
         try:
@@ -298,6 +472,8 @@ class ApiServer(kmock.KubernetesScaffold):
             remaining = self.store.delete(
                 rt, namespace, request.name, propagation, options.get("preconditions")
             )
+            if remaining is None:
+                self._deleted(rt, before)
         except ApiError as exc:
             return self._failure(exc)
         if remaining is not None or (rt.plural == "pods" and not rt.group):
@@ -344,6 +520,8 @@ class ApiServer(kmock.KubernetesScaffold):
                 },
             }
         events = self._stream(first, watcher, float(timeout) if timeout else None, bookmark)
+        if self._wants_table(request):
+            events = self._tabulated(rt, request, events)
         return _reply(events, **{"Content-Type": "application/json"})
 
     async def _stream(
@@ -352,7 +530,7 @@ class ApiServer(kmock.KubernetesScaffold):
         watcher: Any,
         timeout: float | None,
         bookmark: dict[str, Any] | None,
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         try:
@@ -369,6 +547,19 @@ class ApiServer(kmock.KubernetesScaffold):
                     return
         finally:
             self.store.unwatch(watcher)
+
+    async def _tabulated(
+        self, rt: ResourceType, request: rendering.Request, events: AsyncGenerator[Any, None]
+    ) -> AsyncIterator[Any]:
+        """Watch events whose objects are one-row Tables (`kubectl get -w`)."""
+        try:
+            async for event in events:
+                kind = event.get("type") if isinstance(event, dict) else None
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    event = {**event, "object": self._table(rt, request, [event["object"]])}
+                yield event
+        finally:
+            await events.aclose()  # now, not when collected: it stops the store's watcher
 
     async def _render_error(self, exc: Exception) -> aiohttp.web.StreamResponse:
         if isinstance(exc, ApiError):

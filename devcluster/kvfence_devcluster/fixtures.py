@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -271,6 +273,41 @@ class Cluster:
         if response.status_code >= 400:
             raise ClusterApiError(response)
         return response.text
+
+    # ---- kubectl ----------------------------------------------------------------------------
+
+    def kubectl_env(self) -> dict[str, str]:
+        """The environment for the real `kubectl` on PATH against this cluster: its kubeconfig,
+        and a discovery/OpenAPI cache of its own (ports are reused; the user's cache is not)."""
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "KUBECACHEDIR": str(self.workdir / "kubectl-cache"),
+        }
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run `kubectl ARGS`; with check, a non-zero exit fails naming the command and its
+        output."""
+        executable = shutil.which("kubectl")
+        if executable is None:
+            raise RuntimeError("kubectl is not on PATH (the machine image ships kubectl 1.32)")
+        done = subprocess.run(
+            [executable, *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            env=self.kubectl_env(),
+            timeout=timeout,
+            check=False,
+        )
+        if check and done.returncode != 0:
+            raise AssertionError(
+                f"kubectl {' '.join(args)} exited {done.returncode}\n"
+                f"stdout: {done.stdout}\nstderr: {done.stderr}"
+            )
+        return done
 
     # ---- processes --------------------------------------------------------------------------
 

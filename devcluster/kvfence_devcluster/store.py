@@ -386,7 +386,7 @@ class Store:
                     f"the body of the request was in an unknown format - accepted media types "
                     f"include: {JSON_PATCH}, {MERGE_PATCH}"
                     + ("" if rt.custom else f", {STRATEGIC_MERGE_PATCH}")
-                    + f" (the test API server has no server-side apply); got {content_type!r}",
+                    + f"; got {content_type!r}",
                 )
         except PatchError as exc:
             raise ApiError(422, "Invalid", f"the patch cannot be applied: {exc}") from None

@@ -1,0 +1,161 @@
+"""The operator driven the way a user drives it: every step is a real `kubectl` command against
+a devcluster running `kvfence operator` (kopf), whose kubelet runs the pods as real engine,
+router and canary processes with builtin:tiny-random."""
+
+import base64
+import json
+import textwrap
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from kvfence_devcluster.fixtures import Cluster, start_cluster
+from kvfence_operator.crd.types import InferenceDeploymentSpec
+from kvfence_operator.meta import LABEL_REVISION
+from kvfence_operator.revision import revision_of
+
+ROOT = Path(__file__).resolve().parents[2]
+NAME = "tiny"
+USER_KEY = "sk-user-a-0123456789"
+COLUMNS = ["NAME", "READY", "CONTEXT", "POOL", "PREFILL", "DECODE", "REVISION", "CANARY", "AGE"]
+# tiny-random KV costs 768 bytes per token: 96 pages of 16 tokens hold 1536 tokens.
+MANIFEST = textwrap.dedent(
+    f"""\
+    # builtin:tiny-random on CPU, one pod per role: what a laptop runs in a minute or two.
+    apiVersion: kvfence.dev/v1alpha1
+    kind: InferenceDeployment
+    metadata:
+      name: {NAME}
+    spec:
+      model:
+        source: builtin:tiny-random
+      engine:
+        kvCacheMemory: "{96 * 16 * 768}"
+        extraArgs: ["--threads", "1"]
+      contextLength: 1024
+      prefill:
+        resources: {{requests: {{cpu: "1"}}}}
+      decode:
+        resources: {{requests: {{cpu: "1"}}}}
+      router:
+        apiKeysSecret: {NAME}-keys
+      canary:
+        timeoutSeconds: 120
+    """
+)
+
+
+def table(output: str) -> tuple[list[str], list[list[str]]]:
+    """kubectl's header and rows, cells cut at the header's column offsets."""
+    header, *lines = output.rstrip("\n").splitlines()
+    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[i - 1] == " ")]
+    bounds = [*starts[1:], None]
+    rows = [[line[a:b].strip() for a, b in zip(starts, bounds, strict=True)] for line in lines]
+    return header.split(), rows
+
+
+def revision(manifest_text: str) -> str:
+    spec = yaml.safe_load(manifest_text)["spec"]
+    return revision_of(InferenceDeploymentSpec.model_validate(spec))
+
+
+def router_answers(cluster: Cluster, current: str) -> None:
+    pods = json.loads(
+        cluster.kubectl(
+            "get", "pods", "-o", "json",
+            "-l", f"app.kubernetes.io/instance={NAME},kvfence.dev/role=router,"
+                  f"{LABEL_REVISION}={current}",
+        ).stdout
+    )["items"]  # fmt: skip
+    assert len(pods) == 1
+    client = openai.OpenAI(
+        base_url=cluster.pod_url(pods[0]) + "/v1", api_key=USER_KEY, max_retries=0, timeout=60
+    )
+    done = client.completions.create(model=client.models.list().data[0].id, prompt="hi",
+                                     max_tokens=4)  # fmt: skip
+    assert done.usage is not None and done.usage.completion_tokens >= 1
+
+
+@pytest.mark.slow
+def test_a_user_applies_waits_inspects_changes_and_deletes_with_kubectl(tmp_path: Path) -> None:
+    with start_cluster(tmp_path / "cluster", crds=()) as cluster:
+        out = cluster.kubectl("apply", "-f", str(ROOT / "crds")).stdout
+        assert out.strip() == (
+            "customresourcedefinition.apiextensions.k8s.io/inferencedeployments.kvfence.dev created"
+        )
+        cluster.start_operator(
+            ["--standalone", "--namespace", "default"], env={"KVFENCE_RECONCILE_INTERVAL": "1"}
+        )
+        cluster.kubectl(
+            "create", "secret", "generic", f"{NAME}-keys",
+            f"--from-literal=api-keys={USER_KEY} team-a",
+        )  # fmt: skip
+        keys = cluster.kubectl("get", "secret", f"{NAME}-keys", "-o", "jsonpath={.data.api-keys}")
+        assert base64.b64decode(keys.stdout).decode() == f"{USER_KEY} team-a"
+
+        manifest = tmp_path / "tiny.yaml"
+        manifest.write_text(MANIFEST)
+        applied = cluster.kubectl("apply", "-f", str(manifest)).stdout.strip()
+        assert applied == f"inferencedeployment.kvfence.dev/{NAME} created"
+        try:
+            cluster.kubectl(
+                "wait", "--for=condition=Ready", f"infd/{NAME}", "--timeout=300s", timeout=320
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n\n{cluster.describe()}") from None
+
+        r1 = revision(MANIFEST)
+        shown = cluster.kubectl("get", "infd").stdout
+        saved = tmp_path / "kubectl-get-infd.txt"
+        saved.write_text(shown)
+        print(f"\n$ kubectl get infd   (saved to {saved})\n{shown}")
+        header, rows = table(shown)
+        assert header == COLUMNS
+        ((name, ready, context, pool, prefill, decode, current, canary, age),) = rows
+        assert [name, ready, context, pool, prefill, decode, current, canary] == [
+            NAME, "True", "1024", "1536", "1/1", "1/1", r1, "Passed"
+        ]  # fmt: skip
+        assert age[-1] in "smh" and age[:-1].rstrip("smh0123456789") == ""
+        wide_header, wide_rows = table(cluster.kubectl("get", "infd", "-o", "wide").stdout)
+        assert wide_header == COLUMNS and wide_rows[0][:8] == rows[0][:8]
+
+        described = cluster.kubectl("describe", "infd", NAME).stdout
+        events = described.split("\nEvents:", 1)[1]
+        for reason in ("PoolHoldsContext", "CanaryStarted", "CanaryPassed", "Promoted"):
+            assert reason in events, described
+        assert f"revision {r1} now serves" in events
+
+        pods_header, pods = table(cluster.kubectl("get", "pods", "-l",
+                                                  f"{LABEL_REVISION}={r1}").stdout)  # fmt: skip
+        assert pods_header == ["NAME", "READY", "STATUS", "RESTARTS", "AGE"]
+        serving = [p for p in pods if p[2] == "Running"]
+        assert len(serving) == 3 and all(p[1] == "1/1" for p in serving), pods  # prefill, decode,
+        router_answers(cluster, r1)  # router
+
+        changed = MANIFEST.replace("contextLength: 1024", "contextLength: 512")
+        r2 = revision(changed)
+        assert r2 != r1
+        cluster.kubectl("patch", "infd", NAME, "--type", "merge", "-p",
+                        '{"spec": {"contextLength": 512}}')  # fmt: skip
+        cluster.kubectl(
+            "wait", f"--for=jsonpath={{.status.revision.current}}={r2}", f"infd/{NAME}",
+            "--timeout=300s", timeout=320,
+        )  # fmt: skip
+        cluster.kubectl("wait", "--for=condition=Ready", f"infd/{NAME}", "--timeout=60s")
+        _, rows = table(cluster.kubectl("get", "infd").stdout)
+        assert rows[0][1:8] == ["True", "512", "1536", "1/1", "1/1", r2, "Passed"]
+        router_answers(cluster, r2)
+
+        deleted = cluster.kubectl("delete", "infd", NAME, "--timeout=120s", timeout=130)
+        assert deleted.stdout.strip() == f'inferencedeployment.kvfence.dev "{NAME}" deleted'
+        cluster.wait_for(
+            lambda: cluster.kubectl(
+                "get", "deployments,services,jobs,configmaps,pods",
+                "-l", f"app.kubernetes.io/instance={NAME}", "-o", "name",
+            ).stdout.strip(),
+            "every child of the InferenceDeployment to be gone",
+            timeout=60,
+            until=lambda names: names == "",
+        )  # fmt: skip

@@ -26,6 +26,7 @@ from .controllers import condition
 from .kubelet import Kubelet, KubeletOptions
 from .loop import BackgroundLoop
 from .processes import ManagedProcess
+from .proxy import ServiceProxy
 from .resources import ResourceType
 from .sandbox import VENV_BIN
 from .store import MERGE_PATCH
@@ -366,6 +367,11 @@ def start_cluster(
             server.pod_logs = node.pod_log
             await node.start()
             stack.push_async_callback(node.shutdown)
+            proxy = ServiceProxy(
+                server.store, server.resource_type("", "v1", "services"), node.service_endpoints
+            )
+            await proxy.start()
+            stack.push_async_callback(proxy.shutdown)
         return server, node, str(http.url).rstrip("/")
 
     try:

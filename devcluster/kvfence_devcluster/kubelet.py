@@ -190,22 +190,34 @@ class Kubelet:
     def resolve_service(self, namespace: str, service: str, port: int | None) -> int | None:
         """The local port of a Ready pod behind `<service>.<namespace>.svc[:port]`."""
         svc = self.store.find(self.services, namespace, service)
-        if svc is None or not svc["spec"].get("selector"):
+        if svc is None:
             return None
         ports = svc["spec"].get("ports") or []
         chosen = next((p for p in ports if port is None or int(p["port"]) == port), None)
         if chosen is None:
             return None
-        target = chosen.get("targetPort", chosen["port"])
-        selector = selector_from_label_selector({"matchLabels": svc["spec"]["selector"]})
+        return next(iter(self.service_endpoints(svc, chosen)), None)
+
+    def service_endpoints(self, svc: dict[str, Any], port: dict[str, Any]) -> list[int]:
+        """The local ports behind one of a Service's ports: its pods (the selector's) that are
+        Ready and not being deleted (any, with publishNotReadyAddresses), at `targetPort`."""
+        spec = svc.get("spec") or {}
+        if not spec.get("selector"):
+            return []
+        target = port.get("targetPort", port["port"])
+        selector = selector_from_label_selector({"matchLabels": spec["selector"]})
+        namespace = svc["metadata"]["namespace"]
+        found = []
         for pod in self.store.list_objects(self.pods, namespace, selector):
-            if not pod_ready(pod) and not svc["spec"].get("publishNotReadyAddresses"):
+            if not spec.get("publishNotReadyAddresses") and (
+                not pod_ready(pod) or pod["metadata"].get("deletionTimestamp")
+            ):
                 continue
             runtime = self.runtimes.get(pod["metadata"]["uid"])
             local = named_port(pod, target, runtime.sandbox.port_map if runtime else None)
             if local is not None:
-                return local
-        return None
+                found.append(local)
+        return found
 
     async def probe(self, runtime: PodRuntime, container: Container) -> bool:
         """The readiness probe, as often as probe_period. No probe: ready once running."""

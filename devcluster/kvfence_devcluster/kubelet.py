@@ -22,6 +22,7 @@ import aiohttp
 from .controllers import Controllers, pod_ready
 from .pods import Container, PodRuntime
 from .processes import ManagedProcess
+from .proxy import served_address
 from .resources import ResourceType
 from .sandbox import POD_IP, NotReadyToStart, named_port
 from .selectors import selector_from_label_selector
@@ -187,8 +188,10 @@ class Kubelet:
                     changed |= sync_volume(runtime.sandbox, volume, runtime.namespace, self)
         return changed
 
-    def resolve_service(self, namespace: str, service: str, port: int | None) -> int | None:
-        """The local port of a Ready pod behind `<service>.<namespace>.svc[:port]`."""
+    def resolve_service(self, namespace: str, service: str, port: int | None) -> str | None:
+        """Where `<service>.<namespace>.svc[:port]` leads, as host:port: the Service's
+        clusterIP (the kube-proxy, proxy.py, forwards to its ready pods), or for a headless
+        Service a Ready pod behind it, as its DNS name would resolve. None if neither."""
         svc = self.store.find(self.services, namespace, service)
         if svc is None:
             return None
@@ -196,7 +199,11 @@ class Kubelet:
         chosen = next((p for p in ports if port is None or int(p["port"]) == port), None)
         if chosen is None:
             return None
-        return next(iter(self.service_endpoints(svc, chosen)), None)
+        address = served_address(svc["spec"])
+        if address is not None:
+            return f"{address}:{chosen['port']}"
+        local = next(iter(self.service_endpoints(svc, chosen)), None)
+        return None if local is None else f"{POD_IP}:{local}"
 
     def service_endpoints(self, svc: dict[str, Any], port: dict[str, Any]) -> list[int]:
         """The local ports behind one of a Service's ports: its pods (the selector's) that are

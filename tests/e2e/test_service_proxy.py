@@ -123,3 +123,38 @@ def test_a_selector_change_moves_new_connections_and_open_ones_finish(cluster: C
         cluster.patch("Service", "x", {"spec": {"selector": {"app": "x", "rev": "green"}}})
         cluster.wait_for(lambda: answers(url), "green only", until=lambda a: a == {"green"})
         assert answer(url, kept) == "blue", "an open connection stays with its pod"
+
+
+# Prints the --target it was given (after the kubelet's rewrite) and what answered there.
+FETCH = (
+    "import sys, urllib.request; url = sys.argv[sys.argv.index('--target') + 1]; print(url); "
+    "print(urllib.request.urlopen(url + '/').read().decode())"
+)
+
+
+def test_a_service_name_on_a_command_line_leads_to_its_cluster_ip(cluster: Cluster):
+    address = cluster.create(service("web", {"app": "web"}))["spec"]["clusterIP"]
+    cluster.create(pod("web-1", {"app": "web"}))
+    cluster.wait_for(
+        lambda: answer(f"http://{address}:8000/"), "web-1 to answer", until=lambda a: a == "web-1"
+    )
+    container = {
+        "name": "fetch",
+        "image": "python:3.11",
+        "command": ["python", "-c", FETCH, "--target", "http://web.default.svc:8000"],
+    }
+    fetch = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "fetch"},
+        "spec": {"restartPolicy": "Never", "containers": [container]},
+    }
+    cluster.create(fetch)
+    done = cluster.wait_for(
+        lambda: cluster.get("Pod", "fetch")["status"].get("phase"),
+        "the fetch pod to finish",
+        until=lambda phase: phase in ("Succeeded", "Failed"),
+    )
+    log = cluster.pod_log("fetch").splitlines()
+    assert done == "Succeeded", log
+    assert log[-2:] == [f"http://{address}:8000", "web-1"]

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import yaml
 from kubernetes import client, config
@@ -26,6 +27,8 @@ from kvfence_devcluster.apiserver import INFERENCE_DEPLOYMENT_CRD
 
 REPO = Path(__file__).resolve().parents[2]
 PROG = "kvfence-devcluster"
+INFD = ("kvfence.dev", "v1alpha1", "default", "inferencedeployments")
+USER_KEY = "sk-user-a-0123456789"
 
 
 class Command:
@@ -165,7 +168,9 @@ def test_the_command_serves_kubectl_and_services_and_stops_everything_on_sigterm
 
 
 @pytest.mark.slow
-def test_the_console_script_runs_the_operator_which_stops_with_it_on_ctrl_c(tmp_path, commands):
+def test_the_console_script_runs_the_operator_whose_service_answers_and_stops_on_ctrl_c(
+    tmp_path, commands
+):
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     module, function = scripts[PROG].split(":")
     entry_point = f"import sys, {module} as m; sys.exit(m.{function}())"
@@ -184,7 +189,7 @@ def test_the_console_script_runs_the_operator_which_stops_with_it_on_ctrl_c(tmp_
     assert command.next_line(timeout=120).endswith("the operator is running\n")
     operator = [p for p in command.descendants() if "operator" in cmdline(p[0])]
     assert operator, "the operator runs under the command"
-    keys = base64.b64encode(b"sk-user-a-0123456789 team-a\n").decode()
+    keys = base64.b64encode(f"{USER_KEY} team-a\n".encode()).decode()
     client.CoreV1Api(api).create_namespaced_secret(
         "default",
         {
@@ -200,28 +205,34 @@ def test_the_console_script_runs_the_operator_which_stops_with_it_on_ctrl_c(tmp_
         "metadata": {"name": "tiny"},
         "spec": {
             "model": {"source": "builtin:tiny-random"},
-            "engine": {"kvCacheMemory": str(96 * 16 * 768), "extraArgs": ["--threads", "1"]},
+            "engine": {"kvCacheMemory": "1Mi", "extraArgs": ["--threads", "1"]},
             "contextLength": 1024,
+            "prefill": {"resources": {"requests": {"cpu": "1"}}},
+            "decode": {"resources": {"requests": {"cpu": "1"}}},
             "router": {"apiKeysSecret": "tiny-keys"},
         },
     }
-    client.CustomObjectsApi(api).create_namespaced_custom_object(
-        "kvfence.dev", "v1alpha1", "default", "inferencedeployments", tiny
-    )
-    core = client.CoreV1Api(api)
+    objects = client.CustomObjectsApi(api)
+    objects.create_namespaced_custom_object(*INFD, tiny)
 
-    def a_running_pod() -> bool:
-        # Raw JSON: the client's models refuse the operator's integer GPU quantities (a real
-        # API server would have written them back as strings; this one keeps what it got).
-        response = core.list_namespaced_pod("default", _preload_content=False)
+    def ready() -> bool:
+        status = objects.get_namespaced_custom_object(*INFD, "tiny").get("status") or {}
         return any(
-            "running" in (s.get("state") or {})
-            for p in json.loads(response.data)["items"]
-            for s in (p.get("status") or {}).get("containerStatuses") or []
+            c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or []
         )
 
-    wait_for(a_running_pod, "the operator's pods to run", timeout=120)
+    wait_for(ready, "the InferenceDeployment to be Ready", timeout=240)
+    # Raw JSON: the client's models refuse integer quantities (a real API server would have
+    # written them back as strings; this one keeps what it got).
+    stable = json.loads(
+        client.CoreV1Api(api)
+        .read_namespaced_service("tiny", "default", _preload_content=False)
+        .data
+    )["spec"]
     api.close()
+    base_url = f"http://{stable['clusterIP']}:{stable['ports'][0]['port']}/v1"
+    with openai.OpenAI(base_url=base_url, api_key=USER_KEY, max_retries=0) as router:
+        assert [m.id for m in router.models.list()] == ["tiny-random"]
 
     running = command.descendants()
     assert len(running) > len(operator), "the operator and its pods run under the command"

@@ -82,6 +82,7 @@ class Cluster:
         self._api_client: client.ApiClient | None = None
         self._processes: list[ManagedProcess] = []
         self._kinds: dict[tuple[str, str | None], ResourceType] = {}
+        self.proxy: ServiceProxy | None = None
 
     @property
     def api_client(self) -> client.ApiClient:
@@ -297,7 +298,9 @@ class Cluster:
     def problems(self) -> list[str]:
         """Failures of the test cluster itself (not API errors such as 404)."""
         server = [f"API server: {e!r}" for e in self.loop.run(self._server_errors())]
-        return server + [f"kubelet: {e}" for e in (self.kubelet.errors if self.kubelet else [])]
+        kubelet = self.kubelet.errors if self.kubelet else []
+        proxy = self.proxy.errors if self.proxy else []
+        return server + [f"kubelet: {e}" for e in kubelet] + [f"kube-proxy: {e}" for e in proxy]
 
     async def _server_errors(self) -> list[Exception]:
         return self.server.internal_errors()
@@ -354,13 +357,13 @@ def start_cluster(
     stack = contextlib.AsyncExitStack()
     running: Cluster | None = None
 
-    async def start() -> tuple[ApiServer, Kubelet | None, str]:
+    async def start() -> tuple[ApiServer, Kubelet | None, ServiceProxy | None, str]:
         server = ApiServer()
         await stack.enter_async_context(server)
         http = await stack.enter_async_context(kmock.Server(server))
         for crd in crds:
             server.install_crd_file(crd)
-        node = None
+        node, proxy = None, None
         if kubelet is not False:
             options = kubelet if isinstance(kubelet, KubeletOptions) else KubeletOptions()
             node = Kubelet(server.store, server.resource_type, workdir, options)
@@ -372,11 +375,12 @@ def start_cluster(
             )
             await proxy.start()
             stack.push_async_callback(proxy.shutdown)
-        return server, node, str(http.url).rstrip("/")
+        return server, node, proxy, str(http.url).rstrip("/")
 
     try:
-        server, node, url = loop.run(start())
+        server, node, proxy, url = loop.run(start())
         running = Cluster(workdir, loop, server, node, url)
+        running.proxy = proxy
         yield running
     finally:
         try:

@@ -19,6 +19,7 @@ import ipaddress
 import logging
 import random
 import socket
+import traceback
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -46,15 +47,23 @@ def _bindable(address: str, ports: Iterable[int]) -> bool:
 
 
 def allocate_cluster_ip(taken: Collection[str], ports: Iterable[int]) -> str:
-    """A loopback address 127.0.x.y for a new Service: none another Service has, and one
-    nothing on this machine listens on at the Service's ports (another test cluster's proxy,
-    say). x >= 1 keeps clear of 127.0.0.1 and systemd-resolved's 127.0.0.53."""
+    """A loopback address 127.0.x.y for a new Service: none another Service has, and if it can
+    be found, one nothing on this machine listens on at the Service's ports (another test
+    cluster's proxy, say). x >= 1 keeps clear of 127.0.0.1 and systemd-resolved's 127.0.0.53."""
     wanted = [int(p) for p in ports]
-    for _ in range(1000):
+    fallback = None
+    for _ in range(100):
         address = f"127.0.{random.randint(1, 255)}.{random.randint(1, 254)}"
-        if address not in taken and _bindable(address, wanted):
+        if address in taken:
+            continue
+        if _bindable(address, wanted):
             return address
-    raise RuntimeError("no free loopback address for a Service")
+        fallback = fallback or address
+    if fallback is None:
+        raise RuntimeError("no free loopback address for a Service")
+    # A port taken on every address (a listener on 0.0.0.0): the proxy cannot serve it
+    # anywhere, and says so; the Service is still created, as a real one would be.
+    return fallback
 
 
 def served_address(spec: dict[str, Any]) -> str | None:
@@ -74,6 +83,9 @@ class ServiceProxy:
         self.store, self.services, self.endpoints = store, services, endpoints
         self._listeners: dict[ListenerKey, asyncio.AbstractServer] = {}
         self._connections: set[asyncio.StreamWriter] = set()
+        self._forwarding: set[asyncio.Task[Any]] = set()
+        self._unservable: set[ListenerKey] = set()  # warned about once
+        self.errors: list[str] = []  # its own failures (Cluster.problems() reports them)
         self._next: dict[ListenerKey, int] = {}  # round-robin position
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -94,6 +106,7 @@ class ServiceProxy:
             try:
                 await self.sync()
             except Exception:
+                self.errors.append(traceback.format_exc())
                 logger.exception("test kube-proxy: sync failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 1.0)
@@ -135,6 +148,9 @@ class ServiceProxy:
                 # connections to it are refused, as with no endpoint.
                 if exc.errno not in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
                     raise
+                if key in self._unservable:
+                    continue
+                self._unservable.add(key)
                 logger.warning(
                     "test kube-proxy: cannot serve %s/%s at %s:%s: %s",
                     namespace,
@@ -155,6 +171,10 @@ class ServiceProxy:
     async def _forward(
         self, key: ListenerKey, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._forwarding.add(task)
+            task.add_done_callback(self._forwarding.discard)
         self._connections.add(writer)
         try:
             endpoints = self._current(key)
@@ -206,4 +226,5 @@ class ServiceProxy:
         self._listeners.clear()
         for writer in list(self._connections):
             writer.transport.abort()
-        await asyncio.sleep(0)
+        if self._forwarding:  # each ends once its sockets are gone
+            await asyncio.wait(self._forwarding, timeout=5.0)

@@ -158,3 +158,14 @@ def test_a_service_name_on_a_command_line_leads_to_its_cluster_ip(cluster: Clust
     log = cluster.pod_log("fetch").splitlines()
     assert done == "Succeeded", log
     assert log[-2:] == [f"http://{address}:8000", "web-1"]
+
+
+def test_a_service_port_taken_on_every_address_still_gets_a_cluster_ip(cluster: Cluster):
+    with socket.socket() as squatter:  # something of this machine's on 0.0.0.0:<port>
+        squatter.bind(("0.0.0.0", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        body = service("squatted", {"app": "web"})
+        body["spec"]["ports"][0]["port"] = port
+        address = cluster.create(body)["spec"]["clusterIP"]
+        assert ipaddress.ip_address(address).is_loopback and address != "127.0.0.1"

@@ -137,7 +137,12 @@ def _serve(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
             httpx.get(cluster.url + "/api", timeout=5.0).raise_for_status()
         except httpx.HTTPError as exc:
             raise StartError(f"the API server at {cluster.url} does not answer: {exc}") from None
-        kubeconfig = write_kubeconfig(args.kubeconfig, cluster.url)
+        try:
+            kubeconfig = write_kubeconfig(args.kubeconfig, cluster.url)
+        except OSError as exc:
+            raise StartError(
+                f"cannot write the kubeconfig {args.kubeconfig}: {exc.strerror or exc}"
+            ) from None
         try:
             waiting = args.operator and operator is None
             print(
@@ -186,6 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args, state, stop)
     except (StartError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as exc:  # a fault of the emulator itself: still one line, then exit
+        print(f"{PROG}: error: the cluster failed: {exc!r}", file=sys.stderr, flush=True)
         return 1
     finally:
         if args.state_dir is None:

@@ -248,7 +248,7 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def test_it_never_overwrites_a_kubeconfig_it_did_not_write(tmp_path):
+def test_a_kubeconfig_it_did_not_write_or_cannot_write_is_one_error_line(tmp_path):
     theirs = tmp_path / "config"
     theirs.write_text(yaml.safe_dump({"clusters": [{"name": "production"}]}))
     before = theirs.read_text()
@@ -261,6 +261,18 @@ def test_it_never_overwrites_a_kubeconfig_it_did_not_write(tmp_path):
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "refusing to overwrite" in result.stderr
     assert theirs.read_text() == before
+
+    unwritable = subprocess.run(
+        [sys.executable, "-m", "kvfence_devcluster", "--kubeconfig", "/proc/kvfence/config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert unwritable.returncode == 1
+    assert unwritable.stderr == (
+        f"{PROG}: error: cannot write the kubeconfig /proc/kvfence/config: "
+        "No such file or directory\n"
+    )
 
     helped = subprocess.run(
         [sys.executable, "-m", "kvfence_devcluster", "--help"], capture_output=True, text=True

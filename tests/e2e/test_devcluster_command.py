@@ -99,10 +99,14 @@ def still_running(processes: set[tuple[int, str]]) -> set[tuple[int, str]]:
 def commands() -> Iterator[list[Command]]:
     started: list[Command] = []
     yield started
-    for command in started:  # a failed test leaves nothing running
+    for command in started:  # a failed test leaves nothing running: its pods too
         if command.proc.poll() is None:
-            command.proc.kill()
-            command.proc.wait()
+            command.proc.terminate()
+            try:
+                command.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                command.proc.kill()
+                command.proc.wait()
 
 
 def kubectl(kubeconfig: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -5,10 +5,7 @@ must cope with these fields, as it would in a real cluster.
 """
 
 import base64
-import itertools
 from typing import Any
-
-_cluster_ips = itertools.count(10)
 
 
 def _container(container: dict[str, Any]) -> None:
@@ -71,10 +68,8 @@ def _service(service: dict[str, Any]) -> None:
     spec = service.setdefault("spec", {})
     spec.setdefault("type", "ClusterIP")
     spec.setdefault("sessionAffinity", "None")
-    if "clusterIP" not in spec:
-        n = next(_cluster_ips)
-        spec["clusterIP"] = f"10.96.{n // 250}.{n % 250 + 1}"
-    spec.setdefault("clusterIPs", [spec["clusterIP"]])
+    if spec.get("clusterIP"):  # Store allocates it (a loopback address the proxy serves)
+        spec.setdefault("clusterIPs", [spec["clusterIP"]])
     for port in spec.get("ports") or []:
         port.setdefault("protocol", "TCP")
         port.setdefault("targetPort", port.get("port"))

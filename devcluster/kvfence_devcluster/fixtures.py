@@ -28,6 +28,7 @@ from .controllers import condition
 from .kubelet import Kubelet, KubeletOptions
 from .loop import BackgroundLoop
 from .processes import ManagedProcess
+from .proxy import ServiceProxy
 from .resources import ResourceType
 from .sandbox import VENV_BIN
 from .store import MERGE_PATCH
@@ -83,6 +84,7 @@ class Cluster:
         self._api_client: client.ApiClient | None = None
         self._processes: list[ManagedProcess] = []
         self._kinds: dict[tuple[str, str | None], ResourceType] = {}
+        self.proxy: ServiceProxy | None = None
 
     @property
     def api_client(self) -> client.ApiClient:
@@ -333,7 +335,9 @@ class Cluster:
     def problems(self) -> list[str]:
         """Failures of the test cluster itself (not API errors such as 404)."""
         server = [f"API server: {e!r}" for e in self.loop.run(self._server_errors())]
-        return server + [f"kubelet: {e}" for e in (self.kubelet.errors if self.kubelet else [])]
+        kubelet = self.kubelet.errors if self.kubelet else []
+        proxy = self.proxy.errors if self.proxy else []
+        return server + [f"kubelet: {e}" for e in kubelet] + [f"kube-proxy: {e}" for e in proxy]
 
     async def _server_errors(self) -> list[Exception]:
         return self.server.internal_errors()
@@ -390,24 +394,30 @@ def start_cluster(
     stack = contextlib.AsyncExitStack()
     running: Cluster | None = None
 
-    async def start() -> tuple[ApiServer, Kubelet | None, str]:
+    async def start() -> tuple[ApiServer, Kubelet | None, ServiceProxy | None, str]:
         server = ApiServer()
         await stack.enter_async_context(server)
         http = await stack.enter_async_context(kmock.Server(server))
         for crd in crds:
             server.install_crd_file(crd)
-        node = None
+        node, proxy = None, None
         if kubelet is not False:
             options = kubelet if isinstance(kubelet, KubeletOptions) else KubeletOptions()
             node = Kubelet(server.store, server.resource_type, workdir, options)
             server.pod_logs = node.pod_log
             await node.start()
             stack.push_async_callback(node.shutdown)
-        return server, node, str(http.url).rstrip("/")
+            proxy = ServiceProxy(
+                server.store, server.resource_type("", "v1", "services"), node.service_endpoints
+            )
+            await proxy.start()
+            stack.push_async_callback(proxy.shutdown)
+        return server, node, proxy, str(http.url).rstrip("/")
 
     try:
-        server, node, url = loop.run(start())
+        server, node, proxy, url = loop.run(start())
         running = Cluster(workdir, loop, server, node, url)
+        running.proxy = proxy
         yield running
     finally:
         try:

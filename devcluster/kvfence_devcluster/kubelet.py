@@ -22,6 +22,7 @@ import aiohttp
 from .controllers import Controllers, pod_ready
 from .pods import Container, PodRuntime
 from .processes import ManagedProcess
+from .proxy import served_address
 from .resources import ResourceType
 from .sandbox import POD_IP, NotReadyToStart, named_port
 from .selectors import selector_from_label_selector
@@ -187,25 +188,43 @@ class Kubelet:
                     changed |= sync_volume(runtime.sandbox, volume, runtime.namespace, self)
         return changed
 
-    def resolve_service(self, namespace: str, service: str, port: int | None) -> int | None:
-        """The local port of a Ready pod behind `<service>.<namespace>.svc[:port]`."""
+    def resolve_service(self, namespace: str, service: str, port: int | None) -> str | None:
+        """Where `<service>.<namespace>.svc[:port]` leads, as host:port: the Service's
+        clusterIP (the kube-proxy, proxy.py, forwards to its ready pods), or for a headless
+        Service a Ready pod behind it, as its DNS name would resolve. None if neither."""
         svc = self.store.find(self.services, namespace, service)
-        if svc is None or not svc["spec"].get("selector"):
+        if svc is None:
             return None
         ports = svc["spec"].get("ports") or []
         chosen = next((p for p in ports if port is None or int(p["port"]) == port), None)
         if chosen is None:
             return None
-        target = chosen.get("targetPort", chosen["port"])
-        selector = selector_from_label_selector({"matchLabels": svc["spec"]["selector"]})
+        address = served_address(svc["spec"])
+        if address is not None:
+            return f"{address}:{chosen['port']}"
+        local = next(iter(self.service_endpoints(svc, chosen)), None)
+        return None if local is None else f"{POD_IP}:{local}"
+
+    def service_endpoints(self, svc: dict[str, Any], port: dict[str, Any]) -> list[int]:
+        """The local ports behind one of a Service's ports: its pods (the selector's) that are
+        Ready and not being deleted (any, with publishNotReadyAddresses), at `targetPort`."""
+        spec = svc.get("spec") or {}
+        if not spec.get("selector"):
+            return []
+        target = port.get("targetPort", port["port"])
+        selector = selector_from_label_selector({"matchLabels": spec["selector"]})
+        namespace = svc["metadata"]["namespace"]
+        found = []
         for pod in self.store.list_objects(self.pods, namespace, selector):
-            if not pod_ready(pod) and not svc["spec"].get("publishNotReadyAddresses"):
+            if not spec.get("publishNotReadyAddresses") and (
+                not pod_ready(pod) or pod["metadata"].get("deletionTimestamp")
+            ):
                 continue
             runtime = self.runtimes.get(pod["metadata"]["uid"])
             local = named_port(pod, target, runtime.sandbox.port_map if runtime else None)
             if local is not None:
-                return local
-        return None
+                found.append(local)
+        return found
 
     async def probe(self, runtime: PodRuntime, container: Container) -> bool:
         """The readiness probe, as often as probe_period. No probe: ready once running."""

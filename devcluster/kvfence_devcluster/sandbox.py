@@ -6,7 +6,8 @@ ports (status.podIP is 127.0.0.1), so `http://<podIP>:<containerPort>` reaches t
 The command line is adapted the same way: paths under a volumeMount point into the pod's
 directory, `--*port*` flags whose value is a declared containerPort get the allocated port,
 `--host 0.0.0.0` becomes 127.0.0.1, and `<svc>.<ns>.svc[.cluster.local][:port]` becomes
-`127.0.0.1:<port of a Ready pod behind that Service>`.
+`<the Service's clusterIP>:<port>` (which the kube-proxy serves), or for a headless Service
+`127.0.0.1:<port of a Ready pod behind it>`.
 """
 
 import re
@@ -56,7 +57,7 @@ class ObjectLookup(Protocol):
         ...
 
 
-ServiceResolver = Callable[[str, str, int | None], int | None]  # ns, service, port -> local port
+ServiceResolver = Callable[[str, str, int | None], str | None]  # ns, service, port -> host:port
 
 
 @dataclass
@@ -201,12 +202,12 @@ def _path_rewriter(mounts: list[tuple[str, str]]) -> Callable[[str], str]:
 def _rewrite_services(value: str, resolve: ServiceResolver, notes: list[str]) -> str:
     def replace(match: re.Match[str]) -> str:
         port = int(match["port"]) if match["port"] else None
-        local = resolve(match["namespace"], match["service"], port)
-        if local is None:
+        found = resolve(match["namespace"], match["service"], port)
+        if found is None:
             service = f"{match['namespace']}/{match['service']}"
             notes.append(f"no Ready endpoint for Service {service}; left {match.group(0)} as is")
             return match.group(0)
-        return f"{POD_IP}:{local}"
+        return found
 
     return _SERVICE_HOST.sub(replace, value)
 

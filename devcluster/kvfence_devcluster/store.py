@@ -19,6 +19,7 @@ from typing import Any
 
 from .defaults import apply_defaults
 from .patching import PatchError, json_patch, merge_patch, strategic_merge_patch
+from .proxy import allocate_cluster_ip
 from .resources import (
     ApiError,
     ResourceType,
@@ -247,8 +248,31 @@ class Store:
             obj.pop("status", None)
             if not rt.custom:
                 obj["status"] = {"phase": "Pending"} if rt.plural == "pods" and not rt.group else {}
+        if (rt.group, rt.plural) == ("", "services"):
+            self._allocate_cluster_ip(rt, obj)
         apply_defaults(rt.group, rt.plural, obj, creating=True)
         return copy.deepcopy(self._commit(rt, key, None, obj, "ADDED"))
+
+    def _allocate_cluster_ip(self, rt: ResourceType, service: dict[str, Any]) -> None:
+        """A Service's clusterIP, as the API server allocates it: a loopback address 127.0.x.y
+        that the test kube-proxy (proxy.py) serves. Headless (None) and ExternalName have none."""
+        spec = service.setdefault("spec", {})
+        if not isinstance(spec, dict) or spec.get("type") == "ExternalName":
+            return
+        taken = {(o.get("spec") or {}).get("clusterIP") for o in self._select(rt, None, (), ())}
+        wanted = spec.get("clusterIP")
+        if wanted and wanted != "None" and wanted in taken:
+            raise invalid(
+                rt,
+                service["metadata"]["name"],
+                f"spec.clusterIPs: Invalid value: [{wanted!r}]: failed to allocate IP "
+                f"{wanted}: provided IP is already allocated",
+            )
+        if not wanted:
+            ports = [p.get("port") for p in spec.get("ports") or [] if isinstance(p, dict)]
+            spec["clusterIP"] = allocate_cluster_ip(
+                {str(t) for t in taken if t}, [int(p) for p in ports if str(p).isdigit()]
+            )
 
     def _require(
         self, rt: ResourceType, namespace: str | None, name: str
@@ -329,6 +353,8 @@ class Store:
             else:
                 meta.pop(field, None)
         new["apiVersion"], new["kind"] = rt.api_version, rt.kind
+        if (rt.group, rt.plural) == ("", "services") and subresource != "status":
+            self._keep_cluster_ip(rt, old, new)
         if subresource != "status":
             apply_defaults(rt.group, rt.plural, new, creating=False)
             self._check_immutable(rt, old, new)
@@ -340,6 +366,24 @@ class Store:
             self._remove(rt, key, old, new)
             return copy.deepcopy(new)
         return copy.deepcopy(self._commit(rt, key, old, new, "MODIFIED"))
+
+    @staticmethod
+    def _keep_cluster_ip(rt: ResourceType, old: dict[str, Any], new: dict[str, Any]) -> None:
+        """An update that leaves clusterIP out keeps the allocated one; changing it is refused."""
+        before = (old.get("spec") or {}).get("clusterIP")
+        spec = new.get("spec")
+        if not before or not isinstance(spec, dict):
+            return
+        if not spec.get("clusterIP"):
+            spec["clusterIP"] = before
+            spec.setdefault("clusterIPs", (old.get("spec") or {}).get("clusterIPs", [before]))
+        elif spec["clusterIP"] != before:
+            raise invalid(
+                rt,
+                old["metadata"]["name"],
+                f"spec.clusterIPs[0]: Invalid value: [{spec['clusterIP']!r}]: may not change "
+                "once set",
+            )
 
     def replace(
         self,

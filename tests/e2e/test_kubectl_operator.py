@@ -32,7 +32,7 @@ MANIFEST = textwrap.dedent(
       model:
         source: builtin:tiny-random
       engine:
-        kvCacheMemory: "{96 * 16 * 768}"
+        kvCacheMemory: 1152Ki  # {96 * 16 * 768} bytes
         extraArgs: ["--threads", "1"]
       contextLength: 1024
       prefill:
@@ -45,6 +45,16 @@ MANIFEST = textwrap.dedent(
         timeoutSeconds: 120
     """
 )
+
+
+def readme_cluster_steps() -> tuple[dict[str, object], str]:
+    """The manifest and the `kubectl get infd -o wide` output README's "Try the operator
+    locally" section shows."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("### Try the operator locally", 1)[1].split("\n### ", 1)[0]
+    manifest = section.split("kubectl apply -f - <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    output = section.split("kubectl get infd -o wide\n", 1)[1].split("```\n", 2)[2]
+    return yaml.safe_load(manifest), output.split("```", 1)[0]
 
 
 def table(output: str) -> tuple[list[str], list[list[str]]]:
@@ -62,16 +72,18 @@ def revision(manifest_text: str) -> str:
 
 
 def router_answers(cluster: Cluster, current: str) -> None:
-    pods = json.loads(
-        cluster.kubectl(
-            "get", "pods", "-o", "json",
-            "-l", f"app.kubernetes.io/instance={NAME},kvfence.dev/role=router,"
-                  f"{LABEL_REVISION}={current}",
-        ).stdout
-    )["items"]  # fmt: skip
-    assert len(pods) == 1
+    """A user's OpenAI client at the stable Service's clusterIP (the devcluster's kube-proxy),
+    which selects the current revision's router."""
+    selector = json.loads(
+        cluster.kubectl("get", "svc", NAME, "-o", "jsonpath={.spec.selector}").stdout
+    )
+    assert selector[LABEL_REVISION] == current, selector
+    address = cluster.kubectl(
+        "get", "svc", NAME, "-o", "jsonpath={.spec.clusterIP}:{.spec.ports[0].port}"
+    ).stdout  # fmt: skip
+    assert address.startswith("127.") and not address.startswith("127.0.0.1:"), address
     client = openai.OpenAI(
-        base_url=cluster.pod_url(pods[0]) + "/v1", api_key=USER_KEY, max_retries=0, timeout=60
+        base_url=f"http://{address}/v1", api_key=USER_KEY, max_retries=0, timeout=60
     )
     done = client.completions.create(model=client.models.list().data[0].id, prompt="hi",
                                      max_tokens=4)  # fmt: skip
@@ -113,6 +125,11 @@ def test_a_user_applies_waits_inspects_changes_and_deletes_with_kubectl(tmp_path
         print(f"\n$ kubectl get infd   (saved to {saved})\n{shown}")
         header, rows = table(shown)
         assert header == COLUMNS
+        readme_manifest, readme_output = readme_cluster_steps()
+        assert readme_manifest == yaml.safe_load(MANIFEST), "README's manifest is not the test's"
+        assert table(readme_output)[1][0][:8] == table(shown)[1][0][:8], (
+            f"README's `kubectl get infd` output is stale; this run printed:\n{shown}"
+        )
         ((name, ready, context, pool, prefill, decode, current, canary, age),) = rows
         assert [name, ready, context, pool, prefill, decode, current, canary] == [
             NAME, "True", "1024", "1536", "1/1", "1/1", r1, "Passed"

@@ -4,7 +4,7 @@ import argparse
 import os
 from pathlib import Path
 
-from kvfence_cli.common import Subparsers
+from kvfence_cli.common import Subparsers, positive
 
 DEFAULT_LOCAL_KEY = "kvfence-local"
 
@@ -20,10 +20,42 @@ def add_parser(sub: Subparsers) -> None:
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--state-dir", type=Path, default=None, help="logs, credentials, canary cache")
+    p.add_argument(
+        "--threads",
+        type=positive,
+        default=None,
+        help="torch CPU threads per engine process (`kvfence serve --threads`; default: "
+        "the manifest's CPU resources, else torch's own choice)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvfence_operator.up import run_up
 
-    return run_up(args)
+    return run_up(args, check_engines=engine_start_problem)
+
+
+def engine_start_problem(source: str, context_length: int, device: str) -> str | None:
+    """What would stop the engines from starting, found with their own code before any
+    starts: a model source that does not resolve, a context beyond the model's positions
+    (preflight's rule), a device this machine does not have. Here, not in the operator
+    package: it may not import the engine's dependencies."""
+    from kvfence_engine.loading.config import load_config
+    from kvfence_engine.tools.preflight import positions_problem
+
+    try:
+        config = load_config(source)
+    except (OSError, ValueError, KeyError) as exc:
+        return f"spec.model.source: {exc}"
+    problem = positions_problem(context_length, config.max_positions)
+    if problem:
+        return f"spec.contextLength: {problem}"
+    if device != "cpu":  # torch takes seconds to import; cpu needs no check
+        from kvfence_engine.core.device import resolve_device
+
+        try:
+            resolve_device(device)
+        except ValueError as exc:
+            return str(exc)
+    return None

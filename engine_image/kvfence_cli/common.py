@@ -120,11 +120,17 @@ def http_server(app: "ASGIApp", args: argparse.Namespace) -> "uvicorn.Server":
     return uvicorn.Server(config)
 
 
-def run_http(server: "uvicorn.Server", sock: socket.socket) -> None:
+def run_http(server: "uvicorn.Server", sock: socket.socket) -> int:
+    """0 once stopped; 130 for Ctrl-C, which uvicorn re-raises after its graceful shutdown
+    (a traceback otherwise). SIGTERM ends the process by that signal, as uvicorn intends."""
     # uvicorn logs where it listens only for sockets it binds itself
     host, port = sock.getsockname()[:2]
     logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d", host, port)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        return 130
+    return 0
 
 
 def serve_http(app: "ASGIApp", args: argparse.Namespace) -> int:
@@ -134,5 +140,4 @@ def serve_http(app: "ASGIApp", args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvfence {args.command}: {exc}", file=sys.stderr)
         return 2
-    run_http(http_server(app, args), sock)
-    return 0
+    return run_http(http_server(app, args), sock)

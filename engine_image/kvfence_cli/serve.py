@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import logging
+import os
 import sys
 
 from kvfence_cli.common import (
@@ -219,9 +220,15 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True  # uvicorn's own way out: its main loop checks this flag
 
     state.load_in_background(build, on_failure=stop)
-    run_http(server, sock)
+    code = run_http(server, sock)
+    if state.engine is None and state.load_error is None:
+        # stopped while the weights load: interpreter teardown under the loader's torch
+        # threads aborts (`terminate called without an active exception`); skip it
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
     if state.load_error is None:
-        return 0
+        return code
     # A pod that cannot load its model must crash with the reason (a crash loop with a
     # termination message), not run without ever becoming ready.
     reason = f"engine failed to start: {state.load_error}"

@@ -1,6 +1,7 @@
 """How `kvfence serve` starts, and how it refuses to: one line saying why, and an exit code a
 kubelet (or `kvfence up`) acts on, instead of a process that stays up and is never ready."""
 
+import signal
 import socket
 import subprocess
 import sys
@@ -99,3 +100,22 @@ def test_health_probes_stay_out_of_the_access_log(tmp_path: Path) -> None:
     log = (tmp_path / "quiet.log").read_text()
     assert "GET /v1/kvpool" in log, "other requests are still logged"
     assert "GET /readyz" not in log and "GET /healthz" not in log
+
+
+@pytest.mark.parametrize("when", ["loading", "ready"])
+def test_ctrl_c_stops_the_engine_with_130_and_no_traceback(tmp_path: Path, when: str) -> None:
+    """While the weights load too: the loader's torch threads must not abort the exit."""
+    model = "builtin:smollm2-135m-instruct" if when == "loading" else "builtin:tiny-random"
+    log = tmp_path / "engine.log"
+    proc = LocalProcess(["serve", "--model", model, "--threads", "1"], log_path=log).start()
+    try:
+        proc.wait_ready(path="/healthz" if when == "loading" else "/readyz")
+        if when == "loading":
+            assert httpx.get(proc.url + "/readyz").json()["status"] == "loading"
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGINT)
+        assert proc.proc.wait(60) == 130
+    finally:
+        proc.stop()
+    text = log.read_text()
+    assert "Traceback" not in text and "terminate called" not in text, text[-2000:]

@@ -31,7 +31,13 @@ from pydantic import ValidationError
 
 import kvfence_engine
 from kvfence_engine.tools.cache_dir import cache_root
-from kvfence_engine.tools.localproc import LocalProcess, Readiness, free_port, last_line
+from kvfence_engine.tools.localproc import (
+    LocalProcess,
+    ProcessFailed,
+    free_port,
+    last_line,
+    wait_all_ready,
+)
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES, engine_args
 from kvfence_operator.builders.router_deployment import router_args, router_backends
 from kvfence_operator.builders.secret import RevisionCredentials
@@ -212,29 +218,18 @@ def start_engines(
     wait_ready({name: proc for name, (_, proc) in local.engines.items()}, say)
 
 
-def wait_ready(
-    procs: Mapping[str, LocalProcess],
-    say: Callable[[str], None],
-    timeout: float = START_TIMEOUT_SECONDS,
-) -> None:
-    """All at once, watching each process and its /readyz: the first that exits or says it
-    failed ends the wait, quoting its own words and naming its log."""
+def wait_ready(procs: Mapping[str, LocalProcess], say: Callable[[str], None]) -> None:
+    """All at once, each process and its /readyz: the first that exits or says it failed
+    ends the wait within a second or so, quoting its own words and naming its log."""
     started = time.monotonic()
-    pending = dict(procs)
-    pause = 0.05
-    while pending:
-        for name, proc in list(pending.items()):
-            probe = proc.probe()
-            if probe.readiness is Readiness.READY:
-                say(f"  {name} ready ({time.monotonic() - started:.0f}s) on {proc.url}")
-                del pending[name]
-            elif probe.readiness is Readiness.FAILED:
-                raise UpError(f"{name} failed to start: {probe.reason} (log: {proc.log_path})")
-        if pending and time.monotonic() - started > timeout:
-            logs = ", ".join(str(proc.log_path) for proc in pending.values())
-            raise UpError(f"{', '.join(pending)} not ready after {timeout:.0f}s (logs: {logs})")
-        time.sleep(pause)
-        pause = min(pause * 2, 1.0)  # quick for a fast start, quiet for a slow one
+
+    def ready(name: str, proc: LocalProcess) -> None:
+        say(f"  {name} ready ({time.monotonic() - started:.0f}s) on {proc.url}")
+
+    try:
+        wait_all_ready(procs, START_TIMEOUT_SECONDS, on_ready=ready)
+    except ProcessFailed as exc:
+        raise UpError(str(exc)) from None
 
 
 def read_pools(local: LocalDeployment, internal_token: str) -> list[PodPool]:

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -110,17 +110,8 @@ class LocalProcess:
 
     def wait_ready(self, timeout: float = 120.0, path: str = "/readyz") -> "LocalProcess":
         """Until ready; ProcessFailed as soon as it exits or says it failed, quoting why."""
-        deadline = time.monotonic() + timeout
-        pause = 0.05
-        while time.monotonic() < deadline:
-            probe = self.probe(path)
-            if probe.readiness is Readiness.READY:
-                return self
-            if probe.readiness is Readiness.FAILED:
-                raise ProcessFailed(f"{self.describe()}: {probe.reason}")
-            time.sleep(pause)
-            pause = min(pause * 2, 1.0)  # quick for a fast start, quiet for a slow one
-        raise ProcessFailed(f"{self.describe()} not ready after {timeout:.0f}s")
+        wait_all_ready({f"kvfence {' '.join(self.args)} on port {self.port}": self}, timeout, path)
+        return self
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -146,3 +137,34 @@ class LocalProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_all_ready(
+    procs: Mapping[str, LocalProcess],
+    timeout: float,
+    path: str = "/readyz",
+    on_ready: Callable[[str, LocalProcess], None] = lambda name, proc: None,
+) -> None:
+    """Watch every process and its readiness endpoint at once: ProcessFailed as soon as one
+    exits or says it failed, in its own words and naming its log, or when time runs out."""
+    deadline = time.monotonic() + timeout
+    pending = dict(procs)
+    pause = 0.05
+    while pending:
+        for name, proc in list(pending.items()):
+            probe = proc.probe(path)
+            if probe.readiness is Readiness.READY:
+                del pending[name]
+                on_ready(name, proc)
+            elif probe.readiness is Readiness.FAILED:
+                raise ProcessFailed(
+                    f"{name} failed to start: {probe.reason} (log: {proc.log_path})"
+                )
+        if pending and time.monotonic() > deadline:
+            logs = ", ".join(str(proc.log_path) for proc in pending.values())
+            raise ProcessFailed(
+                f"{', '.join(pending)} not ready after {timeout:.0f}s (logs: {logs})"
+            )
+        if pending:
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)  # quick for a fast start, quiet for a slow one

@@ -1,17 +1,21 @@
 """`kvfence serve`: one engine process (combined, prefill or decode role)."""
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 
 from kvfence_cli.common import (
     SIZES_HELP,
     Subparsers,
     add_max_request_bytes,
+    http_server,
+    listen,
     positive,
     positive_seconds,
     read_token,
-    serve_http,
+    run_http,
     share,
     size,
 )
@@ -25,9 +29,11 @@ examples:
 {SIZES_HELP}
 
 exit codes:
-  0  stopped (Ctrl-C or SIGTERM)
-  2  a usage error, an unreadable --internal-token-file, or --unsafe-fault refused
-  other non-zero: the server could not start or failed (the reason is on stderr)"""
+  0    stopped by SIGTERM (uvicorn's graceful shutdown)
+  1    the model could not load (the reason is the last stderr line and in --termination-log)
+  2    a usage error, a port in use, an unusable --device, an unreadable
+       --internal-token-file, or --unsafe-fault refused
+  130  stopped by Ctrl-C (SIGINT)"""
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -165,6 +171,13 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--scrub-on-free", action="store_true", help="zero pages when released")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
     p.add_argument(
+        "--termination-log",
+        default=None,
+        metavar="FILE",
+        help="when the engine cannot start, also write why to FILE (the operator gives "
+        "Kubernetes' /dev/termination-log); the reason is always the last line on stderr",
+    )
+    p.add_argument(
         "--unsafe-fault",
         action="append",
         default=[],
@@ -179,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvfence_engine.contracts import Role
+    from kvfence_engine.core.device import resolve_device
     from kvfence_engine.core.engine import EngineArgs, LLMEngine
     from kvfence_engine.core.faults import Faults, UnsafeFaultRefused
     from kvfence_engine.core.metrics import EngineMetrics
@@ -189,9 +203,13 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.serving.limits import set_max_request_bytes
     from kvfence_engine.serving.state import ServerState
 
+    # Everything that can be checked before the loader thread starts: after it, an exit
+    # tears down torch's threads mid-work (`terminate called without an active exception`).
     try:
         faults = Faults.from_names(args.unsafe_fault)
         token = read_token(args.internal_token_file)
+        resolve_device(args.device)
+        sock = listen(args.host, args.port)
     except (UnsafeFaultRefused, OSError, ValueError) as exc:
         print(f"kvfence serve: {exc}", file=sys.stderr)
         return 2
@@ -240,5 +258,26 @@ def run(args: argparse.Namespace) -> int:
             transfer_hello_timeout=args.transfer_hello_timeout,
         )
         app.include_router(router)
-    state.load_in_background(build)
-    return serve_http(app, args)
+    server = http_server(app, args)
+
+    def stop(error: str) -> None:
+        server.should_exit = True  # uvicorn's own way out: its main loop checks this flag
+
+    state.load_in_background(build, on_failure=stop)
+    code = run_http(server, sock)
+    if state.engine is None and state.load_error is None:
+        # stopped while the weights load: interpreter teardown under the loader's torch
+        # threads aborts (`terminate called without an active exception`); skip it
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
+    if state.load_error is None:
+        return code
+    # A pod that cannot load its model must crash with the reason (a crash loop with a
+    # termination message), not run without ever becoming ready.
+    reason = f"engine failed to start: {state.load_error}"
+    if args.termination_log:
+        with contextlib.suppress(OSError), open(args.termination_log, "w") as f:
+            f.write(reason + "\n")
+    print(f"kvfence serve: {reason}", file=sys.stderr, flush=True)
+    return 1

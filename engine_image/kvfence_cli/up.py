@@ -4,7 +4,7 @@ import argparse
 import os
 from pathlib import Path
 
-from kvfence_cli.common import Subparsers
+from kvfence_cli.common import Subparsers, positive
 
 DEFAULT_LOCAL_KEY = "kvfence-local"
 
@@ -15,9 +15,11 @@ examples:
   kvfence up examples/lower-context.yaml --port 9000 --api-key my-key
 
 exit codes:
-  0  it served, then was stopped (Ctrl-C or SIGTERM)
-  1  not served: the pool check or the canary refused the revision (the output says why)
-  2  a manifest that is not valid, or a process that could not start"""
+  1    not served: the pool check or the canary refused the revision (the output says why)
+  2    something to fix: a manifest that is not valid, a model, context or device the engines
+       cannot use, a port in use, another `up` of this manifest running, or a process that
+       could not start or died (its error and log are quoted)
+  130  stopped by Ctrl-C (SIGINT); 143 stopped by SIGTERM"""
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -47,10 +49,42 @@ def add_parser(sub: Subparsers) -> None:
         help="logs, credentials, canary cache (default: up/ in $KVFENCE_CACHE_DIR, else "
         "~/.cache/kvfence)",
     )
+    p.add_argument(
+        "--threads",
+        type=positive,
+        default=None,
+        help="torch CPU threads per engine process (`kvfence serve --threads`; default: "
+        "the manifest's CPU resources, else torch's own choice)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvfence_operator.up import run_up
 
-    return run_up(args)
+    return run_up(args, check_engines=engine_start_problem)
+
+
+def engine_start_problem(source: str, context_length: int, device: str) -> str | None:
+    """What would stop the engines from starting, found with their own code before any
+    starts: a model source that does not resolve, a context beyond the model's positions
+    (preflight's rule), a device this machine does not have. Here, not in the operator
+    package: it may not import the engine's dependencies."""
+    from kvfence_engine.loading.config import load_config
+    from kvfence_engine.tools.preflight import positions_problem
+
+    try:
+        config = load_config(source)
+    except (OSError, ValueError, KeyError) as exc:
+        return f"spec.model.source: {exc}"
+    problem = positions_problem(context_length, config.max_positions)
+    if problem:
+        return f"spec.contextLength: {problem}"
+    if device != "cpu":  # torch takes seconds to import; cpu needs no check
+        from kvfence_engine.core.device import resolve_device
+
+        try:
+            resolve_device(device)
+        except ValueError as exc:
+            return str(exc)
+    return None

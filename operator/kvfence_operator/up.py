@@ -3,14 +3,23 @@
 Local processes stand in for pods; everything else is the operator's: the builders' command
 lines, the pool decision (pool_gate.judge_pools), the canary gate and the promotion decision
 (rollout.plan_rollout), the status (status.compute_status) and its printer columns.
+
+What a cluster does for free is done here before anything starts, so that a mistake costs
+seconds, not a model load: one `up` per state folder (a lock), the router's port held, and the
+model source, its positions and the device checked with the engine's own code.
 """
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -20,8 +29,15 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+import kvfence_engine
 from kvfence_engine.tools.cache_dir import cache_root
-from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed, free_port
+from kvfence_engine.tools.localproc import (
+    LocalProcess,
+    ProcessFailed,
+    free_port,
+    last_line,
+    wait_all_ready,
+)
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES, engine_args
 from kvfence_operator.builders.router_deployment import router_args, router_backends
 from kvfence_operator.builders.secret import RevisionCredentials
@@ -39,10 +55,26 @@ from kvfence_operator.status import compute_status
 
 LOCAL_TENANT = "local"
 START_TIMEOUT_SECONDS = 900.0
+# (model source, contextLength, device) -> why engines could not start, or None. Given by the
+# CLI: the checks need the engine's dependencies, which the operator package must not import.
+EngineCheck = Callable[[str, int, str], str | None]
 
 
 class UpError(Exception):
     """Something the user must fix; the message says what."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised wherever `up` is (loading, canary, serving). A
+    KeyboardInterrupt, so that neither `except Exception` nor asyncio (the canary) keeps it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # what a shell reports for a process the signal ended
 
 
 def load_manifest(path: Path) -> InferenceDeployment:
@@ -93,13 +125,59 @@ class LocalDeployment:
     router: LocalProcess | None = None
 
     @property
-    def processes(self) -> list[LocalProcess]:
-        procs = [proc for _, proc in self.engines.values()]
-        return procs + ([self.router] if self.router else [])
+    def processes(self) -> dict[str, LocalProcess]:
+        procs = {name: proc for name, (_, proc) in self.engines.items()}
+        return procs | ({"router": self.router} if self.router else {})
 
-    def stop(self) -> None:
+    def stop(self) -> list[str]:
+        """Stop every process still running; their names."""
+        running = {
+            name: proc
+            for name, proc in self.processes.items()
+            if proc.proc is not None and proc.proc.poll() is None
+        }
         with ThreadPoolExecutor() as pool:
-            list(pool.map(lambda p: p.stop(), self.processes))
+            list(pool.map(lambda p: p.stop(), running.values()))
+        return list(running)
+
+
+@contextlib.contextmanager
+def state_lock(workdir: Path, name: str) -> Iterator[None]:
+    """One `up` per state folder: a second one would overwrite the first's internal token and
+    keys, and the first router would then refuse every request. The kernel drops the lock when
+    its process ends, however it ends."""
+    path = workdir / "up.lock"
+    with open(path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            pid = lock.read().strip() or "unknown"
+            raise UpError(
+                f"{name} is already running (pid {pid}) from {workdir}: stop it first, or "
+                "give this one another --state-dir"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        yield
+
+
+def reserve_port(port: int) -> socket.socket:
+    """Hold the router's port from before the engines load until the router starts: a port
+    in use is found in a second, not after minutes of loading. Bound without SO_REUSEADDR, so
+    nothing else can bind it meanwhile."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as exc:
+        sock.close()
+        reason = (exc.strerror or str(exc)).lower()
+        raise UpError(
+            f"the router's port {port} is not free ({reason}): choose another with --port"
+        ) from None
+    return sock
 
 
 def _write_private(path: Path, text: str) -> Path:
@@ -110,14 +188,13 @@ def _write_private(path: Path, text: str) -> Path:
 
 def start_engines(
     manifest: InferenceDeployment,
-    revision: str,
-    workdir: Path,
+    local: LocalDeployment,
     token_file: Path,
     device: str,
+    threads: int | None,
     say: Callable[[str], None],
-) -> LocalDeployment:
-    spec = manifest.spec
-    local = LocalDeployment(manifest.metadata.name, revision, workdir)
+) -> None:
+    spec, revision, workdir = manifest.spec, local.revision, local.workdir
     for role in ENGINE_ROLES:
         replicas = spec.prefill.replicas if role is Role.PREFILL else spec.decode.replicas
         for i in range(replicas):
@@ -129,6 +206,8 @@ def start_engines(
                     "--port": [],  # LocalProcess adds its own
                     "--transfer-port": [str(free_port())],
                     "--internal-token-file": [str(token_file)],
+                    "--termination-log": [],  # the reason is the log's last line here
+                    **({"--threads": [str(threads)]} if threads else {}),
                 },
             )
             proc = LocalProcess(args, log_path=workdir / f"{name}.log")
@@ -136,21 +215,21 @@ def start_engines(
     say(f"starting {len(local.engines)} engine processes, model {spec.model.source}")
     for _, proc in local.engines.values():
         proc.start()
-    _wait_all(local, [p for _, p in local.engines.values()], say)
-    return local
+    wait_ready({name: proc for name, (_, proc) in local.engines.items()}, say)
 
 
-def _wait_all(
-    local: LocalDeployment, procs: list[LocalProcess], say: Callable[[str], None]
-) -> None:
+def wait_ready(procs: Mapping[str, LocalProcess], say: Callable[[str], None]) -> None:
+    """All at once, each process and its /readyz: the first that exits or says it failed
+    ends the wait within a second or so, quoting its own words and naming its log."""
     started = time.monotonic()
-    for proc in procs:
-        name = next((n for n, (_, p) in local.engines.items() if p is proc), "router")
-        try:
-            proc.wait_ready(timeout=START_TIMEOUT_SECONDS)
-        except ProcessFailed as exc:
-            raise UpError(f"{name} did not start: {exc}") from exc
+
+    def ready(name: str, proc: LocalProcess) -> None:
         say(f"  {name} ready ({time.monotonic() - started:.0f}s) on {proc.url}")
+
+    try:
+        wait_all_ready(procs, START_TIMEOUT_SECONDS, on_ready=ready)
+    except ProcessFailed as exc:
+        raise UpError(str(exc)) from None
 
 
 def read_pools(local: LocalDeployment, internal_token: str) -> list[PodPool]:
@@ -173,12 +252,13 @@ def start_router(
     manifest: InferenceDeployment,
     local: LocalDeployment,
     decision: PoolDecision,
-    port: int,
+    reserved_port: socket.socket,
     token_file: Path,
     keys_file: Path,
     say: Callable[[str], None],
 ) -> None:
     spec = manifest.spec
+    port = reserved_port.getsockname()[1]
     urls: dict[Role, list[str]] = {role: [] for role in ENGINE_ROLES}
     for name, (role, proc) in local.engines.items():
         if decision.gates[name].sufficient:
@@ -199,14 +279,32 @@ def start_router(
         },
     )
     local.router = LocalProcess(args, port=port, log_path=local.workdir / "router.log")
+    reserved_port.close()  # the router binds it next
     local.router.start()
-    _wait_all(local, [local.router], say)
+    wait_ready({"router": local.router}, say)
 
 
-def canary_cache_file(cache_dir: Path, revision: str) -> Path:
+def source_digest(package: Path) -> str:
+    """A digest of a package's Python sources (names and contents): an editable install keeps
+    its version string while its code changes. Reading ~100 small files takes milliseconds."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def engine_code_identity() -> str:
+    """What the canary ran: the engine, router and canary code, all in kvfence_engine."""
+    return source_digest(Path(kvfence_engine.__file__).parent)
+
+
+def canary_cache_file(cache_dir: Path, revision: str, code: str) -> Path:
+    """A canary passed is remembered for what it tested: the manifest's revision and the
+    code (`engine_code_identity`), not only the version string."""
     from importlib.metadata import version
 
-    return cache_dir / f"canary-{revision}-{version('kvfence')}.json"
+    return cache_dir / f"canary-{revision}-{version('kvfence')}-{code}.json"
 
 
 def run_canary_gate(
@@ -268,33 +366,67 @@ def status_object(
     }
 
 
+@dataclass(frozen=True, slots=True)
+class LocalOptions:
+    """How to run a manifest here: what a cluster has and a laptop must be told."""
+
+    port: int
+    api_key: str
+    device: str = "cpu"
+    threads: int | None = None
+    check_engines: EngineCheck | None = None
+
+
 def up(
     path: Path,
-    port: int,
-    api_key: str,
-    device: str,
+    options: LocalOptions,
     state_dir: Path,
     wait: bool = True,
     say: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> int:
-    """0 once served and stopped cleanly (Ctrl-C); 1 when the pool check or the canary
-    refuses; 2 for a manifest or start-up problem."""
-    created = datetime.now(UTC)
+    """0 once served and stopped cleanly; 1 when the pool check or the canary refuses;
+    UpError (exit 2) for a manifest, a check before start, or a process that failed;
+    Interrupted on SIGINT or SIGTERM, after every process is stopped."""
     manifest = load_manifest(path)
-    spec = manifest.spec
-    revision = revision_of(spec)
+    revision = revision_of(manifest.spec)
     workdir = state_dir / f"{manifest.metadata.name}-{revision}"
     workdir.mkdir(parents=True, exist_ok=True)
+    with (
+        state_lock(workdir, manifest.metadata.name),
+        contextlib.closing(reserve_port(options.port)) as router_port,
+    ):
+        say(f"kvfence up: {manifest.metadata.name}, revision {revision} (logs in {workdir})")
+        spec = manifest.spec
+        if options.check_engines is not None:
+            problem = options.check_engines(spec.model.source, spec.context_length, options.device)
+            if problem:
+                raise UpError(problem)
+        return _run(manifest, revision, workdir, router_port, options, state_dir, wait, say)
+
+
+def _run(
+    manifest: InferenceDeployment,
+    revision: str,
+    workdir: Path,
+    router_port: socket.socket,
+    options: LocalOptions,
+    state_dir: Path,
+    wait: bool,
+    say: Callable[[str], None],
+) -> int:
+    created = datetime.now(UTC)
+    spec = manifest.spec
+    api_key, device = options.api_key, options.device
     credentials = RevisionCredentials.generate()
     token_file = _write_private(workdir / "internal-token", credentials.internal_token + "\n")
     keys_file = _write_private(
         workdir / "api-keys",
         credentials.api_keys_file() + f"{api_key} {LOCAL_TENANT}\n",
     )
-    say(f"kvfence up: {manifest.metadata.name}, revision {revision} (logs in {workdir})")
     replicas = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas}
-    local = start_engines(manifest, revision, workdir, token_file, device, say)
+    local = LocalDeployment(manifest.metadata.name, revision, workdir)
     try:
+        start_engines(manifest, local, token_file, device, options.threads, say)
         pools = read_pools(local, credentials.internal_token)
         decision = judge_pools(
             pools,
@@ -308,7 +440,7 @@ def up(
         canary: CanaryOutcome | None = None
         if decision.sufficient:
             say(f"pool check ({spec.pool_policy}): {decision.message}")
-            start_router(manifest, local, decision, port, token_file, keys_file, say)
+            start_router(manifest, local, decision, router_port, token_file, keys_file, say)
             if spec.canary.enabled:
                 assert local.router is not None and decision.effective_context is not None
                 canary = run_canary_gate(
@@ -316,7 +448,7 @@ def up(
                     credentials,
                     decision.effective_context,
                     float(spec.canary.timeout_seconds),
-                    canary_cache_file(state_dir, revision),
+                    canary_cache_file(state_dir, revision, engine_code_identity()),
                     say,
                 )
         else:
@@ -334,42 +466,54 @@ def up(
             return 1
         say(f"serving: {endpoint}  (OpenAI API; api key: {api_key})")
         if wait:
-            _wait_for_interrupt(local, say)
+            _serve_until_stopped(local)
         return 0
+    except Interrupted as exc:
+        say(f"interrupted ({exc})")
+        raise
     finally:
         say("stopping ...")
-        local.stop()
+        stopped = local.stop()
+        if stopped:
+            say(f"stopped {', '.join(stopped)}")
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def _wait_for_interrupt(local: LocalDeployment, say: Callable[[str], None]) -> None:
-    """Until Ctrl-C or SIGTERM; a process that dies ends the run (its log says why)."""
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        while True:
-            for proc in local.processes:
-                if proc.proc is not None and proc.proc.poll() is not None:
-                    say(f"{proc.describe()} exited with {proc.proc.returncode}")
-                    return
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        say("interrupted")
+def _serve_until_stopped(local: LocalDeployment) -> None:
+    """Until Interrupted; a process that dies ends the run, in its own words."""
+    while True:
+        for name, proc in local.processes.items():
+            if proc.proc is not None and proc.proc.poll() is not None:
+                said = last_line(proc.log_path)
+                raise UpError(
+                    f"{name} exited with {proc.proc.returncode}: {said} (log: {proc.log_path})"
+                )
+        time.sleep(0.5)
 
 
 def default_state_dir() -> Path:
     return cache_root() / "up"
 
 
-def run_up(args: Any) -> int:
+def _interrupt(signum: int, frame: object) -> None:
+    for other in (signal.SIGINT, signal.SIGTERM):  # one stop at a time: later signals wait
+        signal.signal(other, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def run_up(args: Any, check_engines: EngineCheck | None = None) -> int:
+    """Exit codes: 1 refused by the pool check or the canary; 2 a problem to fix (the message
+    says what); 130 on Ctrl-C (SIGINT), 143 on SIGTERM, once every process is stopped. Serving
+    ends only that way, so 0 is for callers of `up` that do not wait."""
     state_dir = args.state_dir or default_state_dir()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe is noise here
+    options = LocalOptions(args.port, args.api_key, args.device, args.threads, check_engines)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
     try:
-        return up(args.manifest, args.port, args.api_key, args.device, state_dir)
+        return up(args.manifest, options, state_dir)
     except UpError as exc:
         print(f"kvfence up: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 0
+    except Interrupted as exc:
+        print(f"kvfence up: interrupted ({exc}), exit {exc.exit_code}", file=sys.stderr)
+        return exc.exit_code

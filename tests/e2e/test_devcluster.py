@@ -655,6 +655,40 @@ def test_engine_pods_from_the_operators_builders_serve_and_are_ready_only_past_t
     cluster.wait_for(lambda: alive(pid), "the engine process to be killed", until=lambda up: not up)
 
 
+def test_an_engine_pod_that_cannot_load_its_model_crash_loops_with_the_reason_as_its_message(
+    cluster: Cluster,
+):
+    """Not a Running pod that is never Ready: `kubectl describe pod` says why it cannot start."""
+    spec = InferenceDeploymentSpec.model_validate(
+        {**TINY_SPEC, "model": {"source": "builtin:tiny-randm"}}
+    )
+    owner = cluster.create(
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "InferenceDeployment",
+            "metadata": {"name": "typo"},
+            "spec": spec.model_dump(mode="json", by_alias=True, exclude_none=True),
+        }
+    )
+    instance = Instance("typo", "default", owner["metadata"]["uid"])
+    revision = revision_of(spec)
+    cluster.create(build_revision_secret(instance, revision, RevisionCredentials.generate()))
+    cluster.create(build_engine_deployment(spec, instance, revision, Role.DECODE))
+    pod = cluster.wait_for(
+        lambda: only_pod(cluster, **selector(instance, revision, Role.DECODE)),
+        "the engine to crash and be restarted",
+        timeout=120,
+        until=lambda p: p and p["status"].get("containerStatuses", [{}])[0].get("restartCount"),
+    )
+    status = pod["status"]["containerStatuses"][0]
+    terminated = status["lastState"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (1, "Error")
+    assert terminated["message"].startswith(
+        "engine failed to start: ValueError: cannot load model 'builtin:tiny-randm'"
+    ), terminated["message"]
+    assert status["ready"] is False
+
+
 TINY_OPERATOR = """
 import kopf
 import kubernetes

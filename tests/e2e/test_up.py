@@ -1,18 +1,30 @@
 """`kvfence up` runs a manifest as local processes with the operator's decisions."""
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import openai
 import pytest
+import torch
 import yaml
 
+import kvfence_engine
 from kvfence_engine.tools.localproc import free_port
-from kvfence_operator.up import UpError, load_manifest, override_flags
+from kvfence_operator.up import (
+    UpError,
+    canary_cache_file,
+    engine_code_identity,
+    load_manifest,
+    override_flags,
+    source_digest,
+)
 
 TINY = {
     "apiVersion": "kvfence.dev/v1alpha1",
@@ -38,12 +50,19 @@ def manifest(tmp_path: Path, **spec) -> Path:
 class Up:
     """`kvfence up` as a user runs it: a process whose output we read line by line."""
 
-    def __init__(self, path: Path, tmp_path: Path, log: str = "up.out") -> None:
-        self.port = free_port()
+    def __init__(
+        self,
+        path: Path,
+        tmp_path: Path,
+        log: str = "up.out",
+        port: int | None = None,
+        extra: Sequence[str] = (),
+    ) -> None:
+        self.port = port or free_port()
         self.log = tmp_path / log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvfence_cli", "up", str(path), "--port",
-             str(self.port), "--state-dir", str(tmp_path / "state")],
+             str(self.port), "--state-dir", str(tmp_path / "state"), *extra],
             stdout=open(self.log, "wb"),  # noqa: SIM115
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -109,7 +128,7 @@ def test_lower_context_serves_the_lowered_context_and_rejects_above_it(tmp_path)
             openai.OpenAI(
                 base_url=f"http://127.0.0.1:{up.port}/v1", api_key="wrong", max_retries=0
             ).models.list()
-        assert up.interrupt() == 0
+        assert up.interrupt() == 130
         assert "stopping" in up.output
     finally:
         up.kill()
@@ -163,7 +182,7 @@ def test_the_smollm2_example_serves_paris_after_its_canary_and_comes_back_quickl
             max_tokens=24,
         )
         assert "Paris" in answer.choices[0].message.content
-        assert up.interrupt() == 0
+        assert up.interrupt() == 130
     finally:
         up.kill()
 
@@ -174,6 +193,171 @@ def test_the_smollm2_example_serves_paris_after_its_canary_and_comes_back_quickl
         again.wait_for("serving: http", timeout=300)
         assert "canary: passed for this revision" in again.output
         assert time.monotonic() - started < 60
-        assert again.interrupt() == 0
+        assert again.interrupt() == 130
     finally:
         again.kill()
+
+
+# ---- failing fast, one `up` per state folder, signals -----------------------------------
+
+
+SERVES = {"poolPolicy": "LowerContext", "minContextLength": 256}
+
+
+def finished(up: Up, timeout: float = 60) -> int:
+    try:
+        return up.proc.wait(timeout)
+    finally:
+        up.kill()
+
+
+def test_an_engine_that_cannot_start_ends_up_within_30s_quoting_its_error_and_log(tmp_path):
+    """Its pool budget holds no page: only the engine finds that out, after it starts."""
+    started = time.monotonic()
+    up = Up(manifest(tmp_path, engine={"kvCacheMemory": "1Ki"}), tmp_path)
+    code = finished(up)
+    assert time.monotonic() - started < 30, up.output
+    assert code == 2, up.output
+    assert "failed to start" in up.output and "holds no page" in up.output, up.output
+    assert "-0.log)" in up.output, "names the engine's log"
+    assert "Traceback" not in up.output
+    for log in (tmp_path / "state").glob("*/*-0.log"):
+        assert "GET /readyz" not in log.read_text(), "probes are not logged"
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ({"model": {"source": "builtin:tiny-randm"}},
+         "spec.model.source: cannot read model 'builtin:tiny-randm': expected one of "
+         "builtin:smollm2-135m-instruct, builtin:tiny-random"),
+        ({"contextLength": 9000},
+         "spec.contextLength: context 9000: DOES NOT FIT the model's 4096 positions"),
+    ],
+)  # fmt: skip
+def test_a_model_or_context_the_engines_cannot_serve_is_refused_before_any_starts(
+    tmp_path, spec, expected
+):
+    up = Up(manifest(tmp_path, **spec), tmp_path)
+    assert finished(up) == 2, up.output
+    assert expected in up.output
+    assert "starting" not in up.output
+    assert not list((tmp_path / "state").glob("*/*.log")), "no process was started"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_it_is_refused_before_any_engine_starts(tmp_path):
+    up = Up(manifest(tmp_path), tmp_path, extra=["--device", "cuda"])
+    assert finished(up) == 2, up.output
+    assert "kvfence up: --device cuda: " in up.output and "use --device cpu" in up.output
+    assert "starting" not in up.output
+
+
+def test_a_router_port_in_use_is_refused_before_any_engine_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        up = Up(manifest(tmp_path, **SERVES), tmp_path, port=port)
+        assert finished(up) == 2, up.output
+    assert f"the router's port {port} is not free (address already in use)" in up.output
+    assert "choose another with --port" in up.output
+    assert "starting" not in up.output
+
+
+def test_a_second_up_of_the_same_manifest_says_already_running_and_leaves_the_first_alone(
+    tmp_path,
+):
+    first = Up(manifest(tmp_path, **SERVES), tmp_path)
+    try:
+        first.wait_for("serving: http")
+        (workdir,) = (tmp_path / "state").glob("tiny-*")
+        secrets = {f: (workdir / f).read_text() for f in ("internal-token", "api-keys")}
+        second = Up(manifest(tmp_path, **SERVES), tmp_path, "second.out")
+        assert finished(second) == 2, second.output
+        assert f"tiny is already running (pid {first.proc.pid})" in second.output
+        assert {f: (workdir / f).read_text() for f in secrets} == secrets
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{first.port}/v1", api_key="kvfence-local", max_retries=0
+        )
+        assert client.models.list().data, "the first still serves with its own token"
+        assert first.proc.poll() is None
+    finally:
+        first.kill()
+
+
+def engines_of(parent: int) -> dict[int, list[str]]:
+    """The `kvfence serve` children of a process and their command lines, from /proc."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != parent:
+                continue
+            argv = (stat.parent / "cmdline").read_bytes().decode().split("\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if "serve" in argv:
+            found[int(stat.parent.name)] = argv
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_threads_reach_every_engine_and_sigterm_while_serving_exits_143(tmp_path):
+    up = Up(manifest(tmp_path, **SERVES), tmp_path, extra=["--threads", "1"])
+    try:
+        up.wait_for("serving: http")
+        engines = engines_of(up.proc.pid)
+        assert len(engines) == 2, engines
+        for argv in engines.values():
+            assert argv[argv.index("--threads") + 1] == "1", argv
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(60) == 143, up.output
+    finally:
+        up.kill()
+    assert "interrupted (SIGTERM)" in up.output
+    assert "stopped tiny-" in up.output and "router" in up.output
+    assert "Traceback" not in up.output
+
+
+@pytest.mark.parametrize(
+    ("phase", "spec"),
+    [
+        ("starting 2 engine processes", {}),
+        ("canary: tenant B tries", {**SERVES, "canary": {"enabled": True}}),
+    ],
+)
+def test_ctrl_c_while_loading_or_in_the_canary_stops_everything_and_exits_130(
+    tmp_path, phase, spec
+):
+    up = Up(manifest(tmp_path, **spec), tmp_path)
+    try:
+        up.wait_for(phase)
+        engines = engines_of(up.proc.pid)
+        assert len(engines) == 2, engines
+        assert up.interrupt() == 130, up.output
+    finally:
+        up.kill()
+    assert "interrupted (SIGINT)" in up.output
+    assert "stopped tiny-" in up.output, up.output
+    assert "Traceback" not in up.output
+    assert not [pid for pid in engines if running(pid)], "every engine was stopped"
+
+
+def test_the_canary_cache_key_changes_with_the_engine_code(tmp_path):
+    package = tmp_path / "kvfence_engine"
+    shutil.copytree(Path(kvfence_engine.__file__).parent, package)
+    before = source_digest(package)
+    assert source_digest(package) == before, "stable"
+    (package / "core" / "engine.py").write_text(
+        (package / "core" / "engine.py").read_text() + "\n# changed\n"
+    )
+    after = source_digest(package)
+    assert after != before
+    assert canary_cache_file(tmp_path, "rev", before) != canary_cache_file(tmp_path, "rev", after)
+    assert engine_code_identity() == source_digest(Path(kvfence_engine.__file__).parent)

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed
+
 
 def test_an_engine_started_by_a_process_killed_with_sigkill_stops_too():
     parent = subprocess.Popen(
@@ -40,3 +42,18 @@ def test_an_engine_started_by_a_process_killed_with_sigkill_stops_too():
         time.sleep(0.1)
     os.kill(child, signal.SIGKILL)
     pytest.fail("the engine outlived the process that started it")
+
+
+def test_waiting_for_an_engine_that_cannot_load_fails_at_once_quoting_its_reason(tmp_path):
+    proc = LocalProcess(
+        ["serve", "--model", str(tmp_path / "missing.gguf"), "--threads", "1"],
+        log_path=tmp_path / "engine.log",
+    ).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ProcessFailed) as failed:
+            proc.wait_ready(timeout=120)
+    finally:
+        proc.stop()
+    assert time.monotonic() - started < 30
+    assert "cannot load model" in str(failed.value) and "engine.log" in str(failed.value)

@@ -10,6 +10,7 @@ import torch
 
 from kvfence_engine.contracts import DEFAULT_TENANT, KvPoolReport, Role
 from kvfence_engine.core import errors
+from kvfence_engine.core.device import resolve_device
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.faults import Fault, Faults
 from kvfence_engine.core.isolation import check_reads
@@ -96,7 +97,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.faults = args.faults
         self.metrics = metrics or EngineMetrics()
-        self.device = torch.device(args.device)
+        self.device = resolve_device(args.device)
         self.precision = resolve_precision(args.weight_dtype, self.device)
         dtype = self.precision.compute
         model = LlamaModel(loaded.config, loaded.weights).to(self.device, dtype)

@@ -1,5 +1,6 @@
 """What an engine's HTTP layer serves: its role, the internal token, metrics and the engine
-once loaded (in the background, so /readyz can say "loading" or why it failed)."""
+once loaded (in the background, so /healthz answers while it loads and /readyz says "loading"
+or why it failed)."""
 
 import logging
 import threading
@@ -32,7 +33,14 @@ class ServerState:
             raise errors.not_ready()
         return self.engine
 
-    def load_in_background(self, build: Callable[[EngineMetrics], AsyncEngine]) -> None:
+    def load_in_background(
+        self,
+        build: Callable[[EngineMetrics], AsyncEngine],
+        on_failure: Callable[[str], None] = lambda error: None,
+    ) -> None:
+        """Health answers while the weights load (which can take minutes); a failure is said
+        on /readyz and handed to `on_failure`, which `kvfence serve` turns into its exit."""
+
         def run() -> None:
             try:
                 engine = build(self.metrics)
@@ -41,8 +49,11 @@ class ServerState:
                 engine.start()
                 self.engine = engine
                 log.info("engine ready: %s", engine.engine.kvpool_report().model_dump(mode="json"))
-            except Exception as exc:  # reported on /readyz; the process stays up to say why
-                log.exception("engine failed to start")
+            except Exception as exc:
                 self.load_error = f"{type(exc).__name__}: {exc}"
+                # a bad source or setting says all in its message; anything else is a bug
+                expected = isinstance(exc, (ValueError, OSError))
+                log.error("engine failed to start: %s", self.load_error, exc_info=not expected)
+                on_failure(self.load_error)
 
         threading.Thread(target=run, name="kvfence-loader", daemon=True).start()

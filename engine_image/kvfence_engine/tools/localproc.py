@@ -11,8 +11,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 import httpx
@@ -35,6 +36,29 @@ def free_port() -> int:
 
 class ProcessFailed(RuntimeError):
     pass
+
+
+class Readiness(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"  # exited, or its /readyz says it will never be ready
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    readiness: Readiness
+    reason: str = ""  # for FAILED: the process's own words
+
+
+def last_line(path: Path | None) -> str:
+    """The last non-empty line of a log: where `kvfence serve` and `kvfence router` put why
+    they stopped (what a kubelet's FallbackToLogsOnError shows, in one line)."""
+    if path is None or not path.exists():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+        lines = f.read().decode(errors="replace").splitlines()
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
 @dataclass
@@ -64,19 +88,30 @@ class LocalProcess:
         )
         return self
 
-    def wait_ready(self, timeout: float = 120.0, path: str = "/readyz") -> "LocalProcess":
+    def probe(self, path: str = "/readyz") -> Probe:
+        """One look at the process and its readiness endpoint."""
         assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ProcessFailed(f"{self.describe()} exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + path, timeout=1.0).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise ProcessFailed(f"{self.describe()} not ready after {timeout:.0f}s")
+        if self.proc.poll() is not None:
+            said = last_line(self.log_path)
+            return Probe(Readiness.FAILED, f"exited with {self.proc.returncode}: {said}".strip())
+        try:
+            response = httpx.get(self.url + path, timeout=1.0)
+        except httpx.HTTPError:
+            return Probe(Readiness.STARTING)
+        if response.status_code == 200:
+            return Probe(Readiness.READY)
+        try:
+            body = response.json()
+        except ValueError:
+            return Probe(Readiness.STARTING)
+        if isinstance(body, dict) and body.get("status") == "failed":
+            return Probe(Readiness.FAILED, str(body.get("error") or "failed"))
+        return Probe(Readiness.STARTING)
+
+    def wait_ready(self, timeout: float = 120.0, path: str = "/readyz") -> "LocalProcess":
+        """Until ready; ProcessFailed as soon as it exits or says it failed, quoting why."""
+        wait_all_ready({f"kvfence {' '.join(self.args)} on port {self.port}": self}, timeout, path)
+        return self
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -102,3 +137,34 @@ class LocalProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_all_ready(
+    procs: Mapping[str, LocalProcess],
+    timeout: float,
+    path: str = "/readyz",
+    on_ready: Callable[[str, LocalProcess], None] = lambda name, proc: None,
+) -> None:
+    """Watch every process and its readiness endpoint at once: ProcessFailed as soon as one
+    exits or says it failed, in its own words and naming its log, or when time runs out."""
+    deadline = time.monotonic() + timeout
+    pending = dict(procs)
+    pause = 0.05
+    while pending:
+        for name, proc in list(pending.items()):
+            probe = proc.probe(path)
+            if probe.readiness is Readiness.READY:
+                del pending[name]
+                on_ready(name, proc)
+            elif probe.readiness is Readiness.FAILED:
+                raise ProcessFailed(
+                    f"{name} failed to start: {probe.reason} (log: {proc.log_path})"
+                )
+        if pending and time.monotonic() > deadline:
+            logs = ", ".join(str(proc.log_path) for proc in pending.values())
+            raise ProcessFailed(
+                f"{', '.join(pending)} not ready after {timeout:.0f}s (logs: {logs})"
+            )
+        if pending:
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)  # quick for a fast start, quiet for a slow one

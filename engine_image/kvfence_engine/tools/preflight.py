@@ -126,11 +126,18 @@ def _router_verdict(target: str, content: bytes, context_length: int) -> Verdict
     return _verdict(lines, context_length, bounds.pool_tokens, lowered, None)
 
 
+def positions_problem(context: int, max_positions: int) -> str | None:
+    """A model attends to no more than its positions, whatever the pool holds."""
+    if context > max_positions:
+        return f"context {context}: DOES NOT FIT the model's {max_positions} positions"
+    return None
+
+
 def _verdict(
     lines: list[str], context: int, pool_tokens: int, lowered: int, max_positions: int | None
 ) -> Verdict:
-    if max_positions is not None and context > max_positions:
-        lines.append(f"context {context}: DOES NOT FIT the model's {max_positions} positions")
+    if max_positions is not None and (problem := positions_problem(context, max_positions)):
+        lines.append(problem)
         return Verdict(lines, False)
     if pool_tokens >= context:
         lines.append(f"context {context}: fits ({pool_tokens / context:.2f}x of it in the pool)")

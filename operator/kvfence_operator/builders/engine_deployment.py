@@ -4,6 +4,7 @@ from typing import Any
 
 from kvfence_operator.builders.pod_template import (
     INTERNAL_TOKEN_FILE,
+    TERMINATION_LOG,
     container_security_context,
     cpu_threads,
     engine_resources,
@@ -67,6 +68,7 @@ def engine_args(spec: InferenceDeploymentSpec, role: Role, revision: str, device
         "--revision", revision,
         "--device", device,
         "--internal-token-file", INTERNAL_TOKEN_FILE,
+        "--termination-log", TERMINATION_LOG,
     ]  # fmt: skip
     # Non-default settings only, so a default spec needs no flag beyond the ones above.
     if engine.kv_cache_dtype is not KvCacheDtype.AUTO:
@@ -107,6 +109,10 @@ def build_engine_deployment(
         "securityContext": container_security_context(),
         "volumeMounts": [tmp_mount, token_mount, *(mount for _, mount in models)],
         **http_probes(),
+        # An engine that cannot load its model exits with the reason in TERMINATION_LOG (a
+        # crash loop whose message says why); any other crash falls back to the log's tail.
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     template = pod_template(
         pod_labels=labels(instance, revision, role),

@@ -14,6 +14,7 @@ from kvfence_operator.meta import HTTP_PORT
 RUN_AS_ID = 65532  # the images' non-root user
 CREDENTIALS_DIR = "/var/run/kvfence"
 INTERNAL_TOKEN_FILE = f"{CREDENTIALS_DIR}/internal-token"
+TERMINATION_LOG = "/dev/termination-log"  # the kubelet shows it as the container's message
 GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_GPU_RESOURCES: dict[str, Any] = {
     "requests": {GPU_RESOURCE: 1},

@@ -18,9 +18,9 @@ example (engines started with `kvfence serve --role prefill|decode`):
       --model builtin:tiny-random --api-keys keys.txt --port 8000
 
 exit codes:
-  0    stopped by SIGTERM (uvicorn's graceful shutdown)
   2    a usage error, a port in use, or an unreadable keys, token or backends file
-  130  stopped by Ctrl-C (SIGINT)"""
+  130  stopped by Ctrl-C (SIGINT)
+  143  stopped by SIGTERM (uvicorn shuts down gracefully, then ends by the signal)"""
 
 
 def add_parser(sub: Subparsers) -> None:

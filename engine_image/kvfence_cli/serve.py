@@ -29,11 +29,11 @@ examples:
 {SIZES_HELP}
 
 exit codes:
-  0    stopped by SIGTERM (uvicorn's graceful shutdown)
   1    the model could not load (the reason is the last stderr line and in --termination-log)
   2    a usage error, a port in use, an unusable --device, an unreadable
        --internal-token-file, or --unsafe-fault refused
-  130  stopped by Ctrl-C (SIGINT)"""
+  130  stopped by Ctrl-C (SIGINT)
+  143  stopped by SIGTERM (uvicorn shuts down gracefully, then ends by the signal)"""
 
 
 def add_parser(sub: Subparsers) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from helpers.deployments import Deployment
 from helpers.fuzzing import FUZZ_TOKEN
-from kvfence_engine.contracts import ModelReport
+from kvfence_engine.contracts import BackendsFile, ModelReport, ServedModel
 from kvfence_engine.router.served_model import RouterModel, agreed_model, read_engine_models
 from kvfence_engine.tools.localproc import LocalProcess
 
@@ -102,3 +102,24 @@ def test_an_engine_listed_as_both_prefill_and_decode_is_read_once_without_waitin
     reports = read_engine_models([fuzz_server.url, fuzz_server.url], None, wait=60)
     assert time.monotonic() - started < 10
     assert reports == {fuzz_server.url: TINY}
+
+
+def test_the_backends_files_model_name_is_the_id_the_router_answers_to(
+    fuzz_deployment: Deployment, tmp_path: Path
+) -> None:
+    """spec.model.name, which the operator writes into the backends file."""
+    (tmp_path / "token").write_text(FUZZ_TOKEN + "\n")
+    written = BackendsFile(
+        model=ServedModel(source="builtin:tiny-random", name="house-model"),
+        prefill=[p.url for p in fuzz_deployment.prefills],
+        decode=[d.url for d in fuzz_deployment.decodes],
+    )
+    (tmp_path / "backends.json").write_text(written.file_text())
+    args = ["router", "--backends-file", str(tmp_path / "backends.json")]
+    args += ["--model", "builtin:tiny-random", "--internal-token-file", str(tmp_path / "token")]
+    with LocalProcess(args, log_path=tmp_path / "router.log") as router:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["house-model"]
+        assert client.completions.create(model="house-model", prompt="a", max_tokens=1).usage
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="tiny-random", prompt="a", max_tokens=1)

@@ -133,3 +133,19 @@ def test_an_invalid_body_names_the_field_as_the_client_wrote_it(
     r = httpx.post(url + path, content=body, headers=headers | {"content-type": "application/json"})
     assert r.status_code == 400
     assert (r.json()["error"]["message"], r.json()["error"]["param"]) == (message, param)
+
+
+def test_a_json_body_sent_as_another_content_type_is_told_to_send_json(
+    front: tuple[str, dict[str, str]],
+):
+    url, headers = front
+    r = httpx.post(
+        url + "/v1/completions",
+        content=b'{"prompt": "a", "max_tokens": 2}',
+        headers=headers | {"content-type": "text/plain; charset=utf-8"},
+    )
+    assert r.status_code == 400
+    assert (r.json()["error"]["message"], r.json()["error"]["param"]) == (
+        "request body is sent as text/plain: send a JSON object as application/json",
+        None,
+    )

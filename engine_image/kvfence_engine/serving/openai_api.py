@@ -163,7 +163,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(invalid_body(exc.errors(), await request.body()))
+        body, media = await request.body(), request.headers.get("content-type", "")
+        return error_response(invalid_body(exc.errors(), body, media))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -191,11 +192,12 @@ def field_path(loc: Sequence[Any]) -> str:
     return path
 
 
-def invalid_body(problems: Sequence[Any], body: bytes = b"") -> EngineError:
+def invalid_body(problems: Sequence[Any], body: bytes = b"", media: str = "") -> EngineError:
     """A 400 saying in words what is wrong with a request body: that it is not JSON (where),
     not an object, or which fields failed validation and why. `param` is the first such
     field as the client wrote it (`messages[0].role`), None when the body as a whole is
-    wrong."""
+    wrong. `media` is the request's Content-Type: a body sent as anything but JSON is not
+    parsed, which is why it is "not a JSON object"."""
     first = problems[0] if problems else {}
     if first.get("type") == "json_invalid":
         return errors.invalid_request(f"request body is not valid JSON: {_json_problem(body)}")
@@ -208,8 +210,14 @@ def invalid_body(problems: Sequence[Any], body: bytes = b"") -> EngineError:
         if message not in messages:  # a union repeats a message per branch
             messages.append(message)
     if list(by_field) == [""]:  # the body itself, not a field of it
-        what = "missing" if first.get("type") == "missing" else "not a JSON object"
-        return errors.invalid_request(f"request body is {what}: send a JSON object")
+        if first.get("type") == "missing":
+            return errors.invalid_request("request body is missing: send a JSON object")
+        if body and media and "json" not in media.lower():
+            return errors.invalid_request(
+                f"request body is sent as {media.split(';')[0]}: send a JSON object as "
+                "application/json"
+            )
+        return errors.invalid_request("request body is not a JSON object: send a JSON object")
     message = "; ".join(
         f"{where or 'request body'}: {', or '.join(messages)}"
         for where, messages in by_field.items()

@@ -197,7 +197,7 @@ def invalid_body(problems: Sequence[Any], body: bytes = b"", media: str = "") ->
     not an object, or which fields failed validation and why. `param` is the first such
     field as the client wrote it (`messages[0].role`), None when the body as a whole is
     wrong. `media` is the request's Content-Type: a body sent as anything but JSON is not
-    parsed, which is why it is "not a JSON object"."""
+    parsed, so the answer says to send JSON rather than that the JSON is wrong."""
     first = problems[0] if problems else {}
     if first.get("type") == "json_invalid":
         return errors.invalid_request(f"request body is not valid JSON: {_json_problem(body)}")

@@ -1,6 +1,7 @@
 """`kvfence router`: the OpenAI front of prefill + decode engines."""
 
 import argparse
+import logging
 import sys
 
 from kvfence_cli.common import (
@@ -77,8 +78,10 @@ def add_parser(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--model",
-        default="builtin:smollm2-135m-instruct",
-        help="where the tokenizer and chat template come from",
+        default=None,
+        help="model source of the tokenizer and chat template (default: the one every engine "
+        "reports in /v1/kvpool, waiting for them up to 120 s; the router refuses to start "
+        "when they disagree, or disagree with --model)",
     )
     p.add_argument(
         "--internal-token-file",
@@ -95,6 +98,11 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.router.app import RouterState, create_router_app
     from kvfence_engine.router.backends import Backends
     from kvfence_engine.router.keys import ApiKeys
+    from kvfence_engine.router.served_model import (
+        MODEL_WAIT_SECONDS,
+        agreed_model,
+        read_engine_models,
+    )
     from kvfence_engine.router.tenants import TenantInflight
     from kvfence_engine.serving.limits import set_max_request_bytes
 
@@ -103,16 +111,20 @@ def run(args: argparse.Namespace) -> int:
             "kvfence router: give --prefill and --decode URLs or --backends-file", file=sys.stderr
         )
         return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     try:
         token = read_token(args.internal_token_file)
         keys = ApiKeys.load(args.api_keys)
-        name, tokenizer = load_tokenizer(args.model)
         backends = Backends.create(args.prefill, args.decode, args.backends_file)
+        engines = [b.url for pool in (backends.prefill, backends.decode) for b in pool.backends]
+        wait = 0.0 if args.model else MODEL_WAIT_SECONDS  # given: check the engines that answer
+        model = agreed_model(engines, read_engine_models(engines, token, wait), args.model, wait)
+        name, tokenizer = load_tokenizer(model.source)
     except (OSError, ValueError) as exc:
         print(f"kvfence router: {exc}", file=sys.stderr)
         return 2
     state = RouterState(
-        name,
+        backends.model_name or model.name or name,  # spec.model.name, else the engines' name
         tokenizer,
         backends,
         keys,

@@ -87,6 +87,10 @@ class KvPoolReport(_Reading):
     deferred_release: bool
     scrub_on_free: bool
     unsafe_faults: list[str]
+    # What the engine serves: the model id it answers to (GET /v1/models) and the source it
+    # was loaded from (--model). None from engines older than these fields.
+    model_name: str | None = None
+    model_source: str | None = None
 
     @model_validator(mode="after")
     def _pool_is_whole_pages(self) -> "KvPoolReport":
@@ -126,6 +130,13 @@ class PoolGateReport(_Reading):
     def _pool_is_whole_pages(self) -> "PoolGateReport":
         _check_whole_pages(self.pool_tokens, self.num_pages, self.page_size)
         return self
+
+
+class ModelReport(_Reading):
+    """The router's reading of an engine's report at start: which model it serves."""
+
+    model_name: str | None = None
+    model_source: str | None = None
 
 
 class PoolPlanReport(PoolSize):

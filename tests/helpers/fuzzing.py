@@ -11,6 +11,7 @@ from typing import Any
 FUZZ_CONTEXT = 64
 FUZZ_KEY = "fuzz-key"  # the one tenant's API key at the fuzzed router
 FUZZ_AUTH = {"Authorization": f"Bearer {FUZZ_KEY}"}
+FUZZ_TOKEN = "fuzz-internal-token"  # the internal token of the fuzzed deployment's processes
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
 

@@ -7,7 +7,7 @@ import pytest
 
 from helpers.deployments import Deployment, start_deployment
 from helpers.engines import tiny_budget
-from helpers.fuzzing import FUZZ_CONTEXT, FUZZ_KEY
+from helpers.fuzzing import FUZZ_CONTEXT, FUZZ_KEY, FUZZ_TOKEN
 from helpers.processes import serve
 from kvfence_engine.tools.localproc import LocalProcess
 
@@ -62,7 +62,7 @@ def fuzz_deployment(
     tenant whose key is FUZZ_KEY."""
     folder = tmp_path_factory.mktemp("fuzz-deployment")
     (folder / "keys").write_text(f"{FUZZ_KEY} fuzzer\n")
-    (folder / "token").write_text("fuzz-internal-token\n")
+    (folder / "token").write_text(FUZZ_TOKEN + "\n")
     d = start_deployment(
         logs_dir,
         "fuzz",

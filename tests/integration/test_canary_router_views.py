@@ -87,7 +87,11 @@ def test_a_tenant_sees_each_engines_pool_size_but_not_where_it_is_or_how_full(
 def test_a_tenant_cannot_read_the_routers_metrics_and_the_operator_can(
     deployment: Deployment,
 ) -> None:
-    assert deployment.client(KEY).completions.create(model="t", prompt="hi", max_tokens=2).usage
+    assert (
+        deployment.client(KEY)
+        .completions.create(model="tiny-random", prompt="hi", max_tokens=2)
+        .usage
+    )
     r = httpx.get(deployment.router.url + "/metrics", headers=TENANT)
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
     bearer = {"Authorization": f"Bearer {TOKEN}"}  # how Prometheus scrapes
@@ -119,7 +123,7 @@ def test_an_overloaded_decodes_error_names_no_page_counts(deployment: Deployment
             held.append(f"fill-{i}")
         r = httpx.post(
             deployment.router.url + "/v1/completions",
-            json={"model": "t", "prompt": prompt_of(100), "max_tokens": 2},
+            json={"model": "tiny-random", "prompt": prompt_of(100), "max_tokens": 2},
             headers=TENANT,
         )
         assert r.status_code == 503, r.text
@@ -190,7 +194,7 @@ def test_an_unreachable_backends_503_names_no_address(deployment: Deployment) ->
     """(after the prefill instance was killed) decode reserves, prefill does not answer."""
     r = httpx.post(
         deployment.router.url + "/v1/completions",
-        json={"model": "t", "prompt": "hello", "max_tokens": 2},
+        json={"model": "tiny-random", "prompt": "hello", "max_tokens": 2},
         headers=TENANT,
     )
     assert r.status_code == 503, r.text

@@ -26,7 +26,7 @@ def one_by_one(logs_dir: Path) -> Iterator[Deployment]:
 
 def greedy(client: openai.OpenAI, prompt: str) -> tuple[str, list[float]]:
     r = client.completions.create(
-        model="tiny",
+        model="tiny-random",
         prompt=prompt,
         max_tokens=16,
         temperature=0,
@@ -78,7 +78,7 @@ def test_over_limit_prompts_get_400_from_the_router_and_touch_no_engine(
     decode, prefill = one_by_one.decodes[0], one_by_one.prefills[0]
     before = metric(decode.url, "kvfence_prompt_tokens_total")
     with pytest.raises(openai.BadRequestError) as err:
-        one_by_one.client().completions.create(model="tiny", prompt=[500] * length)
+        one_by_one.client().completions.create(model="tiny-random", prompt=[500] * length)
     assert err.value.code == "context_length_exceeded"
     assert metric(decode.url, "kvfence_prompt_tokens_total") == before
     assert pages_used(decode) == pages_used(prefill) == 0
@@ -118,7 +118,7 @@ def test_a_prompt_larger_than_decodes_pool_is_refused_by_decode_before_prefill(
     )
     try:
         with pytest.raises(openai.BadRequestError) as err:
-            d.client().completions.create(model="tiny", prompt=[500] * 300)
+            d.client().completions.create(model="tiny-random", prompt=[500] * 300)
         assert err.value.code == "context_length_exceeded" and "KV pool" in err.value.message
         assert metric(d.prefills[0].url, "kvfence_prompt_tokens_total") == 0
         bypass = httpx.post(
@@ -145,7 +145,7 @@ def test_internal_endpoints_refuse_calls_without_the_token(logs_dir: Path, tmp_p
             headers={"X-Kvfence-Internal-Token": "wrong"},
         )
         assert r.status_code == 401
-        assert d.client().completions.create(model="tiny", prompt="hi", max_tokens=3).usage
+        assert d.client().completions.create(model="tiny-random", prompt="hi", max_tokens=3).usage
         assert pages_used(d.decodes[0], token="s3cret") == 0
     finally:
         d.stop()
@@ -158,10 +158,10 @@ def test_tenants_need_a_valid_api_key(logs_dir: Path, tmp_path: Path) -> None:
     d = start_deployment(logs_dir, "keys", router_args=["--api-keys", str(keys)], token_file=token)
     try:
         with pytest.raises(openai.AuthenticationError):
-            d.client("nope").completions.create(model="tiny", prompt="hi", max_tokens=2)
+            d.client("nope").completions.create(model="tiny-random", prompt="hi", max_tokens=2)
         r = httpx.post(d.router.url + "/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        ok = d.client("key-b").completions.create(model="tiny", prompt="hi", max_tokens=2)
+        ok = d.client("key-b").completions.create(model="tiny-random", prompt="hi", max_tokens=2)
         assert ok.usage.completion_tokens == 2
         scrape = {"Authorization": "Bearer s3cret"}  # the internal token, as Prometheus sends it
         assert 'tenant="tenant-b"' in httpx.get(d.router.url + "/metrics", headers=scrape).text
@@ -182,11 +182,11 @@ def test_a_dead_decode_instance_leaves_rotation_and_requests_still_succeed(
     try:
         d.decodes[1].kill()
         for _ in range(4):
-            r = d.client().completions.create(model="tiny", prompt="hi", max_tokens=3)
+            r = d.client().completions.create(model="tiny-random", prompt="hi", max_tokens=3)
             assert r.usage.completion_tokens == 3
         d.decodes[0].kill()
         with pytest.raises(openai.InternalServerError) as err:
-            d.client().completions.create(model="tiny", prompt="hi", max_tokens=3)
+            d.client().completions.create(model="tiny-random", prompt="hi", max_tokens=3)
         assert err.value.status_code == 503
     finally:
         d.stop()
@@ -194,11 +194,13 @@ def test_a_dead_decode_instance_leaves_rotation_and_requests_still_succeed(
 
 def test_token_ids_outside_the_vocabulary_are_a_400_at_every_hop(one_by_one: Deployment) -> None:
     with pytest.raises(openai.BadRequestError):
-        one_by_one.client().completions.create(model="tiny", prompt=[1, 2, 10**7])
+        one_by_one.client().completions.create(model="tiny-random", prompt=[1, 2, 10**7])
     r = httpx.post(
         one_by_one.decodes[0].url + "/internal/reserve",
         json={"request_id": "bad-ids", "prompt_ids": [1, -5]},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-    ok = one_by_one.client().completions.create(model="tiny", prompt="still fine", max_tokens=2)
+    ok = one_by_one.client().completions.create(
+        model="tiny-random", prompt="still fine", max_tokens=2
+    )
     assert ok.usage.completion_tokens == 2

@@ -35,13 +35,13 @@ def pollute(d: Deployment, seed: int) -> None:
     """Another tenant fills more decode pages than the victim will reserve, then finishes."""
     for i in range(2):
         d.client().completions.create(
-            model="tiny", prompt=prompt_of(120, seed * 10 + i), max_tokens=4, temperature=0
+            model="tiny-random", prompt=prompt_of(120, seed * 10 + i), max_tokens=4, temperature=0
         )
 
 
 def victim(d: Deployment) -> openai.types.Completion:
     return d.client().completions.create(
-        model="tiny",
+        model="tiny-random",
         prompt=VICTIM,
         max_tokens=6,
         temperature=0,
@@ -207,7 +207,7 @@ def test_early_release_on_decode_fails_the_victim_with_a_tag_mismatch(logs_dir: 
     d = start_deployment(logs_dir, "early", decode_faults=["early-release"])
     try:
         stream = d.client().completions.create(
-            model="tiny",
+            model="tiny-random",
             prompt=prompt_of(20, 5),
             max_tokens=450,
             stream=True,
@@ -215,7 +215,7 @@ def test_early_release_on_decode_fails_the_victim_with_a_tag_mismatch(logs_dir: 
         )
         chunks = iter(stream)
         next(chunks)
-        d.client().completions.create(model="tiny", prompt=prompt_of(20, 6), max_tokens=2)
+        d.client().completions.create(model="tiny-random", prompt=prompt_of(20, 6), max_tokens=2)
         with pytest.raises(openai.APIError, match=r"kv_isolation_violation|KV cache"):
             for _ in chunks:
                 pass

@@ -11,6 +11,7 @@ examples, derandomized.
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,7 +170,7 @@ def check_answered(url: str, example: Example, headers: dict[str, str]) -> None:
     if example.broken is not None:
         assert r.status_code == 400, f"{example.broken} out of range, yet {r.status_code}"
         param = r.json()["error"]["param"] or ""
-        assert param.split(".")[0] == example.broken, r.json()
+        assert re.split(r"[.\[]", param)[0] == example.broken, r.json()  # messages[0].role
         return
     assert r.status_code == 200, r.text
     body, chat = example.body, example.path.endswith("chat/completions")

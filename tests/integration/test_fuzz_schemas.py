@@ -2,7 +2,12 @@
 them at /openapi.json), over real processes and sockets: every operation gets bodies that fit
 its schema and bodies that break it (wrong types, missing fields, out-of-range numbers, odd
 Unicode). Whatever arrives, the answer is no 5xx, an error in the OpenAI shape, a well-formed
-completion, and no KV page leaked (the autouse pool-whole check, for every engine process).
+completion, no KV page leaked (the autouse pool-whole check, for every engine process), and an
+answer the schema documents: its status code, its content type and its body's schema (so a
+client generated from the schema knows every answer it can get).
+
+A body that fits the schema names the served model (any other is a 404 model_not_found, which
+test_openai_parity.py checks), so that it reaches generation.
 
 Bounded for CI: a fixed number of examples per operation and generation mode, derandomized
 (the same cases on every run), a per-example deadline far above a tiny-random completion, and
@@ -10,16 +15,24 @@ a short served context (conftest.py's fuzz processes).
 """
 
 import traceback
+from collections.abc import Callable
 
+import httpx
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
+from schemathesis.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from helpers.deployments import Deployment
 from helpers.fuzzing import FUZZ_AUTH, FUZZ_CONTEXT, check_answer
 from kvfence_engine.tools.localproc import LocalProcess
 
 EXAMPLES = 75  # per operation and generation mode
+DOCUMENTED = [status_code_conformance, content_type_conformance, response_schema_conformance]
 BOUNDED = settings(
     max_examples=EXAMPLES,
     derandomize=True,
@@ -29,9 +42,19 @@ BOUNDED = settings(
 )
 
 
+def naming_model(served: str) -> Callable[[schemathesis.Case], schemathesis.Case]:
+    def named(case: schemathesis.Case) -> schemathesis.Case:
+        if isinstance(case.body, dict) and "model" in case.body:
+            case.body = case.body | {"model": served}
+        return case
+
+    return named
+
+
 def fuzz_every_operation(url: str, headers: dict[str, str]) -> list[str]:
     """Each operation of url's served schema, with cases that fit it and (where it takes any
     input) cases that break it; what failed, with the request that failed."""
+    [served] = [m["id"] for m in httpx.get(url + "/v1/models", headers=headers).json()["data"]]
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     schema.config.max_stream_events = 10 * FUZZ_CONTEXT  # read whole streams (it stops at 20)
     operations = [result.ok() for result in schema.get_all_operations()]
@@ -41,14 +64,18 @@ def fuzz_every_operation(url: str, headers: dict[str, str]) -> list[str]:
         takes_input = bool(operation.body or operation.query or operation.headers)
         modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if takes_input else [])
         for mode in modes:
+            cases = operation.as_strategy(generation_mode=mode)
+            if mode is GenerationMode.POSITIVE:
+                cases = cases.map(naming_model(served))
 
             @BOUNDED
-            @given(case=operation.as_strategy(generation_mode=mode))
+            @given(case=cases)
             def answers_well(case: schemathesis.Case) -> None:
                 r = case.call(headers=headers, timeout=30)
                 media = next(iter(r.headers.get("content-type", [])), "")
                 try:
                     check_answer(case.path, r.status_code, media, r.content)
+                    case.validate_response(r, checks=DOCUMENTED, headers=headers)
                 except AssertionError as exc:
                     exc.add_note(f"request body: {case.body!r}"[:4000])
                     raise

@@ -24,7 +24,7 @@ HOSTILE: list[tuple[str, dict[str, Any], str]] = [
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": LONE}]},
-        "messages.0.content",
+        "messages[0].content",
     ),
 ]
 

@@ -22,14 +22,19 @@ def client(tiny_server: LocalProcess) -> openai.OpenAI:
 
 def test_completion_reports_the_real_prompt_token_count(client: openai.OpenAI) -> None:
     prompt = "Tenant isolation is a property of the whole system."
-    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
+    r = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=5, temperature=0)
     assert r.usage.prompt_tokens == len(tiny_random().tokenizer.encode(prompt))
     assert r.usage.completion_tokens == 5 or r.choices[0].finish_reason == "stop"
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_streamed_text_equals_the_non_streamed_text(client: openai.OpenAI) -> None:
-    kwargs = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    kwargs = {
+        "model": "tiny-random",
+        "prompt": "Once upon a time",
+        "max_tokens": 12,
+        "temperature": 0,
+    }
     whole = client.completions.create(**kwargs).choices[0].text
     chunks = list(client.completions.create(stream=True, **kwargs))
     assert "".join(c.choices[0].text for c in chunks) == whole
@@ -39,10 +44,10 @@ def test_streamed_text_equals_the_non_streamed_text(client: openai.OpenAI) -> No
 def test_chat_streaming_with_usage_matches_non_streaming(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Say something."}]
     whole = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=10, temperature=0
+        model="tiny-random", messages=messages, max_tokens=10, temperature=0
     )
     stream = client.chat.completions.create(
-        model="tiny",
+        model="tiny-random",
         messages=messages,
         max_tokens=10,
         temperature=0,
@@ -61,13 +66,13 @@ def test_chat_streaming_with_usage_matches_non_streaming(client: openai.OpenAI) 
 
 def test_logprobs_come_back_for_completions_and_chat(client: openai.OpenAI) -> None:
     r = client.completions.create(
-        model="tiny", prompt="a b c", max_tokens=4, temperature=0, logprobs=3
+        model="tiny-random", prompt="a b c", max_tokens=4, temperature=0, logprobs=3
     )
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)
     assert all(len(top) == 3 for top in lp.top_logprobs)
     c = client.chat.completions.create(
-        model="tiny",
+        model="tiny-random",
         messages=[{"role": "user", "content": "x"}],
         max_tokens=3,
         temperature=0,
@@ -79,14 +84,25 @@ def test_logprobs_come_back_for_completions_and_chat(client: openai.OpenAI) -> N
 
 
 def test_seeded_sampling_is_reproducible_over_http(client: openai.OpenAI) -> None:
-    kwargs = {"model": "tiny", "prompt": "hello", "max_tokens": 16, "temperature": 1.0, "seed": 42}
+    kwargs = {
+        "model": "tiny-random",
+        "prompt": "hello",
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "seed": 42,
+    }
     assert client.completions.create(**kwargs).choices[0].text == (
         client.completions.create(**kwargs).choices[0].text
     )
 
 
 def test_a_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
-    kwargs = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    kwargs = {
+        "model": "tiny-random",
+        "prompt": "Once upon a time",
+        "max_tokens": 12,
+        "temperature": 0,
+    }
     free = client.completions.create(**kwargs).choices[0].text
     stop = free[len(free) // 2 : len(free) // 2 + 2]
     assert stop.strip(), "need a visible stop string"
@@ -101,13 +117,13 @@ def test_over_limit_prompts_get_400_and_no_page(
 ) -> None:
     before = metric(tiny_server.url, "kvfence_kv_pages_used")
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="tiny", prompt=[500] * length, max_tokens=4)
+        client.completions.create(model="tiny-random", prompt=[500] * length, max_tokens=4)
     assert err.value.code == "context_length_exceeded"
     assert metric(tiny_server.url, "kvfence_kv_pages_used") == before
 
 
 def test_a_prompt_one_under_the_limit_is_served(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="tiny", prompt=[500] * (CONTEXT - 1), max_tokens=4)
+    r = client.completions.create(model="tiny-random", prompt=[500] * (CONTEXT - 1), max_tokens=4)
     assert r.usage.prompt_tokens == CONTEXT - 1 and r.usage.completion_tokens >= 1
 
 
@@ -190,7 +206,7 @@ def test_metrics_expose_every_contract_series(
     tiny_server: LocalProcess, client: openai.OpenAI
 ) -> None:
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny", prompt=[500] * (CONTEXT + 1))
+        client.completions.create(model="tiny-random", prompt=[500] * (CONTEXT + 1))
     text = httpx.get(tiny_server.url + "/metrics").text
     for name in CONTRACT_METRICS:
         assert re.search(rf"^{name}[{{ ]", text, re.M), name
@@ -209,7 +225,7 @@ def test_the_engine_times_its_steps_and_the_read_check_inside_them(
         )
 
     check_before, step_before = seconds()
-    client.completions.create(model="tiny", prompt=[500] * 50, max_tokens=8, temperature=0)
+    client.completions.create(model="tiny-random", prompt=[500] * 50, max_tokens=8, temperature=0)
     check_after, step_after = seconds()
     check, step = check_after - check_before, step_after - step_before
     assert 0 < check < step, (check, step)

@@ -16,14 +16,16 @@ def client(smollm2_server: LocalProcess) -> openai.OpenAI:
 
 
 def test_greedy_chat_knows_the_capital_of_france(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=0)
+    r = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=QUESTION, temperature=0
+    )
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
 
 
 def test_streaming_chat_delivers_the_same_answer(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
-        model="smollm2", messages=QUESTION, temperature=0, stream=True
+        model="smollm2-135m-instruct", messages=QUESTION, temperature=0, stream=True
     )
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert len([p for p in pieces if p]) > 3  # really streamed, not one blob
@@ -37,6 +39,6 @@ def test_usage_counts_prompt_tokens_like_the_reference_tokenizer(client: openai.
     text = reference.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     expected = reference.encode(text, add_special_tokens=False)
     r = client.chat.completions.create(
-        model="smollm2", messages=QUESTION, temperature=0, max_tokens=3
+        model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=3
     )
     assert r.usage.prompt_tokens == len(expected)

@@ -135,7 +135,7 @@ def test_a_tenant_at_its_concurrent_limit_gets_429_while_another_is_served(
         assert "in flight" in over.json()["error"]["message"]
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEYS["team-a"], max_retries=0)
         with pytest.raises(openai.RateLimitError):  # what the openai client makes of it
-            client.completions.create(model="m", prompt="x", max_tokens=2)
+            client.completions.create(model="tiny-random", prompt="x", max_tokens=2)
         served = post(url, "team-b", completion(2))
         assert served.status_code == 200, served.text
         rejected = metric(url, 'kvfence_requests_rejected_total{reason="tenant_limit"}', TOKEN)

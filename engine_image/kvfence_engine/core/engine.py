@@ -469,6 +469,8 @@ class LLMEngine:
             deferred_release=True,
             scrub_on_free=self.pool.scrub_on_free,
             unsafe_faults=sorted(fault.value for fault in self.faults.enabled),
+            model_name=self.loaded.name,
+            model_source=self.loaded.source or None,
         )
 
 

@@ -31,14 +31,30 @@ class EngineError(Exception):
         return f"{self.status} {self.code}: {self.message}"
 
 
-def context_length_exceeded(prompt_tokens: int, limit: int, what: str) -> EngineError:
+def context_length_exceeded(
+    prompt_tokens: int, limit: int, what: str, param: str | None = None
+) -> EngineError:
+    """`param` is the field the client sent the prompt in ("prompt" or "messages"); the
+    engine's admission, which sees only token ids, leaves it to the API layer."""
     return EngineError(
         400,
         f"This model's maximum context length is {limit} tokens ({what}); your prompt has "
         f"{prompt_tokens} tokens. Shorten the prompt.",
         "invalid_request_error",
         "context_length_exceeded",
-        "messages",
+        param,
+    )
+
+
+def model_not_found(requested: str, served: str) -> EngineError:
+    """OpenAI's answer (and vLLM's) to a `model` the server does not serve."""
+    return EngineError(
+        404,
+        f"The model `{requested}` does not exist or you do not have access to it; "
+        f"this server serves `{served}` (GET /v1/models).",
+        "invalid_request_error",
+        "model_not_found",
+        "model",
     )
 
 

@@ -42,9 +42,16 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
+    source: str = ""  # as given to load_model: what /v1/kvpool reports, for the router
 
 
 def load_model(source: str) -> LoadedModel:
+    loaded = _load(source)
+    loaded.source = source
+    return loaded
+
+
+def _load(source: str) -> LoadedModel:
     if source == SMOLLM2:
         return load_gguf(smollm2_gguf_path(), name="smollm2-135m-instruct")
     if source == TINY_RANDOM:

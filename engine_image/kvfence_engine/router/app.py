@@ -69,12 +69,20 @@ from kvfence_engine.router.keys import ApiKeys, request_id_for
 from kvfence_engine.router.tenants import InflightCollector, Slot, TenantInflight
 from kvfence_engine.serving.limits import refuse_unfittable_prompt
 from kvfence_engine.serving.openai_api import (
+    COMPLETION_RESPONSES,
+    METRICS_RESPONSES,
+    OPENAI_ERRORS,
+    READYZ_RESPONSES,
     OpenAIOutput,
     chat_logprobs,
     chat_prompt,
+    check_model,
     completion_prompt,
+    error_responses,
     invalid_body,
+    naming_prompt_field,
     new_app,
+    prompt_field,
     respond,
 )
 from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -206,7 +214,7 @@ class RouterState:
 def create_router_app(state: RouterState) -> FastAPI:
     app = new_app("kvfence router")
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses=READYZ_RESPONSES)
     async def readyz() -> JSONResponse:
         state.backends.refresh()
         ready = bool(state.backends.prefill.backends and state.backends.decode.backends)
@@ -214,7 +222,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             {"status": "ready" if ready else "no backends"}, status_code=200 if ready else 503
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=METRICS_RESPONSES | error_responses(401, 403))
     async def metrics(request: Request) -> Response:
         state.require_operator(request)
         scraped = await _read_backends(state, "/metrics", lambda r: r.text)
@@ -223,7 +231,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         text = generate_latest(state.metrics.registry) + generate_latest(backends)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/kvpool")
+    @app.get("/v1/kvpool", responses=error_responses(401, 503))
     async def kvpool(request: Request) -> RouterPoolSummary | TenantPoolSummary:
         operator = state.is_operator(request)
         if not operator:
@@ -234,7 +242,7 @@ def create_router_app(state: RouterState) -> FastAPI:
         summary = summarise_pools(reports, await state.served_context())
         return summary if operator else tenant_view(summary)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(*OPENAI_ERRORS))
     async def models(request: Request) -> dict[str, Any]:
         state.tenant(request)
         return {"object": "list", "data": [{
@@ -242,8 +250,11 @@ def create_router_app(state: RouterState) -> FastAPI:
             "owned_by": "kvfence", "max_model_len": await state.served_context(),
         }]}  # fmt: skip
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        tenant = state.tenant(request)
+        check_model(body.model, state.model_name)
+
         async def admitted(slot: Slot) -> Response:
             context = await state.served_context()
             refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
@@ -254,10 +265,13 @@ def create_router_app(state: RouterState) -> FastAPI:
                 state, slot, prompt_ids, body, body.max_tokens, body.logprobs, False, request
             )
 
-        return await _in_flight(state, state.tenant(request), admitted)
+        return await _in_flight(state, tenant, admitted)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        tenant = state.tenant(request)
+        check_model(body.model, state.model_name)
+
         async def admitted(slot: Slot) -> Response:
             context = await state.served_context()
             refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
@@ -265,7 +279,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             max_tokens, logprobs = body.token_limit(), chat_logprobs(body)
             return await _route(state, slot, prompt_ids, body, max_tokens, logprobs, True, request)
 
-        return await _in_flight(state, state.tenant(request), admitted)
+        return await _in_flight(state, tenant, admitted)
 
     return app
 
@@ -411,7 +425,9 @@ async def _route(
         raise errors.invalid_request("the prompt is empty", "prompt")
     if len(prompt_ids) > limit:
         state.metrics.rejected.labels(reason="context_length_exceeded").inc()
-        raise errors.context_length_exceeded(len(prompt_ids), limit, "the served context")
+        raise errors.context_length_exceeded(
+            len(prompt_ids), limit, "the served context", prompt_field(body)
+        )
     sampling = Sampling(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -431,7 +447,10 @@ async def _route(
         )
     except ValidationError as exc:  # what decode would refuse is the client's 400, as it was
         raise invalid_body(exc.errors()) from exc
-    decode, handle = await _reserve(state, reserve)
+    try:
+        decode, handle = await _reserve(state, reserve)
+    except EngineError as exc:  # decode's admission sees token ids, not the client's field
+        raise naming_prompt_field(exc, body) from exc
     try:
         # Shielded: a client that leaves now must not cancel the prefill mid-transfer.
         prefill = asyncio.ensure_future(

@@ -71,6 +71,7 @@ class Backends:
     decode_urls: list[str]
     file: Path | None = None
     context_length: int | None = None  # what the operator last wrote, if anything
+    model_name: str | None = None  # the id to advertise (spec.model.name), if the file says
     _mtime: float = -1.0
     _resolved_at: float = 0.0
 
@@ -100,6 +101,7 @@ class Backends:
                     self.prefill_urls = list(written.prefill)
                     self.decode_urls = list(written.decode)
                     self.context_length = written.context_length
+                    self.model_name = written.model.name if written.model else None
                 force = True
         if force or time.monotonic() - self._resolved_at > 5.0:
             self._resolved_at = time.monotonic()

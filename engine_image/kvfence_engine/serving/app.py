@@ -21,10 +21,17 @@ from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.serving.async_engine import AsyncEngine
 from kvfence_engine.serving.limits import refuse_unfittable_prompt
 from kvfence_engine.serving.openai_api import (
+    COMPLETION_RESPONSES,
+    METRICS_RESPONSES,
+    OPENAI_ERRORS,
+    READYZ_RESPONSES,
     OpenAIOutput,
     chat_logprobs,
     chat_prompt,
+    check_model,
     completion_prompt,
+    error_responses,
+    naming_prompt_field,
     new_app,
     respond,
     sampling_params,
@@ -45,22 +52,22 @@ def create_app(state: ServerState) -> FastAPI:
         if token is not None and not presents_internal_token(request.headers, token):
             raise errors.internal_token_required(request.url.path)
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses=READYZ_RESPONSES)
     async def readyz() -> JSONResponse:
         if state.engine is not None:
             return JSONResponse({"status": "ready"})
         status = "failed" if state.load_error else "loading"
         return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
 
-    @app.get("/v1/kvpool", dependencies=[Depends(operational)])
+    @app.get("/v1/kvpool", dependencies=[Depends(operational)], responses=error_responses(401, 503))
     async def kvpool() -> KvPoolReport:
         return state.require_engine().engine.kvpool_report()
 
-    @app.get("/metrics", dependencies=[Depends(operational)])
+    @app.get("/metrics", dependencies=[Depends(operational)], responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(*OPENAI_ERRORS))
     async def models() -> dict[str, Any]:
         engine = state.require_engine().engine
         return {
@@ -76,9 +83,10 @@ def create_app(state: ServerState) -> FastAPI:
             ],
         }
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = _combined(state)
+        check_model(body.model, engine.engine.loaded.name)
         tokenizer, context = engine.engine.tokenizer, engine.engine.context_effective
         refuse_unfittable_prompt(body, tokenizer, context, state.metrics.rejected)
         vocab = engine.engine.config.vocab_size
@@ -86,9 +94,10 @@ def create_app(state: ServerState) -> FastAPI:
         params = sampling_params(body, logprobs=body.logprobs)
         return await _generate(engine, prompt_ids, params, body.max_tokens, body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         engine = _combined(state)
+        check_model(body.model, engine.engine.loaded.name)
         tokenizer, context = engine.engine.tokenizer, engine.engine.context_effective
         refuse_unfittable_prompt(body, tokenizer, context, state.metrics.rejected)
         prompt_ids = await asyncio.to_thread(chat_prompt, tokenizer, body)
@@ -119,7 +128,7 @@ async def _generate(
     seq = engine.admit(prompt_ids, params, max_tokens)
     if is_terminal(seq):  # rejected at admission: nothing was allocated
         assert seq.error is not None
-        raise seq.error
+        raise naming_prompt_field(seq.error, body)
     tokenizer = engine.engine.tokenizer
     out = OpenAIOutput(chat, engine.engine.loaded.name, tokenizer, len(prompt_ids))
     deltas = engine.stream(seq)

@@ -1,6 +1,7 @@
 """The OpenAI-compatible surface shared by the engine and the router: request parsing, error
 shape, and turning a stream of token deltas into completion / chat objects or SSE chunks."""
 
+import dataclasses
 import json
 import logging
 import time
@@ -11,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -22,7 +24,7 @@ from kvfence_engine.core.request import SamplingParams, TokenLogprob
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.serving.limits import install_request_limits
-from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorBody
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +34,84 @@ def error_response(error: EngineError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+# What an error status means, on any route that can answer it. Every route can answer 400 (a
+# Content-Length that is no number), 413 (the body cap) and 500 (the catch-all).
+ERROR_MEANINGS = {
+    400: "the request is invalid: not JSON, a field out of range, a prompt over the context",
+    401: "no API key, or an unknown one (the router with --api-keys); or, on an operational "
+    "endpoint, no internal token",
+    403: "an operational endpoint asked with a tenant's key, or switched off",
+    404: "`model` names a model this server does not serve (model_not_found)",
+    413: "the request body is over --max-request-bytes (request_too_large)",
+    429: "the tenant is at its limit of requests in flight or of the KV pool; see Retry-After",
+    500: "an internal failure or a tripped isolation check, named by a request id",
+    503: "loading, overloaded or no backend instance answered; see Retry-After",
+}
+ANY_ROUTE = (400, 413, 500)
+OPENAI_ERRORS = (400, 401, 404, 413, 429, 500, 503)
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses, each with the OpenAI error body."""
+    return {
+        status: {"model": ErrorBody, "description": ERROR_MEANINGS[status]}
+        for status in sorted({*ANY_ROUTE, *statuses})
+    }
+
+
+# A completion answers JSON, or with "stream": true an event stream of JSON chunks.
+COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "the completion; with `stream: true`, server-sent events of chunks "
+        "ending with `data: [DONE]`",
+        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+    },
+    **error_responses(*OPENAI_ERRORS),
+}
+
+
+READYZ_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **error_responses(),
+    503: {
+        "description": 'not ready: `{"status": "loading" or "failed", "error": why}`',
+        "content": {"application/json": {}},
+    },
+}
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Prometheus text exposition",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    },
+    **error_responses(401),
+}
+
+
 def new_app(title: str) -> FastAPI:
-    """A FastAPI app with OpenAI-shaped errors, a request body cap and a liveness probe."""
+    """A FastAPI app with OpenAI-shaped errors, a request body cap, a liveness probe, and an
+    OpenAPI schema that says so (400, never FastAPI's 422, for an invalid body)."""
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
     install_request_limits(app)
     install_error_handlers(app)  # added last, so its catch-all wraps the body cap too
+    app.openapi = lambda: _schema_without_422(app)  # type: ignore[method-assign]
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses=error_responses())
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     return app
+
+
+def _schema_without_422(app: FastAPI) -> dict[str, Any]:
+    """FastAPI documents 422 for every route that takes input; ours answer 400 instead."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 class InternalErrors:
@@ -93,8 +162,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(invalid_body(exc.errors()))
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        body, media = await request.body(), request.headers.get("content-type", "")
+        return error_response(invalid_body(exc.errors(), body, media))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -104,15 +174,87 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
 
-def invalid_body(problems: Sequence[Any]) -> EngineError:
-    """A 400 naming every field of a request body that failed validation."""
+# What pydantic puts in an error's location for the branch of a union it tried ("str",
+# "list[int]", "function-after[...]"): not a field the client sent, so never named.
+_UNION_BRANCHES = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def field_path(loc: Sequence[Any]) -> str:
+    """A pydantic error location as the client wrote the field: `messages[0].content`."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in _UNION_BRANCHES or "[" in str(part):
+            continue
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def invalid_body(problems: Sequence[Any], body: bytes = b"", media: str = "") -> EngineError:
+    """A 400 saying in words what is wrong with a request body: that it is not JSON (where),
+    not an object, or which fields failed validation and why. `param` is the first such
+    field as the client wrote it (`messages[0].role`), None when the body as a whole is
+    wrong. `media` is the request's Content-Type: a body sent as anything but JSON is not
+    parsed, so the answer says to send JSON rather than that the JSON is wrong."""
     first = problems[0] if problems else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return errors.invalid_request(f"request body is not valid JSON: {_json_problem(body)}")
+    by_field: dict[str, list[str]] = {}
+    for problem in problems:
+        loc = list(problem.get("loc", ()))
+        where = field_path(loc[1:] if loc[:1] == ["body"] else loc)
+        message = str(problem.get("msg", "invalid")).removeprefix("Value error, ")
+        messages = by_field.setdefault(where, [])
+        if message not in messages:  # a union repeats a message per branch
+            messages.append(message)
+    if list(by_field) == [""]:  # the body itself, not a field of it
+        if first.get("type") == "missing":
+            return errors.invalid_request("request body is missing: send a JSON object")
+        if body and media and "json" not in media.lower():
+            return errors.invalid_request(
+                f"request body is sent as {media.split(';')[0]}: send a JSON object as "
+                "application/json"
+            )
+        return errors.invalid_request("request body is not a JSON object: send a JSON object")
     message = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-        for e in problems
+        f"{where or 'request body'}: {', or '.join(messages)}"
+        for where, messages in by_field.items()
     )
-    return errors.invalid_request(message, ".".join(loc) or None)
+    return errors.invalid_request(message, next(iter(by_field)) or None)
+
+
+def _json_problem(body: bytes) -> str:
+    try:
+        json.loads(body)
+    except json.JSONDecodeError as exc:
+        return f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+    except UnicodeDecodeError as exc:
+        return f"it is not UTF-8 (byte {exc.start})"
+    return "it could not be parsed"  # pydantic's parser refused what json accepts
+
+
+def prompt_field(body: CompletionRequest | ChatCompletionRequest) -> str:
+    """The field the client sent its prompt in."""
+    return "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+
+
+def naming_prompt_field(
+    error: EngineError, body: CompletionRequest | ChatCompletionRequest
+) -> EngineError:
+    """An admission error about the prompt (over-long, from an engine that sees only token
+    ids) with `param` naming the field the client sent it in."""
+    if error.code == "context_length_exceeded" and error.param is None:
+        return dataclasses.replace(error, param=prompt_field(body))
+    return error
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """404 model_not_found unless the request names the served model (or none). The served
+    name is the only alias: the one GET /v1/models lists."""
+    if requested is not None and requested != served:
+        raise errors.model_not_found(requested, served)
 
 
 def completion_prompt(
@@ -152,9 +294,13 @@ class OpenAIOutput:
     model: str
     tokenizer: Tokenizer
     prompt_tokens: int
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    id: str = ""  # OpenAI's shape: "chatcmpl-..." or "cmpl-...", shared by a stream's chunks
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
 
     def usage(self) -> dict[str, int]:
         return {

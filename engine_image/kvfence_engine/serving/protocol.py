@@ -117,3 +117,19 @@ class ChatCompletionRequest(_Common):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+# --- what the API answers on error (for the OpenAPI schema; errors.EngineError.body writes it)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorDetail

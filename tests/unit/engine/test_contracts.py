@@ -68,6 +68,8 @@ KVPOOL_FIELDS = [
     "deferred_release",
     "scrub_on_free",
     "unsafe_faults",
+    "model_name",
+    "model_source",
 ]
 
 REPORT = KvPoolReport(
@@ -90,6 +92,8 @@ REPORT = KvPoolReport(
     deferred_release=True,
     scrub_on_free=False,
     unsafe_faults=[],
+    model_name="tiny-random",
+    model_source="builtin:tiny-random",
 )
 HANDLE = TransferHandle(
     request_id="t-1", seq_id=3, pages=[4, 5], tags=[1, 2], reserved_tokens=20, transfer_port=8001

@@ -142,11 +142,11 @@ HOSTILE: list[tuple[str, dict[str, Any], str]] = [
     (COMPLETIONS, {"prompt": [f"x{LONE}"]}, "prompt"),
     (COMPLETIONS, {"prompt": "hi", "stop": ["ok", "\udfff"]}, "stop"),
     (COMPLETIONS, {"prompt": "hi", "user": LONE}, "user"),
-    (CHAT, {"messages": [{"role": "user", "content": LONE}]}, "messages.0.content"),
+    (CHAT, {"messages": [{"role": "user", "content": LONE}]}, "messages[0].content"),
     (
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "text", "text": f"a{LONE}"}]}]},
-        "messages.0.content",
+        "messages[0].content",
     ),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "stop": LONE}, "stop"),
     (COMPLETIONS, {"prompt": "hi", "temperature": -1e-300}, "temperature"),

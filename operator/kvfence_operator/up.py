@@ -161,11 +161,13 @@ def read_pools(local: LocalDeployment, internal_token: str) -> list[PodPool]:
 
 
 def pool_lines(pools: list[PodPool], decision: PoolDecision) -> list[str]:
+    """One line per pod with its pool, then the verdict: a refusal's findings (each naming
+    its pod) and remedy are said once, there."""
     lines = []
     for pool in pools:
         gate = decision.gates[pool.pod]
         size = f"{pool.report.pool_tokens} tokens" if pool.report else "unknown"
-        lines.append(f"  {pool.pod}: pool {size} -> {'ok' if gate.sufficient else gate.message}")
+        lines.append(f"  {pool.pod}: pool {size} -> {'ok' if gate.sufficient else 'refused'}")
     return lines
 
 
@@ -328,9 +330,8 @@ def up(
             spec, 1, InferenceDeploymentStatus(), plan, observed, pools, endpoint, now=created
         )
         say(table([status_object(manifest, status, created)]))
-        if plan.serve != revision:
-            reason = status.canary.message if status.canary and canary else decision.message
-            say(f"not serving: {reason}")
+        if plan.serve != revision:  # the reason was said above, once
+            say("not serving: " + ("the canary failed" if canary else "the pool check refused"))
             return 1
         say(f"serving: {endpoint}  (OpenAI API; api key: {api_key})")
         if wait:

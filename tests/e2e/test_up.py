@@ -88,6 +88,45 @@ def test_refuse_with_a_pool_smaller_than_the_context_exits_non_zero_naming_the_p
     assert "serving: http" not in out
 
 
+def table_cell(out: str, column: str) -> str:
+    """One cell of the status table `up` prints (the row of the manifest `tiny`)."""
+    lines = out.splitlines()
+    header = next(line.split() for line in lines if line.startswith("NAME "))
+    row = next(line.split() for line in lines if line.startswith("tiny "))
+    return row[header.index(column)]
+
+
+def test_a_refusal_is_said_once_naming_each_pod_with_the_remedy(tmp_path):
+    up = Up(manifest(tmp_path, poolPolicy="Refuse"), tmp_path)
+    try:
+        code = up.proc.wait(180)
+    finally:
+        up.kill()
+    out = up.output
+    assert code == 1, out
+    for role in ("prefill", "decode"):
+        assert out.count(f"-{role}-0 ({role}) has a KV pool of 672 tokens, smaller") == 1, out
+    assert out.count("raise kvCacheMemory by 53% or lower contextLength to 672") == 1, out
+
+
+def test_a_canary_that_will_not_run_is_not_run_not_pending(tmp_path):
+    """Refused pools: the canary (enabled or not) never runs; a disabled canary never runs."""
+    refused = Up(manifest(tmp_path, poolPolicy="Refuse", canary={"enabled": True}), tmp_path)
+    try:
+        assert refused.proc.wait(180) == 1, refused.output
+    finally:
+        refused.kill()
+    assert table_cell(refused.output, "CANARY") == "NotRun", refused.output
+    assert "canary:" not in refused.output
+
+    disabled = Up(manifest(tmp_path, poolPolicy="Refuse"), tmp_path, "disabled.out")
+    try:
+        assert disabled.proc.wait(180) == 1, disabled.output
+    finally:
+        disabled.kill()
+    assert table_cell(disabled.output, "CANARY") == "NotRun", disabled.output
+
+
 def test_lower_context_serves_the_lowered_context_and_rejects_above_it(tmp_path):
     up = Up(manifest(tmp_path, poolPolicy="LowerContext", minContextLength=256), tmp_path)
     try:

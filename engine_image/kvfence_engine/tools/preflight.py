@@ -11,7 +11,12 @@ from dataclasses import dataclass
 import httpx
 
 from kvfence_engine.contracts import TOKEN_HEADER, PoolPlanReport
-from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, plan_pool
+from kvfence_engine.core.pool_plan import (
+    ContextPolicy,
+    budget_raise_percent,
+    effective_context,
+    plan_pool,
+)
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -39,7 +44,9 @@ def estimate(
         f"pool: {budget_bytes} bytes -> {plan.num_pages} pages x {page_size} tokens = "
         f"{plan.pool_tokens} tokens per engine (prefill and decode alike)",
     ]
-    return _verdict(lines, context_length, plan.pool_tokens, lowered, config.max_positions)
+    return _verdict(
+        lines, context_length, plan.pool_tokens, page_size, lowered, config.max_positions
+    )
 
 
 def live(target: str, context_length: int, internal_token: str | None = None) -> Verdict:
@@ -65,11 +72,16 @@ def live(target: str, context_length: int, internal_token: str | None = None) ->
     lowered = effective_context(
         context_length, pool.pool_tokens, pool.page_size, ContextPolicy.LOWER
     )
-    return _verdict(lines, context_length, pool.pool_tokens, lowered, None)
+    return _verdict(lines, context_length, pool.pool_tokens, pool.page_size, lowered, None)
 
 
 def _verdict(
-    lines: list[str], context: int, pool_tokens: int, lowered: int, max_positions: int | None
+    lines: list[str],
+    context: int,
+    pool_tokens: int,
+    page_size: int,
+    lowered: int,
+    max_positions: int | None,
 ) -> Verdict:
     if max_positions is not None and context > max_positions:
         lines.append(f"context {context}: DOES NOT FIT the model's {max_positions} positions")
@@ -80,7 +92,7 @@ def _verdict(
     lines.append(
         f"context {context}: DOES NOT FIT. poolPolicy Refuse keeps such pods unready; "
         f"LowerContext would serve {lowered} tokens; or raise kvCacheMemory by "
-        f"{(context - pool_tokens) / pool_tokens:.0%}"
+        f"{budget_raise_percent(pool_tokens, context, page_size)}%"
     )
     return Verdict(lines, False)
 

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -226,20 +226,22 @@ def run_canary_gate(
         cached = json.loads(cache.read_text())
         say(f"canary: passed for this revision at {cached['at']} (cached in {cache})")
         return CanaryOutcome("local", JobPhase.SUCCEEDED, cached["summary"])
-    from kvfence_engine.canary import CanaryConfig, run_canary
+    from kvfence_engine.canary import CanaryConfig, planned_steps, run_canary
+    from kvfence_engine.tools.progress import Progress
 
     say(f"canary: tenant B tries to see tenant A's secret (timeout {timeout:.0f}s) ...")
-    report = run_canary(
-        CanaryConfig(
-            target=target,
-            tenant_a_key=credentials.tenant_a_key,
-            tenant_b_key=credentials.tenant_b_key,
-            internal_token=credentials.internal_token,
-            context_length=context,
-            timeout=timeout,
-            progress=lambda line: say(f"  {line}"),
-        )
+    config = CanaryConfig(
+        target=target,
+        tenant_a_key=credentials.tenant_a_key,
+        tenant_b_key=credentials.tenant_b_key,
+        internal_token=credentials.internal_token,
+        context_length=context,
+        timeout=timeout,
     )
+    steps = Progress("canary", len(planned_steps(config.rounds)), write=lambda s: say(f"  {s}"))
+    with steps:
+        report = run_canary(replace(config, progress=steps.start_step))
+    say(report.summary)
     if not report.passed:
         return CanaryOutcome("local", JobPhase.FAILED, report.summary)
     cache.write_text(json.dumps({"at": datetime.now(UTC).isoformat(), "summary": report.summary}))

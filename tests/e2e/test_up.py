@@ -38,20 +38,27 @@ def manifest(tmp_path: Path, **spec) -> Path:
 class Up:
     """`kvfence up` as a user runs it: a process whose output we read line by line."""
 
-    def __init__(self, path: Path, tmp_path: Path, log: str = "up.out") -> None:
+    def __init__(
+        self, path: Path, tmp_path: Path, log: str = "up.out", split_stderr: bool = False
+    ) -> None:
         self.port = free_port()
         self.log = tmp_path / log
+        self.err_log = tmp_path / f"{log}.err"  # stderr, when split_stderr
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvfence_cli", "up", str(path), "--port",
              str(self.port), "--state-dir", str(tmp_path / "state")],
             stdout=open(self.log, "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
+            stderr=open(self.err_log, "wb") if split_stderr else subprocess.STDOUT,  # noqa: SIM115
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
 
     @property
     def output(self) -> str:
         return self.log.read_text()
+
+    @property
+    def errors(self) -> str:
+        return self.err_log.read_text()
 
     def wait_for(self, text: str, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -125,6 +132,24 @@ def test_a_canary_that_will_not_run_is_not_run_not_pending(tmp_path):
     finally:
         disabled.kill()
     assert table_cell(disabled.output, "CANARY") == "NotRun", disabled.output
+
+
+def test_the_canary_says_each_step_once_and_its_verdict_on_stdout(tmp_path):
+    """`kvfence up ... 2>/dev/null` still shows every canary step, numbered, and the verdict."""
+    path = manifest(tmp_path, engine={"kvCacheMemory": "1Mi"}, canary={"enabled": True})
+    up = Up(path, tmp_path, split_stderr=True)
+    try:
+        up.wait_for("serving: http", timeout=300)
+        out = up.output
+        steps = [line.strip() for line in out.splitlines() if line.strip().startswith("canary [")]
+        assert len(steps) == 13, out
+        assert steps[0] == "canary [1/13] discovering the target"
+        assert steps[-1] == "canary [13/13] reading engine counters"
+        assert "kvfence canary PASS: all 6 checks passed" in out
+        assert "canary" not in up.errors, up.errors
+        assert up.interrupt() == 0
+    finally:
+        up.kill()
 
 
 def test_lower_context_serves_the_lowered_context_and_rejects_above_it(tmp_path):

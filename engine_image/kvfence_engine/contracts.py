@@ -128,6 +128,15 @@ class PoolGateReport(_Reading):
         return self
 
 
+class EngineReadiness(_Reading):
+    """GET /readyz of an engine: 200 "ready"; 503 "loading", with what it is doing when it
+    can say (e.g. "converting model.gguf: 136/272 tensors"), or "failed", with why."""
+
+    status: Literal["ready", "loading", "failed"]
+    error: str | None = None
+    progress: str | None = None
+
+
 class PoolPlanReport(PoolSize):
     """`kvfence preflight --target`: the live pool next to its estimate."""
 

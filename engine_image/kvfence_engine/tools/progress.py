@@ -2,8 +2,12 @@
 (a pipe, a log file, a pod's log), where a redrawn bar would be noise.
 
 Two kinds of work use it: named steps (the canary's phases: one line per step) and counted
-units (tensors converted while loading a model: a line every tenth of the way). `line` is the
-state in words, for whoever reports it elsewhere (an engine's /readyz).
+units (tensors converted while loading a model: a line every tenth of the way).
+
+`current()` says in words what the unfinished ones in this process are doing: an engine's
+/readyz reports it while loading, so `kvfence up` (whose engines log to files) can show it.
+It is process-wide on purpose: the loader runs deep inside an engine's build, and /readyz
+reports on the process, not on one call chain.
 """
 
 import sys
@@ -12,6 +16,16 @@ from collections.abc import Callable
 from typing import TextIO
 
 from tqdm import tqdm
+
+_lock = threading.Lock()
+_unfinished: list["Progress"] = []
+
+
+def current() -> str | None:
+    """What this process's unfinished progress says, or None."""
+    with _lock:
+        running = list(_unfinished)
+    return "; ".join(p.line for p in running) or None
 
 
 class Progress:
@@ -40,6 +54,8 @@ class Progress:
         self._bar: tqdm | None = None
         if stream.isatty():
             self._bar = tqdm(total=self.total, desc=label, unit=unit, file=stream, leave=True)
+        with _lock:
+            _unfinished.append(self)
 
     @property
     def line(self) -> str:
@@ -71,6 +87,9 @@ class Progress:
             self._write(self.line)
 
     def close(self) -> None:
+        with _lock:
+            if self in _unfinished:
+                _unfinished.remove(self)
         if self._bar is not None:
             self._bar.close()
 

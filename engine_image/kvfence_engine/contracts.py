@@ -128,13 +128,23 @@ class PoolGateReport(_Reading):
         return self
 
 
+class ProgressReport(_Reading):
+    """Long work under way: `done` of `total` units (tools/progress.Progress)."""
+
+    label: str  # what is being done, e.g. "converting model.gguf"
+    done: Count
+    total: Positive
+    unit: str  # e.g. "tensor"
+    line: str  # the same in words: "converting model.gguf: 136/272 tensors"
+
+
 class EngineReadiness(_Reading):
-    """GET /readyz of an engine: 200 "ready"; 503 "loading", with what it is doing when it
-    can say (e.g. "converting model.gguf: 136/272 tensors"), or "failed", with why."""
+    """GET /readyz of an engine: 200 "ready"; 503 "loading", with the work under way when it
+    can say, or "failed", with why."""
 
     status: Literal["ready", "loading", "failed"]
     error: str | None = None
-    progress: str | None = None
+    progress: ProgressReport | None = None
 
 
 class PoolPlanReport(PoolSize):

@@ -9,17 +9,21 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 from pydantic import ValidationError
 
+from kvfence_engine.contracts import EngineReadiness, ProgressReport
 from kvfence_engine.tools.cache_dir import cache_root
 from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed, free_port
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES, engine_args
@@ -39,6 +43,7 @@ from kvfence_operator.status import compute_status
 
 LOCAL_TENANT = "local"
 START_TIMEOUT_SECONDS = 900.0
+PROGRESS_POLL_SECONDS = 0.5
 
 
 class UpError(Exception):
@@ -136,8 +141,53 @@ def start_engines(
     say(f"starting {len(local.engines)} engine processes, model {spec.model.source}")
     for _, proc in local.engines.values():
         proc.start()
-    _wait_all(local, [p for _, p in local.engines.values()], say)
+    with engine_progress(local, say):
+        _wait_all(local, [p for _, p in local.engines.values()], say)
     return local
+
+
+@contextmanager
+def engine_progress(local: LocalDeployment, say: Callable[[str], None]) -> Iterator[None]:
+    """While the engines load, show the work their /readyz reports (a weight conversion takes
+    a while on a first start): a bar per engine on a terminal, a line every tenth of the way
+    otherwise. The engines log to files; this is what a person at `up` sees of them."""
+    from kvfence_engine.tools.progress import Progress
+
+    shown: dict[tuple[str, str], Progress] = {}
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(PROGRESS_POLL_SECONDS):
+            for name, (_, proc) in local.engines.items():
+                report = _loading_progress(proc.url)
+                if report is None:
+                    continue
+                key = (name, report.label)
+                if key not in shown:
+                    shown[key] = Progress(
+                        f"  {name}: {report.label}", report.total, unit=report.unit, write=say
+                    )
+                shown[key].move_to(report.done)
+
+    watcher = threading.Thread(target=watch, name="kvfence-up-progress", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+        for progress in shown.values():
+            progress.close()
+
+
+def _loading_progress(url: str) -> ProgressReport | None:
+    """The work an engine's /readyz reports under way; None when it reports none (or is not
+    answering yet: it is starting)."""
+    try:
+        answer = httpx.get(url + "/readyz", timeout=PROGRESS_POLL_SECONDS)
+        return EngineReadiness.model_validate_json(answer.content).progress
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def _wait_all(

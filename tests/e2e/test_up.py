@@ -1,6 +1,7 @@
 """`kvfence up` runs a manifest as local processes with the operator's decisions."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,7 +40,12 @@ class Up:
     """`kvfence up` as a user runs it: a process whose output we read line by line."""
 
     def __init__(
-        self, path: Path, tmp_path: Path, log: str = "up.out", split_stderr: bool = False
+        self,
+        path: Path,
+        tmp_path: Path,
+        log: str = "up.out",
+        split_stderr: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.log = tmp_path / log
@@ -49,7 +55,7 @@ class Up:
              str(self.port), "--state-dir", str(tmp_path / "state")],
             stdout=open(self.log, "wb"),  # noqa: SIM115
             stderr=open(self.err_log, "wb") if split_stderr else subprocess.STDOUT,  # noqa: SIM115
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )  # fmt: skip
 
     @property
@@ -150,6 +156,30 @@ def test_the_canary_says_each_step_once_and_its_verdict_on_stdout(tmp_path):
         assert up.interrupt() == 0
     finally:
         up.kill()
+
+
+@pytest.mark.slow
+def test_a_first_start_shows_each_engines_weight_conversion(tmp_path):
+    """The engines log to files; `up` shows what their /readyz says they are doing."""
+    path = manifest(
+        tmp_path,
+        model={"source": "builtin:smollm2-135m-instruct"},
+        engine={"kvCacheMemory": "16Mi"},  # 352 tokens: refused, once loaded
+        contextLength=512,
+    )
+    up = Up(path, tmp_path, env={"KVFENCE_CACHE_DIR": str(tmp_path / "empty-cache")})
+    try:
+        up.proc.wait(600)
+    finally:
+        up.kill()
+    out = up.output
+    for role in ("prefill", "decode"):
+        shown = re.findall(
+            rf"-{role}-0: converting SmolLM2-135M-Instruct\.Q4_1\.gguf: (\d+)/(\d+) tensors", out
+        )
+        assert shown, out
+        assert len(shown) <= 11, out  # a line every tenth of the way at most, not per tensor
+    assert out.index("converting") < out.index("ready (")
 
 
 def test_lower_context_serves_the_lowered_context_and_rejects_above_it(tmp_path):

@@ -35,8 +35,8 @@ def test_weight_conversion_shows_on_readyz_and_as_plain_lines_in_the_log(tmp_pat
             if readiness.status == "ready":
                 break
             assert readiness.status == "loading", readiness
-            if readiness.progress and readiness.progress not in said:
-                said.append(readiness.progress)
+            if readiness.progress and readiness.progress.line not in said:
+                said.append(readiness.progress.line)
             time.sleep(0.05)
         else:
             pytest.fail("not ready after 300s")

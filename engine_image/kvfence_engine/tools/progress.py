@@ -4,8 +4,8 @@
 Two kinds of work use it: named steps (the canary's phases: one line per step) and counted
 units (tensors converted while loading a model: a line every tenth of the way).
 
-`current()` says in words what the unfinished ones in this process are doing: an engine's
-/readyz reports it while loading, so `kvfence up` (whose engines log to files) can show it.
+`current()` reports the latest unfinished one in this process: an engine's /readyz carries it
+while loading, so `kvfence up` (whose engines log to files) can show it.
 It is process-wide on purpose: the loader runs deep inside an engine's build, and /readyz
 reports on the process, not on one call chain.
 """
@@ -17,15 +17,17 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from kvfence_engine.contracts import ProgressReport
+
 _lock = threading.Lock()
 _unfinished: list["Progress"] = []
 
 
-def current() -> str | None:
-    """What this process's unfinished progress says, or None."""
+def current() -> ProgressReport | None:
+    """The latest unfinished progress of this process, or None."""
     with _lock:
-        running = list(_unfinished)
-    return "; ".join(p.line for p in running) or None
+        latest = _unfinished[-1] if _unfinished else None
+    return latest.report() if latest is not None else None
 
 
 class Progress:
@@ -64,6 +66,17 @@ class Progress:
                 return f"{self.label} [{self.done}/{self.total}] {self.step}"
             return f"{self.label}: {self.done}/{self.total} {self.unit}s"
 
+    def report(self) -> ProgressReport:
+        with self._lock:
+            done = self.done
+        return ProgressReport(
+            label=self.label, done=done, total=self.total, unit=self.unit, line=self.line
+        )
+
+    def move_to(self, done: int) -> None:
+        """Where someone else's report says the work is (`kvfence up` showing an engine's)."""
+        self.advance(done - self.done)
+
     def start_step(self, name: str) -> None:
         """The next named step starts (steps count from 1 as they start)."""
         with self._lock:
@@ -78,7 +91,7 @@ class Progress:
     def advance(self, units: int = 1) -> None:
         """`units` more of the total are done."""
         with self._lock:
-            before, self.done = self.done, min(self.done + units, self.total)
+            before, self.done = self.done, max(0, min(self.done + units, self.total))
         if self._bar is not None:
             self._bar.update(self.done - before)
         elif self.done > before and (

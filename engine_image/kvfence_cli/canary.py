@@ -85,12 +85,15 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.canary import (
         EXIT_CANNOT_RUN,
         CanaryConfig,
+        planned_steps,
         run_canary,
         write_report,
         write_termination_message,
     )
+    from kvfence_engine.tools.progress import Progress
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    progress = Progress("canary", len(planned_steps(args.rounds)))
     try:
         config = CanaryConfig(
             target=args.target,
@@ -100,11 +103,13 @@ def run(args: argparse.Namespace) -> int:
             context_length=args.context_length,
             timeout=args.timeout,
             rounds=args.rounds,
+            progress=progress.start_step,
         )
     except (ValueError, OSError) as exc:  # a bad flag, or an unreadable token file
         print(f"kvfence canary: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
-    report = run_canary(config)
+    with progress:
+        report = run_canary(config)
     print(report.human())
     if args.report:
         write_report(report, args.report)

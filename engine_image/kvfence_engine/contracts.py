@@ -139,6 +139,25 @@ class ModelReport(_Reading):
     model_source: str | None = None
 
 
+class ProgressReport(_Reading):
+    """Long work under way: `done` of `total` units (tools/progress.Progress)."""
+
+    label: str  # what is being done, e.g. "converting model.gguf"
+    done: Count
+    total: Positive
+    unit: str  # e.g. "tensor"
+    line: str  # the same in words: "converting model.gguf: 136/272 tensors"
+
+
+class EngineReadiness(_Reading):
+    """GET /readyz of an engine: 200 "ready"; 503 "loading", with the work under way when it
+    can say, or "failed", with why."""
+
+    status: Literal["ready", "loading", "failed"]
+    error: str | None = None
+    progress: ProgressReport | None = None
+
+
 class PoolPlanReport(PoolSize):
     """`kvfence preflight --target`: the live pool next to its estimate."""
 

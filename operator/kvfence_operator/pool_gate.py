@@ -11,7 +11,12 @@ import httpx
 from pydantic import ValidationError
 
 from kvfence_engine.contracts import TOKEN_HEADER, PoolGateReport
-from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, tenant_share_pages
+from kvfence_engine.core.pool_plan import (
+    ContextPolicy,
+    budget_raise_percent,
+    effective_context,
+    tenant_share_pages,
+)
 from kvfence_operator.crd.types import PoolPolicy
 
 PROBE_TIMEOUT_SECONDS = 3.0
@@ -69,13 +74,35 @@ def read_pool(
 
 
 @dataclass(frozen=True, slots=True)
+class Remedy:
+    """What would let a pool serve what it refused: the same arithmetic as `kvfence preflight`
+    (a larger kvCacheMemory), or asking for what the pool holds (`fits` tokens)."""
+
+    raise_percent: int | None  # None: the pool is empty, no percentage of it says how much
+    lowerable: str  # the spec field to lower instead: contextLength or minContextLength
+    fits: int
+
+    def __str__(self) -> str:
+        grow = "raise kvCacheMemory" + (
+            f" by {self.raise_percent}%" if self.raise_percent is not None else ""
+        )
+        return f"{grow} or lower {self.lowerable} to {self.fits}" if self.fits > 0 else grow
+
+
+@dataclass(frozen=True, slots=True)
 class PodGate:
-    """The value of one pod's kvfence.dev/kv-pool readiness gate, with the reason."""
+    """The value of one pod's kvfence.dev/kv-pool readiness gate, with the reason: `finding`
+    says what is wrong (or right) with this pod, `remedy` what would change it."""
 
     pod: str
     sufficient: bool
     reason: str
-    message: str
+    finding: str
+    remedy: Remedy | None = None
+
+    @property
+    def message(self) -> str:
+        return f"{self.finding}; {self.remedy}" if self.remedy else self.finding
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +113,15 @@ class PoolDecision:
     min_pool_tokens: int | None
     reason: str
     message: str
+
+    @property
+    def refused(self) -> bool:
+        """A verdict waiting will not change: every pod reported, and a pool cannot serve."""
+        return (
+            not self.sufficient
+            and bool(self.gates)
+            and all(g.reason != "PoolUnknown" for g in self.gates.values())
+        )
 
 
 def _defences_off(report: PoolGateReport, unsafe_faults_allowed: bool) -> str | None:
@@ -149,6 +185,7 @@ def judge_pools(
                     "PoolTooSmall",
                     f"pod {pod} ({report.role}) has a KV pool of {report.pool_tokens} tokens"
                     f"{share_note(pod)}, smaller than contextLength {context_length}",
+                    _remedy(usable[pod], context_length, report.page_size, "contextLength"),
                 )
     else:
         floor = min_context_length or 1
@@ -156,18 +193,22 @@ def judge_pools(
             f"; a tenant's share of it holds {min_usable}" if _shared(pool_share) else ""
         )
         effective = None
+        page = max((r.page_size for r in reports.values()), default=1)
         if min_usable is not None:
-            page = max(r.page_size for r in reports.values())
             lowered = effective_context(context_length, min_usable, page, ContextPolicy.LOWER)
             effective = lowered if lowered >= floor else None
+        smallest = min(usable, key=lambda pod: usable[pod], default=None)
         for pod, report in reports.items():
             if effective is None:
+                assert smallest is not None and min_usable is not None
                 gates[pod] = PodGate(
                     pod,
                     False,
                     "PoolTooSmall",
-                    f"the smallest KV pool ({min_pool} tokens{smallest_share}) is below "
+                    f"the smallest KV pool (pod {smallest} ({reports[smallest].role}), "
+                    f"{reports[smallest].pool_tokens} tokens{smallest_share}) is below "
                     f"minContextLength {floor}",
+                    _remedy(min_usable, floor, page, "minContextLength"),
                 )
             else:
                 gates[pod] = PodGate(pod, True, "PoolHoldsContext", _holds(pod, report, effective))
@@ -182,7 +223,7 @@ def judge_pools(
             effective if policy is PoolPolicy.LOWER_CONTEXT else None,
             min_pool,
             insufficient[0].reason,
-            "; ".join(g.message for g in insufficient),
+            _refusal(insufficient),
         )
     lowered_note = (
         f" (lowered from {context_length})"
@@ -198,6 +239,20 @@ def judge_pools(
         f"every engine pool holds the served context {effective}{lowered_note}; "
         f"smallest pool {min_pool} tokens",
     )
+
+
+def _remedy(usable: int, needed: int, page_size: int, lowerable: str) -> Remedy:
+    fits = usable // page_size * page_size
+    return Remedy(budget_raise_percent(usable, needed, page_size), lowerable, fits)
+
+
+def _refusal(insufficient: Sequence[PodGate]) -> str:
+    """Each finding once (a LowerContext refusal is the same finding on every pod), then one
+    remedy: the largest, which every refused pod's pool then meets."""
+    findings = list(dict.fromkeys(g.finding for g in insufficient))
+    remedies = [g.remedy for g in insufficient if g.remedy is not None]
+    worst = max(remedies, key=lambda r: r.raise_percent or 10**9, default=None)
+    return "; ".join([*findings, str(worst)] if worst else findings)
 
 
 def _shared(pool_share: float | None) -> bool:

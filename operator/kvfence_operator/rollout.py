@@ -12,6 +12,9 @@ from enum import StrEnum
 from kvfence_operator.crd.types import CanaryResult, CanaryStatus, RevisionStatus, RoleReplicas
 from kvfence_operator.pool_gate import PoolDecision
 
+DISABLED = "canary disabled in spec"
+REFUSED = "not run: the pool check refused this revision"
+
 
 class JobPhase(StrEnum):
     RUNNING = "Running"
@@ -92,6 +95,10 @@ def plan_rollout(
     keep = tuple(r for r in (current, candidate) if r is not None)
     seen = observed.get(candidate)
     canary = _carried(previous_canary, candidate)
+    if not canary_enabled:
+        canary = CanaryStatus(revision=candidate, result=CanaryResult.NOT_RUN, message=DISABLED)
+    elif seen is not None and seen.pools.refused and _not_started(canary):
+        canary = CanaryStatus(revision=candidate, result=CanaryResult.NOT_RUN, message=REFUSED)
 
     def stay(canary_status: CanaryStatus | None, start: str | None = None) -> RolloutPlan:
         return RolloutPlan(
@@ -107,14 +114,8 @@ def plan_rollout(
     if seen is None or not seen.pods_ready or not seen.pools.sufficient:
         return stay(canary)
     if not canary_enabled:
-        return _promote(
-            candidate,
-            current,
-            CanaryStatus(
-                revision=candidate, result=CanaryResult.SKIPPED, message="canary disabled in spec"
-            ),
-            events,
-        )
+        assert canary is not None  # NotRun, set above
+        return _promote(candidate, current, canary, events)
     outcome = seen.canary
     if outcome is None:
         events.append(Event("Normal", "CanaryStarted", f"canary job for revision {candidate}"))
@@ -153,6 +154,10 @@ def plan_rollout(
     )
     events.append(Event("Normal", "CanaryPassed", f"revision {candidate} passed its canary"))
     return _promote(candidate, current, passed, events)
+
+
+def _not_started(canary: CanaryStatus | None) -> bool:
+    return canary is None or canary.result in (None, CanaryResult.PENDING, CanaryResult.NOT_RUN)
 
 
 def _carried(previous: CanaryStatus | None, candidate: str) -> CanaryStatus | None:

@@ -60,8 +60,10 @@ def compute_status(
         put(ConditionType.CANARY_PASSED, U, "CanaryPending", _about(canary, message))
     elif canary.result is CanaryResult.PASSED:
         put(ConditionType.CANARY_PASSED, T, "CanaryPassed", _about(canary, canary.message or ""))
-    elif canary.result is CanaryResult.SKIPPED:
+    elif canary.result is CanaryResult.NOT_RUN and not spec.canary.enabled:
         put(ConditionType.CANARY_PASSED, T, "CanaryDisabled", "spec.canary.enabled is false")
+    elif canary.result is CanaryResult.NOT_RUN:
+        put(ConditionType.CANARY_PASSED, U, "CanaryNotRun", _about(canary, canary.message or ""))
     else:
         put(ConditionType.CANARY_PASSED, F, "CanaryFailed", _about(canary, canary.message or ""))
 

@@ -18,18 +18,21 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 from pydantic import ValidationError
 
 import kvfence_engine
+from kvfence_engine.contracts import EngineReadiness, ProgressReport
 from kvfence_engine.tools.cache_dir import cache_root
 from kvfence_engine.tools.localproc import (
     LocalProcess,
@@ -58,6 +61,7 @@ START_TIMEOUT_SECONDS = 900.0
 # (model source, contextLength, device) -> why engines could not start, or None. Given by the
 # CLI: the checks need the engine's dependencies, which the operator package must not import.
 EngineCheck = Callable[[str, int, str], str | None]
+PROGRESS_POLL_SECONDS = 0.5
 
 
 class UpError(Exception):
@@ -215,7 +219,52 @@ def start_engines(
     say(f"starting {len(local.engines)} engine processes, model {spec.model.source}")
     for _, proc in local.engines.values():
         proc.start()
-    wait_ready({name: proc for name, (_, proc) in local.engines.items()}, say)
+    with engine_progress(local, say):
+        wait_ready({name: proc for name, (_, proc) in local.engines.items()}, say)
+
+
+@contextlib.contextmanager
+def engine_progress(local: LocalDeployment, say: Callable[[str], None]) -> Iterator[None]:
+    """While the engines load, show the work their /readyz reports (a weight conversion takes
+    a while on a first start): a bar per engine on a terminal, a line every tenth of the way
+    otherwise. The engines log to files; this is what a person at `up` sees of them."""
+    from kvfence_engine.tools.progress import Progress
+
+    shown: dict[tuple[str, str], Progress] = {}
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(PROGRESS_POLL_SECONDS):
+            for name, (_, proc) in local.engines.items():
+                report = _loading_progress(proc.url)
+                if report is None:
+                    continue
+                key = (name, report.label)
+                if key not in shown:
+                    shown[key] = Progress(
+                        f"  {name}: {report.label}", report.total, unit=report.unit, write=say
+                    )
+                shown[key].move_to(report.done)
+
+    watcher = threading.Thread(target=watch, name="kvfence-up-progress", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+        for progress in shown.values():
+            progress.close()
+
+
+def _loading_progress(url: str) -> ProgressReport | None:
+    """The work an engine's /readyz reports under way; None when it reports none (or is not
+    answering yet: it is starting)."""
+    try:
+        answer = httpx.get(url + "/readyz", timeout=PROGRESS_POLL_SECONDS)
+        return EngineReadiness.model_validate_json(answer.content).progress
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def wait_ready(procs: Mapping[str, LocalProcess], say: Callable[[str], None]) -> None:
@@ -240,11 +289,13 @@ def read_pools(local: LocalDeployment, internal_token: str) -> list[PodPool]:
 
 
 def pool_lines(pools: list[PodPool], decision: PoolDecision) -> list[str]:
+    """One line per pod with its pool, then the verdict: a refusal's findings (each naming
+    its pod) and remedy are said once, there."""
     lines = []
     for pool in pools:
         gate = decision.gates[pool.pod]
         size = f"{pool.report.pool_tokens} tokens" if pool.report else "unknown"
-        lines.append(f"  {pool.pod}: pool {size} -> {'ok' if gate.sufficient else gate.message}")
+        lines.append(f"  {pool.pod}: pool {size} -> {'ok' if gate.sufficient else 'refused'}")
     return lines
 
 
@@ -322,20 +373,22 @@ def run_canary_gate(
         cached = json.loads(cache.read_text())
         say(f"canary: passed for this revision at {cached['at']} (cached in {cache})")
         return CanaryOutcome("local", JobPhase.SUCCEEDED, cached["summary"])
-    from kvfence_engine.canary import CanaryConfig, run_canary
+    from kvfence_engine.canary import CanaryConfig, planned_steps, run_canary
+    from kvfence_engine.tools.progress import Progress
 
     say(f"canary: tenant B tries to see tenant A's secret (timeout {timeout:.0f}s) ...")
-    report = run_canary(
-        CanaryConfig(
-            target=target,
-            tenant_a_key=credentials.tenant_a_key,
-            tenant_b_key=credentials.tenant_b_key,
-            internal_token=credentials.internal_token,
-            context_length=context,
-            timeout=timeout,
-            progress=lambda line: say(f"  {line}"),
-        )
+    config = CanaryConfig(
+        target=target,
+        tenant_a_key=credentials.tenant_a_key,
+        tenant_b_key=credentials.tenant_b_key,
+        internal_token=credentials.internal_token,
+        context_length=context,
+        timeout=timeout,
     )
+    steps = Progress("canary", len(planned_steps(config.rounds)), write=lambda s: say(f"  {s}"))
+    with steps:
+        report = run_canary(replace(config, progress=steps.start_step))
+    say(report.summary)
     if not report.passed:
         return CanaryOutcome("local", JobPhase.FAILED, report.summary)
     cache.write_text(json.dumps({"at": datetime.now(UTC).isoformat(), "summary": report.summary}))
@@ -460,9 +513,8 @@ def _run(
             spec, 1, InferenceDeploymentStatus(), plan, observed, pools, endpoint, now=created
         )
         say(table([status_object(manifest, status, created)]))
-        if plan.serve != revision:
-            reason = status.canary.message if status.canary and canary else decision.message
-            say(f"not serving: {reason}")
+        if plan.serve != revision:  # the reason was said above, once
+            say("not serving: " + ("the canary failed" if canary else "the pool check refused"))
             return 1
         say(f"serving: {endpoint}  (OpenAI API; api key: {api_key})")
         if wait:

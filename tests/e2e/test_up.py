@@ -1,6 +1,7 @@
 """`kvfence up` runs a manifest as local processes with the operator's decisions."""
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -57,20 +58,27 @@ class Up:
         log: str = "up.out",
         port: int | None = None,
         extra: Sequence[str] = (),
+        split_stderr: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = port or free_port()
         self.log = tmp_path / log
+        self.err_log = tmp_path / f"{log}.err"  # stderr, when split_stderr
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvfence_cli", "up", str(path), "--port",
              str(self.port), "--state-dir", str(tmp_path / "state"), *extra],
             stdout=open(self.log, "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stderr=open(self.err_log, "wb") if split_stderr else subprocess.STDOUT,  # noqa: SIM115
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )  # fmt: skip
 
     @property
     def output(self) -> str:
         return self.log.read_text()
+
+    @property
+    def errors(self) -> str:
+        return self.err_log.read_text()
 
     def wait_for(self, text: str, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -105,6 +113,87 @@ def test_refuse_with_a_pool_smaller_than_the_context_exits_non_zero_naming_the_p
     assert "tiny-" in out and "KV pool of 672 tokens, smaller than contextLength 1024" in out
     assert "not serving" in out
     assert "serving: http" not in out
+
+
+def table_cell(out: str, column: str) -> str:
+    """One cell of the status table `up` prints (the row of the manifest `tiny`)."""
+    lines = out.splitlines()
+    header = next(line.split() for line in lines if line.startswith("NAME "))
+    row = next(line.split() for line in lines if line.startswith("tiny "))
+    return row[header.index(column)]
+
+
+def test_a_refusal_is_said_once_naming_each_pod_with_the_remedy(tmp_path):
+    up = Up(manifest(tmp_path, poolPolicy="Refuse"), tmp_path)
+    try:
+        code = up.proc.wait(180)
+    finally:
+        up.kill()
+    out = up.output
+    assert code == 1, out
+    for role in ("prefill", "decode"):
+        assert out.count(f"-{role}-0 ({role}) has a KV pool of 672 tokens, smaller") == 1, out
+    assert out.count("raise kvCacheMemory by 53% or lower contextLength to 672") == 1, out
+
+
+def test_a_canary_that_will_not_run_is_not_run_not_pending(tmp_path):
+    """Refused pools: the canary (enabled or not) never runs; a disabled canary never runs."""
+    refused = Up(manifest(tmp_path, poolPolicy="Refuse", canary={"enabled": True}), tmp_path)
+    try:
+        assert refused.proc.wait(180) == 1, refused.output
+    finally:
+        refused.kill()
+    assert table_cell(refused.output, "CANARY") == "NotRun", refused.output
+    assert "canary:" not in refused.output
+
+    disabled = Up(manifest(tmp_path, poolPolicy="Refuse"), tmp_path, "disabled.out")
+    try:
+        assert disabled.proc.wait(180) == 1, disabled.output
+    finally:
+        disabled.kill()
+    assert table_cell(disabled.output, "CANARY") == "NotRun", disabled.output
+
+
+def test_the_canary_says_each_step_once_and_its_verdict_on_stdout(tmp_path):
+    """`kvfence up ... 2>/dev/null` still shows every canary step, numbered, and the verdict."""
+    path = manifest(tmp_path, engine={"kvCacheMemory": "1Mi"}, canary={"enabled": True})
+    up = Up(path, tmp_path, split_stderr=True)
+    try:
+        up.wait_for("serving: http", timeout=300)
+        out = up.output
+        steps = [line.strip() for line in out.splitlines() if line.strip().startswith("canary [")]
+        assert len(steps) == 13, out
+        assert steps[0] == "canary [1/13] discovering the target"
+        assert steps[-1] == "canary [13/13] reading engine counters"
+        assert "kvfence canary PASS: all 6 checks passed" in out
+        assert "canary" not in up.errors, up.errors
+        assert up.interrupt() == 0
+    finally:
+        up.kill()
+
+
+@pytest.mark.slow
+def test_a_first_start_shows_each_engines_weight_conversion(tmp_path):
+    """The engines log to files; `up` shows what their /readyz says they are doing."""
+    path = manifest(
+        tmp_path,
+        model={"source": "builtin:smollm2-135m-instruct"},
+        engine={"kvCacheMemory": "16Mi"},  # 352 tokens: refused, once loaded
+        contextLength=512,
+    )
+    up = Up(path, tmp_path, env={"KVFENCE_CACHE_DIR": str(tmp_path / "empty-cache")})
+    try:
+        up.proc.wait(600)
+    finally:
+        up.kill()
+    out = up.output
+    for role in ("prefill", "decode"):
+        shown = re.findall(
+            rf"-{role}-0: converting SmolLM2-135M-Instruct\.Q4_1\.gguf: (\d+)/(\d+) tensors", out
+        )
+        assert shown, out
+        assert len(shown) <= 11, out  # a line every tenth of the way at most, not per tensor
+    assert out.index("converting") < out.index("ready (")
 
 
 def test_lower_context_serves_the_lowered_context_and_rejects_above_it(tmp_path):

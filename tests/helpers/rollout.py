@@ -1,17 +1,13 @@
 """A revision as the rollout plan observes it: its replicas, one decode pool, its canary."""
 
 from kvfence_operator.crd.types import PoolPolicy, RoleReplicas
-from kvfence_operator.pool_gate import judge_pools, parse_pool
+from kvfence_operator.pool_gate import PodPool, judge_pools, parse_pool
 from kvfence_operator.rollout import CanaryOutcome, RevisionObservation
 
 
-def observation(
-    revision: str,
-    ready: int = 1,
-    pool_tokens: int = 1024,
-    canary: CanaryOutcome | None = None,
-) -> RevisionObservation:
-    pools = [
+def decode_pools(revision: str, pool_tokens: int = 1024) -> list[PodPool]:
+    """The revision's one decode pod `<revision>-d`, as its /v1/kvpool reported it."""
+    return [
         parse_pool(
             f"{revision}-d",
             "decode",
@@ -28,6 +24,15 @@ def observation(
             },
         )
     ]
+
+
+def observation(
+    revision: str,
+    ready: int = 1,
+    pool_tokens: int = 1024,
+    canary: CanaryOutcome | None = None,
+) -> RevisionObservation:
+    pools = decode_pools(revision, pool_tokens)
     replicas = {
         role: RoleReplicas(ready=ready, desired=1) for role in ("prefill", "decode", "router")
     }

@@ -384,6 +384,22 @@ def test_a_target_that_is_down_is_exit_code_2_with_the_reason() -> None:
     assert f"could not run: cannot reach the target at {url}/v1/models: ConnectError" in cli.stdout
 
 
+def test_kvfence_canary_says_each_step_once_and_its_verdict_on_stdout() -> None:
+    """Nothing of the canary's own narrative is a log line: `2>/dev/null` hides none of it."""
+    url = f"http://127.0.0.1:{free_port()}"
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvfence_cli", "canary", "--target", url,
+         "--tenant-a-key", KEY_A, "--tenant-b-key", KEY_B],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert cli.returncode == 2
+    steps = [line for line in cli.stdout.splitlines() if line.startswith("canary [")]
+    assert steps == ["canary [1/13] discovering the target"], cli.stdout
+    assert f"kvfence canary against {url}: ERROR (exit 2)" in cli.stdout
+    assert "could not run: cannot reach the target" in cli.stdout
+    assert cli.stderr == ""
+
+
 def test_a_refused_key_is_exit_code_2_naming_the_tenant(healthy: Deployment) -> None:
     report = run_canary(CanaryConfig(healthy.router.url, KEY_A, "not-a-key"))
     assert report.exit_code == 2 and report.outcome == "error"

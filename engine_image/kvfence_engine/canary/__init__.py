@@ -15,7 +15,7 @@ from kvfence_engine.canary.report import (
     write_report,
     write_termination_message,
 )
-from kvfence_engine.canary.run import run_canary, run_canary_async
+from kvfence_engine.canary.run import planned_steps, run_canary, run_canary_async
 
 __all__ = [
     "EXIT_CANNOT_RUN",
@@ -24,6 +24,7 @@ __all__ = [
     "CanaryConfig",
     "CanaryReport",
     "CheckResult",
+    "planned_steps",
     "run_canary",
     "run_canary_async",
     "write_report",

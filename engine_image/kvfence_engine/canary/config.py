@@ -29,7 +29,8 @@ class CanaryConfig:
     concurrent_decode_seconds: float = 0.5  # how long B keeps decoding while A pollutes
     max_pollution_requests: int = 32  # per pollution burst
     seed: int | None = None  # prompts and marker; random when None (recorded in the report)
-    progress: Callable[[str], None] | None = None  # told each step as it starts (`kvfence up`)
+    # told each step as it starts, in the order of run.planned_steps (a progress display)
+    progress: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         problems = []

@@ -56,6 +56,20 @@ log = logging.getLogger(__name__)
 FLAVOURS = ("A", "N")  # A: tenant A's marker prompts; N: neutral token ids of the same lengths
 
 
+def planned_steps(rounds: int) -> list[str]:
+    """The steps `CanaryRun.execute` announces, in order (a progress display counts them)."""
+    return [
+        "discovering the target",
+        "reading engine counters",
+        "sizing tenant A's marker prompt",
+        "calibrating prefill time",
+        "baseline",
+        *(f"round {r} of {rounds}, {f} pollution" for r in range(1, rounds + 1) for f in FLAVOURS),
+        "calibrating prefill time again",
+        "reading engine counters",
+    ]
+
+
 class CanaryRun:
     def __init__(self, config: CanaryConfig, seed: int) -> None:
         self.config = config
@@ -64,6 +78,8 @@ class CanaryRun:
         self.target = TargetClient(config)
         self.answers: list[Answer] = []
         self.step = "starting"
+        self.steps = planned_steps(config.rounds)
+        self.steps_started = 0
         self.facts: TargetFacts | None = None
         self.probes: tuple[Probe, ...] = ()
         self.concurrent: Probe | None = None
@@ -106,8 +122,12 @@ class CanaryRun:
             self.after = await self.read_counters()
 
     def _at(self, step: str) -> None:
+        """A step starts: the caller's progress display is told (the CLI's narrative is not a
+        log line); the log keeps it at debug level."""
+        assert step == self.steps[self.steps_started], f"{step!r} is not in planned_steps"
+        self.steps_started += 1
         self.step = step
-        log.info("canary: %s", step)
+        log.debug("canary: %s", step)
         if self.config.progress is not None:
             self.config.progress(step)
 
@@ -317,7 +337,7 @@ async def run_canary_async(config: CanaryConfig) -> CanaryReport:
     seconds = time.monotonic() - start
     checks = run.checks()
     outcome, exit_code, reason = decide(checks, error, seconds, run.target.requests)
-    log.info("canary: %s", reason)
+    log.debug("canary: %s", reason)  # the verdict is the caller's to say (report.summary)
     return CanaryReport(
         target=config.target,
         outcome=outcome,

@@ -54,3 +54,13 @@ def tenant_share_pages(num_pages: int, share: float) -> int:
     """Pages one tenant may reserve at once under --max-pool-share-per-tenant: at least one (a
     share never shuts a tenant out completely). The operator's pool gate uses the same rule."""
     return max(1, int(num_pages * share))
+
+
+def budget_raise_percent(pool_tokens: int, needed_tokens: int, page_size: int) -> int | None:
+    """By how much (in percent, rounded up) the KV memory budget that gave a pool of
+    `pool_tokens` must grow for the pool to hold `needed_tokens`: pages grow with the budget,
+    and a need is met in whole pages. None for an empty pool (no percentage of nothing)."""
+    if pool_tokens <= 0:
+        return None
+    needed = -(-needed_tokens // page_size) * page_size
+    return max(1, -(-(needed - pool_tokens) * 100 // pool_tokens))

@@ -7,7 +7,9 @@ config.json + *.safetensors + tokenizer.json.
 import contextlib
 import dataclasses
 import json
+import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,9 @@ from kvfence_engine.loading.tokenizer_source import (
     smollm2_gguf_path,
     smollm2_tokenizer,
 )
+from kvfence_engine.tools.progress import Progress
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -155,14 +160,26 @@ def _convert_gguf(path: Path) -> LoadedModel:
     config, fields = gguf_config(reader, path)
     arch = fields["general.architecture"]
     weights: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
-        # llama.cpp permutes Q/K only for the llama architecture (qwen2 keeps HF layout).
-        if arch == "llama" and tensor.name.split(".")[-2] in ("attn_q", "attn_k"):
-            n = config.num_heads if tensor.name.split(".")[-2] == "attn_q" else config.num_kv_heads
-            array = _unpermute_rope(array, n)
-        weights[_hf_name(tensor.name)] = torch.from_numpy(np.array(array, dtype=np.float32))
+    # the slow part of a first start (seconds to minutes): a bar on a terminal, a line in the
+    # log every tenth of the way otherwise, and the engine's /readyz says where it is
+    with Progress(
+        f"converting {path.name}",
+        len(reader.tensors),
+        unit="tensor",
+        stream=sys.stderr,
+        write=log.info,
+    ) as converting:
+        for tensor in reader.tensors:
+            array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+            array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+            # llama.cpp permutes Q/K only for the llama architecture (qwen2 keeps HF layout).
+            part = tensor.name.split(".")[-2]
+            if arch == "llama" and part in ("attn_q", "attn_k"):
+                array = _unpermute_rope(
+                    array, config.num_heads if part == "attn_q" else config.num_kv_heads
+                )
+            weights[_hf_name(tensor.name)] = torch.from_numpy(np.array(array, dtype=np.float32))
+            converting.advance()
     return LoadedModel(
         name=str(fields.get("general.name", path.stem)),
         config=config,

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfence_engine.auth import presents_internal_token
-from kvfence_engine.contracts import KvPoolReport, Role
+from kvfence_engine.contracts import EngineReadiness, KvPoolReport, Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.request import SamplingParams, is_terminal
 from kvfence_engine.loading.detokenizer import Detokenizer
@@ -38,6 +38,7 @@ from kvfence_engine.serving.openai_api import (
 )
 from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 from kvfence_engine.serving.state import ServerState
+from kvfence_engine.tools.progress import current as loading_progress
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,12 @@ def create_app(state: ServerState) -> FastAPI:
     async def readyz() -> JSONResponse:
         if state.engine is not None:
             return JSONResponse({"status": "ready"})
-        status = "failed" if state.load_error else "loading"
-        return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
+        report = (
+            EngineReadiness(status="failed", error=state.load_error)
+            if state.load_error
+            else EngineReadiness(status="loading", progress=loading_progress())
+        )
+        return JSONResponse(report.model_dump(mode="json"), status_code=503)
 
     @app.get("/v1/kvpool", dependencies=[Depends(operational)], responses=error_responses(401, 503))
     async def kvpool() -> KvPoolReport:

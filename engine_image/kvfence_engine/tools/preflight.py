@@ -11,7 +11,12 @@ from dataclasses import dataclass
 import httpx
 
 from kvfence_engine.contracts import TOKEN_HEADER, PoolPlanReport, PoolSize, RouterPoolSizes
-from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, plan_pool
+from kvfence_engine.core.pool_plan import (
+    ContextPolicy,
+    budget_raise_percent,
+    effective_context,
+    plan_pool,
+)
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 KV_DTYPES = ["auto", *DTYPE_BYTES]
@@ -54,7 +59,9 @@ def estimate(
         f"pool: {budget_bytes} bytes -> {plan.num_pages} pages x {page_size} tokens = "
         f"{plan.pool_tokens} tokens per engine (prefill and decode alike)",
     ]
-    return _verdict(lines, context_length, plan.pool_tokens, lowered, config.max_positions)
+    return _verdict(
+        lines, context_length, plan.pool_tokens, page_size, lowered, config.max_positions
+    )
 
 
 def live(
@@ -93,7 +100,7 @@ def live(
     lowered = effective_context(
         context_length, pool.pool_tokens, pool.page_size, ContextPolicy.LOWER
     )
-    return _verdict(lines, context_length, pool.pool_tokens, lowered, None)
+    return _verdict(lines, context_length, pool.pool_tokens, pool.page_size, lowered, None)
 
 
 def _refusal(response: httpx.Response, internal_token: str | None, api_key: str | None) -> str:
@@ -123,7 +130,9 @@ def _router_verdict(target: str, content: bytes, context_length: int) -> Verdict
     lowered = effective_context(
         context_length, bounds.pool_tokens, bounds.page_size, ContextPolicy.LOWER
     )
-    return _verdict(lines, context_length, bounds.pool_tokens, lowered, None)
+    return _verdict(
+        lines, context_length, bounds.pool_tokens, bounds.page_size, lowered, None
+    )
 
 
 def positions_problem(context: int, max_positions: int) -> str | None:
@@ -134,7 +143,12 @@ def positions_problem(context: int, max_positions: int) -> str | None:
 
 
 def _verdict(
-    lines: list[str], context: int, pool_tokens: int, lowered: int, max_positions: int | None
+    lines: list[str],
+    context: int,
+    pool_tokens: int,
+    page_size: int,
+    lowered: int,
+    max_positions: int | None,
 ) -> Verdict:
     if max_positions is not None and (problem := positions_problem(context, max_positions)):
         lines.append(problem)
@@ -145,7 +159,7 @@ def _verdict(
     lines.append(
         f"context {context}: DOES NOT FIT. poolPolicy Refuse keeps such pods unready; "
         f"LowerContext would serve {lowered} tokens; or raise kvCacheMemory by "
-        f"{(context - pool_tokens) / pool_tokens:.0%}"
+        f"{budget_raise_percent(pool_tokens, context, page_size)}%"
     )
     return Verdict(lines, False)
 

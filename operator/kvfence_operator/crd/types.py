@@ -418,11 +418,16 @@ class RevisionStatus(_LenientModel):
 
 
 class CanaryResult(StrEnum):
-    PENDING = "Pending"
+    PENDING = "Pending"  # will run once the pods are ready and their pools suffice
     RUNNING = "Running"
     PASSED = "Passed"
     FAILED = "Failed"
-    SKIPPED = "Skipped"
+    NOT_RUN = "NotRun"  # will not run: disabled in the spec, or the pool check refused
+
+    @classmethod
+    def _missing_(cls, value: object) -> "CanaryResult | None":
+        """Statuses written before NotRun said Skipped for a disabled canary."""
+        return cls.NOT_RUN if value == "Skipped" else None
 
 
 class CanaryStatus(_LenientModel):

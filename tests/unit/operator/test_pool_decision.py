@@ -201,3 +201,44 @@ def test_a_tenant_share_of_the_pool_must_hold_the_context_since_a_request_is_one
     assert lowered.min_pool_tokens == 4096  # the status still shows the pools themselves
     no_cap = judge_pools(pools, PoolPolicy.REFUSE, 2048, None, pool_share=1.0)
     assert no_cap.sufficient
+
+
+def test_a_refusal_names_each_small_pod_once_and_the_remedy_once():
+    decision = judge_pools(
+        [pod("p-0", 672, "prefill"), pod("d-0", 672)],
+        PoolPolicy.REFUSE,
+        context_length=1024,
+        min_context_length=None,
+    )
+    assert decision.message == (
+        "pod p-0 (prefill) has a KV pool of 672 tokens, smaller than contextLength 1024; "
+        "pod d-0 (decode) has a KV pool of 672 tokens, smaller than contextLength 1024; "
+        "raise kvCacheMemory by 53% or lower contextLength to 672"
+    )
+    # each pod's own gate carries the remedy too (its readiness gate condition shows it alone)
+    assert decision.gates["d-0"].message == (
+        "pod d-0 (decode) has a KV pool of 672 tokens, smaller than contextLength 1024; "
+        "raise kvCacheMemory by 53% or lower contextLength to 672"
+    )
+
+
+def test_lower_context_below_the_floor_names_the_smallest_pod_and_the_remedy():
+    decision = judge_pools(
+        [pod("p-0", 4096, "prefill"), pod("d-0", 672), pod("d-1", 672)],
+        PoolPolicy.LOWER_CONTEXT,
+        context_length=2048,
+        min_context_length=1024,
+    )
+    assert not decision.sufficient
+    assert decision.message == (
+        "the smallest KV pool (pod d-0 (decode), 672 tokens) is below minContextLength 1024; "
+        "raise kvCacheMemory by 53% or lower minContextLength to 672"
+    )
+
+
+def test_the_remedy_is_the_arithmetic_preflight_shows():
+    """1456 tokens of pool for a context of 2048: preflight says 41% (README)."""
+    decision = judge_pools(
+        [pod("d-0", 1456)], PoolPolicy.REFUSE, context_length=2048, min_context_length=None
+    )
+    assert "raise kvCacheMemory by 41% or lower contextLength to 1456" in decision.message

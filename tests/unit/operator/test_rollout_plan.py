@@ -85,4 +85,23 @@ def test_reverting_the_spec_drops_the_candidate():
 
 def test_canary_disabled_promotes_on_readiness():
     plan = plan_rollout("r1", None, None, {"r1": observation("r1")}, canary_enabled=False)
-    assert plan.serve == "r1" and plan.canary.result is CanaryResult.SKIPPED
+    assert plan.serve == "r1" and plan.canary.result is CanaryResult.NOT_RUN
+    assert plan.canary.message == "canary disabled in spec"
+
+
+def test_a_disabled_canary_is_not_run_even_while_pods_start():
+    plan = plan_rollout("r1", None, None, {"r1": observation("r1", ready=0)}, False)
+    assert plan.serve is None
+    assert plan.canary.result is CanaryResult.NOT_RUN
+    assert plan.canary.message == "canary disabled in spec"
+
+
+def test_a_canary_whose_pools_were_refused_will_not_run():
+    plan = plan_rollout("r1", None, None, {"r1": observation("r1", pool_tokens=256)}, True)
+    assert plan.start_canary is None and plan.serve is None
+    assert plan.canary.result is CanaryResult.NOT_RUN
+    assert plan.canary.message == "not run: the pool check refused this revision"
+
+
+def test_a_status_written_with_the_old_skipped_result_still_reads():
+    assert CanaryStatus.model_validate({"result": "Skipped"}).result is CanaryResult.NOT_RUN

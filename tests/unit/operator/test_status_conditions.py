@@ -3,7 +3,7 @@ tool act on."""
 
 from datetime import UTC, datetime
 
-from helpers.rollout import observation
+from helpers.rollout import decode_pools, observation
 from kvfence_operator.crd.types import (
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
@@ -42,6 +42,25 @@ def test_a_failed_canary_is_degraded_and_stalled_while_the_old_revision_serves()
     assert c["Progressing"] == c["Reconciling"] == ("False", "CanaryFailed")
     assert status.endpoint == "http://tiny.default.svc:8000"  # r1 still serves
     assert all(cond.observed_generation == 3 for cond in status.conditions)
+
+
+def test_a_refused_pool_says_why_once_with_the_remedy_and_its_canary_is_not_run():
+    observed = {"r1": observation("r1", pool_tokens=256)}
+    plan = plan_rollout("r1", None, None, observed, True)
+    status = compute_status(
+        SPEC, 3, InferenceDeploymentStatus(), plan, observed, decode_pools("r1", 256), None, NOW
+    )
+    c = conditions(status)
+    assert c["Ready"] == ("False", "PoolInsufficient")
+    assert c["CanaryPassed"] == ("Unknown", "CanaryNotRun")
+    assert status.canary.result == "NotRun"
+    ready = next(cond for cond in status.conditions if cond.type == "Ready")
+    assert ready.message == (
+        "pod r1-d (decode) has a KV pool of 256 tokens, smaller than contextLength 512; "
+        "raise kvCacheMemory by 100% or lower contextLength to 256"
+    )
+    canary = next(cond for cond in status.conditions if cond.type == "CanaryPassed")
+    assert canary.message == "revision r1: not run: the pool check refused this revision"
 
 
 def test_a_rollout_in_progress_is_reconciling_and_not_ready():

@@ -130,9 +130,7 @@ def _router_verdict(target: str, content: bytes, context_length: int) -> Verdict
     lowered = effective_context(
         context_length, bounds.pool_tokens, bounds.page_size, ContextPolicy.LOWER
     )
-    return _verdict(
-        lines, context_length, bounds.pool_tokens, bounds.page_size, lowered, None
-    )
+    return _verdict(lines, context_length, bounds.pool_tokens, bounds.page_size, lowered, None)
 
 
 def positions_problem(context: int, max_positions: int) -> str | None:

@@ -222,11 +222,14 @@ class Reconciler:
         self, spec: InferenceDeploymentSpec, instance: Instance, revision: str
     ) -> None:
         """Create what is missing; update only replica counts (revision-neutral by design).
-        The Secret is generated once: its credentials live as long as the revision."""
+        The Secret is generated once: its credentials live as long as the revision. A name
+        someone else has stops the creation there: the pods come last, so they never start
+        on credentials, a backends file or a fence that are not the operator's."""
         ns = instance.namespace
         secret = self.kube.get("v1", "Secret", ns, secret_name(instance, revision))
         if secret is not None and not controlled_by(secret, instance.uid):
             self._conflicts.append(Conflict.of({**secret, "kind": "Secret"}))
+            return
         credentials = RevisionCredentials.generate()
         for child in build_revision_children(
             spec, instance, revision, credentials, self.operator_namespace
@@ -234,10 +237,12 @@ class Reconciler:
             kind, name = child["kind"], child["metadata"]["name"]
             if kind == "Secret" and secret is not None:
                 continue
-            if kind == "ConfigMap":
-                continue  # written by _observe, from the pods' pools
+            conflicts = len(self._conflicts)
             existing = self._claim(instance, child)
-            if existing is None or kind not in UPDATABLE_KINDS:
+            if len(self._conflicts) > conflicts:
+                return
+            # the ConfigMap's data is written by _observe, from the pods' pools
+            if existing is None or kind not in UPDATABLE_KINDS or kind == "ConfigMap":
                 continue
             wanted = {"spec": {"replicas": child["spec"]["replicas"]}}
             if not is_subset(wanted, existing):

@@ -1,17 +1,21 @@
 """Whose an object is: controller references by UID, the pod -> ReplicaSet -> Deployment
 chain, the stable Service's patch, and the NameConflict status."""
 
+import copy
 from datetime import UTC, datetime
 from typing import Any
 
 from kvfence_operator.builders.router_deployment import build_stable_service
+from kvfence_operator.builders.secret import secret_name
 from kvfence_operator.crd.types import InferenceDeploymentSpec, InferenceDeploymentStatus
-from kvfence_operator.meta import Instance, controlled_by, owner_description
+from kvfence_operator.meta import Instance, controlled_by, owner_description, selector
 from kvfence_operator.ownership import (
     Conflict,
     pod_controlled_by_deployment,
     stable_service_patch,
 )
+from kvfence_operator.reconcile import Reconciler
+from kvfence_operator.revision import revision_of
 from kvfence_operator.status import with_conflicts
 
 INSTANCE = Instance("tiny", "default", "uid-infd")
@@ -158,3 +162,103 @@ def test_a_name_conflict_is_ready_false_and_degraded_naming_the_object_and_its_o
     assert "Service tiny" in by_type["Ready"].message
     assert "HelmRelease web (uid u9)" in by_type["Ready"].message
     assert with_conflicts(status, [], generation=3, now=NOW) == status
+
+
+# ---- the reconciler against an in-memory API server --------------------------------------
+
+
+class MemoryKube:
+    """Enough of the API server for one reconcile pass: objects by (kind, name), a 409 on a
+    taken name, UIDs on create, and a record of every write."""
+
+    def __init__(self, *objects: dict[str, Any]) -> None:
+        self.objects = {(o["kind"], o["metadata"]["name"]): copy.deepcopy(o) for o in objects}
+        self.writes: list[tuple[str, str, str]] = []
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
+        return copy.deepcopy(self.objects.get((kind, name)))
+
+    def list(self, api_version: str, kind: str, namespace: str, labels: dict[str, str]) -> Any:
+        return [
+            copy.deepcopy(o)
+            for (k, _), o in self.objects.items()
+            if k == kind and labels.items() <= (o["metadata"].get("labels") or {}).items()
+        ]
+
+    def create(self, obj: dict[str, Any]) -> bool:
+        key = (obj["kind"], obj["metadata"]["name"])
+        if key in self.objects:
+            return False
+        self.writes.append(("create", *key))
+        self.objects[key] = {
+            **copy.deepcopy(obj),
+            "metadata": {**obj["metadata"], "uid": f"u-{key[1]}"},
+        }
+        return True
+
+    def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Any,
+        subresource: str = "",
+    ) -> None:
+        self.writes.append(("patch", kind, name))
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self.writes.append(("delete", kind, name))
+        self.objects.pop((kind, name), None)
+
+
+def body(uid: str = "uid-infd") -> dict[str, Any]:
+    return {
+        "metadata": {"name": "tiny", "namespace": "default", "uid": uid, "generation": 1},
+        "spec": spec().model_dump(mode="json", by_alias=True, exclude_none=True),
+    }
+
+
+def never_probed(pod: str, *_: Any) -> Any:
+    raise AssertionError(f"{pod} was probed")
+
+
+def test_a_revision_secret_name_someone_else_has_stops_the_revision_before_any_pod():
+    revision = revision_of(spec())
+    foreign = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": secret_name(INSTANCE, revision), "uid": "x"},
+        "data": {"internal-token": "YXR0YWNrZXI="},
+    }
+    kube = MemoryKube(foreign)
+    outcome = Reconciler(kube, "kvfence-system", read_pool=never_probed).reconcile(body())  # type: ignore[arg-type]
+    assert not [w for w in kube.writes if w[1] == "Deployment"], kube.writes
+    assert kube.objects[("Secret", foreign["metadata"]["name"])] == foreign
+    ready = next(c for c in outcome.status.conditions if c.type == "Ready")
+    assert (ready.status, ready.reason) == ("False", "NameConflict")
+    assert f"Secret {foreign['metadata']['name']} exists" in ready.message
+    assert [e.reason for e in outcome.events if e.type == "Warning"] == ["NameConflict"]
+
+
+def test_retirement_never_deletes_an_object_labelled_like_a_child_that_is_not_ours():
+    old = "0123456789"
+    labelled = {**selector(INSTANCE, old), "kvfence.dev/role": "router"}
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "theirs", "labels": labelled},
+    }
+    stale = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "ours-old",
+            "labels": labelled,
+            "ownerReferences": [ref("InferenceDeployment", "tiny", "uid-infd")],
+        },
+    }
+    kube = MemoryKube(theirs, stale)
+    Reconciler(kube, "kvfence-system", read_pool=never_probed).reconcile(body())  # type: ignore[arg-type]
+    assert ("ConfigMap", "theirs") in kube.objects
+    assert ("delete", "ConfigMap", "ours-old") in kube.writes

@@ -16,6 +16,7 @@ from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
 from kvfence_operator.builders.router_deployment import build_router_configmap, build_stable_service
 from kvfence_operator.builders.secret import RevisionCredentials, internal_token_of, secret_name
 from kvfence_operator.crd.types import (
+    ConditionType,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
     Role,
@@ -422,5 +423,5 @@ class Reconciler:
 def _condition_message(status: InferenceDeploymentStatus, reason: str) -> str | None:
     """The Degraded condition's message when it has this reason (an Event is sent when a
     NameConflict first appears or changes, not on every pass)."""
-    degraded = next((c for c in status.conditions if c.type == "Degraded"), None)
+    degraded = next((c for c in status.conditions if c.type == ConditionType.DEGRADED), None)
     return degraded.message if degraded is not None and degraded.reason == reason else None

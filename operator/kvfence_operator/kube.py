@@ -22,6 +22,7 @@ _PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("v1", "Pod"): "pods",
     ("apps/v1", "Deployment"): "deployments",
+    ("apps/v1", "ReplicaSet"): "replicasets",  # read only: whose a pod is
     ("batch/v1", "Job"): "jobs",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     (f"{API_GROUP}/{API_VERSION}", KIND): PLURAL,

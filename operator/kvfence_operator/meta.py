@@ -1,6 +1,7 @@
 """Names, labels and owner references shared by every child object."""
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,9 @@ MANAGER = "kvfence-operator"
 # The Helm chart labels the operator's pods with this; the NetworkPolicies let them probe pools.
 OPERATOR_POD_LABELS = {LABEL_NAME: MANAGER}
 KV_POOL_GATE = f"{API_GROUP}/kv-pool"
+# On the stable Service: the annotation keys that came from spec.router.service.annotations,
+# so that a key removed from the spec is removed from the Service, and no one else's is.
+MANAGED_ANNOTATIONS = f"{API_GROUP}/managed-annotations"
 
 HTTP_PORT = 8000
 TRANSFER_PORT = 8001
@@ -91,3 +95,25 @@ def object_meta(instance: Instance, name: str, object_labels: dict[str, str]) ->
         "labels": object_labels,
         "ownerReferences": [owner_reference(instance)],
     }
+
+
+def controller_reference(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ownerReference with controller: true, if any (Kubernetes allows at most one)."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return next((dict(ref) for ref in refs if ref.get("controller")), None)
+
+
+def controlled_by(obj: Mapping[str, Any], uid: str) -> bool:
+    """Is `obj` controlled by the object with this UID? Labels and names prove nothing: anyone
+    can set them, only the controller reference says whose an object is."""
+    ref = controller_reference(obj)
+    return ref is not None and ref.get("uid") == uid
+
+
+def owner_description(obj: Mapping[str, Any]) -> str:
+    """Who controls `obj`, for a message: `InferenceDeployment other (uid 1234)`, or `no
+    controller` when nothing does (an object someone created by hand)."""
+    ref = controller_reference(obj)
+    if ref is None:
+        return "no controller"
+    return f"{ref.get('kind', '?')} {ref.get('name', '?')} (uid {ref.get('uid', '?')})"

@@ -16,6 +16,7 @@ from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
 from kvfence_operator.builders.router_deployment import build_router_configmap, build_stable_service
 from kvfence_operator.builders.secret import RevisionCredentials, internal_token_of, secret_name
 from kvfence_operator.crd.types import (
+    ConditionType,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
     Role,
@@ -27,8 +28,15 @@ from kvfence_operator.meta import (
     LABEL_REVISION,
     Instance,
     child_name,
+    controlled_by,
     selector,
     service_url,
+)
+from kvfence_operator.ownership import (
+    NAME_CONFLICT,
+    Conflict,
+    pod_controlled_by_deployment,
+    stable_service_patch,
 )
 from kvfence_operator.pool_gate import PodGate, PodPool, judge_pools, read_pool
 from kvfence_operator.revision import revision_of
@@ -39,7 +47,7 @@ from kvfence_operator.rollout import (
     RevisionObservation,
     plan_rollout,
 )
-from kvfence_operator.status import compute_status
+from kvfence_operator.status import compute_status, with_conflicts
 
 PoolReader = Callable[[str, str, str, str | None, str | None], PodPool]
 
@@ -136,6 +144,8 @@ class Reconciler:
     operator_namespace: str
     read_pool: PoolReader = read_pool
     unsafe_faults_allowed: bool = False  # tests only: a pod's unsafe faults pass the pool gate
+    # names this pass found taken by objects it does not control (reset every pass)
+    _conflicts: list[Conflict] = field(default_factory=list, init=False, repr=False)
 
     def reconcile(self, body: Mapping[str, Any]) -> Outcome:
         meta = body["metadata"]
@@ -145,6 +155,7 @@ class Reconciler:
         previous = InferenceDeploymentStatus.model_validate(body.get("status") or {})
         desired = revision_of(spec)
         events: list[Event] = []
+        self._conflicts = []
 
         self._ensure_revision(spec, instance, desired)
         current = previous.revision.current if previous.revision else None
@@ -162,10 +173,9 @@ class Reconciler:
         events += plan.events
         if plan.start_canary is not None:
             context = observed[plan.start_canary].pools.effective_context
-            self.kube.create(build_canary_job(spec, instance, plan.start_canary, context))
+            self._claim(instance, build_canary_job(spec, instance, plan.start_canary, context))
         endpoint = None
-        if plan.serve is not None:
-            self._serve(spec, instance, plan.serve)
+        if plan.serve is not None and self._serve(spec, instance, plan.serve):
             endpoint = service_url(instance, instance.name, spec.router.service.port)
         self._retire(instance, keep=set(plan.keep))
         status = compute_status(
@@ -178,7 +188,34 @@ class Reconciler:
             endpoint,
             now=datetime.now(UTC),
         )
+        conflicts = list(dict.fromkeys(self._conflicts))
+        status = with_conflicts(status, conflicts, generation, now=datetime.now(UTC))
+        if conflicts and _condition_message(previous, NAME_CONFLICT) != _condition_message(
+            status, NAME_CONFLICT
+        ):
+            events += [Event("Warning", NAME_CONFLICT, c.message) for c in conflicts]
         return Outcome(status, events)
+
+    # ---- ownership -----------------------------------------------------------------------
+
+    def _claim(self, instance: Instance, obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """Create `obj`. If its name is taken: the existing object when this
+        InferenceDeployment controls it; otherwise None, the object left untouched and a
+        NameConflict recorded. (None too if it vanished in between: the next pass sees.)"""
+        if self.kube.create(obj):
+            return obj
+        meta = obj["metadata"]
+        existing = self.kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        if existing is None:
+            return None
+        if not controlled_by(existing, instance.uid):
+            self._conflicts.append(Conflict.of({**existing, "kind": obj["kind"]}))
+            return None
+        return existing
+
+    def _ours(self, instance: Instance, obj: dict[str, Any] | None) -> dict[str, Any] | None:
+        """`obj` if this InferenceDeployment controls it, else None: never counted."""
+        return obj if obj is not None and controlled_by(obj, instance.uid) else None
 
     # ---- children ------------------------------------------------------------------------
 
@@ -186,44 +223,58 @@ class Reconciler:
         self, spec: InferenceDeploymentSpec, instance: Instance, revision: str
     ) -> None:
         """Create what is missing; update only replica counts (revision-neutral by design).
-        The Secret is generated once: its credentials live as long as the revision."""
+        The Secret is generated once: its credentials live as long as the revision. A name
+        someone else has stops the creation there: the pods come last, so they never start
+        on credentials, a backends file or a fence that are not the operator's."""
         ns = instance.namespace
-        has_secret = self.kube.get("v1", "Secret", ns, secret_name(instance, revision))
+        secret = self.kube.get("v1", "Secret", ns, secret_name(instance, revision))
+        if secret is not None and not controlled_by(secret, instance.uid):
+            self._conflicts.append(Conflict.of({**secret, "kind": "Secret"}))
+            return
         credentials = RevisionCredentials.generate()
         for child in build_revision_children(
             spec, instance, revision, credentials, self.operator_namespace
         ):
             kind, name = child["kind"], child["metadata"]["name"]
-            if kind == "Secret" and has_secret:
+            if kind == "Secret" and secret is not None:
                 continue
-            if kind == "ConfigMap":
-                continue  # written by _observe, from the pods' pools
-            if self.kube.create(child) or kind not in UPDATABLE_KINDS:
+            conflicts = len(self._conflicts)
+            existing = self._claim(instance, child)
+            if len(self._conflicts) > conflicts:
+                return
+            # the ConfigMap's data is written by _observe, from the pods' pools
+            if existing is None or kind not in UPDATABLE_KINDS or kind == "ConfigMap":
                 continue
             wanted = {"spec": {"replicas": child["spec"]["replicas"]}}
-            existing = self.kube.get(child["apiVersion"], kind, ns, name)
-            if existing is not None and not is_subset(wanted, existing):
+            if not is_subset(wanted, existing):
                 self.kube.patch(child["apiVersion"], kind, ns, name, wanted)
 
-    def _serve(self, spec: InferenceDeploymentSpec, instance: Instance, revision: str) -> None:
+    def _serve(self, spec: InferenceDeploymentSpec, instance: Instance, revision: str) -> bool:
+        """Make the stable Service what the spec declares, pointed at `revision`. False when
+        the name is someone else's Service (left untouched; a NameConflict)."""
         service = build_stable_service(spec, instance, revision)
-        if self.kube.create(service):
-            return
-        existing = self.kube.get("v1", "Service", instance.namespace, instance.name)
-        wanted = {"spec": {"selector": service["spec"]["selector"]}}
-        if existing is not None and not is_subset(wanted, existing):
-            self.kube.patch("v1", "Service", instance.namespace, instance.name, wanted)
+        existing = self._claim(instance, service)
+        if existing is None:
+            return False
+        patch = stable_service_patch(existing, service)
+        if patch is not None:
+            self.kube.patch("v1", "Service", instance.namespace, instance.name, patch)
+        return True
 
     def _retire(self, instance: Instance, keep: set[str]) -> None:
         retired: set[str] = set()
         for api_version, kind in REVISION_KINDS:
             for obj in self.kube.list(api_version, kind, instance.namespace, selector(instance)):
+                if not controlled_by(obj, instance.uid):
+                    continue  # labelled like ours, but someone else's: never deleted
                 revision = (obj["metadata"].get("labels") or {}).get(LABEL_REVISION)
                 if revision is not None and revision not in keep:
                     retired.add(revision)
                     self.kube.delete(api_version, kind, instance.namespace, obj["metadata"]["name"])
         for revision in retired:
-            self.kube.delete("v1", "Secret", instance.namespace, secret_name(instance, revision))
+            name = secret_name(instance, revision)
+            if self._ours(instance, self.kube.get("v1", "Secret", instance.namespace, name)):
+                self.kube.delete("v1", "Secret", instance.namespace, name)
 
     # ---- observation ---------------------------------------------------------------------
 
@@ -235,10 +286,19 @@ class Reconciler:
         pools: list[PodPool] = []
         # the engines require the revision's token on /v1/kvpool
         token = internal_token_of(
-            self.kube.get("v1", "Secret", ns, secret_name(instance, revision))
+            self._ours(instance, self.kube.get("v1", "Secret", ns, secret_name(instance, revision)))
         )
+        deployments = {
+            role: self._ours(
+                instance,
+                self.kube.get("apps/v1", "Deployment", ns, child_name(instance, revision, role)),
+            )
+            for role in (*ENGINE_ROLES, Role.ROUTER)
+        }
         for role in ENGINE_ROLES:
-            for pod in self.kube.list("v1", "Pod", ns, selector(instance, revision, role)):
+            for pod in self._revision_pods(
+                ns, deployments[role], selector(instance, revision, role)
+            ):
                 if pod["metadata"].get("deletionTimestamp"):
                     continue
                 pods.append(pod)
@@ -268,21 +328,46 @@ class Reconciler:
         self._write_backends(spec, instance, revision, decision.effective_context, urls)
 
         replicas = {}
-        for role in (*ENGINE_ROLES, Role.ROUTER):
-            deployment = self.kube.get(
-                "apps/v1", "Deployment", ns, child_name(instance, revision, role)
-            )
+        for role, deployment in deployments.items():
             replicas[str(role)] = RoleReplicas(
                 ready=int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0),
                 desired=int(((deployment or {}).get("spec") or {}).get("replicas") or 0),
             )
-        job = self.kube.get("batch/v1", "Job", ns, canary_job_name(instance, revision))
+        job = self._ours(
+            instance, self.kube.get("batch/v1", "Job", ns, canary_job_name(instance, revision))
+        )
         canary = None
         if job is not None:
-            job_pods = self.kube.list("v1", "Pod", ns, selector(instance, revision, Role.CANARY))
+            job_pods = [
+                pod
+                for pod in self.kube.list(
+                    "v1", "Pod", ns, selector(instance, revision, Role.CANARY)
+                )
+                if controlled_by(pod, job["metadata"]["uid"])
+            ]
             canary = canary_outcome(job, job_pods)
         observation = RevisionObservation(revision, replicas, decision, canary)
         return observation, pools, events
+
+    def _revision_pods(
+        self, namespace: str, deployment: Mapping[str, Any] | None, labels: dict[str, str]
+    ) -> list[dict[str, Any]]:
+        """The pods `deployment` controls, among those carrying its labels: a pod someone
+        else labelled like an engine is never probed, gated or given the internal token."""
+        if deployment is None:
+            return []
+        replicasets: dict[str, dict[str, Any] | None] = {}
+
+        def replicaset(name: str) -> dict[str, Any] | None:
+            if name not in replicasets:
+                replicasets[name] = self.kube.get("apps/v1", "ReplicaSet", namespace, name)
+            return replicasets[name]
+
+        return [
+            pod
+            for pod in self.kube.list("v1", "Pod", namespace, labels)
+            if pod_controlled_by_deployment(pod, deployment, replicaset)
+        ]
 
     def _set_gate(self, namespace: str, pod: dict[str, Any], gate: PodGate) -> Event | None:
         """Set the pod's kvfence.dev/kv-pool condition when it changed, with an Event when its
@@ -327,11 +412,16 @@ class Reconciler:
             prefill_urls=urls[str(Role.PREFILL)],
             decode_urls=urls[str(Role.DECODE)],
         )
-        if self.kube.create(configmap):
-            return
+        existing = self._claim(instance, configmap)
         name = configmap["metadata"]["name"]
-        existing = self.kube.get("v1", "ConfigMap", instance.namespace, name)
-        if existing is None or existing.get("data") != configmap["data"]:
+        if existing is not None and existing.get("data") != configmap["data"]:
             self.kube.patch(
                 "v1", "ConfigMap", instance.namespace, name, {"data": configmap["data"]}
             )
+
+
+def _condition_message(status: InferenceDeploymentStatus, reason: str) -> str | None:
+    """The Degraded condition's message when it has this reason (an Event is sent when a
+    NameConflict first appears or changes, not on every pass)."""
+    degraded = next((c for c in status.conditions if c.type == ConditionType.DEGRADED), None)
+    return degraded.message if degraded is not None and degraded.reason == reason else None

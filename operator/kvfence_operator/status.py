@@ -4,7 +4,7 @@ Pure: the same inputs give the same status, and conditions keep their lastTransi
 unless their status flips (conditions.set_condition).
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 from kvfence_operator.conditions import set_condition
@@ -20,6 +20,7 @@ from kvfence_operator.crd.types import (
     PoolReport,
     Role,
 )
+from kvfence_operator.ownership import NAME_CONFLICT, Conflict
 from kvfence_operator.pool_gate import PodPool
 from kvfence_operator.rollout import RevisionObservation, RolloutPlan
 
@@ -150,3 +151,25 @@ def _about(canary: CanaryStatus | None, message: str) -> str:
     if canary is None or canary.revision is None:
         return message
     return f"revision {canary.revision}: {message}"
+
+
+def with_conflicts(
+    status: InferenceDeploymentStatus,
+    conflicts: Sequence[Conflict],
+    generation: int,
+    now: datetime | None = None,
+) -> InferenceDeploymentStatus:
+    """A name the operator needs is someone else's object: Ready=False and Degraded=True
+    (Stalled mirrors it) with reason NameConflict, naming each object and its controller, and
+    no endpoint when the stable Service is not ours. Nothing to say without conflicts."""
+    if not conflicts:
+        return status
+    message = "; ".join(c.message for c in conflicts)
+    conditions: list[Condition] = list(status.conditions)
+    for kind, value in (
+        (ConditionType.READY, F),
+        (ConditionType.DEGRADED, T),
+        (ConditionType.STALLED, T),
+    ):
+        conditions = set_condition(conditions, kind, value, NAME_CONFLICT, message, generation, now)
+    return status.model_copy(update={"conditions": conditions})

@@ -327,6 +327,7 @@ APPLICATION_RULES = [
         "resources": ["deployments"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
+    {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["get"]},
     {
         "apiGroups": [""],
         "resources": ["services", "configmaps"],
@@ -450,7 +451,9 @@ class RecordingKube:
         self.calls.add(("create", obj["apiVersion"], obj["kind"], ""))
         if self.key(obj) in self.objects:
             return False
-        self.objects[self.key(obj)] = copy.deepcopy(dict(obj))
+        stored = copy.deepcopy(dict(obj))
+        stored["metadata"]["uid"] = f"uid-{len(self.objects)}-{obj['metadata']['name']}"
+        self.objects[self.key(obj)] = stored
         return True
 
     def patch(
@@ -471,19 +474,32 @@ class RecordingKube:
         self.objects.pop((api_version, kind, namespace, name), None)
 
     def play_controllers(self) -> None:
-        """Deployments get ready pods (with an IP and the template's ports), Jobs complete."""
+        """Deployments get a ReplicaSet and ready pods (with an IP and the template's ports),
+        owned as on a real cluster (pod -> ReplicaSet -> Deployment); Jobs complete."""
         for (_, kind, namespace, name), obj in list(self.objects.items()):
             if kind == "Deployment":
                 template = obj["spec"]["template"]
+                replicaset = {
+                    "apiVersion": "apps/v1",
+                    "kind": "ReplicaSet",
+                    "metadata": {
+                        "name": f"{name}-5d8f9",
+                        "namespace": namespace,
+                        "uid": f"rs-{obj['metadata']['uid']}",
+                        "ownerReferences": [controller_ref(obj)],
+                    },
+                }
+                self.objects.setdefault(self.key(replicaset), replicaset)
                 for index in range(obj["spec"]["replicas"]):
                     pod = {
                         "apiVersion": "v1",
                         "kind": "Pod",
                         "metadata": {
-                            "name": f"{name}-{index}",
+                            "name": f"{name}-5d8f9-{index}",
                             "namespace": namespace,
                             "labels": template["metadata"]["labels"],
                             "resourceVersion": "1",
+                            "ownerReferences": [controller_ref(replicaset)],
                         },
                         "spec": template["spec"],
                         "status": {"podIP": f"10.0.0.{index + 1}", "conditions": []},
@@ -492,6 +508,11 @@ class RecordingKube:
                 obj["status"] = {"readyReplicas": obj["spec"]["replicas"]}
             elif kind == "Job":
                 obj["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+
+
+def controller_ref(owner: Mapping[str, Any]) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {"kind": owner["kind"], "name": meta["name"], "uid": meta["uid"], "controller": True}
 
 
 def sufficient_pool(

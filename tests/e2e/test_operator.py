@@ -2,7 +2,9 @@
 runs every pod as a real engine, router or canary process with builtin:tiny-random."""
 
 import base64
+import json
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -349,3 +351,112 @@ def test_a_pod_with_a_garbage_or_unreachable_pool_report_is_not_sufficient(tmp_p
             if pod["metadata"]["labels"]["kvfence.dev/role"] in ("prefill", "decode"):
                 assert cluster.pod_condition(pod, KV_POOL_GATE)["status"] == "False"
         operator.stop()
+
+
+def test_objects_that_are_not_ours_stay_untouched_and_the_stable_service_follows_the_spec(
+    cluster, operator
+):
+    """A user's Service named like the deployment is a NameConflict, not a takeover; a pod
+    labelled like an engine but not the revision's never joins the backends; a Service port
+    or annotation change in the spec reaches the stable Service and status.endpoint."""
+    theirs = cluster.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": NAME, "labels": {"team": "web"}},
+            "spec": {"selector": {"app": "web"}, "ports": [{"name": "web", "port": 8080}]},
+        }
+    )
+    created = cluster.create(manifest(canary={"enabled": False}))
+    revision = revision_of(InferenceDeploymentSpec.model_validate(created["spec"]))
+    prefill = cluster.wait_for(
+        lambda: cluster.get("Deployment", f"{NAME}-{revision}-prefill"), "the prefill Deployment"
+    )
+    # A real engine with the revision's prefill labels and pod spec, that no Deployment owns.
+    template = prefill["spec"]["template"]
+    cluster.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "impostor", "labels": template["metadata"]["labels"]},
+            "spec": template["spec"],
+        }
+    )
+    served = cluster.wait_for(
+        lambda: infd(cluster),
+        "the revision to be promoted",
+        timeout=240,
+        until=lambda o: (
+            (o.get("status") or {}).get("revision", {}).get("current") == revision
+            and condition(o, "Ready").get("reason") in ("Serving", "NameConflict")
+        ),
+    )
+    impostor = cluster.wait_for(
+        lambda: cluster.get("Pod", "impostor"),
+        "the impostor engine to run",
+        timeout=120,
+        until=lambda p: (cluster.pod_condition(p, "ContainersReady") or {}).get("status") == "True",
+    )
+    time.sleep(4)  # four reconcile passes with the impostor running
+
+    backends = json.loads(
+        cluster.get("ConfigMap", f"{NAME}-{revision}-router")["data"]["backends.json"]
+    )
+    (ours,) = [p for p in engine_pods(cluster, revision) if p["metadata"]["name"] != "impostor"
+               and p["metadata"]["labels"]["kvfence.dev/role"] == "prefill"]  # fmt: skip
+    assert backends["prefill"] == [cluster.pod_url(ours)], "only the Deployment's pod"
+    assert cluster.pod_url(impostor) not in backends["prefill"] + backends["decode"]
+    assert cluster.pod_condition(cluster.get("Pod", "impostor"), KV_POOL_GATE) is None
+    assert "impostor" not in [p["pod"] for p in infd(cluster)["status"]["pools"]]
+
+    ready = condition(served, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "NameConflict"), ready
+    assert f"Service {NAME} exists and is not controlled by this" in ready["message"]
+    assert "no controller" in ready["message"]
+    assert (condition(served, "Degraded")["status"], condition(served, "Degraded")["reason"]) == (
+        "True",
+        "NameConflict",
+    )
+    assert "endpoint" not in served["status"] or served["status"]["endpoint"] is None
+    untouched = cluster.get("Service", NAME)
+    for key in ("labels", "ownerReferences", "annotations", "resourceVersion"):
+        assert untouched["metadata"].get(key) == theirs["metadata"].get(key), key
+    assert untouched["spec"] == theirs["spec"]
+    assert [e for e in cluster.list("Event") if e.get("reason") == "NameConflict"]
+
+    # The user's Service goes: the operator's takes the name and the deployment is Ready.
+    cluster.delete("Service", NAME)
+    ready_obj = wait_condition(cluster, "Ready", "True", timeout=60, reason="Serving")
+    assert ready_obj["status"]["endpoint"] == f"http://{NAME}.default.svc:8000"
+    service = cluster.wait_for(lambda: cluster.get("Service", NAME), "the operator's Service")
+    assert [o["uid"] for o in service["metadata"]["ownerReferences"]] == [
+        created["metadata"]["uid"]
+    ]
+    assert service["spec"]["selector"][LABEL_REVISION] == revision
+
+    # spec.router.service changes reach the Service in place (no new revision).
+    router = {"apiKeysSecret": f"{NAME}-keys",
+              "service": {"port": 9000, "annotations": {"example.com/owner": "ml"}}}  # fmt: skip
+    cluster.patch(*KIND[:1], NAME, {"spec": {"router": router}}, api_version=KIND[1])
+    service = cluster.wait_for(
+        lambda: cluster.get("Service", NAME),
+        "the Service to take port 9000 and the annotation",
+        until=lambda s: (
+            [p["port"] for p in s["spec"]["ports"]] == [9000]
+            and (s["metadata"].get("annotations") or {}).get("example.com/owner") == "ml"
+        ),
+    )
+    assert service["spec"]["selector"][LABEL_REVISION] == revision
+    cluster.wait_for(
+        lambda: infd(cluster)["status"].get("endpoint"),
+        "status.endpoint to say port 9000",
+        until=lambda endpoint: endpoint == f"http://{NAME}.default.svc:9000",
+    )
+    assert infd(cluster)["status"]["revision"]["current"] == revision
+    router["service"] = {"port": 9000, "annotations": None}  # merge patch: drop the key
+    cluster.patch(*KIND[:1], NAME, {"spec": {"router": router}}, api_version=KIND[1])
+    cluster.wait_for(
+        lambda: cluster.get("Service", NAME)["metadata"].get("annotations") or {},
+        "the annotation dropped from the spec to leave the Service",
+        until=lambda annotations: "example.com/owner" not in annotations,
+    )

@@ -76,6 +76,11 @@ InferenceDeployment resource from API discovery, which every authenticated clien
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# application: a pod's ReplicaSet, read by name to check that the revision's Deployment
+# controls the pod (pod -> ReplicaSet -> Deployment) before it gets the internal token.
+- apiGroups: ["apps"]
+  resources: ["replicasets"]
+  verbs: ["get"]
 # application: engine headless Services, the revision and stable router Services, and the
 # routers' backend ConfigMaps.
 - apiGroups: [""]

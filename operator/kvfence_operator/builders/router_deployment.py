@@ -23,7 +23,15 @@ from kvfence_operator.builders.secret import (
     secret_name,
 )
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
-from kvfence_operator.meta import HTTP_PORT, Instance, child_name, labels, object_meta, selector
+from kvfence_operator.meta import (
+    HTTP_PORT,
+    MANAGED_ANNOTATIONS,
+    Instance,
+    child_name,
+    labels,
+    object_meta,
+    selector,
+)
 
 CONFIG_DIR = "/etc/kvfence"
 BACKENDS_FILE_NAME = "backends.json"
@@ -173,11 +181,15 @@ def build_router_service(instance: Instance, revision: str) -> dict[str, Any]:
 def build_stable_service(
     spec: InferenceDeploymentSpec, instance: Instance, revision: str
 ) -> dict[str, Any]:
-    """The Service <name> clients use; promotion is switching its selector to a new revision."""
+    """The Service <name> clients use; promotion is switching its selector to a new revision.
+    Its annotations are spec.router.service.annotations plus the list of their keys (so that
+    a key dropped from the spec can be removed, and only such a key)."""
     service = spec.router.service
     metadata = object_meta(instance, instance.name, labels(instance))
-    if service.annotations:
-        metadata["annotations"] = dict(service.annotations)
+    metadata["annotations"] = {
+        **service.annotations,
+        MANAGED_ANNOTATIONS: ",".join(sorted(service.annotations)),
+    }
     return {
         "apiVersion": "v1",
         "kind": "Service",

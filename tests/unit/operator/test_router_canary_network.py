@@ -93,7 +93,9 @@ def test_stable_service_points_at_the_given_revisions_routers():
     service = build_stable_service(sample_spec("full"), instance_for("full"), REVISION)
     assert service["metadata"]["name"] == "full"
     assert service["metadata"]["annotations"] == {
-        "service.beta.kubernetes.io/aws-load-balancer-internal": "true"
+        "service.beta.kubernetes.io/aws-load-balancer-internal": "true",
+        # which keys are the spec's, so that one dropped from it can be removed
+        "kvfence.dev/managed-annotations": "service.beta.kubernetes.io/aws-load-balancer-internal",
     }
     assert service["spec"]["type"] == "LoadBalancer"
     assert service["spec"]["selector"] == {

@@ -23,6 +23,8 @@ MANAGER = "kvfence-operator"
 # The Helm chart labels the operator's pods with this; the NetworkPolicies let them probe pools.
 OPERATOR_POD_LABELS = {LABEL_NAME: MANAGER}
 KV_POOL_GATE = f"{API_GROUP}/kv-pool"
+# On a revision's router ConfigMap: the spec that revision is judged by (revision.spec_record).
+ANNOTATION_SPEC = f"{API_GROUP}/spec"
 
 HTTP_PORT = 8000
 TRANSFER_PORT = 8001

@@ -23,6 +23,7 @@ from kvfence_operator.crd.types import (
 )
 from kvfence_operator.kube import Kube, KubeError, is_subset
 from kvfence_operator.meta import (
+    ANNOTATION_SPEC,
     KV_POOL_GATE,
     LABEL_REVISION,
     Instance,
@@ -31,7 +32,7 @@ from kvfence_operator.meta import (
     service_url,
 )
 from kvfence_operator.pool_gate import PodGate, PodPool, judge_pools, read_pool
-from kvfence_operator.revision import revision_of
+from kvfence_operator.revision import judged_spec, revision_of
 from kvfence_operator.rollout import (
     CanaryOutcome,
     Event,
@@ -151,8 +152,9 @@ class Reconciler:
         observed: dict[str, RevisionObservation] = {}
         pools_of: dict[str, list[PodPool]] = {}
         for revision in {r for r in (current, desired) if r is not None}:
+            judged = judged_spec(revision, desired, spec, self._spec_record(instance, revision))
             observed[revision], pools_of[revision], gate_events = self._observe(
-                spec, instance, revision
+                judged, instance, revision
             )
             events += gate_events
 
@@ -227,9 +229,17 @@ class Reconciler:
 
     # ---- observation ---------------------------------------------------------------------
 
+    def _spec_record(self, instance: Instance, revision: str) -> str | None:
+        """The spec recorded on the revision's router ConfigMap (revision.judged_spec)."""
+        name = child_name(instance, revision, Role.ROUTER)
+        configmap = self.kube.get("v1", "ConfigMap", instance.namespace, name)
+        annotations = ((configmap or {}).get("metadata") or {}).get("annotations") or {}
+        return annotations.get(ANNOTATION_SPEC)
+
     def _observe(
         self, spec: InferenceDeploymentSpec, instance: Instance, revision: str
     ) -> tuple[RevisionObservation, list[PodPool], list[Event]]:
+        """`spec`: the one this revision is judged by (revision.judged_spec)."""
         ns = instance.namespace
         pods: list[dict[str, Any]] = []
         pools: list[PodPool] = []
@@ -331,7 +341,9 @@ class Reconciler:
             return
         name = configmap["metadata"]["name"]
         existing = self.kube.get("v1", "ConfigMap", instance.namespace, name)
-        if existing is None or existing.get("data") != configmap["data"]:
-            self.kube.patch(
-                "v1", "ConfigMap", instance.namespace, name, {"data": configmap["data"]}
-            )
+        wanted = {
+            "metadata": {"annotations": configmap["metadata"]["annotations"]},
+            "data": configmap["data"],
+        }
+        if existing is None or not is_subset(wanted, existing):
+            self.kube.patch("v1", "ConfigMap", instance.namespace, name, wanted)

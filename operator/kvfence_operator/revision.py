@@ -1,5 +1,5 @@
 """The revision: a short, stable hash of the spec parts that change pods, as the object holds
-them.
+them; and the spec each revision is judged by, recorded on the revision's own objects.
 
 A new revision means new prefill, decode and router Deployments and a canary before promotion;
 changing anything else (replica counts, minContextLength, the Service, canary settings) is
@@ -16,6 +16,8 @@ import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
+
+from pydantic import ValidationError
 
 from kvfence_operator.crd.schema import spec_schema
 from kvfence_operator.crd.types import InferenceDeploymentSpec
@@ -92,3 +94,29 @@ def revision_of(spec: InferenceDeploymentSpec) -> str:
     is hashed, so build specs with model_validate, not by filling fields in code)."""
     canonical = json.dumps(pod_shaping_parts(spec), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:REVISION_LENGTH]
+
+
+# ---- the spec a revision is judged by ----------------------------------------------------------
+
+
+def spec_record(spec: InferenceDeploymentSpec) -> str:
+    """What the kvfence.dev/spec annotation on a revision's router ConfigMap holds: the whole
+    spec the revision was last desired under, as the operator read it (defaults filled)."""
+    dump = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return json.dumps(dump, sort_keys=True, separators=(",", ":"))
+
+
+def judged_spec(
+    revision: str, desired: str, spec: InferenceDeploymentSpec, record: str | None
+) -> InferenceDeploymentSpec:
+    """The spec a revision's pools, gates and backends file are computed from. The desired
+    revision: the object's spec (same pod-shaping parts by the hash; in-place changes such as
+    minContextLength apply). Any other revision (the one still serving during a rollout): the
+    spec recorded on its objects, so a new spec never changes what it serves. Without a
+    readable record (a revision an older operator created) the object's spec, as before."""
+    if revision == desired or record is None:
+        return spec
+    try:
+        return InferenceDeploymentSpec.model_validate(json.loads(record))
+    except (ValueError, ValidationError):
+        return spec

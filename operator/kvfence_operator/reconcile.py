@@ -39,6 +39,7 @@ from kvfence_operator.rollout import (
     JobPhase,
     RevisionObservation,
     plan_rollout,
+    serving_revision,
 )
 from kvfence_operator.status import compute_status
 
@@ -110,6 +111,17 @@ def gate_patch(pod: Mapping[str, Any], gate: PodGate) -> dict[str, Any] | None:
     }
 
 
+def selected_revision(service: Mapping[str, Any] | None, uid: str) -> str | None:
+    """The revision a stable Service selects, if it is this InferenceDeployment's (controlled
+    by `uid`); None for no Service, someone else's, or one without a revision in its selector."""
+    if service is None:
+        return None
+    owners = (service.get("metadata") or {}).get("ownerReferences") or []
+    if not any(o.get("uid") == uid and o.get("controller") for o in owners):
+        return None
+    return ((service.get("spec") or {}).get("selector") or {}).get(LABEL_REVISION)
+
+
 def canary_outcome(job: Mapping[str, Any], pods: list[dict[str, Any]]) -> CanaryOutcome:
     """A Job's verdict, with the canary's one-line summary from its termination message."""
     name = job["metadata"]["name"]
@@ -148,7 +160,11 @@ class Reconciler:
         events: list[Event] = []
 
         self._ensure_revision(spec, instance, desired)
-        current = previous.revision.current if previous.revision else None
+        stable = self.kube.get("v1", "Service", instance.namespace, instance.name)
+        revision_status = serving_revision(
+            previous.revision, selected_revision(stable, instance.uid)
+        )
+        current = revision_status.current if revision_status else None
         observed: dict[str, RevisionObservation] = {}
         pools_of: dict[str, list[PodPool]] = {}
         for revision in {r for r in (current, desired) if r is not None}:
@@ -159,7 +175,7 @@ class Reconciler:
             events += gate_events
 
         plan = plan_rollout(
-            desired, previous.revision, previous.canary, observed, spec.canary.enabled
+            desired, revision_status, previous.canary, observed, spec.canary.enabled
         )
         events += plan.events
         if plan.start_canary is not None:

@@ -360,12 +360,14 @@ def backends_of(cluster: Cluster, revision: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_a_context_change_beyond_the_serving_pools_leaves_the_serving_revision_serving(
+def test_the_serving_revision_keeps_serving_through_a_refused_candidate_and_a_lost_status(
     cluster, operator
 ):
     """contextLength 1024 -> 2048 with pools of 1536 tokens: the candidate is refused, and the
     serving revision is still judged against the spec it was created from (gates True, its
-    router's backends file unchanged, its router answering)."""
+    router's backends file unchanged, its router answering). Then status is lost mid-rollout
+    (a backup restore without it): the serving revision is read back from the stable Service
+    and nothing of it is removed."""
     first = cluster.create(manifest())
     r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
     check_first_rollout(cluster, first, r1)
@@ -400,3 +402,21 @@ def test_a_context_change_beyond_the_serving_pools_leaves_the_serving_revision_s
     for pod in engine_pods(cluster, r2):
         assert cluster.pod_condition(pod, KV_POOL_GATE)["status"] == "False"
     assert cluster.list("Job", "default", selector_for(r2, Role.CANARY)) == []
+
+    lost = infd(cluster)
+    cluster.replace({**lost, "status": {}}, subresource="status")
+    recovered = cluster.wait_for(
+        lambda: infd(cluster),
+        "the operator to write status again",
+        until=lambda o: (o.get("status") or {}).get("revision") is not None,
+    )
+    assert recovered["status"]["revision"] == {"current": r1, "candidate": r2}
+    time.sleep(3)  # a few more passes
+    assert len(cluster.list("Deployment", "default", {LABEL_REVISION: r1})) == 3
+    assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
+    assert backends_of(cluster, r1) == served
+    answer = router_client(cluster, r1).completions.create(
+        model="tiny-random", prompt="after the restore", max_tokens=2, temperature=0
+    )
+    assert answer.usage.completion_tokens == 2
+    assert infd(cluster)["status"]["revision"] == {"current": r1, "candidate": r2}

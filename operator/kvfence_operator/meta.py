@@ -27,6 +27,8 @@ KV_POOL_GATE = f"{API_GROUP}/kv-pool"
 # On the stable Service: the annotation keys that came from spec.router.service.annotations,
 # so that a key removed from the spec is removed from the Service, and no one else's is.
 MANAGED_ANNOTATIONS = f"{API_GROUP}/managed-annotations"
+# On a revision's router ConfigMap: the spec that revision is judged by (revision.spec_record).
+ANNOTATION_SPEC = f"{API_GROUP}/spec"
 
 HTTP_PORT = 8000
 TRANSFER_PORT = 8001

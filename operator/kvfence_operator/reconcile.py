@@ -24,6 +24,7 @@ from kvfence_operator.crd.types import (
 )
 from kvfence_operator.kube import Kube, KubeError, is_subset
 from kvfence_operator.meta import (
+    ANNOTATION_SPEC,
     KV_POOL_GATE,
     LABEL_REVISION,
     Instance,
@@ -39,13 +40,14 @@ from kvfence_operator.ownership import (
     stable_service_patch,
 )
 from kvfence_operator.pool_gate import PodGate, PodPool, judge_pools, read_pool
-from kvfence_operator.revision import revision_of
+from kvfence_operator.revision import judged_spec, revision_of
 from kvfence_operator.rollout import (
     CanaryOutcome,
     Event,
     JobPhase,
     RevisionObservation,
     plan_rollout,
+    serving_revision,
 )
 from kvfence_operator.status import compute_status, with_conflicts
 
@@ -117,6 +119,17 @@ def gate_patch(pod: Mapping[str, Any], gate: PodGate) -> dict[str, Any] | None:
     }
 
 
+def selected_revision(service: Mapping[str, Any] | None, uid: str) -> str | None:
+    """The revision a stable Service selects, if it is this InferenceDeployment's (controlled
+    by `uid`); None for no Service, someone else's, or one without a revision in its selector."""
+    if service is None:
+        return None
+    owners = (service.get("metadata") or {}).get("ownerReferences") or []
+    if not any(o.get("uid") == uid and o.get("controller") for o in owners):
+        return None
+    return ((service.get("spec") or {}).get("selector") or {}).get(LABEL_REVISION)
+
+
 def canary_outcome(job: Mapping[str, Any], pods: list[dict[str, Any]]) -> CanaryOutcome:
     """A Job's verdict, with the canary's one-line summary from its termination message."""
     name = job["metadata"]["name"]
@@ -158,17 +171,22 @@ class Reconciler:
         self._conflicts = []
 
         self._ensure_revision(spec, instance, desired)
-        current = previous.revision.current if previous.revision else None
+        stable = self.kube.get("v1", "Service", instance.namespace, instance.name)
+        revision_status = serving_revision(
+            previous.revision, selected_revision(stable, instance.uid)
+        )
+        current = revision_status.current if revision_status else None
         observed: dict[str, RevisionObservation] = {}
         pools_of: dict[str, list[PodPool]] = {}
         for revision in {r for r in (current, desired) if r is not None}:
+            judged = judged_spec(revision, desired, spec, self._spec_record(instance, revision))
             observed[revision], pools_of[revision], gate_events = self._observe(
-                spec, instance, revision
+                judged, instance, revision
             )
             events += gate_events
 
         plan = plan_rollout(
-            desired, previous.revision, previous.canary, observed, spec.canary.enabled
+            desired, revision_status, previous.canary, observed, spec.canary.enabled
         )
         events += plan.events
         if plan.start_canary is not None:
@@ -278,9 +296,17 @@ class Reconciler:
 
     # ---- observation ---------------------------------------------------------------------
 
+    def _spec_record(self, instance: Instance, revision: str) -> str | None:
+        """The spec recorded on the revision's router ConfigMap (revision.judged_spec)."""
+        name = child_name(instance, revision, Role.ROUTER)
+        configmap = self.kube.get("v1", "ConfigMap", instance.namespace, name)
+        annotations = ((configmap or {}).get("metadata") or {}).get("annotations") or {}
+        return annotations.get(ANNOTATION_SPEC)
+
     def _observe(
         self, spec: InferenceDeploymentSpec, instance: Instance, revision: str
     ) -> tuple[RevisionObservation, list[PodPool], list[Event]]:
+        """`spec`: the one this revision is judged by (revision.judged_spec)."""
         ns = instance.namespace
         pods: list[dict[str, Any]] = []
         pools: list[PodPool] = []
@@ -414,10 +440,12 @@ class Reconciler:
         )
         existing = self._claim(instance, configmap)
         name = configmap["metadata"]["name"]
-        if existing is not None and existing.get("data") != configmap["data"]:
-            self.kube.patch(
-                "v1", "ConfigMap", instance.namespace, name, {"data": configmap["data"]}
-            )
+        wanted = {
+            "metadata": {"annotations": configmap["metadata"]["annotations"]},
+            "data": configmap["data"],
+        }
+        if existing is not None and not is_subset(wanted, existing):
+            self.kube.patch("v1", "ConfigMap", instance.namespace, name, wanted)
 
 
 def _condition_message(status: InferenceDeploymentStatus, reason: str) -> str | None:

@@ -66,6 +66,19 @@ class RolloutPlan:
     events: list[Event] = field(default_factory=list)
 
 
+def serving_revision(status: RevisionStatus | None, selected: str | None) -> RevisionStatus | None:
+    """The revision status a pass starts from. The stable Service's selector (`selected`, None
+    when there is no stable Service of this InferenceDeployment's) is where the cluster itself
+    records which revision serves; `status.revision.current` is a copy of it, lost with status
+    (a backup restored without it) or stale after a crash between switching the Service and
+    writing status. So the selector wins, and status counts only without a stable Service:
+    what the Service selects is always `current`, and `current` is always kept."""
+    if selected is None or (status is not None and status.current == selected):
+        return status
+    candidate = status.candidate if status is not None else None
+    return RevisionStatus(current=selected, candidate=candidate if candidate != selected else None)
+
+
 def plan_rollout(
     desired: str,
     previous: RevisionStatus | None,

@@ -460,3 +460,72 @@ def test_objects_that_are_not_ours_stay_untouched_and_the_stable_service_follows
         "the annotation dropped from the spec to leave the Service",
         until=lambda annotations: "example.com/owner" not in annotations,
     )
+
+
+def backends_of(cluster: Cluster, revision: str) -> dict[str, Any]:
+    configmap = cluster.get("ConfigMap", f"{NAME}-{revision}-router")
+    assert configmap is not None
+    return json.loads(configmap["data"]["backends.json"])
+
+
+@pytest.mark.slow
+def test_the_serving_revision_keeps_serving_through_a_refused_candidate_and_a_lost_status(
+    cluster, operator
+):
+    """contextLength 1024 -> 2048 with pools of 1536 tokens: the candidate is refused, and the
+    serving revision is still judged against the spec it was created from (gates True, its
+    router's backends file unchanged, its router answering). Then status is lost mid-rollout
+    (a backup restore without it): the serving revision is read back from the stable Service
+    and nothing of it is removed."""
+    first = cluster.create(manifest())
+    r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
+    check_first_rollout(cluster, first, r1)
+    served = backends_of(cluster, r1)
+    assert served["contextLength"] == 1024 and served["prefill"] and served["decode"]
+
+    wider = manifest(contextLength=2048)
+    r2 = revision_of(InferenceDeploymentSpec.model_validate(wider["spec"]))
+    cluster.patch(*KIND[:1], NAME, {"spec": {"contextLength": 2048}}, api_version=KIND[1])
+    refused = cluster.wait_for(
+        lambda: infd(cluster),
+        "the candidate's pods to be refused",
+        timeout=120,
+        until=lambda o: (
+            condition(o, "PoolSufficient").get("reason") == "PoolTooSmall"
+            and f"{NAME}-{r2}-" in condition(o, "PoolSufficient").get("message", "")
+            and len(engine_pods(cluster, r2)) == 2
+        ),
+    )
+    assert "smaller than contextLength 2048" in condition(refused, "PoolSufficient")["message"]
+    assert refused["status"]["revision"] == {"current": r1, "candidate": r2}
+    time.sleep(3)  # a few more passes at a 1 s interval
+    for pod in engine_pods(cluster, r1):
+        gate = cluster.pod_condition(pod, KV_POOL_GATE)
+        assert gate is not None and gate["status"] == "True", (pod["metadata"]["name"], gate)
+    assert backends_of(cluster, r1) == served
+    assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
+    answer = router_client(cluster, r1).completions.create(
+        model="tiny-random", prompt="still serving", max_tokens=2, temperature=0
+    )
+    assert answer.usage.completion_tokens == 2
+    for pod in engine_pods(cluster, r2):
+        assert cluster.pod_condition(pod, KV_POOL_GATE)["status"] == "False"
+    assert cluster.list("Job", "default", selector_for(r2, Role.CANARY)) == []
+
+    lost = infd(cluster)
+    cluster.replace({**lost, "status": {}}, subresource="status")
+    recovered = cluster.wait_for(
+        lambda: infd(cluster),
+        "the operator to write status again",
+        until=lambda o: (o.get("status") or {}).get("revision") is not None,
+    )
+    assert recovered["status"]["revision"] == {"current": r1, "candidate": r2}
+    time.sleep(3)  # a few more passes
+    assert len(cluster.list("Deployment", "default", {LABEL_REVISION: r1})) == 3
+    assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
+    assert backends_of(cluster, r1) == served
+    answer = router_client(cluster, r1).completions.create(
+        model="tiny-random", prompt="after the restore", max_tokens=2, temperature=0
+    )
+    assert answer.usage.completion_tokens == 2
+    assert infd(cluster)["status"]["revision"] == {"current": r1, "candidate": r2}

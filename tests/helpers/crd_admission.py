@@ -8,6 +8,7 @@ CEL rules (cel-python; skipped when a value has the wrong type, as the API serve
 after such "blocking" errors). There is no kube-apiserver on these machines to ask instead.
 """
 
+import copy
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -94,3 +95,24 @@ def openapi_schema(crd: dict[str, Any]) -> dict[str, Any]:
 def crd_admission() -> CrdAdmission:
     """One shared instance: compiling the CEL rules is the slow part."""
     return CrdAdmission(openapi_schema(build_crd()))
+
+
+def stored_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec as the API server stores it when it is created: structural defaulting with the
+    generated CRD's schema (in every object present, each missing property with a `default`
+    gets it; a missing parent stays missing)."""
+
+    def fill(value: Any, schema: dict[str, Any]) -> Any:
+        if isinstance(value, dict):
+            props = schema.get("properties") or {}
+            out = {k: fill(v, props.get(k) or schema.get("additionalProperties") or {})
+                   for k, v in value.items()}  # fmt: skip
+            for key, prop in props.items():
+                if key not in out and "default" in prop:
+                    out[key] = fill(copy.deepcopy(prop["default"]), prop)
+            return out
+        if isinstance(value, list):
+            return [fill(v, schema.get("items") or {}) for v in value]
+        return value
+
+    return dict(fill(spec, openapi_schema(build_crd())["properties"]["spec"]))

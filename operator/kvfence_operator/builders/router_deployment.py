@@ -24,6 +24,7 @@ from kvfence_operator.builders.secret import (
 )
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import (
+    ANNOTATION_SPEC,
     HTTP_PORT,
     MANAGED_ANNOTATIONS,
     Instance,
@@ -32,6 +33,7 @@ from kvfence_operator.meta import (
     object_meta,
     selector,
 )
+from kvfence_operator.revision import spec_record
 
 CONFIG_DIR = "/etc/kvfence"
 BACKENDS_FILE_NAME = "backends.json"
@@ -70,12 +72,16 @@ def build_router_configmap(
     prefill_urls: Sequence[str] = (),
     decode_urls: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """The backends file, and the spec it was computed from (`spec`: the revision's own, see
+    revision.judged_spec), recorded for the passes to come."""
     backends = router_backends(spec, revision, context_length, prefill_urls, decode_urls)
     name = child_name(instance, revision, Role.ROUTER)
+    metadata = object_meta(instance, name, labels(instance, revision, Role.ROUTER))
+    metadata["annotations"] = {ANNOTATION_SPEC: spec_record(spec)}
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": object_meta(instance, name, labels(instance, revision, Role.ROUTER)),
+        "metadata": metadata,
         "data": {BACKENDS_FILE_NAME: backends.file_text()},
     }
 

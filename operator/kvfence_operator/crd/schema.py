@@ -145,6 +145,12 @@ def printer_columns() -> list[dict[str, Any]]:
     ]
 
 
+def spec_schema() -> dict[str, Any]:
+    """The structural schema of `spec`: its `default`s are what the API server writes into an
+    object that omits them (kvfence_operator/revision.py applies the same ones)."""
+    return _model_schema(InferenceDeploymentSpec, "validation")
+
+
 def build_crd() -> dict[str, Any]:
     root = {
         "type": "object",
@@ -164,7 +170,7 @@ def build_crd() -> dict[str, Any]:
                     }
                 },
             },
-            "spec": _model_schema(InferenceDeploymentSpec, "validation"),
+            "spec": spec_schema(),
             "status": _model_schema(InferenceDeploymentStatus, "serialization"),
         },
     }

@@ -51,6 +51,13 @@ def cel(*rules: tuple[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
 
 
+# On an object-valued field whose model has defaults: `default: {}` in the CRD, so that the API
+# server writes the object, with its fields' defaults, into a spec that omits it. Defaults then
+# live in the stored object from its creation, not in the code that reads it (a later release
+# that changes one changes no existing object, and no revision: kvfence_operator/revision.py).
+OBJECT_DEFAULT: dict[str, Any] = {"json_schema_extra": {"default": {}}}
+
+
 class _ApiModel(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
@@ -271,7 +278,7 @@ class RouterSpec(_ApiModel):
         description="Secret in the same namespace whose key `api-keys` holds one "
         "'KEY TENANT' per line.",
     )
-    service: RouterServiceSpec = Field(default_factory=RouterServiceSpec)
+    service: RouterServiceSpec = Field(default_factory=RouterServiceSpec, **OBJECT_DEFAULT)
 
 
 class TenantLimits(_ApiModel):
@@ -317,7 +324,7 @@ class InferenceDeploymentSpec(_ApiModel):
     )
 
     model: ModelSpec
-    engine: EngineSpec = Field(default_factory=EngineSpec)
+    engine: EngineSpec = Field(default_factory=EngineSpec, **OBJECT_DEFAULT)
     context_length: int = Field(gt=0, description="Tokens per request the deployment serves.")
     pool_policy: PoolPolicy = Field(
         PoolPolicy.REFUSE,
@@ -327,11 +334,11 @@ class InferenceDeploymentSpec(_ApiModel):
     min_context_length: int | None = Field(
         None, gt=0, description="Floor for LowerContext; below it pods are refused."
     )
-    prefill: EngineRoleSpec = Field(default_factory=EngineRoleSpec)
-    decode: EngineRoleSpec = Field(default_factory=EngineRoleSpec)
+    prefill: EngineRoleSpec = Field(default_factory=EngineRoleSpec, **OBJECT_DEFAULT)
+    decode: EngineRoleSpec = Field(default_factory=EngineRoleSpec, **OBJECT_DEFAULT)
     router: RouterSpec
     tenant_limits: TenantLimits = Field(default_factory=TenantLimits)
-    canary: CanarySpec = Field(default_factory=CanarySpec)
+    canary: CanarySpec = Field(default_factory=CanarySpec, **OBJECT_DEFAULT)
 
     @model_validator(mode="after")
     def _min_context_fits(self) -> "InferenceDeploymentSpec":

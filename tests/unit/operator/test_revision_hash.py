@@ -5,8 +5,8 @@ import re
 import pytest
 
 from helpers.builders import sample_spec
-from helpers.crd_admission import load_sample
-from kvfence_operator.crd.types import InferenceDeployment, InferenceDeploymentSpec
+from helpers.crd_admission import SAMPLE_NAMES, load_sample, stored_spec
+from kvfence_operator.crd.types import EngineSpec, InferenceDeployment, InferenceDeploymentSpec
 from kvfence_operator.revision import revision_of
 
 
@@ -79,3 +79,39 @@ def test_changes_applied_in_place_keep_the_revision(change):
 )
 def test_changes_to_what_pods_run_make_a_new_revision(change):
     assert revision_of(_with(change)) != revision_of(sample_spec("full"))
+
+
+@pytest.fixture
+def release_with_other_defaults(monkeypatch):
+    """A later operator release whose code changes the engine image's and the page size's
+    defaults (the generated CRD with them); restored afterwards."""
+    fields = EngineSpec.model_fields
+    for name, value in (("image", "ghcr.io/kvfence/kvfence-engine:9.9.9"), ("page_size", 32)):
+        monkeypatch.setattr(fields[name], "default", value)
+    EngineSpec.model_rebuild(force=True)
+    InferenceDeploymentSpec.model_rebuild(force=True)
+    yield
+    monkeypatch.undo()
+    EngineSpec.model_rebuild(force=True)
+    InferenceDeploymentSpec.model_rebuild(force=True)
+
+
+@pytest.mark.parametrize("name", ["minimal", "full"])
+def test_a_release_that_changes_a_default_rolls_no_stored_object(name, request):
+    """The object as the API server stored it at creation: its revision under today's code and
+    under a release with other defaults is the same."""
+    stored = stored_spec(load_sample(name)["spec"])
+    before = revision_of(InferenceDeploymentSpec.model_validate(stored))
+    request.getfixturevalue("release_with_other_defaults")
+    assert EngineSpec().image.endswith(":9.9.9")  # the release is in effect
+    assert revision_of(InferenceDeploymentSpec.model_validate(stored)) == before
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_a_manifest_and_the_object_stored_from_it_have_one_revision(name):
+    """`kvfence up`, tests and the devcluster (which does not default) hash the manifest as
+    written; a cluster hashes the object with the CRD's defaults filled in: the same."""
+    spec = load_sample(name)["spec"]
+    assert revision_of(InferenceDeploymentSpec.model_validate(spec)) == revision_of(
+        InferenceDeploymentSpec.model_validate(stored_spec(spec))
+    )

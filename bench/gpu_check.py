@@ -60,7 +60,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from _common import CONVERSATIONS
 from engine_throughput import EngineClient, Timing
 from kvfence_engine.loading.config import load_config
-from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed, _die_with_parent
+from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed, die_with_parent
 
 # How `kvfence serve` starts without installing the project (PYTHONPATH holds engine_image and
 # operator; bench/gpu_check.sh sets it). The one line to change when the CLI module moves.
@@ -252,7 +252,7 @@ class EngineProcess(LocalProcess):
                 env={**os.environ, **(self.env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         return self
 

@@ -6,10 +6,13 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvfence_engine.tools.localproc import die_with_parent
 
 
 @dataclass
@@ -26,7 +29,9 @@ class ManagedProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"[cluster] starting: {' '.join(self.argv)}\n".encode())
             log.flush()
-            # Its own session: stopping it also stops whatever it started (sh -c ...).
+            # Its own session: stopping it also stops whatever it started (sh -c ...). And it
+            # dies with the thread that started it, so a killed test run or `kvfence-devcluster`
+            # leaves no pod or operator running behind it.
             self.popen = subprocess.Popen(
                 list(self.argv),
                 env=dict(self.env) if self.env is not None else None,
@@ -35,6 +40,7 @@ class ManagedProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         return self
 

@@ -171,6 +171,21 @@ def test_the_command_serves_kubectl_and_services_and_stops_everything_on_sigterm
     assert (tmp_path / "state" / "cluster" / "logs" / "default_hello_web.log").exists()
 
 
+def test_a_killed_command_leaves_no_pod_running(tmp_path, commands):
+    """SIGKILL gives it no chance to stop its pods: they die with it (the parent-death signal)."""
+    kubeconfig = tmp_path / "kubeconfig"
+    command = Command([sys.executable, "-m", "kvfence_devcluster"], "--kubeconfig", str(kubeconfig))
+    commands.append(command)
+    command.next_line()
+    api = config.new_client_from_config(config_file=str(kubeconfig))
+    client.CoreV1Api(api).create_namespaced_pod("default", pod("hello", {"app": "hello"}))
+    api.close()
+    running = wait_for(command.descendants, "the pod to run under the command")
+    command.proc.kill()
+    command.proc.wait()
+    wait_for(lambda: not still_running(running), "the pod's processes to die with it", 10.0)
+
+
 @pytest.mark.slow
 def test_the_console_script_runs_the_operator_whose_service_answers_and_stops_on_ctrl_c(
     tmp_path, commands

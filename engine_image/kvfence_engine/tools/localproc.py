@@ -21,7 +21,7 @@ import httpx
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Linux: SIGTERM this child when the thread that started it dies, even by SIGKILL, so a
     killed `kvfence up` (or test run) never leaves engines running behind it."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -84,7 +84,7 @@ class LocalProcess:
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=die_with_parent if sys.platform == "linux" else None,
         )
         return self
 

@@ -168,8 +168,9 @@ class QuietProbes(logging.Filter):
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """The HTTP socket, bound before anything else starts (weights, threads): a port in use is
-    then one line and an exit, not uvicorn's bind error while a loader thread runs."""
+    """The HTTP port, bound before anything else starts (weights, threads): a port in use is
+    then one line and an exit, not uvicorn's bind error while a loader thread runs. Bound,
+    not listening: `run_http` closes it just before uvicorn binds the port."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -194,12 +195,15 @@ def http_server(app: "ASGIApp", args: argparse.Namespace) -> "uvicorn.Server":
 
 def run_http(server: "uvicorn.Server", sock: socket.socket) -> int:
     """0 once stopped; 130 for Ctrl-C, which uvicorn re-raises after its graceful shutdown
-    (a traceback otherwise). SIGTERM ends the process by that signal, as uvicorn intends."""
-    # uvicorn logs where it listens only for sockets it binds itself
-    host, port = sock.getsockname()[:2]
-    logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d", host, port)
+    (a traceback otherwise). SIGTERM ends the process by that signal, as uvicorn intends.
+
+    `sock` (from `listen`) proved the port free before anything started; it is closed here and
+    uvicorn binds the port itself, as `uvicorn.run` does. Serving on the pre-bound socket
+    instead changed request timing enough that the canary's early-release negative control
+    (tests/integration/test_canary_deployments.py) lost its race three runs in three."""
+    sock.close()
     try:
-        server.run(sockets=[sock])
+        server.run()
     except KeyboardInterrupt:
         return 130
     return 0

@@ -127,8 +127,10 @@ def test_packed_engine_still_fails_a_reassigned_page_closed(weight_dtype: str) -
 def test_int8_weights_are_refused_on_cuda_with_what_to_use_instead() -> None:
     with pytest.raises(ValueError, match="on CUDA use bfloat16 or float16"):
         resolve_precision("int8", torch.device("cuda"))
-    with pytest.raises(ValueError, match="is not one of float32, bfloat16, float16, int8"):
-        resolve_precision("int4", torch.device("cpu"))
+    with pytest.raises(
+        ValueError, match="is not one of float32, bfloat16, float16, int8, int4, auto"
+    ):
+        resolve_precision("int2", torch.device("cpu"))
     assert resolve_precision(None, torch.device("cpu")).compute == torch.float32
     assert resolve_precision(None, torch.device("cuda")).compute == torch.bfloat16
     assert resolve_precision("float16", torch.device("cuda")).packed is None

@@ -210,11 +210,15 @@ def pack_linears(model: nn.Module, kind: WeightDtype) -> int:
 
 
 def pack_int4_linears(
-    model: nn.Module, sources: dict[str, list[str]], int4: dict[str, Int4Groups]
+    model: nn.Module,
+    sources: dict[str, list[str]],
+    int4: dict[str, Int4Groups],
+    kernel_dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, int]:
     """Replace each linear named in `sources` (module path -> the weights it was built from)
     by an Int4Linear when every source weight has int4 groups, else by a Float16Linear;
-    every other nn.Linear is packed float16 too. Returns how many of each."""
+    every other nn.Linear is packed float16 too. Returns how many of each. (kernel_dtype
+    float32: the file's exact weights, at the kernel's slow scalar speed; for tests.)"""
     counts = {"int4": 0, "float16": 0}
     for path, names in sources.items():
         parent_path, _, attr = path.rpartition(".")
@@ -222,7 +226,8 @@ def pack_int4_linears(
         layer = getattr(parent, attr)
         assert isinstance(layer, nn.Linear), path
         if all(name in int4 for name in names):
-            packed: nn.Module = Int4Linear(Int4Groups.concat([int4[n] for n in names]), layer.bias)
+            groups = Int4Groups.concat([int4[n] for n in names])
+            packed: nn.Module = Int4Linear(groups, layer.bias, kernel_dtype)
             counts["int4"] += 1
         else:
             packed = Float16Linear(layer.weight, layer.bias)

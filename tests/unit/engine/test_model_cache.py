@@ -1,7 +1,7 @@
 """What kvfence keeps of a GGUF file in its cache: the tokenizer (a GGUF header takes seconds
-to parse) and the dequantized weights with the 4-bit blocks (seconds more), each keyed by the file; a cache entry
-that cannot be read is rebuilt, never trusted, and a cache that cannot be written only costs
-time."""
+to parse) and the dequantized weights with the 4-bit blocks (seconds more), each keyed by the
+file; a cache entry that cannot be read is rebuilt, never trusted, and a cache that cannot be
+written only costs time."""
 
 from collections.abc import Iterator
 from pathlib import Path

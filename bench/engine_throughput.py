@@ -1,14 +1,15 @@
 """Output tokens/s of the kvfence engine against Hugging Face transformers `generate`.
 
-Every system runs the same SmolLM2-135M-Instruct GGUF (dequantized to float32), with 2 CPU
-threads, on the same token-id prompts (chat template applied), greedy, and produces exactly the
-same number of tokens per request. Our engine runs three times, side by side: float32 weights
-(the default), and the opt-in packed weights `--weight-dtype int8` and `--weight-dtype float16`
-(fewer bytes per step; activations and the KV pool stay float32). Their accuracy against
-float32 is measured in tests/unit/engine/test_int8_weights.py (numbers in its docstring); here each
-engine's greedy tokens are compared with transformers' at concurrency 1. Transformers keeps
-its best settings here: float32 (bf16 matmuls are slow on these CPUs), 2 threads, one
-left-padded batch.
+Every system runs the same SmolLM2-135M-Instruct GGUF, with 2 CPU threads, on the same
+token-id prompts (chat template applied), greedy, and produces exactly the same number of
+tokens per request. Our engine runs four times, side by side: the file's own Q4_1 blocks as
+int4 (`--weight-dtype auto`, the default), the file dequantized to float32 weights, and the
+packed weights `--weight-dtype int8` and `--weight-dtype float16` (fewer bytes per step;
+activations and the KV pool stay float32); transformers runs the file dequantized to float32.
+Their accuracy against float32 is measured in tests/unit/engine/test_int8_weights.py (numbers
+in its docstring); here each engine's greedy tokens are compared with transformers' at
+concurrency 1. Transformers keeps its best settings here: float32 (bf16 matmuls are slow on
+these CPUs), 2 threads, one left-padded batch.
 
 - concurrency 1: N requests sent one at a time to a real `kvfence serve` over HTTP, against
   transformers generating the same N prompts one at a time (batch 1);
@@ -60,7 +61,8 @@ CONCURRENCY = 16
 TARGETS = {1: 1.0, CONCURRENCY: 1.3}
 # our engines: name -> extra `kvfence serve` arguments
 ENGINES = {
-    "float32": [],
+    "int4": [],  # --weight-dtype auto, the default: the file's own Q4_1 blocks
+    "float32": ["--weight-dtype", "float32"],
     "int8": ["--weight-dtype", "int8"],
     "float16": ["--weight-dtype", "float16"],
 }

@@ -75,9 +75,9 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument(
         "--weight-dtype",
         choices=WEIGHT_DTYPES,
-        default=None,
-        help="as `kvfence serve --weight-dtype` (resolves auto; default float32 on CPU, "
-        "bfloat16 on CUDA)",
+        default="auto",
+        help="as `kvfence serve --weight-dtype` (resolves auto; default auto: its KV dtype is "
+        "float32 on CPU, bfloat16 on CUDA)",
     )
     p.add_argument(
         "--target", type=server_url, metavar="URL", help=f"{TARGET_HELP}: read its /v1/kvpool"

@@ -131,10 +131,12 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument(
         "--weight-dtype",
-        choices=["float32", "bfloat16", "float16", "int8"],
-        default=None,
-        help="default float32 on CPU, bfloat16 on CUDA; on CPU float16 and int8 pack the "
-        "linear weights (fewer bytes per step) and compute in float32",
+        choices=["auto", "float32", "bfloat16", "float16", "int8", "int4"],
+        default="auto",
+        help="auto: int4 on CPU for a GGUF with Q4_0/Q4_1 tensors (its own 4-bit blocks, "
+        "kept; other linears float16), else float32 on CPU and bfloat16 on CUDA; on CPU "
+        "int4, float16 and int8 pack the linear weights (fewer bytes per step) and compute "
+        "in float32",
     )
     p.add_argument(
         "--kv-cache-dtype",

@@ -119,3 +119,14 @@ def test_ctrl_c_stops_the_engine_with_130_and_no_traceback(tmp_path: Path, when:
         proc.stop()
     text = log.read_text()
     assert "Traceback" not in text and "terminate called" not in text, text[-2000:]
+
+
+def test_int4_weights_for_a_model_without_4bit_blocks_exit_1_saying_what_to_use() -> None:
+    done = kvfence(
+        "serve", "--model", "builtin:tiny-random", "--weight-dtype", "int4", "--port", "0",
+        "--threads", "1",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvfence serve: engine failed to start: ValueError: --weight-dtype int4")
+    assert "use float16 or int8 for this model" in last and "Traceback" not in done.stderr

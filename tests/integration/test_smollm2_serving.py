@@ -1,5 +1,6 @@
 """The real model behind the real server, through the official openai client."""
 
+import httpx
 import openai
 import pytest
 
@@ -42,3 +43,9 @@ def test_usage_counts_prompt_tokens_like_the_reference_tokenizer(client: openai.
         model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=3
     )
     assert r.usage.prompt_tokens == len(expected)
+
+
+def test_by_default_it_serves_the_files_own_4bit_weights(smollm2_server: LocalProcess) -> None:
+    """--weight-dtype auto on CPU: the Q4_1 file's blocks, kept (and still Paris, above)."""
+    pool = httpx.get(smollm2_server.url + "/v1/kvpool").json()
+    assert (pool["weight_dtype"], pool["kv_dtype"]) == ("int4", "float32")

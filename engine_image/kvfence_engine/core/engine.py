@@ -24,7 +24,12 @@ from kvfence_engine.core.pool_plan import (
     effective_context,
     plan_pool,
 )
-from kvfence_engine.core.quantization import pack_linears, resolve_precision
+from kvfence_engine.core.quantization import (
+    WeightDtype,
+    pack_int4_linears,
+    pack_linears,
+    resolve_precision,
+)
 from kvfence_engine.core.request import (
     Request,
     SamplingParams,
@@ -50,7 +55,7 @@ class EngineArgs:
     context_length: int | None = None
     context_policy: ContextPolicy = ContextPolicy.REFUSE
     device: str = "cpu"
-    weight_dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA (quantization.py)
+    weight_dtype: str | None = None  # None = auto: int4 for a Q4 GGUF on CPU (quantization.py)
     kv_cache_dtype: str | None = None  # None: the compute dtype; else float32|float16|bfloat16
     max_num_seqs: int = 64
     max_batched_tokens: int = 4096
@@ -98,12 +103,15 @@ class LLMEngine:
         self.faults = args.faults
         self.metrics = metrics or EngineMetrics()
         self.device = resolve_device(args.device)
-        self.precision = resolve_precision(args.weight_dtype, self.device)
+        self.precision = resolve_precision(args.weight_dtype, self.device, bool(loaded.int4))
         dtype = self.precision.compute
         model = LlamaModel(loaded.config, loaded.weights).to(self.device, dtype)
-        if self.precision.packed is not None:
+        if self.precision.packed is WeightDtype.INT4:
+            pack_int4_linears(model, model.linear_sources, loaded.int4)
+        elif self.precision.packed is not None:
             pack_linears(model, self.precision.packed)
         loaded.weights.clear()  # the model holds them now
+        loaded.int4.clear()
         requested = args.context_length or loaded.config.max_positions
         if requested > loaded.config.max_positions:
             raise ValueError(

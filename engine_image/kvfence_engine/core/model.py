@@ -97,6 +97,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """linear_sources: each linear's module path -> the weights it was built from (fused in
+    that order), for packing them from the file's own blocks (quantization.pack_int4_linears)."""
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.config = config
@@ -108,6 +111,17 @@ class LlamaModel(nn.Module):
         head = weights.get("lm_head.weight")
         self.lm_head = _linear(self.embed if config.tie_embeddings or head is None else head)
         self.rotary = Rotary(config.head_dim, config.max_positions, config.rope_theta)
+        self.linear_sources = {"lm_head": ["lm_head.weight"]}
+        if config.tie_embeddings or head is None:
+            self.linear_sources["lm_head"] = ["model.embed_tokens.weight"]
+        for i in range(config.num_layers):
+            w = f"model.layers.{i}."
+            self.linear_sources |= {
+                f"layers.{i}.qkv": [w + f"self_attn.{p}_proj.weight" for p in "qkv"],
+                f"layers.{i}.o_proj": [w + "self_attn.o_proj.weight"],
+                f"layers.{i}.gate_up": [w + "mlp.gate_proj.weight", w + "mlp.up_proj.weight"],
+                f"layers.{i}.down": [w + "mlp.down_proj.weight"],
+            }
 
     @torch.inference_mode()
     def forward(

@@ -7,6 +7,19 @@ read check are exactly what they are with float32 weights.
 
 - float16: weights stored as fp16, activations float32 (fbgemm's fp16 GEMM). Half the bytes,
   logits within ~0.05 of float32's: the CPU speed-up to use.
+- int4 (the default for a GGUF file with Q4_0/Q4_1 tensors on CPU: `auto`): the file's own
+  4-bit blocks, kept. Each block of 32 becomes a group of aten's int4 packed matmul, whose
+  dequantization is w = (q - 8) * scale + zero: scale = d, zero = 0 (Q4_0: w = d * (q - 8))
+  or m + 8 * d (Q4_1: w = d * q + m). With float32 scales those are the file's weights bit
+  for bit; the engine runs the kernel on bfloat16 (its float32 path is scalar, slower than a
+  float32 GEMM), so the served weights are the file's up to bfloat16 rounding of scale, zero
+  and product (relative 2^-9 each: small against the 4-bit step itself). Every other linear
+  (Q8_0, F16, F32 in the file: SmolLM2's tied lm_head is its Q8_0 embedding table) takes the
+  float16 path: a Q8_0 block's own scale cannot be kept by int8pack, whose scales are per
+  output channel, and a per-channel requantization would change the file's weights.
+  Speed (SmolLM2, 1 thread, rough): batch 1 int4 79 tokens/s, float16 63, float32 25; but from
+  ~16 rows the bfloat16 int4 kernel is slower than fbgemm's float16 GEMM (16 requests: 209 vs
+  244), and on AVX2-only CPUs (ATEN_CPU_CAPABILITY=avx2) even at batch 1 (47 vs 65).
 - int8: per-output-channel symmetric int8 weights (scale = max |w| / 127 per row), weight-only:
   aten's int8pack kernel (vectorized on AVX2 for bf16 activations only) for decode-sized
   batches, dequantized float32 GEMM for prefill-sized ones. A quarter of the bytes, but slower
@@ -35,6 +48,8 @@ class WeightDtype(StrEnum):
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
     INT8 = "int8"
+    INT4 = "int4"
+    AUTO = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,21 +61,33 @@ class Precision:
     packed: WeightDtype | None = None
 
 
-def resolve_precision(weight_dtype: str | None, device: torch.device) -> Precision:
-    """The default is float32 on CPU (bf16 matmuls are slow there) and bfloat16 on CUDA.
+def resolve_precision(
+    weight_dtype: str | None, device: torch.device, gguf_int4: bool = False
+) -> Precision:
+    """auto (or None): int4 on CPU for a model whose file holds Q4_0/Q4_1 tensors (gguf_int4),
+    else float32 on CPU (bf16 matmuls are slow there) and bfloat16 on CUDA.
 
-    On CPU, int8 and float16 pack the linear weights and compute in float32; on CUDA, float16
-    and bfloat16 are the dtype of the whole model, and int8 is refused (a CPU path)."""
+    On CPU, int4, int8 and float16 pack the linear weights and compute in float32; on CUDA,
+    float16 and bfloat16 are the dtype of the whole model, and int8/int4 are refused (CPU
+    paths)."""
     cuda = device.type == "cuda"
-    if weight_dtype is None:
-        weight_dtype = WeightDtype.BFLOAT16 if cuda else WeightDtype.FLOAT32
+    if weight_dtype is None or weight_dtype == WeightDtype.AUTO:
+        if cuda:
+            weight_dtype = WeightDtype.BFLOAT16
+        else:
+            weight_dtype = WeightDtype.INT4 if gguf_int4 else WeightDtype.FLOAT32
     try:
         kind = WeightDtype(weight_dtype)
     except ValueError:
         choices = ", ".join(WeightDtype)
         raise ValueError(f"--weight-dtype {weight_dtype!r} is not one of {choices}") from None
-    if kind is WeightDtype.INT8 and cuda:
-        raise ValueError("--weight-dtype int8 is a CPU path; on CUDA use bfloat16 or float16")
+    if kind in (WeightDtype.INT8, WeightDtype.INT4) and cuda:
+        raise ValueError(f"--weight-dtype {kind} is a CPU path; on CUDA use bfloat16 or float16")
+    if kind is WeightDtype.INT4 and not gguf_int4:
+        raise ValueError(
+            "--weight-dtype int4 needs a GGUF model with Q4_0 or Q4_1 tensors (it keeps the "
+            "file's own blocks); use float16 or int8 for this model"
+        )
     if cuda or kind in (WeightDtype.FLOAT32, WeightDtype.BFLOAT16):
         return Precision(kind, getattr(torch, kind.value))
     return Precision(kind, torch.float32, packed=kind)
@@ -107,6 +134,61 @@ class Float16Linear(nn.Module):
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
 
 
+GROUP = 32  # weights per Q4_0/Q4_1 block, and per group of the int4 kernel
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Groups:
+    """A linear weight [N, K] as 4-bit values in groups of 32 along K: w = (q - 8) * scale +
+    zero, the int4 kernel's dequantization (loading.loader.int4_groups reads a GGUF's)."""
+
+    q: torch.Tensor  # uint8 [N, K], each 0..15
+    scale: torch.Tensor  # float32 [N, K / 32]
+    zero: torch.Tensor  # float32 [N, K / 32]
+
+    @staticmethod
+    def concat(parts: "list[Int4Groups]") -> "Int4Groups":
+        """Stacked along N (the fused q/k/v and gate/up linears)."""
+        return Int4Groups(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]),
+        )
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T + b with W as int4 groups of 32 (aten's int4 packed CPU matmul)."""
+
+    # buffers (register_buffer), declared so they type as tensors, not Tensor | Module
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        groups: Int4Groups,
+        bias: torch.Tensor | None,
+        kernel_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = groups.q.shape
+        if self.in_features % GROUP:
+            raise ValueError(f"int4 groups: {self.in_features} inputs is not a multiple of 32")
+        self.kernel_dtype = kernel_dtype
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.to(torch.int32), 1)
+        # the kernel's layout: [K / 32, N, 2], scale then zero
+        layout = torch.stack([groups.scale.T, groups.zero.T], dim=-1).contiguous()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", layout.to(kernel_dtype))
+        self.register_buffer("bias", _float_or_none(bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(self.kernel_dtype), self.packed, GROUP, self.scales_and_zeros
+        ).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
 def _float_or_none(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.detach().float()
 
@@ -128,3 +210,31 @@ def pack_linears(model: nn.Module, kind: WeightDtype) -> int:
                 setattr(parent, name, pack_linear(child, kind))
                 replaced += 1
     return replaced
+
+
+def pack_int4_linears(
+    model: nn.Module,
+    sources: dict[str, list[str]],
+    int4: dict[str, Int4Groups],
+    kernel_dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, int]:
+    """Replace each linear named in `sources` (module path -> the weights it was built from)
+    by an Int4Linear when every source weight has int4 groups, else by a Float16Linear;
+    every other nn.Linear is packed float16 too. Returns how many of each. (kernel_dtype
+    float32: the file's exact weights, at the kernel's slow scalar speed; for tests.)"""
+    counts = {"int4": 0, "float16": 0}
+    for path, names in sources.items():
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        layer = getattr(parent, attr)
+        assert isinstance(layer, nn.Linear), path
+        if all(name in int4 for name in names):
+            groups = Int4Groups.concat([int4[n] for n in names])
+            packed: nn.Module = Int4Linear(groups, layer.bias, kernel_dtype)
+            counts["int4"] += 1
+        else:
+            packed = Float16Linear(layer.weight, layer.bias)
+            counts["float16"] += 1
+        setattr(parent, attr, packed)
+    counts["float16"] += pack_linears(model, WeightDtype.FLOAT16)
+    return counts

@@ -42,7 +42,7 @@ def load_config(source: str) -> ModelConfig:
 
 
 # Bump when what _convert_gguf produces changes: older cached conversions are then ignored.
-CONVERSION = 1
+CONVERSION = 2  # 2: with the 4-bit tensors' int4 groups
 UNREADABLE = (OSError, ValueError, KeyError, TypeError, SafetensorError)
 
 

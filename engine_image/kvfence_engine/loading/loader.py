@@ -1,4 +1,5 @@
-"""Resolve a model source (SRC) into a config, float weights in Hugging Face names, and a tokenizer.
+"""Resolve a model source (SRC) into a config, float weights in Hugging Face names, and a tokenizer;
+for a GGUF, also the file's own Q4_0/Q4_1 blocks (int4), which the engine packs by default on CPU.
 
 SRC is `builtin:smollm2-135m-instruct`, `builtin:tiny-random`, a `.gguf` file, or a folder with
 config.json + *.safetensors + tokenizer.json.
@@ -10,13 +11,14 @@ import json
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvfence_engine.core.model_config import ModelConfig
+from kvfence_engine.core.quantization import GROUP, Int4Groups
 from kvfence_engine.loading.config import (
     TINY_CONFIG,
     UNREADABLE,
@@ -48,6 +50,8 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str = ""  # as given to load_model: what /v1/kvpool reports, for the router
+    # a GGUF's Q4_0/Q4_1 tensors as the file holds them (weights has their dequantization too)
+    int4: dict[str, Int4Groups] = field(default_factory=dict)
 
 
 def load_model(source: str) -> LoadedModel:
@@ -109,8 +113,32 @@ def _hf_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
 
 
+def int4_groups(raw: np.ndarray, kind: object) -> Int4Groups:
+    """A Q4_0 or Q4_1 tensor's blocks (uint8 [N, bytes per row], as gguf reads them) in the int4
+    kernel's terms, w = (q - 8) * scale + zero, exactly the file's weights: a block is fp16 d
+    (Q4_1: then fp16 m) and 16 bytes, low nibbles the first 16 weights, high the last 16.
+    Q4_0: w = d * (q - 8), so zero 0; Q4_1: w = d * q + m, so zero m + 8 d (exact in float32:
+    d and m are fp16)."""
+    from gguf import GGMLQuantizationType
+
+    q4_1 = kind == GGMLQuantizationType.Q4_1
+    if not q4_1 and kind != GGMLQuantizationType.Q4_0:
+        raise ValueError(f"not a 4-bit block type: {kind}")
+    header = 4 if q4_1 else 2
+    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, header + GROUP // 2)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., header:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(raw.shape[0], -1)
+    if q4_1:
+        zero = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * d
+    else:
+        zero = np.zeros_like(d)
+    return Int4Groups(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero))
+
+
 def load_gguf(path: Path, name: str | None = None) -> LoadedModel:
-    """A GGUF model, dequantized to float32. Parsing and dequantizing take seconds (the header
+    """A GGUF model, dequantized to float32, and its 4-bit tensors as the file holds them.
+    Parsing and dequantizing take seconds (the header
     alone holds the whole vocabulary), so the converted weights are kept in the cache as
     safetensors, keyed by the file and CONVERSION; a cache that cannot be read is rebuilt."""
     converted = converted_path(path)
@@ -132,9 +160,12 @@ def _save_converted(loaded: LoadedModel, target: Path) -> None:
     from safetensors.torch import save_file
 
     metadata = {"name": loaded.name, "config": json.dumps(dataclasses.asdict(loaded.config))}
+    tensors = dict(loaded.weights)
+    for key, groups in loaded.int4.items():
+        tensors |= {f"{key}{INT4_SUFFIX}{part}": getattr(groups, part) for part in INT4_PARTS}
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     try:
-        save_file(loaded.weights, str(partial), metadata=metadata)
+        save_file(tensors, str(partial), metadata=metadata)
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
@@ -147,19 +178,35 @@ def _load_converted(converted: Path, path: Path, name: str | None) -> LoadedMode
     # load_file maps the file; copies in anonymous memory cannot be evicted under memory
     # pressure and re-read from disk in the middle of serving.
     weights = {key: tensor.clone() for key, tensor in load_file(str(converted)).items()}
+    int4 = {
+        key.removesuffix(f"{INT4_SUFFIX}q"): Int4Groups(
+            *(weights.pop(key.removesuffix("q") + part) for part in INT4_PARTS)
+        )
+        for key in [k for k in weights if k.endswith(f"{INT4_SUFFIX}q")]
+    }
     return LoadedModel(
-        name=name or stored_name, config=config, weights=weights, tokenizer=gguf_tokenizer(path)
+        name=name or stored_name,
+        config=config,
+        weights=weights,
+        tokenizer=gguf_tokenizer(path),
+        int4=int4,
     )
 
 
+INT4_SUFFIX = ":int4."  # cache keys of a tensor's int4 groups: NAME:int4.q, .scale, .zero
+INT4_PARTS = ("q", "scale", "zero")
+
+
 def _convert_gguf(path: Path) -> LoadedModel:
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
     config, fields = gguf_config(reader, path)
     arch = fields["general.architecture"]
     weights: dict[str, torch.Tensor] = {}
+    int4: dict[str, Int4Groups] = {}
+    four_bit = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
     # the slow part of a first start (seconds to minutes): a bar on a terminal, a line in the
     # log every tenth of the way otherwise, and the engine's /readyz says where it is
     with Progress(
@@ -172,19 +219,29 @@ def _convert_gguf(path: Path) -> LoadedModel:
         for tensor in reader.tensors:
             array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
             array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
+            groups = None
+            if tensor.tensor_type in four_bit and array.ndim == 2:
+                groups = int4_groups(np.asarray(tensor.data), tensor.tensor_type)
             # llama.cpp permutes Q/K only for the llama architecture (qwen2 keeps HF layout).
             part = tensor.name.split(".")[-2]
             if arch == "llama" and part in ("attn_q", "attn_k"):
-                array = _unpermute_rope(
-                    array, config.num_heads if part == "attn_q" else config.num_kv_heads
-                )
+                n = config.num_heads if part == "attn_q" else config.num_kv_heads
+                array = _unpermute_rope(array, n)
+                if groups is not None:  # rows move whole: each row's blocks go with it
+                    groups = Int4Groups(
+                        *(torch.from_numpy(_unpermute_rope(getattr(groups, p).numpy(), n).copy())
+                          for p in INT4_PARTS)
+                    )  # fmt: skip
             weights[_hf_name(tensor.name)] = torch.from_numpy(np.array(array, dtype=np.float32))
+            if groups is not None:
+                int4[_hf_name(tensor.name)] = groups
             converting.advance()
     return LoadedModel(
         name=str(fields.get("general.name", path.stem)),
         config=config,
         weights=weights,
         tokenizer=remember_tokenizer(path, tokenizer_from_gguf(fields)),
+        int4=int4,
     )
 
 

@@ -1,7 +1,7 @@
 """What kvfence keeps of a GGUF file in its cache: the tokenizer (a GGUF header takes seconds
-to parse) and the dequantized weights (seconds more), each keyed by the file; a cache entry
-that cannot be read is rebuilt, never trusted, and a cache that cannot be written only costs
-time."""
+to parse) and the dequantized weights with the 4-bit blocks (seconds more), each keyed by the
+file; a cache entry that cannot be read is rebuilt, never trusted, and a cache that cannot be
+written only costs time."""
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,6 +78,11 @@ def test_converted_weights_load_from_the_cache_exactly_as_converted(
     assert cached.weights.keys() == fresh.weights.keys()
     for key, tensor in fresh.weights.items():
         assert torch.equal(cached.weights[key], tensor), key
+    # the file's 4-bit blocks too (every Q4_1 tensor of SmolLM2), not as weights
+    assert cached.int4.keys() == fresh.int4.keys() and len(fresh.int4) == 30 * 7
+    for key, groups in fresh.int4.items():
+        for part in ("q", "scale", "zero"):
+            assert torch.equal(getattr(cached.int4[key], part), getattr(groups, part)), key
     assert cached.tokenizer.encode(TEXT) == fresh.tokenizer.encode(TEXT)
     assert not list(cache_dir.glob("*.partial"))
 

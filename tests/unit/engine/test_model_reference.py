@@ -148,7 +148,8 @@ def test_smollm2_logits_match_transformers_on_the_same_gguf() -> None:
     prompt = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}]
     )
-    engine = LLMEngine(loaded, EngineArgs(kv_cache_memory=64 * 1024**2))
+    # the float path (the default for this file is its int4 blocks: test_int8_weights.py)
+    engine = LLMEngine(loaded, EngineArgs(kv_cache_memory=64 * 1024**2, weight_dtype="float32"))
     ids = engine.tokenizer.encode(prompt)
     with torch.no_grad():
         expected = theirs(torch.tensor([ids])).logits[0].float()
@@ -156,7 +157,8 @@ def test_smollm2_logits_match_transformers_on_the_same_gguf() -> None:
     assert (ours - expected).abs().max().item() <= 1e-3
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
     engine = LLMEngine(
-        load_model("builtin:smollm2-135m-instruct"), EngineArgs(kv_cache_memory=64 * 1024**2)
+        load_model("builtin:smollm2-135m-instruct"),
+        EngineArgs(kv_cache_memory=64 * 1024**2, weight_dtype="float32"),
     )
     tokens, logprobs = our_greedy(engine, ids, 10)
     ref_tokens, ref_logprobs = their_greedy(theirs, ids, 10)

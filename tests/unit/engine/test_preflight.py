@@ -88,6 +88,9 @@ def test_preflight_input_that_is_not_a_number_it_can_use_is_a_usage_error(flags,
         (["--device", "cuda"], [], "bfloat16", 384),
         (["--device", "cuda:1"], ["--weight-dtype", "float16"], "float16", 384),
         ([], ["--weight-dtype", "int8"], "float32", 768),
+        ([], ["--weight-dtype", "int4"], "float32", 768),
+        ([], ["--weight-dtype", "auto"], "float32", 768),
+        (["--device", "cuda"], ["--weight-dtype", "auto"], "bfloat16", 384),
     ],
 )
 def test_preflight_resolves_kv_dtype_auto_as_the_engine_does(
@@ -109,9 +112,10 @@ def test_preflights_auto_kv_dtype_is_the_engines_compute_dtype():
     from kvfence_engine.tools.preflight import resolve_kv_dtype
 
     for device in ("cpu", "cuda", "cuda:0"):
-        for weight_dtype in (None, "float32", "bfloat16", "float16", "int8"):
-            try:
-                engine = str(resolve_precision(weight_dtype, torch.device(device)).compute)
+        for weight_dtype in (None, "auto", "float32", "bfloat16", "float16", "int8", "int4"):
+            try:  # a GGUF with 4-bit tensors: the one source int4 takes (preflight reads no file)
+                precision = resolve_precision(weight_dtype, torch.device(device), gguf_int4=True)
+                engine = str(precision.compute)
             except ValueError as refused:
                 with pytest.raises(ValueError, match=str(refused)):
                     resolve_kv_dtype("auto", weight_dtype, device)

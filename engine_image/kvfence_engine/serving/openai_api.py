@@ -59,12 +59,20 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
+# One server-sent event: before OpenAPI 3.2 a text/event-stream `schema` describes each event
+# (its fields as the SSE format names them), not the stream as one string.
+SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+
 # A completion answers JSON, or with "stream": true an event stream of JSON chunks.
 COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "the completion; with `stream: true`, server-sent events of chunks "
         "ending with `data: [DONE]`",
-        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT}},
     },
     **error_responses(*OPENAI_ERRORS),
 }

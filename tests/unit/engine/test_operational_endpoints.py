@@ -76,7 +76,8 @@ def test_health_and_readiness_stay_open_and_say_only_the_status() -> None:
     client = engine(TOKEN)
     assert client.get("/healthz").status_code == 200
     r = client.get("/readyz")
-    assert r.status_code == 503 and r.json() == {"status": "loading", "error": None}
+    assert r.status_code == 503
+    assert r.json() == {"status": "loading", "error": None, "progress": None}
 
 
 def router(tmp_path: Path, *, token: str | None, keys: bool = True) -> TestClient:

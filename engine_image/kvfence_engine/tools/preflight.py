@@ -102,10 +102,7 @@ def live(
         f"pool: {pool.num_pages} pages x {pool.page_size} tokens = {pool.pool_tokens} "
         f"tokens ({pool.free_pages} pages free); serves {pool.context_length_effective}",
     ]
-    lowered = effective_context(
-        context_length, pool.pool_tokens, pool.page_size, ContextPolicy.LOWER
-    )
-    return _verdict(lines, context_length, pool.pool_tokens, pool.page_size, lowered, None)
+    return _live_verdict(lines, context_length, pool.pool_tokens, pool.page_size)
 
 
 def _refusal(response: httpx.Response, internal_token: str | None, api_key: str | None) -> str:
@@ -132,10 +129,14 @@ def _router_verdict(target: str, content: bytes, context_length: int) -> Verdict
         f"smallest pool: {bounds.pool_tokens} tokens in pages of {bounds.page_size}; "
         f"serves {bounds.context_length_effective}",
     ]
-    lowered = effective_context(
-        context_length, bounds.pool_tokens, bounds.page_size, ContextPolicy.LOWER
-    )
-    return _verdict(lines, context_length, bounds.pool_tokens, bounds.page_size, lowered, None)
+    return _live_verdict(lines, context_length, bounds.pool_tokens, bounds.page_size)
+
+
+def _live_verdict(lines: list[str], context: int, pool_tokens: int, page_size: int) -> Verdict:
+    """A running server's pool: whether it holds the context, and what LowerContext would
+    serve if not (a live pool has no model positions to check: the server did that)."""
+    lowered = effective_context(context, pool_tokens, page_size, ContextPolicy.LOWER)
+    return _verdict(lines, context, pool_tokens, page_size, lowered, None)
 
 
 def positions_problem(context: int, max_positions: int) -> str | None:

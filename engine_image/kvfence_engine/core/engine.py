@@ -411,7 +411,7 @@ class LLMEngine:
         if Fault.EARLY_RELEASE in self.faults:
             for seq in seqs:
                 if not is_terminal(seq) and seq.pages:
-                    self.pool.force_release(seq.pages[:1])
+                    self.pool.force_release(seq.seq_id, seq.pages[:1])
 
     # --- decode role: a prompt whose KV another engine computes ------------------------------
     # The reservation protocol around these (kvfence_engine.disagg.reservations) decides when;

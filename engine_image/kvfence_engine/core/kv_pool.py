@@ -45,6 +45,8 @@ class KVPool:
         # LIFO: a just-freed page is the next one handed out (cache-warm, and the worst case
         # for isolation, which is what the tests want to exercise).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        # The early-release fault's pages on the free list: page -> the owner still using it.
+        self._robbed: dict[int, int] = {}
         self.stale_releases = 0
         # Allocation, release and transfer writes may come from the engine thread and from
         # transfer receiver threads; the bookkeeping changes under this lock.
@@ -82,13 +84,28 @@ class KVPool:
             raise PoolExhausted(f"need {count} pages, {len(self._free)} free")
         if count == 0:
             return [], []
-        pages = [self._free.pop() for _ in range(count)]
+        pages = self._pop_free(owner, count)
         idx = torch.tensor(pages)
         assert bool((self.owner[idx] == FREE).all()), "free list held a live page"
         self.tags[idx] += 1
         self.fill[idx] = 0
         self.owner[idx] = owner
         return pages, self.tags[idx].tolist()
+
+    def _pop_free(self, owner: int, count: int) -> list[int]:
+        if not self._robbed:
+            return [self._free.pop() for _ in range(count)]
+        # A robbed page goes to a different owner, never back to the one it was taken from
+        # while any other page is free: the victim re-taking it would hide the fault, and
+        # whether it does would depend on timing.
+        stack = self._free[::-1]
+        mine = [p for p in stack if self._robbed.get(p) == owner]
+        pages = ([p for p in stack if self._robbed.get(p) != owner] + mine)[:count]
+        taken = set(pages)
+        self._free = [p for p in self._free if p not in taken]
+        for page in pages:
+            self._robbed.pop(page, None)
+        return pages
 
     def holds(self, owner: int, pages: list[int], tags: list[int]) -> torch.Tensor:
         """Which of these (page, tag) pairs are still live for `owner`."""
@@ -117,11 +134,14 @@ class KVPool:
             self._free.extend(freed)
         return len(freed)
 
-    def force_release(self, pages: list[int]) -> None:
-        """Put pages back on the free list whatever their state (the early-release fault)."""
+    def force_release(self, owner: int, pages: list[int]) -> None:
+        """Put `owner`'s pages back on the free list while it still uses them (the early-release
+        fault). The next allocation by another owner gets them first; `owner` never does while
+        any other page is free."""
         with self.lock:
             self.owner[torch.tensor(pages)] = FREE
             self._free.extend(pages)
+            self._robbed.update(dict.fromkeys(pages, owner))
 
     def record_writes(self, slot_pages: torch.Tensor, slot_offsets: torch.Tensor) -> None:
         """After a forward pass wrote these slots, raise each page's fill to cover them."""

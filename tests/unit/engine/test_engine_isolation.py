@@ -60,6 +60,23 @@ def _early_release_victim(faults: tuple[str, ...], intruder_seed: int):
     return engine, victim, intruder
 
 
+def test_early_release_robbed_page_goes_to_another_owner_not_back_to_the_victim() -> None:
+    """The fault must not race: the victim's next page boundary comes before the intruder
+    arrives, yet the victim gets a different page and the intruder gets the robbed one."""
+    engine = make_tiny_engine(faults=("early-release", "no-tag-check"))
+    victim = submit(engine, prompt_of(48, seed=5), max_tokens=12, ignore_eos=True, logprobs=0)
+    engine.step()  # prefilled its 3 full pages; the fault hands the first one back
+    robbed = victim.pages[0]
+    engine.step()  # its first decode writes position 48: the victim allocates a 4th page
+    assert len(victim.pages) == 4 and robbed not in victim.pages[1:]
+    intruder = submit(engine, prompt_of(40, seed=6), max_tokens=2, ignore_eos=True)
+    engine.step()
+    assert robbed in intruder.pages  # (the fault robs the intruder's first page in turn)
+    run_until_done(engine)
+    assert victim.error is None and intruder.error is None
+    assert engine.pool.num_used == 0
+
+
 def test_early_release_fails_closed_with_the_tag_mismatch_counter() -> None:
     engine, victim, intruder = _early_release_victim(("early-release",), intruder_seed=6)
     assert victim.error is not None and victim.error.code == "kv_isolation_violation"

@@ -198,9 +198,7 @@ def run_http(server: "uvicorn.Server", sock: socket.socket) -> int:
     (a traceback otherwise). SIGTERM ends the process by that signal, as uvicorn intends.
 
     `sock` (from `listen`) proved the port free before anything started; it is closed here and
-    uvicorn binds the port itself, as `uvicorn.run` does. Serving on the pre-bound socket
-    instead changed request timing enough that the canary's early-release negative control
-    (tests/integration/test_canary_deployments.py) lost its race three runs in three."""
+    uvicorn binds the port itself, as `uvicorn.run` does."""
     sock.close()
     try:
         server.run()

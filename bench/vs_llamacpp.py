@@ -296,6 +296,10 @@ def report(summary: dict[str, Any]) -> None:
             print(f"  concurrency {concurrency:<3} {system:<10} {cells}")
     cells = "  ".join(f"{c:6.2f}" for c in summary["other_processes_cores"])
     print(f"  other processes (cores)    {cells}")
+    print(
+        "llama.cpp here is llama-cpp-python's server: it serves concurrent requests one at a "
+        "time (no parallel slots), reusing the KV of the prefix shared with the previous prompt"
+    )
     agree = summary["greedy_agreement"]
     print(
         f"greedy answers identical (concurrency-1 prompts, each to its own end of turn, at most "

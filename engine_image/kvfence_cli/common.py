@@ -75,14 +75,18 @@ def positive_size(text: str) -> int:
     return value
 
 
-def positive(text: str) -> int:
+def _whole_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text!r}")
     return value
+
+
+def positive(text: str) -> int:
+    return _whole_at_least(text, 1)
 
 
 def share(text: str) -> float:
@@ -97,13 +101,7 @@ def share(text: str) -> float:
 
 
 def non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
-    return value
+    return _whole_at_least(text, 0)
 
 
 def positive_seconds(text: str) -> float:

@@ -38,11 +38,8 @@ _common.undisturbed), and the output says so.
 
 import argparse
 import asyncio
-import contextlib
-import io
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -55,6 +52,7 @@ from _common import (
     running_servers,
     undisturbed,
 )
+from _transformers import Timing, Transformers
 
 THREADS = 2
 CONCURRENCY = 16
@@ -67,16 +65,6 @@ ENGINES = {
     "float16": ["--weight-dtype", "float16"],
 }
 THEIRS = "transformers"
-
-
-@dataclass(slots=True)
-class Timing:
-    output_tokens: int
-    seconds: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
 
 
 Round = dict[tuple[str, int], float]  # (system, concurrency) -> output tokens/s
@@ -121,62 +109,6 @@ class EngineClient:
         """The generated tokens as the API names them (logprobs carry one string per token)."""
         result = await self.complete(prompt, logprobs=0)
         return list(result["choices"][0]["logprobs"]["tokens"])
-
-
-# --- theirs: transformers generate ----------------------------------------------------------
-
-
-class Transformers:
-    def __init__(self, tokenizer: Any, max_tokens: int) -> None:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
-
-        hf_logging.set_verbosity_error()
-        gguf = smollm2_gguf_path()
-        with contextlib.redirect_stderr(io.StringIO()):  # the GGUF loader's progress bars
-            self.model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-            ).eval()
-        # No EOS: generate exactly max_tokens along the plain greedy path (see module docstring).
-        self.model.generation_config.eos_token_id = None
-        self.tokenizer = tokenizer
-        self.max_tokens = max_tokens
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]]) -> list[list[int]]:
-        """One left-padded batch; returns each prompt's new token ids."""
-        new = self.max_tokens
-        width = max(len(p) for p in prompts)
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            do_sample=False,
-            max_new_tokens=new,
-            pad_token_id=pad,
-        )
-        generated = out[:, width:].tolist()
-        assert all(len(g) == new for g in generated)
-        return generated
-
-    def one_at_a_time(self, prompts: list[list[int]]) -> tuple[Timing, list[list[int]]]:
-        start = time.perf_counter()
-        outputs = [self.generate([p])[0] for p in prompts]
-        return Timing(len(prompts) * self.max_tokens, time.perf_counter() - start), outputs
-
-    def batch(self, prompts: list[list[int]]) -> Timing:
-        start = time.perf_counter()
-        self.generate(prompts)
-        return Timing(len(prompts) * self.max_tokens, time.perf_counter() - start)
-
-    def token_string(self, token_id: int) -> str:
-        return self.tokenizer.decode(
-            [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
 
 
 # --- the run --------------------------------------------------------------------------------

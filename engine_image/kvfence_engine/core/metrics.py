@@ -76,6 +76,12 @@ class EngineMetrics:
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
+        self.prefill_batch = Histogram(
+            "kvfence_prefill_batch_requests",
+            "requests prefilled together in one step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
+        )
         self.prompt_tokens = Counter("kvfence_prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter(
             "kvfence_generation_tokens", "tokens generated", registry=r

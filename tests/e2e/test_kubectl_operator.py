@@ -136,7 +136,7 @@ def test_a_user_applies_waits_inspects_changes_and_deletes_with_kubectl(tmp_path
         print(f"\n$ kubectl get infd -o wide\n{wide}")
         wide_header, wide_rows = table(wide)
         assert wide_header == WIDE and wide_rows[0][:7] == rows[0][:7]
-        assert wide_rows[0][8:] == ["Passed", "<none>", "<none>", "<none>", "<none>"]
+        assert wide_rows[0][8:] == ["Passed", "", "", "", ""]  # no candidate: empty cells
         readme_manifest, readme_output = readme_cluster_steps()
         assert readme_manifest == yaml.safe_load(MANIFEST), "README's manifest is not the test's"
         readme_header, readme_rows = table(readme_output)

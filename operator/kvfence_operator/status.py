@@ -102,8 +102,10 @@ def compute_status(
     candidate_failed = failed_canary if rolling else None
     serving_down = plan.serve is not None and not serving_ready and not rolling
 
+    # a running canary is bounded by its own Job's deadline, not by the progress deadline
+    canary_running = rolling and canary is not None and canary.result is CanaryResult.RUNNING
     waiting = judged.waiting_for if judged else "waiting for pods"
-    if rolling and canary is not None and canary.result is CanaryResult.RUNNING:
+    if canary_running:
         waiting = "its canary is running"
     if candidate_failed is not None:
         put(ConditionType.PROGRESSING, F, "CanaryFailed",
@@ -156,10 +158,9 @@ def compute_status(
 
     progressing = _condition(conditions, ConditionType.PROGRESSING)
     put(ConditionType.RECONCILING, progressing.status, progressing.reason, progressing.message)
-    # progress: what the rollout waits for, while it waits for pods or pools (a running canary
-    # is bounded by its own Job's deadline)
+    # progress: what the rollout waits for, while it waits for pods or pools
     mark = None
-    if progressing.status is T and waiting != "its canary is running":
+    if progressing.status is T and not canary_running:
         reported = sum(p.report is not None for p in pools)
         mark = f"{progressing.message} (pools reported: {reported}/{len(pools)})"
     progressed = progress(previous.progress, mark, now)

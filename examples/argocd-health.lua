@@ -1,6 +1,7 @@
 -- Argo CD health check for kvfence.dev/InferenceDeployment (install: see gitops.md).
 --
--- Healthy      Ready=True, for the generation the operator last observed, and nothing rolling.
+-- Healthy      Ready=True, for the generation the operator last observed, and nothing rolling;
+--              or Ready=False with reason ScaledToZero (replicas: 0 is what the spec asks).
 -- Progressing  the operator has not observed the latest spec yet, or Progressing=True
 --              (a new revision is starting, having its pools checked or being canaried).
 -- Degraded     Degraded=True, or CanaryPassed=False: the candidate revision failed its
@@ -67,7 +68,7 @@ if progressing ~= nil and progressing.status == "True" then
 end
 
 local ready = condition(conditions, "Ready")
-if ready ~= nil and ready.status == "True" then
+if ready ~= nil and (ready.status == "True" or ready.reason == "ScaledToZero") then
   if ready.observedGeneration == nil or generation == nil
     or ready.observedGeneration >= generation then
     hs.status = "Healthy"

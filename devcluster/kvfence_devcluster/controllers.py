@@ -131,7 +131,14 @@ class Controllers:
         wanted = int(spec.get("replicas", 1))
         current_hash = template_hash(spec["template"])
         selector = selector_from_label_selector(spec.get("selector"))
-        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        # A finished pod (an evicted one: phase Failed) is no replica: the ReplicaSet controller
+        # replaces it and leaves it to pod GC.
+        live = [
+            p
+            for p in pods
+            if not p["metadata"].get("deletionTimestamp")
+            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        ]
         current = []
         for pod in live:
             labels = pod["metadata"].get("labels") or {}

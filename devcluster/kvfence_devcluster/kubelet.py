@@ -111,7 +111,7 @@ class Kubelet:
         pods = {p["metadata"]["uid"]: p for p in self.store.list_objects(self.pods)}
         for uid, runtime in list(self.runtimes.items()):
             pod = pods.get(uid)
-            if pod is None or pod["metadata"].get("deletionTimestamp"):
+            if pod is None or pod["metadata"].get("deletionTimestamp") or evicted(pod):
                 del self.runtimes[uid]
                 task = asyncio.create_task(runtime.terminate())
                 self._terminating.add(task)
@@ -269,3 +269,10 @@ class Kubelet:
             return None
         path = self.logs_dir / f"{namespace}_{name}_{chosen}.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+def evicted(pod: dict[str, Any]) -> bool:
+    """Evicted (status phase Failed, reason Evicted, written through pods/status): its
+    containers are stopped and the pod stays, finished, until someone deletes it."""
+    status = pod.get("status") or {}
+    return status.get("phase") == "Failed" and status.get("reason") == "Evicted"

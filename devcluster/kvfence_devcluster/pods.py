@@ -281,6 +281,8 @@ class PodRuntime:
 
         def update(pod: dict[str, Any]) -> None:
             status = pod.setdefault("status", {})
+            if status.get("reason") == "Evicted":
+                return  # evicted: the kubelet stops this runtime; the phase stays Failed
             status.update(phase=phase, containerStatuses=statuses)
             status["conditions"] = self._conditions(pod, phase)
 

@@ -7,7 +7,6 @@ from typing import Any
 
 import kopf
 from kubernetes import client
-from pydantic import ValidationError
 
 from kvfence_engine.core.faults import ALLOW_ENV
 from kvfence_operator.conditions import set_condition
@@ -17,8 +16,8 @@ from kvfence_operator.crd.types import (
     PLURAL,
     ConditionStatus,
     ConditionType,
-    InferenceDeploymentStatus,
 )
+from kvfence_operator.health import InvalidSpec, read_status
 from kvfence_operator.kube import Kube, load_cluster_config
 from kvfence_operator.reconcile import Reconciler
 
@@ -63,7 +62,7 @@ def reconcile(
 ) -> None:
     try:
         outcome = memo.reconciler.reconcile(body)
-    except ValidationError as exc:
+    except InvalidSpec as exc:
         # The API server validates the same schema, so this is a spec the CRD let through
         # (an older CRD, or a cluster without CEL): say so and stop retrying it.
         _report_invalid(body, patch, str(exc))
@@ -75,11 +74,17 @@ def reconcile(
 
 
 def _report_invalid(body: kopf.Body, patch: kopf.Patch, message: str) -> None:
-    status = InferenceDeploymentStatus.model_validate(body.get("status") or {})
-    generation = int(body["metadata"].get("generation") or 1)
-    conditions = set_condition(
-        status.conditions, ConditionType.READY, ConditionStatus.FALSE, "InvalidSpec",
-        message[:1000], generation,
-    )  # fmt: skip
+    meta = body["metadata"]
+    status = read_status(body.get("status"), f"{meta.get('namespace')}/{meta.get('name')}")
+    generation = int(meta.get("generation") or 1)
+    conditions = status.conditions
+    for kind, value in (
+        (ConditionType.READY, ConditionStatus.FALSE),
+        (ConditionType.DEGRADED, ConditionStatus.TRUE),
+        (ConditionType.STALLED, ConditionStatus.TRUE),
+    ):
+        conditions = set_condition(
+            conditions, kind, value, "InvalidSpec", message[:1000], generation
+        )
     patch.status["conditions"] = [c.model_dump(mode="json", by_alias=True) for c in conditions]
     patch.status["observedGeneration"] = generation

@@ -56,6 +56,7 @@ class KubeError(RuntimeError):
     def __init__(self, status: int, method: str, path: str, body: str) -> None:
         super().__init__(f"{method} {path} answered {status}: {body[:300]}")
         self.status = status
+        self.body = body
 
 
 def label_selector(labels: Mapping[str, str]) -> str:

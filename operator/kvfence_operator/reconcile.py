@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.canary_job import build_canary_job, canary_job_name
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
@@ -21,6 +23,14 @@ from kvfence_operator.crd.types import (
     InferenceDeploymentStatus,
     Role,
     RoleReplicas,
+)
+from kvfence_operator.health import (
+    InvalidSpec,
+    Problem,
+    create_problem,
+    is_engine_pod,
+    keys_secret_problem,
+    read_status,
 )
 from kvfence_operator.kube import Kube, KubeError, is_subset
 from kvfence_operator.meta import (
@@ -159,17 +169,25 @@ class Reconciler:
     unsafe_faults_allowed: bool = False  # tests only: a pod's unsafe faults pass the pool gate
     # names this pass found taken by objects it does not control (reset every pass)
     _conflicts: list[Conflict] = field(default_factory=list, init=False, repr=False)
+    # errors the API answered this pass, for Degraded and Events (reset every pass)
+    _problems: list[Problem] = field(default_factory=list, init=False, repr=False)
 
     def reconcile(self, body: Mapping[str, Any]) -> Outcome:
         meta = body["metadata"]
-        spec = InferenceDeploymentSpec.model_validate(body["spec"])
+        try:
+            spec = InferenceDeploymentSpec.model_validate(body["spec"])
+        except ValidationError as exc:
+            raise InvalidSpec(str(exc)) from exc
         instance = Instance(meta["name"], meta["namespace"], meta["uid"])
         generation = int(meta.get("generation") or 1)
-        previous = InferenceDeploymentStatus.model_validate(body.get("status") or {})
+        previous = read_status(body.get("status"), f"{meta['namespace']}/{meta['name']}")
         desired = revision_of(spec)
         events: list[Event] = []
-        self._conflicts = []
+        self._conflicts, self._problems = [], []
 
+        keys = spec.router.api_keys_secret
+        if self.kube.get("v1", "Secret", instance.namespace, keys) is None:
+            self._problems.append(keys_secret_problem(keys, instance.namespace))
         self._ensure_revision(spec, instance, desired)
         stable = self.kube.get("v1", "Service", instance.namespace, instance.name)
         revision_status = serving_revision(
@@ -205,7 +223,10 @@ class Reconciler:
             pools_of.get(plan.judged, []),
             endpoint,
             now=datetime.now(UTC),
+            problems=self._problems,
         )
+        if self._problems and _degraded(previous) != _degraded(status):
+            events += [Event("Warning", p.reason, p.message) for p in self._problems]
         conflicts = list(dict.fromkeys(self._conflicts))
         status = with_conflicts(status, conflicts, generation, now=datetime.now(UTC))
         if conflicts and _condition_message(previous, NAME_CONFLICT) != _condition_message(
@@ -220,8 +241,12 @@ class Reconciler:
         """Create `obj`. If its name is taken: the existing object when this
         InferenceDeployment controls it; otherwise None, the object left untouched and a
         NameConflict recorded. (None too if it vanished in between: the next pass sees.)"""
-        if self.kube.create(obj):
-            return obj
+        try:
+            if self.kube.create(obj):
+                return obj
+        except KubeError as exc:  # forbidden (quota), rejected (422): said, and the pass goes on
+            self._problems.append(create_problem(obj["kind"], obj["metadata"]["name"], exc))
+            return None
         meta = obj["metadata"]
         existing = self.kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         if existing is None:
@@ -325,7 +350,7 @@ class Reconciler:
             for pod in self._revision_pods(
                 ns, deployments[role], selector(instance, revision, role)
             ):
-                if pod["metadata"].get("deletionTimestamp"):
+                if not is_engine_pod(pod):  # deleted, evicted or finished
                     continue
                 pods.append(pod)
                 pools.append(
@@ -453,3 +478,10 @@ def _condition_message(status: InferenceDeploymentStatus, reason: str) -> str | 
     NameConflict first appears or changes, not on every pass)."""
     degraded = next((c for c in status.conditions if c.type == ConditionType.DEGRADED), None)
     return degraded.message if degraded is not None and degraded.reason == reason else None
+
+
+def _degraded(status: InferenceDeploymentStatus) -> tuple[str, str] | None:
+    """Degraded's reason and message: an Event goes out when an error first appears or its
+    message changes, not on every pass."""
+    degraded = next((c for c in status.conditions if c.type == ConditionType.DEGRADED), None)
+    return (degraded.reason, degraded.message) if degraded is not None else None

@@ -5,12 +5,13 @@ unless their status flips (conditions.set_condition).
 """
 
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 
-from kvfence_operator.conditions import set_condition
+from kvfence_operator.conditions import find_condition, set_condition
 from kvfence_operator.crd.types import (
     CanaryResult,
     CanaryStatus,
+    CandidateStatus,
     Condition,
     ConditionStatus,
     ConditionType,
@@ -18,13 +19,24 @@ from kvfence_operator.crd.types import (
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
     PoolReport,
+    ProgressStatus,
     Role,
+)
+from kvfence_operator.health import (
+    DEADLINE_EXCEEDED,
+    TERMINAL,
+    Problem,
+    deadline_exceeded,
+    progress,
+    serving_canary,
+    summary,
 )
 from kvfence_operator.ownership import NAME_CONFLICT, Conflict
 from kvfence_operator.pool_gate import PodPool
 from kvfence_operator.rollout import RevisionObservation, RolloutPlan
 
 T, F, U = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
+SCALED_TO_ZERO = "ScaledToZero"
 
 
 def compute_status(
@@ -36,7 +48,10 @@ def compute_status(
     pools: list[PodPool],
     endpoint: str | None,
     now: datetime | None = None,
+    problems: Sequence[Problem] = (),
 ) -> InferenceDeploymentStatus:
+    """`problems`: errors the operator met this pass (Degraded=True with the first's reason)."""
+    now = now or datetime.now(UTC)
     judged = observed.get(plan.judged)
     decision = judged.pools if judged else None
     conditions: list[Condition] = list(previous.conditions)
@@ -45,15 +60,26 @@ def compute_status(
         nonlocal conditions
         conditions = set_condition(conditions, kind, status, reason, message, generation, now)
 
+    rolling = plan.revision.candidate is not None
+    canary = plan.canary
+    if not rolling and plan.revision.current is not None:
+        current = plan.revision.current
+        canary = serving_canary(canary, current, observed.get(current), spec.canary.enabled)
+    # scaled to zero is what the user asked for: said, not an error
+    zero = [f"spec.{r}.replicas" for r in ("prefill", "decode", "router")
+            if getattr(spec, r).replicas == 0]  # fmt: skip
+    scaled = f"{' and '.join(zero)} {'is' if len(zero) == 1 else 'are'} 0: scaled to zero"
+
     # PoolSufficient: about the revision being rolled out (or the serving one).
-    if decision is None or decision.reason == "NoEnginePods":
+    if zero and (decision is None or decision.reason == "NoEnginePods"):
+        put(ConditionType.POOL_SUFFICIENT, U, SCALED_TO_ZERO, scaled)
+    elif decision is None or decision.reason == "NoEnginePods":
         put(ConditionType.POOL_SUFFICIENT, U, "WaitingForPods", "no engine pool reported yet")
     elif decision.sufficient:
         put(ConditionType.POOL_SUFFICIENT, T, decision.reason, decision.message)
     else:
         put(ConditionType.POOL_SUFFICIENT, F, decision.reason, decision.message)
 
-    canary = plan.canary
     # the failed canary, or None (an object rather than a flag, so branches read its message)
     failed_canary = canary if canary is not None and canary.result is CanaryResult.FAILED else None
     if canary is None or canary.result in (None, CanaryResult.PENDING, CanaryResult.RUNNING):
@@ -68,39 +94,56 @@ def compute_status(
     else:
         put(ConditionType.CANARY_PASSED, F, "CanaryFailed", _about(canary, canary.message or ""))
 
-    rolling = plan.revision.candidate is not None
     refused = decision is not None and not decision.sufficient and _all_reported(pools)
     refusal = decision if refused else None  # the refusing decision, read by the branches
     serving = observed.get(plan.serve) if plan.serve else None
     serving_ready = serving is not None and serving.pods_ready and serving.pools.sufficient
+    # a rollout failed, or the serving revision is down while nothing rolls
+    candidate_failed = failed_canary if rolling else None
+    serving_down = plan.serve is not None and not serving_ready and not rolling
 
-    if failed_canary is not None and rolling:
+    # a running canary is bounded by its own Job's deadline, not by the progress deadline
+    canary_running = rolling and canary is not None and canary.result is CanaryResult.RUNNING
+    waiting = judged.waiting_for if judged else "waiting for pods"
+    if canary_running:
+        waiting = "its canary is running"
+    if candidate_failed is not None:
         put(ConditionType.PROGRESSING, F, "CanaryFailed",
-            _about(failed_canary, failed_canary.message or ""))  # fmt: skip
+            _about(candidate_failed, candidate_failed.message or ""))  # fmt: skip
     elif refusal is not None:
         put(ConditionType.PROGRESSING, F, "PoolInsufficient", refusal.message)
+    elif zero:
+        put(ConditionType.PROGRESSING, F, SCALED_TO_ZERO, scaled)
     elif rolling:
-        waiting = judged.waiting_for if judged else "waiting for pods"
         put(ConditionType.PROGRESSING, T, "RolloutInProgress",
             f"revision {plan.revision.candidate}: {waiting}")  # fmt: skip
+    elif serving_down:
+        put(ConditionType.PROGRESSING, T, "ServingRevisionUnready",
+            f"revision {plan.serve}: {serving.waiting_for if serving else 'no pods'}")  # fmt: skip
     else:
         put(ConditionType.PROGRESSING, F, "RolloutComplete",
             f"revision {plan.revision.current} serves")  # fmt: skip
 
-    if failed_canary is not None and rolling:
+    if candidate_failed is not None:
         put(ConditionType.DEGRADED, T, "CanaryFailed",
-            _about(failed_canary, failed_canary.message or ""))  # fmt: skip
+            _about(candidate_failed, candidate_failed.message or ""))  # fmt: skip
     elif refusal is not None:
         put(ConditionType.DEGRADED, T, "PoolInsufficient", refusal.message)
-    elif plan.serve is not None and not serving_ready and not rolling:
+    elif zero:
+        put(ConditionType.DEGRADED, F, SCALED_TO_ZERO, scaled)
+    elif serving_down:
         put(ConditionType.DEGRADED, T, "ServingRevisionUnready",
             f"revision {plan.serve}: {serving.waiting_for if serving else 'no pods'}")  # fmt: skip
     else:
         put(ConditionType.DEGRADED, F, "AsExpected", "no fault observed")
+    if (met := summary(problems)) is not None:
+        put(ConditionType.DEGRADED, T, *met)
 
     if not rolling and serving_ready:
         put(ConditionType.READY, T, "Serving", f"revision {plan.serve} serves at {endpoint}")
-    elif failed_canary is not None and rolling:
+    elif zero:
+        put(ConditionType.READY, F, SCALED_TO_ZERO, f"{scaled}; nothing serves")
+    elif candidate_failed is not None:
         keeps = f"revision {plan.serve} keeps serving" if plan.serve else "nothing is served"
         put(ConditionType.READY, F, "CanaryFailed",
             f"revision {plan.revision.candidate} failed its canary; {keeps}")  # fmt: skip
@@ -113,14 +156,20 @@ def compute_status(
         put(ConditionType.READY, F, "ServingRevisionUnready",
             f"revision {plan.serve} is not ready")  # fmt: skip
 
-    for source, mirror in (
-        (ConditionType.PROGRESSING, ConditionType.RECONCILING),
-        (ConditionType.DEGRADED, ConditionType.STALLED),
-    ):
-        c = next(c for c in conditions if c.type == source)
-        put(mirror, c.status, c.reason, c.message)
+    progressing = _condition(conditions, ConditionType.PROGRESSING)
+    put(ConditionType.RECONCILING, progressing.status, progressing.reason, progressing.message)
+    # progress: what the rollout waits for, while it waits for pods or pools
+    mark = None
+    if progressing.status is T and not canary_running:
+        reported = sum(p.report is not None for p in pools)
+        mark = f"{progressing.message} (pools reported: {reported}/{len(pools)})"
+    progressed = progress(previous.progress, mark, now)
+    conditions = stalled(
+        conditions, progressed, spec.rollout.progress_deadline_seconds, generation, now
+    )
 
-    effective = decision.effective_context if decision else None
+    scope = serving.pools if serving else None
+    effective = scope.effective_context if scope else None
     return InferenceDeploymentStatus(
         observed_generation=generation,
         conditions=conditions,
@@ -132,13 +181,57 @@ def compute_status(
             for p in pools
             if p.report is not None
         ],
-        min_pool_tokens=decision.min_pool_tokens if decision else None,
-        prefill=judged.replicas.get(Role.PREFILL) if judged else None,
-        decode=judged.replicas.get(Role.DECODE) if judged else None,
-        router=judged.replicas.get(Role.ROUTER) if judged else None,
+        min_pool_tokens=scope.min_pool_tokens if scope else None,
+        prefill=serving.replicas.get(Role.PREFILL) if serving else None,
+        decode=serving.replicas.get(Role.DECODE) if serving else None,
+        router=serving.replicas.get(Role.ROUTER) if serving else None,
         revision=plan.revision,
-        canary=plan.canary,
+        canary=canary,
         endpoint=endpoint if plan.serve else None,
+        candidate=_candidate(plan.revision.candidate, judged) if rolling else None,
+        progress=progressed,
+    )
+
+
+def stalled(
+    conditions: Sequence[Condition],
+    progressed: ProgressStatus | None,
+    deadline_s: int,
+    generation: int,
+    now: datetime | None = None,
+) -> list[Condition]:
+    """Stalled=True only when progress stopped: Degraded with a terminal reason (TERMINAL), or
+    no progress for the deadline. Anything else, a pod restarting included, is not a stall."""
+    now = now or datetime.now(UTC)
+    degraded = _condition(conditions, ConditionType.DEGRADED)
+    progressing = _condition(conditions, ConditionType.PROGRESSING)
+    if degraded.status is T and degraded.reason in TERMINAL:
+        verdict = (T, degraded.reason, degraded.message)
+    elif progressed is not None and deadline_exceeded(progressed, deadline_s, now):
+        verdict = (T, DEADLINE_EXCEEDED,
+                   f"no progress for {deadline_s}s (spec.rollout.progressDeadlineSeconds): "
+                   f"{progressed.mark}")  # fmt: skip
+    else:
+        verdict = (F, progressing.reason, progressing.message)
+    return set_condition(conditions, ConditionType.STALLED, *verdict, generation, now)
+
+
+def _condition(conditions: Sequence[Condition], kind: ConditionType) -> Condition:
+    found = find_condition(conditions, kind)
+    assert found is not None, kind
+    return found
+
+
+def _candidate(revision: str | None, judged: RevisionObservation | None) -> CandidateStatus:
+    if judged is None:
+        return CandidateStatus(revision=revision)
+    return CandidateStatus(
+        revision=revision,
+        prefill=judged.replicas.get(Role.PREFILL),
+        decode=judged.replicas.get(Role.DECODE),
+        router=judged.replicas.get(Role.ROUTER),
+        context_length=judged.pools.effective_context,
+        min_pool_tokens=judged.pools.min_pool_tokens,
     )
 
 

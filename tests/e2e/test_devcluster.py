@@ -323,6 +323,38 @@ def web_deployment(name: str, replicas: int) -> dict[str, Any]:
     }
 
 
+def test_an_evicted_pod_is_stopped_replaced_and_left_until_deleted(cluster: Cluster):
+    """As a node's kubelet evicts (phase Failed, reason Evicted, through pods/status) and the
+    ReplicaSet controller then replaces the pod, leaving the finished one to pod GC."""
+    cluster.create(web_deployment("web", replicas=1))
+    first = cluster.wait_for(
+        lambda: only_pod(cluster, app="web"),
+        "a ready pod",
+        until=lambda p: p and (cluster.pod_condition(p, "Ready") or {}).get("status") == "True",
+    )
+    url = cluster.pod_url(first)
+    evicted = {"phase": "Failed", "reason": "Evicted", "message": "low on memory", "podIP": None}
+    cluster.patch("Pod", first["metadata"]["name"], {"status": evicted}, subresource="status")
+    cluster.wait_for(
+        lambda: answers(url), "the evicted pod's server to stop", until=lambda up: not up
+    )
+
+    def ready_replacement() -> dict[str, Any] | None:
+        pods = cluster.list("Pod", "default", labels={"app": "web"})
+        others = [p for p in pods if p["metadata"]["name"] != first["metadata"]["name"]]
+        ready = [
+            p for p in others if (cluster.pod_condition(p, "Ready") or {}).get("status") == "True"
+        ]
+        return ready[0] if len(pods) == 2 and len(ready) == 1 else None
+
+    cluster.wait_for(ready_replacement, "a ready replacement beside the evicted pod")
+    left = cluster.get("Pod", first["metadata"]["name"])
+    assert left is not None and left["status"]["phase"] == "Failed"
+    assert left["status"]["reason"] == "Evicted" and not left["status"].get("podIP")
+    deployment = cluster.get("Deployment", "web")
+    assert deployment["status"]["readyReplicas"] == deployment["status"]["replicas"] == 1
+
+
 def job(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
     container = {"name": "main", "image": "python:3.11", "command": command}
     pod_spec = {"restartPolicy": "Never", "containers": [container], **spec.pop("pod", {})}

@@ -288,6 +288,25 @@ HEALTH_CASES = [
         "0/2 decode pods ready",
     ),
     (
+        "scaled to zero, as the spec asks",
+        infd(
+            2,
+            {
+                "observedGeneration": 2,
+                "conditions": [
+                    {
+                        **condition("Ready", "False", "spec.decode.replicas is 0: scaled to zero"),
+                        "reason": "ScaledToZero",
+                    },
+                    condition("Degraded", "False"),
+                    condition("Progressing", "False"),
+                ],
+            },
+        ),
+        HEALTHY,
+        "scaled to zero",
+    ),
+    (
         "Ready written for an older generation",
         infd(
             3,

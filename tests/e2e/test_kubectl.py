@@ -19,7 +19,8 @@ from kvfence_devcluster.tables import human_duration
 ROOT = Path(__file__).resolve().parents[2]
 KIND = "InferenceDeployment"
 API_VERSION = "kvfence.dev/v1alpha1"
-CRD_COLUMNS = ["NAME", "READY", "CONTEXT", "POOL", "PREFILL", "DECODE", "REVISION", "CANARY", "AGE"]
+CRD_COLUMNS = ["NAME", "READY", "CONTEXT", "POOL", "PREFILL", "DECODE", "REVISION", "AGE"]
+CRD_WIDE = [*CRD_COLUMNS, "CANARY", "CANDIDATE", "C-POOL", "C-PREFILL", "C-DECODE"]
 
 
 def inference_deployment(name: str = "tiny", context_length: int = 512) -> dict[str, Any]:
@@ -96,17 +97,21 @@ def test_get_prints_the_crds_printer_columns_with_live_values(cluster: Cluster) 
     cluster.create(inference_deployment())
     out = cluster.kubectl("get", "infd").stdout
     assert out.splitlines()[0].split() == CRD_COLUMNS
-    assert cells(out) == [["tiny", "", "", "", "", "", "", "", cells(out)[0][-1]]]
+    assert cells(out) == [["tiny", "", "", "", "", "", "", cells(out)[0][-1]]]
     assert cells(out)[0][-1].endswith("s")  # an age, not a timestamp
 
     cluster.patch(KIND, "tiny", {"status": live_status()}, subresource="status",
                   api_version=API_VERSION)  # fmt: skip
     for args in (("get", "infd"), ("get", "infd", "-o", "wide"), ("get", "infd", "tiny")):
         out = cluster.kubectl(*args).stdout
-        assert out.splitlines()[0].split() == CRD_COLUMNS, args
+        wide = "wide" in args
+        assert out.splitlines()[0].split() == (CRD_WIDE if wide else CRD_COLUMNS), args
         (row,) = cells(out)
         # Ready is the Ready condition's status (the filter chose it, not Progressing's)
-        assert row[:-1] == ["tiny", "True", "512", "1536", "1/1", "0/2", "8d41c2a7e0", "Passed"]
+        assert row[:7] == ["tiny", "True", "512", "1536", "1/1", "0/2", "8d41c2a7e0"]
+        assert row[7].endswith("s")  # the age
+        # -o wide: the priority-1 columns (canary, and no candidate here)
+        assert row[8:] == (["Passed", "", "", "", ""] if wide else [])
 
     names = cluster.kubectl("get", "infd", "-o", "name").stdout.split()
     assert names == ["inferencedeployment.kvfence.dev/tiny"]

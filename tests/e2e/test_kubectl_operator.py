@@ -19,7 +19,9 @@ from kvfence_operator.revision import revision_of
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "tiny"
 USER_KEY = "sk-user-a-0123456789"
-COLUMNS = ["NAME", "READY", "CONTEXT", "POOL", "PREFILL", "DECODE", "REVISION", "CANARY", "AGE"]
+# the serving revision's; `-o wide` adds the latest canary and the candidate's numbers
+COLUMNS = ["NAME", "READY", "CONTEXT", "POOL", "PREFILL", "DECODE", "REVISION", "AGE"]
+WIDE = [*COLUMNS, "CANARY", "CANDIDATE", "C-POOL", "C-PREFILL", "C-DECODE"]
 # tiny-random KV costs 768 bytes per token: 96 pages of 16 tokens hold 1536 tokens.
 MANIFEST = textwrap.dedent(
     f"""\
@@ -125,18 +127,26 @@ def test_a_user_applies_waits_inspects_changes_and_deletes_with_kubectl(tmp_path
         print(f"\n$ kubectl get infd   (saved to {saved})\n{shown}")
         header, rows = table(shown)
         assert header == COLUMNS
-        readme_manifest, readme_output = readme_cluster_steps()
-        assert readme_manifest == yaml.safe_load(MANIFEST), "README's manifest is not the test's"
-        assert table(readme_output)[1][0][:8] == table(shown)[1][0][:8], (
-            f"README's `kubectl get infd` output is stale; this run printed:\n{shown}"
-        )
-        ((name, ready, context, pool, prefill, decode, current, canary, age),) = rows
-        assert [name, ready, context, pool, prefill, decode, current, canary] == [
-            NAME, "True", "1024", "1536", "1/1", "1/1", r1, "Passed"
+        ((name, ready, context, pool, prefill, decode, current, age),) = rows
+        assert [name, ready, context, pool, prefill, decode, current] == [
+            NAME, "True", "1024", "1536", "1/1", "1/1", r1
         ]  # fmt: skip
         assert age[-1] in "smh" and age[:-1].rstrip("smh0123456789") == ""
-        wide_header, wide_rows = table(cluster.kubectl("get", "infd", "-o", "wide").stdout)
-        assert wide_header == COLUMNS and wide_rows[0][:8] == rows[0][:8]
+        wide = cluster.kubectl("get", "infd", "-o", "wide").stdout
+        print(f"\n$ kubectl get infd -o wide\n{wide}")
+        wide_header, wide_rows = table(wide)
+        assert wide_header == WIDE and wide_rows[0][:7] == rows[0][:7]
+        assert wide_rows[0][8:] == ["Passed", "", "", "", ""]  # no candidate: empty cells
+        readme_manifest, readme_output = readme_cluster_steps()
+        assert readme_manifest == yaml.safe_load(MANIFEST), "README's manifest is not the test's"
+        readme_header, readme_rows = table(readme_output)
+
+        def without_age(row: list[str]) -> list[str]:
+            return row[:7] + row[8:]
+
+        assert (readme_header, without_age(readme_rows[0])) == (WIDE, without_age(wide_rows[0])), (
+            f"README's `kubectl get infd -o wide` output is stale; this run printed:\n{wide}"
+        )
 
         described = cluster.kubectl("describe", "infd", NAME).stdout
         events = described.split("\nEvents:", 1)[1]
@@ -162,7 +172,7 @@ def test_a_user_applies_waits_inspects_changes_and_deletes_with_kubectl(tmp_path
         )  # fmt: skip
         cluster.kubectl("wait", "--for=condition=Ready", f"infd/{NAME}", "--timeout=60s")
         _, rows = table(cluster.kubectl("get", "infd").stdout)
-        assert rows[0][1:8] == ["True", "512", "1536", "1/1", "1/1", r2, "Passed"]
+        assert rows[0][1:7] == ["True", "512", "1536", "1/1", "1/1", r2]
         router_answers(cluster, r2)
 
         deleted = cluster.kubectl("delete", "infd", NAME, "--timeout=120s", timeout=130)

@@ -130,18 +130,26 @@ def _model_schema(model: type[BaseModel], mode: JsonSchemaMode) -> dict[str, Any
 
 
 def printer_columns() -> list[dict[str, Any]]:
-    def column(name: str, type_: str, path: str, description: str) -> dict[str, Any]:
-        return {"name": name, "type": type_, "jsonPath": path, "description": description}
+    def column(
+        name: str, type_: str, path: str, description: str, priority: int = 0
+    ) -> dict[str, Any]:
+        found = {"name": name, "type": type_, "jsonPath": path, "description": description}
+        return {**found, "priority": priority} if priority else found
 
+    # The default columns are the serving revision's; a candidate's are in `-o wide`.
     return [
         column("Ready", "string", '.status.conditions[?(@.type=="Ready")].status', "Serving."),
         column("Context", "integer", ".status.contextLength.effective", "Served context."),
-        column("Pool", "integer", ".status.minPoolTokens", "Smallest KV pool, in tokens."),
+        column("Pool", "integer", ".status.minPoolTokens", "Smallest serving KV pool, in tokens."),
         column("Prefill", "string", ".status.prefill.summary", "Ready/desired prefill pods."),
         column("Decode", "string", ".status.decode.summary", "Ready/desired decode pods."),
         column("Revision", "string", ".status.revision.current", "Serving revision."),
-        column("Canary", "string", ".status.canary.result", "Last canary result."),
         column("Age", "date", ".metadata.creationTimestamp", "Time since creation."),
+        column("Canary", "string", ".status.canary.result", "Latest canary result.", 1),
+        column("Candidate", "string", ".status.revision.candidate", "Revision rolling out.", 1),
+        column("C-Pool", "integer", ".status.candidate.minPoolTokens", "Its smallest pool.", 1),
+        column("C-Prefill", "string", ".status.candidate.prefill.summary", "Its prefill pods.", 1),
+        column("C-Decode", "string", ".status.candidate.decode.summary", "Its decode pods.", 1),
     ]
 
 

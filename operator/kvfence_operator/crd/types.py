@@ -311,6 +311,17 @@ class CanarySpec(_ApiModel):
     )
 
 
+class RolloutSpec(_ApiModel):
+    """How a rollout is judged; none of it is in the revision hash."""
+
+    progress_deadline_seconds: int = Field(
+        600,
+        ge=1,
+        description="Seconds a rollout (or the serving revision's recovery) may go without "
+        "progress before Stalled=True with reason ProgressDeadlineExceeded.",
+    )
+
+
 class InferenceDeploymentSpec(_ApiModel):
     """What to serve, how big its context is, and how the pods run."""
 
@@ -339,6 +350,7 @@ class InferenceDeploymentSpec(_ApiModel):
     router: RouterSpec
     tenant_limits: TenantLimits = Field(default_factory=TenantLimits)
     canary: CanarySpec = Field(default_factory=CanarySpec, **OBJECT_DEFAULT)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, **OBJECT_DEFAULT)
 
     @model_validator(mode="after")
     def _min_context_fits(self) -> "InferenceDeploymentSpec":
@@ -444,6 +456,25 @@ class CanaryStatus(_LenientModel):
     message: str | None = None
 
 
+class CandidateStatus(_LenientModel):
+    """The revision being rolled out, beside the serving one's numbers (`kubectl get -o wide`)."""
+
+    revision: str | None = None
+    prefill: RoleReplicas | None = None
+    decode: RoleReplicas | None = None
+    router: RoleReplicas | None = None
+    context_length: int | None = Field(None, description="Context its pools would serve.")
+    min_pool_tokens: int | None = Field(None, description="Smallest pool of its engine pods.")
+
+
+class ProgressStatus(_LenientModel):
+    """When the rollout (or the serving revision's recovery) last moved, and what it was
+    waiting for then: Stalled=True once it has not moved for progressDeadlineSeconds."""
+
+    mark: str
+    last_progress_time: datetime
+
+
 class InferenceDeploymentStatus(_LenientModel):
     """What the operator observed; rollout state lives here so a restart resumes."""
 
@@ -461,6 +492,8 @@ class InferenceDeploymentStatus(_LenientModel):
     revision: RevisionStatus | None = None
     canary: CanaryStatus | None = None
     endpoint: str | None = Field(None, description="URL of the stable Service.")
+    candidate: CandidateStatus | None = None
+    progress: ProgressStatus | None = None
 
 
 class ObjectMeta(_LenientModel):

@@ -123,8 +123,12 @@ def test_printer_columns_point_at_fields_the_status_has():
         "Prefill",
         "Decode",
         "Revision",
-        "Canary",
         "Age",
+        "Canary",
+        "Candidate",
+        "C-Pool",
+        "C-Prefill",
+        "C-Decode",
     ]
     for column in columns.values():
         if column["jsonPath"].startswith(".metadata"):

@@ -231,7 +231,8 @@ def test_a_revision_secret_name_someone_else_has_stops_the_revision_before_any_p
         "metadata": {"name": secret_name(INSTANCE, revision), "uid": "x"},
         "data": {"internal-token": "YXR0YWNrZXI="},
     }
-    kube = MemoryKube(foreign)
+    keys = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys"}, "data": {}}
+    kube = MemoryKube(foreign, keys)  # the user's apiKeysSecret exists: only the conflict
     outcome = Reconciler(kube, "kvfence-system", read_pool=never_probed).reconcile(body())  # type: ignore[arg-type]
     assert not [w for w in kube.writes if w[1] == "Deployment"], kube.writes
     assert kube.objects[("Secret", foreign["metadata"]["name"])] == foreign

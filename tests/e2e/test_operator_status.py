@@ -1,0 +1,166 @@
+"""The status says true things (issue 14, item 5), end to end: `kvfence operator` against the
+test cluster, whose kubelet runs every pod as a real engine, router or canary process."""
+
+import time
+from typing import Any
+
+from test_operator import (  # the operator e2e module's manifest and waits
+    ENOUGH,
+    KIND,
+    NAME,
+    api_keys_secret,
+    condition,
+    engine_pods,
+    infd,
+    manifest,
+    router_client,
+    wait_condition,
+)
+
+from kvfence_devcluster.fixtures import Cluster, start_cluster
+from kvfence_devcluster.kubelet import KubeletOptions
+from kvfence_operator.crd.types import InferenceDeploymentSpec
+from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION
+from kvfence_operator.revision import revision_of
+
+OPERATOR_ARGS = ["--standalone", "--namespace", "default"]
+
+
+def events(cluster: Cluster, reason: str) -> list[dict[str, Any]]:
+    return [e for e in cluster.list("Event", "default") if e.get("reason") == reason]
+
+
+def test_reverting_the_spec_after_a_failed_canary_says_the_serving_revision_passed(tmp_path):
+    bad = manifest(
+        engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1", "--max-num-seqs", "16"]}
+    )
+    bad_revision = revision_of(InferenceDeploymentSpec.model_validate(bad["spec"]))
+
+    def early_release_in_bad_decode(pod: dict[str, Any], argv: list[str]) -> list[str]:
+        labels = pod["metadata"].get("labels") or {}
+        if (
+            labels.get(LABEL_REVISION) == bad_revision
+            and labels.get("kvfence.dev/role") == "decode"
+        ):
+            return [*argv, "--unsafe-fault", "early-release"]
+        return argv
+
+    options = KubeletOptions(amend_argv=early_release_in_bad_decode)
+    with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
+        cluster.create(api_keys_secret())
+        env = {"KVFENCE_RECONCILE_INTERVAL": "1", "KVFENCE_ALLOW_UNSAFE": "1"}
+        operator = cluster.start_operator(OPERATOR_ARGS, env=env)
+        first = cluster.create(manifest())
+        r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
+        wait_condition(cluster, "Ready", "True", timeout=240)
+
+        cluster.patch(*KIND[:1], NAME, {"spec": bad["spec"]}, api_version=KIND[1])
+        failed = wait_condition(cluster, "CanaryPassed", "False", timeout=240)
+        assert failed["status"]["revision"] == {"current": r1, "candidate": bad_revision}
+        assert condition(failed, "Stalled")["reason"] == "CanaryFailed"
+
+        # The user reverts: r1 serves, and it passed its canary to be serving.
+        cluster.patch(*KIND[:1], NAME, {"spec": first["spec"]}, api_version=KIND[1])
+        passed = wait_condition(cluster, "CanaryPassed", "True", timeout=60, reason="CanaryPassed")
+        status = passed["status"]
+        assert status["revision"] == {"current": r1}
+        assert status["canary"]["revision"] == r1 and status["canary"]["result"] == "Passed"
+        assert r1 in condition(passed, "CanaryPassed")["message"]
+        settled = wait_condition(cluster, "Degraded", "False", timeout=60)
+        for kind, value in (("Ready", "True"), ("Stalled", "False"), ("Progressing", "False")):
+            assert condition(settled, kind)["status"] == value, (kind, condition(settled, kind))
+        cluster.wait_for(
+            lambda: cluster.list("Deployment", "default", {LABEL_REVISION: bad_revision}),
+            "the reverted revision's Deployments to be removed",
+            until=lambda found: found == [],
+        )
+        operator.stop()
+        assert not cluster.problems()
+
+
+def test_an_evicted_engine_pod_is_ignored_and_the_serving_revision_stays_ready(cluster):
+    cluster.create(api_keys_secret())
+    operator = cluster.start_operator(OPERATOR_ARGS, env={"KVFENCE_RECONCILE_INTERVAL": "1"})
+    created = cluster.create(manifest())
+    r1 = revision_of(InferenceDeploymentSpec.model_validate(created["spec"]))
+    wait_condition(cluster, "Ready", "True", timeout=240)
+
+    (decode,) = [
+        p
+        for p in engine_pods(cluster, r1)
+        if p["metadata"]["labels"]["kvfence.dev/role"] == "decode"
+    ]
+    evicted = decode["metadata"]["name"]
+    cluster.patch(
+        "Pod",
+        evicted,
+        {
+            "status": {
+                "phase": "Failed",
+                "reason": "Evicted",
+                "message": "The node was low on resource: memory.",
+                "podIP": None,
+                "podIPs": None,
+            }
+        },
+        subresource="status",
+    )
+    stalled: list[dict[str, Any]] = []
+
+    def serving_again() -> dict[str, Any]:
+        obj = infd(cluster)
+        if condition(obj, "Stalled").get("status") == "True":
+            stalled.append(condition(obj, "Stalled"))
+        return obj
+
+    def replaced(obj: dict[str, Any]) -> bool:
+        pools = {p["pod"] for p in obj["status"].get("pools") or []}
+        return (
+            condition(obj, "Ready").get("status") == "True"
+            and evicted not in pools
+            and any(p.startswith(f"{NAME}-{r1}-decode") for p in pools)
+        )
+
+    ready = cluster.wait_for(serving_again, "Ready with the replacement pod", 180, until=replaced)
+    assert cluster.get("Pod", evicted) is not None  # still there, until pod GC
+    assert ready["status"]["decode"]["summary"] == "1/1"
+    assert not stalled, stalled  # a replaced pod is progress, never a stall
+    # ignored: not gated again, not a backend
+    assert cluster.get("Pod", evicted)["status"]["phase"] == "Failed"
+    gate = cluster.pod_condition(cluster.get("Pod", evicted), KV_POOL_GATE)
+    assert gate is None or gate["status"] == "True"  # as it was before the eviction
+    answer = router_client(cluster, r1).completions.create(
+        model="tiny-random", prompt="still here", max_tokens=2, temperature=0
+    )
+    assert answer.usage.completion_tokens == 2
+    time.sleep(3)  # a few more passes
+    assert condition(infd(cluster), "Ready")["status"] == "True"
+    operator.stop()
+    assert not cluster.problems()
+
+
+def test_a_missing_api_keys_secret_is_degraded_with_one_event_then_serves_once_created(cluster):
+    operator = cluster.start_operator(OPERATOR_ARGS, env={"KVFENCE_RECONCILE_INTERVAL": "1"})
+    cluster.create(manifest())
+    degraded = wait_condition(
+        cluster, "Degraded", "True", timeout=60, reason="ApiKeysSecretMissing"
+    )
+    message = condition(degraded, "Degraded")["message"]
+    assert f"Secret {NAME}-keys (spec.router.apiKeysSecret) does not exist" in message, message
+    assert condition(degraded, "Ready")["status"] == "False"
+    # the pass goes on: the revision's children are made; its routers wait for the Secret
+    cluster.wait_for(
+        lambda: cluster.list("Deployment", "default", {"app.kubernetes.io/instance": NAME}),
+        "the revision's Deployments",
+        until=lambda found: len(found) == 3,
+    )
+    cluster.wait_for(lambda: events(cluster, "ApiKeysSecretMissing"), "the Warning Event")
+    time.sleep(4)  # several passes: one Event when the error appears, not one a pass
+    (event,) = events(cluster, "ApiKeysSecretMissing")
+    assert event["type"] == "Warning" and event["message"] == message
+
+    cluster.create(api_keys_secret())
+    ready = wait_condition(cluster, "Ready", "True", timeout=240)
+    assert condition(ready, "Degraded")["status"] == "False"
+    operator.stop()
+    assert not cluster.problems()

@@ -19,7 +19,21 @@ REFUSED = "not run: the pool check refused this revision"
 class JobPhase(StrEnum):
     RUNNING = "Running"
     SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
+    FAILED = "Failed"  # a finding: the canary saw an isolation or status failure
+    COULD_NOT_RUN = "CouldNotRun"  # no verdict, after the Job's retries: not a finding
+
+
+# A finished canary that does not promote: result, event reason, what the event says, and the
+# message when the Job gave none
+STOPPED = {
+    JobPhase.FAILED: (
+        CanaryResult.FAILED, "CanaryFailed", "failed its canary", "the canary job failed",
+    ),
+    JobPhase.COULD_NOT_RUN: (
+        CanaryResult.COULD_NOT_RUN, "CanaryCouldNotRun", "could not run its canary",
+        "the canary job could not run",
+    ),
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,23 +156,24 @@ def plan_rollout(
                 revision=candidate, job=outcome.job, result=CanaryResult.RUNNING, message="running"
             )
         )
-    if outcome.phase is JobPhase.FAILED:
-        failed = CanaryStatus(
+    if outcome.phase in STOPPED:
+        result, reason, what, unexplained = STOPPED[outcome.phase]
+        stopped = CanaryStatus(
             revision=candidate,
             job=outcome.job,
-            result=CanaryResult.FAILED,
-            message=outcome.message or "the canary job failed",
+            result=result,
+            message=outcome.message or unexplained,
         )
-        if canary is None or canary.result is not CanaryResult.FAILED:
+        if canary is None or canary.result is not result:
             events.append(
                 Event(
                     "Warning",
-                    "CanaryFailed",
-                    f"revision {candidate} failed its canary: {failed.message}; "
+                    reason,
+                    f"revision {candidate} {what}: {stopped.message}; "
                     + (f"revision {current} keeps serving" if current else "nothing is served"),
                 )
             )
-        return stay(failed)
+        return stay(stopped)
     passed = CanaryStatus(
         revision=candidate,
         job=outcome.job,

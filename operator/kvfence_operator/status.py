@@ -25,6 +25,11 @@ from kvfence_operator.pool_gate import PodPool
 from kvfence_operator.rollout import RevisionObservation, RolloutPlan
 
 T, F, U = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
+# canary results that stop a rollout: the conditions' reason, and what Ready says
+STOPPED = {
+    CanaryResult.FAILED: ("CanaryFailed", "failed its canary"),
+    CanaryResult.COULD_NOT_RUN: ("CanaryCouldNotRun", "could not run its canary"),
+}
 
 
 def compute_status(
@@ -54,8 +59,10 @@ def compute_status(
         put(ConditionType.POOL_SUFFICIENT, F, decision.reason, decision.message)
 
     canary = plan.canary
-    # the failed canary, or None (an object rather than a flag, so branches read its message)
-    failed_canary = canary if canary is not None and canary.result is CanaryResult.FAILED else None
+    # the canary that stopped the rollout (failed, or could not run), or None (an object rather
+    # than a flag, so branches read its message), and what stopped it
+    stopped = canary if canary is not None and canary.result in STOPPED else None
+    stop_reason, stop_words = STOPPED[stopped.result] if stopped and stopped.result else ("", "")
     if canary is None or canary.result in (None, CanaryResult.PENDING, CanaryResult.RUNNING):
         message = canary.message if canary and canary.message else "no canary has run"
         put(ConditionType.CANARY_PASSED, U, "CanaryPending", _about(canary, message))
@@ -65,6 +72,8 @@ def compute_status(
         put(ConditionType.CANARY_PASSED, T, "CanaryDisabled", "spec.canary.enabled is false")
     elif canary.result is CanaryResult.NOT_RUN:
         put(ConditionType.CANARY_PASSED, U, "CanaryNotRun", _about(canary, canary.message or ""))
+    elif canary.result is CanaryResult.COULD_NOT_RUN:  # no verdict: not a finding
+        put(ConditionType.CANARY_PASSED, U, stop_reason, _about(canary, canary.message or ""))
     else:
         put(ConditionType.CANARY_PASSED, F, "CanaryFailed", _about(canary, canary.message or ""))
 
@@ -74,9 +83,9 @@ def compute_status(
     serving = observed.get(plan.serve) if plan.serve else None
     serving_ready = serving is not None and serving.pods_ready and serving.pools.sufficient
 
-    if failed_canary is not None and rolling:
-        put(ConditionType.PROGRESSING, F, "CanaryFailed",
-            _about(failed_canary, failed_canary.message or ""))  # fmt: skip
+    if stopped is not None and rolling:
+        put(ConditionType.PROGRESSING, F, stop_reason,
+            _about(stopped, stopped.message or ""))  # fmt: skip
     elif refusal is not None:
         put(ConditionType.PROGRESSING, F, "PoolInsufficient", refusal.message)
     elif rolling:
@@ -87,9 +96,9 @@ def compute_status(
         put(ConditionType.PROGRESSING, F, "RolloutComplete",
             f"revision {plan.revision.current} serves")  # fmt: skip
 
-    if failed_canary is not None and rolling:
-        put(ConditionType.DEGRADED, T, "CanaryFailed",
-            _about(failed_canary, failed_canary.message or ""))  # fmt: skip
+    if stopped is not None and rolling:
+        put(ConditionType.DEGRADED, T, stop_reason,
+            _about(stopped, stopped.message or ""))  # fmt: skip
     elif refusal is not None:
         put(ConditionType.DEGRADED, T, "PoolInsufficient", refusal.message)
     elif plan.serve is not None and not serving_ready and not rolling:
@@ -100,10 +109,10 @@ def compute_status(
 
     if not rolling and serving_ready:
         put(ConditionType.READY, T, "Serving", f"revision {plan.serve} serves at {endpoint}")
-    elif failed_canary is not None and rolling:
+    elif stopped is not None and rolling:
         keeps = f"revision {plan.serve} keeps serving" if plan.serve else "nothing is served"
-        put(ConditionType.READY, F, "CanaryFailed",
-            f"revision {plan.revision.candidate} failed its canary; {keeps}")  # fmt: skip
+        put(ConditionType.READY, F, stop_reason,
+            f"revision {plan.revision.candidate} {stop_words}; {keeps}")  # fmt: skip
     elif refusal is not None:
         put(ConditionType.READY, F, "PoolInsufficient", refusal.message)
     elif rolling:

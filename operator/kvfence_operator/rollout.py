@@ -23,17 +23,16 @@ class JobPhase(StrEnum):
     COULD_NOT_RUN = "CouldNotRun"  # no verdict, after the Job's retries: not a finding
 
 
-# A finished canary that does not promote: result, event reason, what the event says, and the
-# message when the Job gave none
+# Canary results that stop a rollout: the reason its Event and conditions carry, and what
+# they say about the candidate (status.py words its conditions with the same)
 STOPPED = {
-    JobPhase.FAILED: (
-        CanaryResult.FAILED, "CanaryFailed", "failed its canary", "the canary job failed",
-    ),
-    JobPhase.COULD_NOT_RUN: (
-        CanaryResult.COULD_NOT_RUN, "CanaryCouldNotRun", "could not run its canary",
-        "the canary job could not run",
-    ),
-}  # fmt: skip
+    CanaryResult.FAILED: ("CanaryFailed", "failed its canary"),
+    CanaryResult.COULD_NOT_RUN: ("CanaryCouldNotRun", "could not run its canary"),
+}
+STOPPED_BY = {
+    JobPhase.FAILED: CanaryResult.FAILED,
+    JobPhase.COULD_NOT_RUN: CanaryResult.COULD_NOT_RUN,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,13 +155,14 @@ def plan_rollout(
                 revision=candidate, job=outcome.job, result=CanaryResult.RUNNING, message="running"
             )
         )
-    if outcome.phase in STOPPED:
-        result, reason, what, unexplained = STOPPED[outcome.phase]
+    if outcome.phase in STOPPED_BY:
+        result = STOPPED_BY[outcome.phase]
+        reason, what = STOPPED[result]
         stopped = CanaryStatus(
             revision=candidate,
             job=outcome.job,
             result=result,
-            message=outcome.message or unexplained,
+            message=outcome.message or "the canary job failed",
         )
         if canary is None or canary.result is not result:
             events.append(

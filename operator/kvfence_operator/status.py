@@ -22,14 +22,9 @@ from kvfence_operator.crd.types import (
 )
 from kvfence_operator.ownership import NAME_CONFLICT, Conflict
 from kvfence_operator.pool_gate import PodPool
-from kvfence_operator.rollout import RevisionObservation, RolloutPlan
+from kvfence_operator.rollout import STOPPED, RevisionObservation, RolloutPlan
 
 T, F, U = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
-# canary results that stop a rollout: the conditions' reason, and what Ready says
-STOPPED = {
-    CanaryResult.FAILED: ("CanaryFailed", "failed its canary"),
-    CanaryResult.COULD_NOT_RUN: ("CanaryCouldNotRun", "could not run its canary"),
-}
 
 
 def compute_status(

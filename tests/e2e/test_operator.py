@@ -406,6 +406,16 @@ def test_a_canary_that_cannot_run_is_retried_then_rerun_on_request_and_scaling_w
         assert again["metadata"]["annotations"]["kvfence.dev/rerun-canary"] == "after-the-fix"
         assert again["status"].get("succeeded") == 1
         assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
+
+        # With nothing rolling out, a new value re-runs nothing: r2's passed canary stays.
+        reruns = len([e for e in cluster.list("Event") if e.get("reason") == "CanaryRerun"])
+        rerun = {"metadata": {"annotations": {"kvfence.dev/rerun-canary": "once-more"}}}
+        cluster.patch(*KIND[:1], NAME, rerun, api_version=KIND[1])
+        time.sleep(3)  # a few passes at a 1 s interval
+        (kept,) = cluster.list("Job", "default", selector_for(r2, Role.CANARY))
+        assert kept["metadata"]["uid"] == again["metadata"]["uid"]
+        assert len([e for e in cluster.list("Event") if e.get("reason") == "CanaryRerun"]) == reruns
+        assert infd(cluster)["status"]["canary"]["result"] == "Passed"
         operator.stop()
         assert not cluster.problems()
 

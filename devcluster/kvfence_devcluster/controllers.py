@@ -2,8 +2,10 @@
 
 Level-based: each pass looks at every Deployment and Job and closes the gap to its pods.
 Deployments own their pods directly (no ReplicaSets); a template change replaces all pods at
-once, as with `strategy: Recreate`. Jobs run one pod at a time, with backoffLimit and
-activeDeadlineSeconds, and report conditions as the real Job controller (1.31+) does.
+once, as with `strategy: Recreate`. Jobs run one pod at a time, with backoffLimit (and a short
+exponential backoff between pods), podFailurePolicy (FailJob, Ignore, Count on exit codes and
+pod conditions) and activeDeadlineSeconds, and report conditions as the real Job controller
+(1.31+) does.
 """
 
 import contextlib
@@ -20,6 +22,9 @@ from .store import Store
 
 POD_TEMPLATE_HASH = "pod-template-hash"
 NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+# A Job's pod after a counted failure starts again after 1, 2, 4, 8 s (Kubernetes: 10 s to 6 min)
+JOB_BACKOFF_SECONDS = 1.0
+JOB_BACKOFF_MAX_SECONDS = 8.0
 
 
 def controller_uid(obj: dict[str, Any]) -> str | None:
@@ -206,10 +211,25 @@ class Controllers:
         if any(c["type"] in ("Complete", "Failed") and c["status"] == "True" for c in conditions):
             return
         phases = [(p.get("status") or {}).get("phase") for p in pods]
-        succeeded, failed = phases.count("Succeeded"), phases.count("Failed")
+        succeeded = phases.count("Succeeded")
         active = [
             p for p, phase in zip(pods, phases, strict=True) if phase not in ("Succeeded", "Failed")
         ]
+        # Each failed pod meets the podFailurePolicy: FailJob ends the Job, Ignore leaves the
+        # pod out of `failed` and the backoff limit, Count (or no rule) counts it.
+        rules = (spec.get("podFailurePolicy") or {}).get("rules") or []
+        counted: list[dict[str, Any]] = []
+        fail_job: str | None = None
+        for pod in sorted(
+            (p for p, phase in zip(pods, phases, strict=True) if phase == "Failed"),
+            key=_finished,
+        ):
+            action, why = pod_failure_action(rules, pod)
+            if action == "FailJob" and fail_job is None:
+                fail_job = why
+            if action != "Ignore":
+                counted.append(pod)
+        failed = len(counted)
         status.setdefault("startTime", now_rfc3339())
         started = datetime.strptime(status["startTime"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
         deadline = spec.get("activeDeadlineSeconds")
@@ -220,6 +240,8 @@ class Controllers:
                 "CompletionsReached",
                 "Reached expected number of succeeded pods",
             )
+        elif fail_job is not None:
+            finished = ("Failed", "PodFailurePolicy", fail_job)
         elif failed > int(spec.get("backoffLimit", 6)):
             finished = (
                 "Failed",
@@ -232,15 +254,16 @@ class Controllers:
                 "DeadlineExceeded",
                 "Job was active longer than specified deadline",
             )
-            for pod in active:
-                self._delete_pod(pod)
-            active = []
-        elif not active:
+        elif not active and time.time() >= _retry_at(counted):
             name = f"{meta['name']}-{random_suffix()}"
             extra = {"batch.kubernetes.io/job-name": meta["name"], "job-name": meta["name"]}
             active = [
                 self.store.create(self.pods, meta["namespace"], pod_from_template(job, name, extra))
             ]
+        if finished is not None and finished[0] == "Failed":
+            for pod in active:
+                self._delete_pod(pod)
+            active = []
         if finished is not None:
             kind, reason, message = finished
             interim = "SuccessCriteriaMet" if kind == "Complete" else "FailureTarget"
@@ -260,6 +283,61 @@ class Controllers:
         self.store.update(
             self.jobs, meta["namespace"], meta["name"], lambda j: j.update(status=status), "status"
         )
+
+
+def pod_failure_action(rules: list[dict[str, Any]], pod: dict[str, Any]) -> tuple[str, str]:
+    """The action of the first podFailurePolicy rule a failed pod matches (Count when none
+    does), with the words Kubernetes puts in a FailJob condition's message. onExitCodes looks
+    at non-zero exit codes only, of `containerName` when the rule names one."""
+    meta = pod["metadata"]
+    where = f"{meta.get('namespace')}/{meta['name']}"
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    for index, rule in enumerate(rules):
+        action = rule.get("action", "Count")
+        exits = rule.get("onExitCodes")
+        if exits is not None:
+            values = set(exits.get("values") or [])
+            for container in statuses:
+                if exits.get("containerName") not in (None, container.get("name")):
+                    continue
+                code = ((container.get("state") or {}).get("terminated") or {}).get("exitCode")
+                if not code:
+                    continue
+                if (code in values) == (exits.get("operator", "In") == "In"):
+                    return action, (
+                        f"Container {container.get('name')} for pod {where} failed with exit "
+                        f"code {code} matching {action} rule at index {index}"
+                    )
+        for wanted in rule.get("onPodConditions") or []:
+            found = condition(pod, wanted.get("type", ""))
+            if found is not None and found.get("status") == wanted.get("status", "True"):
+                return action, (
+                    f"Pod {where} has condition {wanted.get('type')} matching {action} rule "
+                    f"at index {index}"
+                )
+    return "Count", ""
+
+
+def _finished(pod: dict[str, Any]) -> float:
+    """When a failed pod's last container stopped (its creation when none recorded it)."""
+    stamps = [
+        terminated["finishedAt"]
+        for status in (pod.get("status") or {}).get("containerStatuses") or []
+        if (terminated := (status.get("state") or {}).get("terminated") or {}).get("finishedAt")
+    ]
+    if not stamps:
+        return _created(pod)
+    return datetime.strptime(max(stamps), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+def _retry_at(counted: list[dict[str, Any]]) -> float:
+    """When the next pod may start after `counted` failures: Kubernetes' exponential backoff
+    (10 s doubling up to 6 min) shortened for tests, JOB_BACKOFF_SECONDS doubling up to
+    JOB_BACKOFF_MAX_SECONDS after the last counted failure."""
+    if not counted:
+        return 0.0
+    delay = min(JOB_BACKOFF_SECONDS * 2 ** (len(counted) - 1), JOB_BACKOFF_MAX_SECONDS)
+    return _finished(counted[-1]) + delay
 
 
 def _created(pod: dict[str, Any]) -> float:

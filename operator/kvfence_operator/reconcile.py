@@ -13,10 +13,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvfence_operator.builders import build_revision_children
-from kvfence_operator.builders.canary_job import build_canary_job, canary_job_name
+from kvfence_operator.builders.canary_job import CONTAINER as CANARY_CONTAINER
+from kvfence_operator.builders.canary_job import EXIT_FINDING, build_canary_job, canary_job_name
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
 from kvfence_operator.builders.router_deployment import build_router_configmap, build_stable_service
 from kvfence_operator.builders.secret import RevisionCredentials, internal_token_of, secret_name
+from kvfence_operator.canary_rerun import ANNOTATION_RERUN_CANARY, rerun_requested, rerun_value
 from kvfence_operator.crd.types import (
     ConditionType,
     InferenceDeploymentSpec,
@@ -50,6 +52,7 @@ from kvfence_operator.ownership import (
     stable_service_patch,
 )
 from kvfence_operator.pool_gate import PodGate, PodPool, judge_pools, read_pool
+from kvfence_operator.replicas import replica_counts
 from kvfence_operator.revision import judged_spec, revision_of
 from kvfence_operator.rollout import (
     CanaryOutcome,
@@ -141,24 +144,69 @@ def selected_revision(service: Mapping[str, Any] | None, uid: str) -> str | None
 
 
 def canary_outcome(job: Mapping[str, Any], pods: list[dict[str, Any]]) -> CanaryOutcome:
-    """A Job's verdict, with the canary's one-line summary from its termination message."""
+    """A Job's verdict, with the canary's one-line summary from its termination message.
+
+    Only exit 1 is a finding: the Job's podFailurePolicy fails it at once (reason
+    PodFailurePolicy). A Job that failed otherwise has no verdict (CouldNotRun): its tries
+    all could not run (BackoffLimitExceeded), or it ran out of time (DeadlineExceeded: a pod
+    stuck Pending on its image, a canary slower than its timeout). A Job from before the
+    podFailurePolicy (backoffLimit 0) is judged by its pod's exit code."""
     name = job["metadata"]["name"]
     conditions = {
         c.get("type"): c
         for c in (job.get("status") or {}).get("conditions") or []
         if c.get("status") == "True"
     }
-    message = ""
-    for pod in pods:
-        for status in (pod.get("status") or {}).get("containerStatuses") or []:
-            terminated = (status.get("state") or {}).get("terminated") or {}
-            message = (terminated.get("message") or message).strip()
+    tries = sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "")
+    message = next((m for pod in reversed(tries) if (m := _termination_message(pod))), "")
     if "Complete" in conditions:
         return CanaryOutcome(name, JobPhase.SUCCEEDED, message)
-    if "Failed" in conditions:
-        reason = conditions["Failed"].get("message") or conditions["Failed"].get("reason", "")
-        return CanaryOutcome(name, JobPhase.FAILED, message or f"job failed: {reason}")
-    return CanaryOutcome(name, JobPhase.RUNNING, message)
+    if "Failed" not in conditions:
+        return CanaryOutcome(name, JobPhase.RUNNING, message)
+    failed = conditions["Failed"]
+    reason = failed.get("reason") or ""
+    findings = [pod for pod in tries if _exit(pod) == EXIT_FINDING]
+    if reason == "PodFailurePolicy" or findings:
+        found = _termination_message(findings[-1]) if findings else message
+        return CanaryOutcome(name, JobPhase.FAILED, found or f"job failed: {failed.get('message')}")
+    attempts = sum((p.get("status") or {}).get("phase") == "Failed" for p in tries)
+    why = {
+        "BackoffLimitExceeded": f"no verdict in {attempts} tries",
+        "DeadlineExceeded": "the Job ran past its activeDeadlineSeconds (a pod that never "
+        "started, e.g. an image that does not pull, or a canary slower than its timeout)",
+    }.get(reason, failed.get("message") or "the Job failed")
+    last = _last_words(tries[-1]) if tries else ""
+    return CanaryOutcome(
+        name,
+        JobPhase.COULD_NOT_RUN,
+        f"could not run ({reason or 'Failed'}): {why}" + (f"; last try: {last}" if last else ""),
+    )
+
+
+def _canary_container(pod: Mapping[str, Any]) -> dict[str, Any]:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return next((s for s in statuses if s.get("name") == CANARY_CONTAINER), {})
+
+
+def _exit(pod: Mapping[str, Any]) -> int | None:
+    terminated = (_canary_container(pod).get("state") or {}).get("terminated") or {}
+    code = terminated.get("exitCode")
+    return int(code) if code is not None else None
+
+
+def _termination_message(pod: Mapping[str, Any]) -> str:
+    terminated = (_canary_container(pod).get("state") or {}).get("terminated") or {}
+    return str(terminated.get("message") or "").strip()
+
+
+def _last_words(pod: Mapping[str, Any]) -> str:
+    """What a try ended with: the canary's summary, else its exit code, else why its container
+    is waiting (ImagePullBackOff: ...)."""
+    state = _canary_container(pod).get("state") or {}
+    if (said := _termination_message(pod)) or "terminated" in state:
+        return said or f"exit code {state['terminated'].get('exitCode')}"
+    waiting = state.get("waiting") or {}
+    return ": ".join(str(w) for w in (waiting.get("reason"), waiting.get("message")) if w)
 
 
 @dataclass
@@ -194,6 +242,11 @@ class Reconciler:
             previous.revision, selected_revision(stable, instance.uid)
         )
         current = revision_status.current if revision_status else None
+        rerun = rerun_value(body)
+        if current is not None and current != desired:
+            self._scale(spec, instance, current)
+        if desired != current:  # a candidate's canary only: the serving one's is never re-run
+            events += self._rerun_canary(instance, desired, rerun)
         observed: dict[str, RevisionObservation] = {}
         pools_of: dict[str, list[PodPool]] = {}
         for revision in {r for r in (current, desired) if r is not None}:
@@ -209,7 +262,9 @@ class Reconciler:
         events += plan.events
         if plan.start_canary is not None:
             context = observed[plan.start_canary].pools.effective_context
-            self._claim(instance, build_canary_job(spec, instance, plan.start_canary, context))
+            self._claim(
+                instance, build_canary_job(spec, instance, plan.start_canary, context, rerun)
+            )
         endpoint = None
         if plan.serve is not None and self._serve(spec, instance, plan.serve):
             endpoint = service_url(instance, instance.name, spec.router.service.port)
@@ -291,6 +346,36 @@ class Reconciler:
             wanted = {"spec": {"replicas": child["spec"]["replicas"]}}
             if not is_subset(wanted, existing):
                 self.kube.patch(child["apiVersion"], kind, ns, name, wanted)
+
+    def _scale(self, spec: InferenceDeploymentSpec, instance: Instance, revision: str) -> None:
+        """The spec's replica counts on `revision`'s Deployments (the serving one, while a
+        candidate rolls out: replicas.py)."""
+        for role, replicas in replica_counts(spec).items():
+            name = child_name(instance, revision, role)
+            found = self._ours(
+                instance, self.kube.get("apps/v1", "Deployment", instance.namespace, name)
+            )
+            wanted = {"spec": {"replicas": replicas}}
+            if found is not None and not is_subset(wanted, found):
+                self.kube.patch("apps/v1", "Deployment", instance.namespace, name, wanted)
+
+    def _rerun_canary(self, instance: Instance, revision: str, wanted: str) -> list[Event]:
+        """Delete the revision's canary Job (its pods with it) when the InferenceDeployment's
+        kvfence.dev/rerun-canary differs from the value the Job ran with; this pass then
+        starts a fresh one once the revision is ready (canary_rerun)."""
+        name = canary_job_name(instance, revision)
+        job = self._ours(instance, self.kube.get("batch/v1", "Job", instance.namespace, name))
+        if job is None or not rerun_requested(job, wanted):
+            return []
+        self.kube.delete("batch/v1", "Job", instance.namespace, name)
+        return [
+            Event(
+                "Normal",
+                "CanaryRerun",
+                f"{ANNOTATION_RERUN_CANARY}={wanted!r}: the canary of revision {revision} "
+                "runs again",
+            )
+        ]
 
     def _serve(self, spec: InferenceDeploymentSpec, instance: Instance, revision: str) -> bool:
         """Make the stable Service what the spec declares, pointed at `revision`. False when

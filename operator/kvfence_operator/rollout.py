@@ -19,7 +19,20 @@ REFUSED = "not run: the pool check refused this revision"
 class JobPhase(StrEnum):
     RUNNING = "Running"
     SUCCEEDED = "Succeeded"
-    FAILED = "Failed"
+    FAILED = "Failed"  # a finding: the canary saw an isolation or status failure
+    COULD_NOT_RUN = "CouldNotRun"  # no verdict, after the Job's retries: not a finding
+
+
+# Canary results that stop a rollout: the reason its Event and conditions carry, and what
+# they say about the candidate (status.py words its conditions with the same)
+STOPPED = {
+    CanaryResult.FAILED: ("CanaryFailed", "failed its canary"),
+    CanaryResult.COULD_NOT_RUN: ("CanaryCouldNotRun", "could not run its canary"),
+}
+STOPPED_BY = {
+    JobPhase.FAILED: CanaryResult.FAILED,
+    JobPhase.COULD_NOT_RUN: CanaryResult.COULD_NOT_RUN,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,23 +155,25 @@ def plan_rollout(
                 revision=candidate, job=outcome.job, result=CanaryResult.RUNNING, message="running"
             )
         )
-    if outcome.phase is JobPhase.FAILED:
-        failed = CanaryStatus(
+    if outcome.phase in STOPPED_BY:
+        result = STOPPED_BY[outcome.phase]
+        reason, what = STOPPED[result]
+        stopped = CanaryStatus(
             revision=candidate,
             job=outcome.job,
-            result=CanaryResult.FAILED,
+            result=result,
             message=outcome.message or "the canary job failed",
         )
-        if canary is None or canary.result is not CanaryResult.FAILED:
+        if canary is None or canary.result is not result:
             events.append(
                 Event(
                     "Warning",
-                    "CanaryFailed",
-                    f"revision {candidate} failed its canary: {failed.message}; "
+                    reason,
+                    f"revision {candidate} {what}: {stopped.message}; "
                     + (f"revision {current} keeps serving" if current else "nothing is served"),
                 )
             )
-        return stay(failed)
+        return stay(stopped)
     passed = CanaryStatus(
         revision=candidate,
         job=outcome.job,

@@ -33,7 +33,7 @@ from kvfence_operator.health import (
 )
 from kvfence_operator.ownership import NAME_CONFLICT, Conflict
 from kvfence_operator.pool_gate import PodPool
-from kvfence_operator.rollout import RevisionObservation, RolloutPlan
+from kvfence_operator.rollout import STOPPED, RevisionObservation, RolloutPlan
 
 T, F, U = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
 SCALED_TO_ZERO = "ScaledToZero"
@@ -80,8 +80,10 @@ def compute_status(
     else:
         put(ConditionType.POOL_SUFFICIENT, F, decision.reason, decision.message)
 
-    # the failed canary, or None (an object rather than a flag, so branches read its message)
-    failed_canary = canary if canary is not None and canary.result is CanaryResult.FAILED else None
+    # the canary that stopped the rollout (failed, or could not run), or None (an object rather
+    # than a flag, so branches read its message), and what stopped it
+    stopped = canary if canary is not None and canary.result in STOPPED else None
+    stop_reason, stop_words = STOPPED[stopped.result] if stopped and stopped.result else ("", "")
     if canary is None or canary.result in (None, CanaryResult.PENDING, CanaryResult.RUNNING):
         message = canary.message if canary and canary.message else "no canary has run"
         put(ConditionType.CANARY_PASSED, U, "CanaryPending", _about(canary, message))
@@ -91,6 +93,8 @@ def compute_status(
         put(ConditionType.CANARY_PASSED, T, "CanaryDisabled", "spec.canary.enabled is false")
     elif canary.result is CanaryResult.NOT_RUN:
         put(ConditionType.CANARY_PASSED, U, "CanaryNotRun", _about(canary, canary.message or ""))
+    elif canary.result is CanaryResult.COULD_NOT_RUN:  # no verdict: not a finding
+        put(ConditionType.CANARY_PASSED, U, stop_reason, _about(canary, canary.message or ""))
     else:
         put(ConditionType.CANARY_PASSED, F, "CanaryFailed", _about(canary, canary.message or ""))
 
@@ -98,8 +102,8 @@ def compute_status(
     refusal = decision if refused else None  # the refusing decision, read by the branches
     serving = observed.get(plan.serve) if plan.serve else None
     serving_ready = serving is not None and serving.pods_ready and serving.pools.sufficient
-    # a rollout failed, or the serving revision is down while nothing rolls
-    candidate_failed = failed_canary if rolling else None
+    # a rollout stopped by its canary, or the serving revision down while nothing rolls
+    candidate_stopped = stopped if rolling else None
     serving_down = plan.serve is not None and not serving_ready and not rolling
 
     # a running canary is bounded by its own Job's deadline, not by the progress deadline
@@ -107,9 +111,9 @@ def compute_status(
     waiting = judged.waiting_for if judged else "waiting for pods"
     if canary_running:
         waiting = "its canary is running"
-    if candidate_failed is not None:
-        put(ConditionType.PROGRESSING, F, "CanaryFailed",
-            _about(candidate_failed, candidate_failed.message or ""))  # fmt: skip
+    if candidate_stopped is not None:
+        put(ConditionType.PROGRESSING, F, stop_reason,
+            _about(candidate_stopped, candidate_stopped.message or ""))  # fmt: skip
     elif refusal is not None:
         put(ConditionType.PROGRESSING, F, "PoolInsufficient", refusal.message)
     elif zero:
@@ -124,9 +128,9 @@ def compute_status(
         put(ConditionType.PROGRESSING, F, "RolloutComplete",
             f"revision {plan.revision.current} serves")  # fmt: skip
 
-    if candidate_failed is not None:
-        put(ConditionType.DEGRADED, T, "CanaryFailed",
-            _about(candidate_failed, candidate_failed.message or ""))  # fmt: skip
+    if candidate_stopped is not None:
+        put(ConditionType.DEGRADED, T, stop_reason,
+            _about(candidate_stopped, candidate_stopped.message or ""))  # fmt: skip
     elif refusal is not None:
         put(ConditionType.DEGRADED, T, "PoolInsufficient", refusal.message)
     elif zero:
@@ -143,10 +147,10 @@ def compute_status(
         put(ConditionType.READY, T, "Serving", f"revision {plan.serve} serves at {endpoint}")
     elif zero:
         put(ConditionType.READY, F, SCALED_TO_ZERO, f"{scaled}; nothing serves")
-    elif candidate_failed is not None:
+    elif candidate_stopped is not None:
         keeps = f"revision {plan.serve} keeps serving" if plan.serve else "nothing is served"
-        put(ConditionType.READY, F, "CanaryFailed",
-            f"revision {plan.revision.candidate} failed its canary; {keeps}")  # fmt: skip
+        put(ConditionType.READY, F, stop_reason,
+            f"revision {plan.revision.candidate} {stop_words}; {keeps}")  # fmt: skip
     elif refusal is not None:
         put(ConditionType.READY, F, "PoolInsufficient", refusal.message)
     elif rolling:

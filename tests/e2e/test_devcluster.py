@@ -2,9 +2,11 @@
 the operator's end-to-end tests depend on it: API server semantics kmock lacks, a kubelet that
 runs pods as real local processes, and kopf running against it."""
 
+import itertools
 import json
 import sys
 import textwrap
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -378,6 +380,11 @@ def job_condition(cluster: Cluster, name: str) -> dict[str, Any] | None:
     )
 
 
+def condition_of(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
+    found = [c for c in (obj or {}).get("status", {}).get("conditions", []) if c["type"] == kind]
+    return found[0] if found else {}
+
+
 def only_pod(cluster: Cluster, **labels: str) -> dict[str, Any] | None:
     pods = cluster.list("Pod", "default", labels=labels)
     return pods[0] if len(pods) == 1 else None
@@ -499,6 +506,108 @@ def test_a_job_past_its_active_deadline_is_killed_and_fails(cluster: Cluster):
     assert (failed["type"], failed["reason"]) == ("Failed", "DeadlineExceeded")
     assert failed["message"] == "Job was active longer than specified deadline"
     cluster.wait_for(lambda: alive(pid), "the pod's process to be killed", until=lambda up: not up)
+
+
+def finished_runs(cluster: Cluster, name: str) -> list[dict[str, Any]]:
+    """The terminated states of a Job's pods, in the order they ran."""
+    pods = cluster.list("Pod", "default", labels={"job-name": name})
+    runs = [p["status"]["containerStatuses"][0]["state"].get("terminated") for p in pods]
+    assert all(runs), runs
+    return sorted(runs, key=lambda r: r["startedAt"])
+
+
+def stamp(value: str) -> float:
+    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+def test_a_job_retries_counted_failures_with_exponential_backoff_up_to_its_limit(
+    cluster: Cluster,
+):
+    cluster.create(job("flaky", ["sh", "-c", "exit 2"], backoffLimit=2))
+    failed = cluster.wait_for(lambda: job_condition(cluster, "flaky"), "the Job to give up")
+    assert (failed["type"], failed["reason"]) == ("Failed", "BackoffLimitExceeded")
+    assert failed["message"] == "Job has reached the specified backoff limit"
+    assert cluster.get("Job", "flaky")["status"]["failed"] == 3
+    runs = finished_runs(cluster, "flaky")
+    assert len(runs) == 3, "backoffLimit 2: the first try and two retries"
+    assert [r["exitCode"] for r in runs] == [2, 2, 2]
+    gaps = [stamp(b["startedAt"]) - stamp(a["finishedAt"]) for a, b in itertools.pairwise(runs)]
+    assert gaps[0] >= 1 and gaps[1] >= 2, f"1 s, then 2 s between tries: {gaps}"
+
+
+def test_pod_failure_policy_fails_a_job_at_once_on_a_matching_exit_code(cluster: Cluster):
+    finding = {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": "main", "operator": "In", "values": [1]},
+    }
+    cluster.create(
+        job(
+            "finding", ["sh", "-c", "exit 1"], backoffLimit=3, podFailurePolicy={"rules": [finding]}
+        )
+    )
+    unexpected = {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [2]}}
+    cluster.create(
+        job(
+            "unexpected",
+            ["sh", "-c", "exit 7"],
+            backoffLimit=3,
+            podFailurePolicy={"rules": [unexpected]},
+        )
+    )
+    for name, code in (("finding", 1), ("unexpected", 7)):
+        failed = cluster.wait_for(lambda n=name: job_condition(cluster, n), f"{name} to fail")
+        assert (failed["type"], failed["reason"]) == ("Failed", "PodFailurePolicy")
+        (pod,) = cluster.list("Pod", "default", labels={"job-name": name})
+        assert failed["message"] == (
+            f"Container main for pod default/{pod['metadata']['name']} failed with exit code "
+            f"{code} matching FailJob rule at index 0"
+        )
+        target = condition_of(cluster.get("Job", name), "FailureTarget")
+        assert target["reason"] == "PodFailurePolicy"
+        assert cluster.get("Job", name)["status"]["failed"] == 1
+
+
+def test_a_pod_failure_ignored_by_its_condition_is_not_counted_and_the_job_runs_again(
+    cluster: Cluster, tmp_path
+):
+    go, tried = tmp_path / "go", tmp_path / "tried"
+    script = (
+        f"[ -e {tried} ] && exit 0; touch {tried}; until [ -e {go} ]; do sleep 0.1; done; exit 3"
+    )
+    disrupted = {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
+    cluster.create(
+        job(
+            "evicted", ["sh", "-c", script], backoffLimit=0, podFailurePolicy={"rules": [disrupted]}
+        )
+    )
+    first = cluster.wait_for(
+        lambda: only_pod(cluster, **{"job-name": "evicted"}),
+        "the first pod to run",
+        until=lambda p: p and "running" in p["status"]["containerStatuses"][0]["state"],
+    )
+    name = first["metadata"]["name"]
+    eviction = {
+        "type": "DisruptionTarget",
+        "status": "True",
+        "reason": "EvictionByEvictionAPI",
+        "message": "Eviction API: evicting",
+    }
+    cluster.patch(
+        "Pod",
+        name,
+        {"status": {"conditions": [eviction]}},
+        subresource="status",
+        patch_type="strategic",
+    )
+    go.touch()
+    done = cluster.wait_for(lambda: job_condition(cluster, "evicted"), "the Job to finish")
+    assert done["type"] == "Complete", done
+    status = cluster.get("Job", "evicted")["status"]
+    assert status["succeeded"] == 1 and "failed" not in status, status
+    evicted = cluster.get("Pod", name)
+    assert evicted["status"]["phase"] == "Failed"
+    kept = cluster.pod_condition(evicted, "DisruptionTarget")
+    assert kept is not None and kept["status"] == "True", "the kubelet leaves it alone"
 
 
 def test_mounted_files_and_environment_follow_configmaps_and_secrets(cluster: Cluster):

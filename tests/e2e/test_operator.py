@@ -301,6 +301,9 @@ def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on
         assert status["canary"]["result"] == "Failed"
         message = condition(failed, "CanaryPassed")["message"]
         assert bad_revision in message and "FAIL" in message, message
+        (bad_job,) = cluster.list("Job", "default", selector_for(bad_revision, Role.CANARY))
+        assert condition(bad_job, "Failed")["reason"] == "PodFailurePolicy", "a finding: no retry"
+        assert [t.get("exitCode") for t in canary_tries(cluster, bad_revision)] == [1]
         degraded = wait_condition(cluster, "Degraded", "True", reason="CanaryFailed")
         assert condition(degraded, "Ready")["status"] == "False"
         assert f"revision {r2} keeps serving" in condition(degraded, "Ready")["message"]
@@ -309,6 +312,110 @@ def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on
             model="tiny-random", prompt="still here", max_tokens=2, temperature=0
         )
         assert answer.usage.completion_tokens == 2
+        operator.stop()
+        assert not cluster.problems()
+
+
+def canary_tries(cluster: Cluster, revision: str) -> list[dict[str, Any]]:
+    """The terminated states of the revision's canary pods."""
+    pods = cluster.list("Pod", "default", selector_for(revision, Role.CANARY))
+    return [(p["status"]["containerStatuses"][0]["state"].get("terminated") or {}) for p in pods]
+
+
+@pytest.mark.slow
+def test_a_canary_that_cannot_run_is_retried_then_rerun_on_request_and_scaling_works_meanwhile(
+    tmp_path,
+):
+    """A candidate's canary that cannot run (exit 2: here a flag its argparse refuses) is
+    tried 4 times, then it is CouldNotRun: Degraded, not promoted, the serving revision keeps
+    serving. Meanwhile the serving revision scales with the spec. Once the cause is gone, a
+    new value of kvfence.dev/rerun-canary runs it again and the candidate is promoted."""
+    cannot_run = tmp_path / "canary-cannot-run"
+
+    def flaky_canary(pod: dict[str, Any], argv: list[str]) -> list[str]:
+        role = (pod["metadata"].get("labels") or {}).get("kvfence.dev/role")
+        return [*argv, "--rounds", "0"] if role == "canary" and cannot_run.exists() else argv
+
+    options = KubeletOptions(amend_argv=flaky_canary)
+    with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
+        cluster.create(api_keys_secret())
+        args = ["--standalone", "--namespace", "default"]
+        operator = cluster.start_operator(args, env={"KVFENCE_RECONCILE_INTERVAL": "1"})
+        first = cluster.create(manifest())
+        r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
+        check_first_rollout(cluster, first, r1)
+
+        cannot_run.touch()
+        second = manifest(
+            engine={
+                "kvCacheMemory": ENOUGH,
+                "extraArgs": ["--threads", "1", "--max-num-seqs", "32"],
+            }
+        )
+        r2 = revision_of(InferenceDeploymentSpec.model_validate(second["spec"]))
+        cluster.patch(*KIND[:1], NAME, {"spec": second["spec"]}, api_version=KIND[1])
+        stuck = wait_condition(cluster, "Degraded", "True", timeout=240, reason="CanaryCouldNotRun")
+        status = stuck["status"]
+        assert status["revision"] == {"current": r1, "candidate": r2}
+        assert status["canary"]["result"] == "CouldNotRun"
+        message = condition(stuck, "Degraded")["message"]
+        assert "could not run (BackoffLimitExceeded): no verdict in 4 tries" in message, message
+        assert condition(stuck, "CanaryPassed")["status"] == "Unknown"
+        assert condition(stuck, "Ready")["reason"] == "CanaryCouldNotRun"
+        assert f"revision {r1} keeps serving" in condition(stuck, "Ready")["message"]
+        (job,) = cluster.list("Job", "default", selector_for(r2, Role.CANARY))
+        failed = condition(job, "Failed")
+        assert (failed["status"], failed["reason"]) == ("True", "BackoffLimitExceeded")
+        assert [t.get("exitCode") for t in canary_tries(cluster, r2)] == [2, 2, 2, 2]
+        assert [e for e in cluster.list("Event") if e.get("reason") == "CanaryCouldNotRun"]
+        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
+        answer = router_client(cluster, r1).completions.create(
+            model="tiny-random", prompt="still here", max_tokens=2, temperature=0
+        )
+        assert answer.usage.completion_tokens == 2
+
+        # Scaling is not a new revision, and reaches the revision that serves.
+        cluster.patch(*KIND[:1], NAME, {"spec": {"prefill": {"replicas": 2}}},
+                      api_version=KIND[1])  # fmt: skip
+        (prefill,) = cluster.list("Deployment", "default", selector_for(r1, Role.PREFILL))
+        cluster.wait_for(
+            lambda: cluster.get("Deployment", prefill["metadata"]["name"]),
+            "the serving revision's prefill to scale to 2 ready pods",
+            timeout=120,
+            until=lambda d: d["spec"]["replicas"] == 2 and d["status"].get("readyReplicas") == 2,
+        )
+        assert infd(cluster)["status"]["revision"] == {"current": r1, "candidate": r2}
+
+        # The cause removed, a new annotation value runs the candidate's canary again.
+        cannot_run.unlink()
+        rerun = {"metadata": {"annotations": {"kvfence.dev/rerun-canary": "after-the-fix"}}}
+        cluster.patch(*KIND[:1], NAME, rerun, api_version=KIND[1])
+        promoted = cluster.wait_for(
+            lambda: infd(cluster),
+            "promotion of the candidate after its canary ran again",
+            timeout=240,
+            until=lambda o: (
+                o["status"]["revision"].get("current") == r2
+                and condition(o, "Ready").get("status") == "True"
+            ),
+        )
+        assert promoted["status"]["canary"]["result"] == "Passed"
+        assert [e for e in cluster.list("Event") if e.get("reason") == "CanaryRerun"]
+        (again,) = cluster.list("Job", "default", selector_for(r2, Role.CANARY))
+        assert again["metadata"]["uid"] != job["metadata"]["uid"]
+        assert again["metadata"]["annotations"]["kvfence.dev/rerun-canary"] == "after-the-fix"
+        assert again["status"].get("succeeded") == 1
+        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
+
+        # With nothing rolling out, a new value re-runs nothing: r2's passed canary stays.
+        reruns = len([e for e in cluster.list("Event") if e.get("reason") == "CanaryRerun"])
+        rerun = {"metadata": {"annotations": {"kvfence.dev/rerun-canary": "once-more"}}}
+        cluster.patch(*KIND[:1], NAME, rerun, api_version=KIND[1])
+        time.sleep(3)  # a few passes at a 1 s interval
+        (kept,) = cluster.list("Job", "default", selector_for(r2, Role.CANARY))
+        assert kept["metadata"]["uid"] == again["metadata"]["uid"]
+        assert len([e for e in cluster.list("Event") if e.get("reason") == "CanaryRerun"]) == reruns
+        assert infd(cluster)["status"]["canary"]["result"] == "Passed"
         operator.stop()
         assert not cluster.problems()
 

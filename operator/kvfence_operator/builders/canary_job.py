@@ -16,6 +16,7 @@ from kvfence_operator.builders.secret import (
     internal_token_volume,
     secret_name,
 )
+from kvfence_operator.canary_rerun import ANNOTATION_RERUN_CANARY
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import Instance, child_name, labels, object_meta, service_url
 
@@ -25,6 +26,34 @@ TERMINATION_LOG = "/dev/termination-log"  # the operator reads the verdict from 
 # Past the canary's own --timeout, so the canary reports its timeout before the Job is killed.
 DEADLINE_GRACE_SECONDS = 60
 CANARY_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}}
+CONTAINER = "canary"
+# `kvfence canary` exits 1 for a finding, 2 when it could not run (kvfence_engine/canary/report.py)
+EXIT_FINDING = 1
+# Tries after the first one for a canary that could not run (exit 2, any exit but 1, a pod
+# that failed to start); all of them within activeDeadlineSeconds.
+RETRIES = 3
+
+
+def pod_failure_policy() -> dict[str, Any]:
+    """A finding fails the Job at once: it is not a flake to retry away. A pod disrupted by
+    the cluster (eviction, preemption, a drained node) is not counted. Anything else counts
+    towards backoffLimit and is retried after the Job's backoff."""
+    return {
+        "rules": [
+            {
+                "action": "FailJob",
+                "onExitCodes": {
+                    "containerName": CONTAINER,
+                    "operator": "In",
+                    "values": [EXIT_FINDING],
+                },
+            },
+            {
+                "action": "Ignore",
+                "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+            },
+        ]
+    }
 
 
 def canary_job_name(instance: Instance, revision: str) -> str:
@@ -56,13 +85,16 @@ def build_canary_job(
     instance: Instance,
     revision: str,
     context_length: int | None = None,
+    rerun: str = "",
 ) -> dict[str, Any]:
-    """context_length: the context the revision serves (effective, under LowerContext)."""
+    """context_length: the context the revision serves (effective, under LowerContext).
+    rerun: the InferenceDeployment's kvfence.dev/rerun-canary value, recorded on the Job
+    (canary_rerun)."""
     secret = secret_name(instance, revision)
     tmp, tmp_mount = tmp_volume()
     token, token_mount = internal_token_volume(instance, revision)
     container = {
-        "name": "canary",
+        "name": CONTAINER,
         "image": spec.canary.image or spec.engine.image,
         "command": ["kvfence"],
         "args": canary_args(
@@ -92,14 +124,18 @@ def build_canary_job(
         volumes=[tmp, token],
         restart_policy="Never",
     )
+    meta = object_meta(
+        instance, canary_job_name(instance, revision), labels(instance, revision, Role.CANARY)
+    )
+    if rerun:
+        meta["annotations"] = {ANNOTATION_RERUN_CANARY: rerun}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": object_meta(
-            instance, canary_job_name(instance, revision), labels(instance, revision, Role.CANARY)
-        ),
+        "metadata": meta,
         "spec": {
-            "backoffLimit": 0,  # a failed canary is a finding, not a flake to retry away
+            "backoffLimit": RETRIES,
+            "podFailurePolicy": pod_failure_policy(),
             "activeDeadlineSeconds": spec.canary.timeout_seconds + DEADLINE_GRACE_SECONDS,
             "template": template,
         },

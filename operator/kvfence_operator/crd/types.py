@@ -442,6 +442,8 @@ class CanaryResult(StrEnum):
     PASSED = "Passed"
     FAILED = "Failed"
     NOT_RUN = "NotRun"  # will not run: disabled in the spec, or the pool check refused
+    # no verdict: the canary could not run (exit 2, deadline, image) even after its retries
+    COULD_NOT_RUN = "CouldNotRun"
 
     @classmethod
     def _missing_(cls, value: object) -> "CanaryResult | None":

@@ -137,7 +137,9 @@ def test_canary_job_attacks_the_candidate_router_once_with_keys_from_the_secret(
     assert env["KVFENCE_CANARY_TENANT_B_KEY"] == {
         "secretKeyRef": {"name": secret, "key": "canary-tenant-b-key"}
     }
-    assert job["spec"]["backoffLimit"] == 0
+    # exit 1 (a finding) fails the Job at once; a canary that could not run is retried
+    assert job["spec"]["backoffLimit"] == 3
+    assert job["spec"]["podFailurePolicy"]["rules"][0]["action"] == "FailJob"
     assert job["spec"]["activeDeadlineSeconds"] > 300
     assert pod_spec(job)["restartPolicy"] == "Never"
     assert c["image"] == "ghcr.io/kvfence/kvfence-engine:0.1.0"

@@ -154,9 +154,10 @@ class Backends:
                         self._apply(written, "file")
                         return
                     log.info(
-                        "backends file version %d ignored: the pushed version %d is newer",
+                        "backends file version %d ignored: not newer than the pushed %d",
                         written.version,
                         self.in_force.version,
                     )
+                force = True
         if force or time.monotonic() - self._resolved_at > 5.0:
             self._resolve()

@@ -40,9 +40,15 @@ def written_backends(data_text: str | None) -> BackendsFile | None:
 
 def versioned(wanted: BackendsFile, written: BackendsFile | None, now_ms: int) -> BackendsFile:
     """`wanted` with its version: the written one's when nothing else changed (a pass that
-    changes nothing writes and pushes nothing), else newer than both it and the clock."""
+    changes nothing writes and pushes nothing), else newer than both it and the clock. A
+    written version 0 (the ConfigMap as first created, or created anew after someone deleted
+    it) is never kept: routers may hold a newer set, which a version 0 could not replace."""
     unversioned = wanted.model_copy(update={"version": 0})
-    if written is not None and written.model_copy(update={"version": 0}) == unversioned:
+    if (
+        written is not None
+        and written.version > 0
+        and written.model_copy(update={"version": 0}) == unversioned
+    ):
         return wanted.model_copy(update={"version": written.version})
     previous = written.version if written is not None else 0
     return wanted.model_copy(update={"version": max(previous + 1, now_ms)})

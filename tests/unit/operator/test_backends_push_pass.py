@@ -31,6 +31,9 @@ def test_an_unchanged_set_keeps_its_version_and_a_changed_one_gets_a_newer_one()
     assert versioned(changed, written, NOW_MS - 10_000).version == NOW_MS - 4999
     # no ConfigMap yet, or one whose file does not read: starts from the clock
     assert versioned(WANTED, None, NOW_MS).version == NOW_MS
+    # the ConfigMap as first created (or recreated after a deletion) says 0: never kept, since
+    # the routers may hold a newer set that a 0 could not replace
+    assert versioned(WANTED, WANTED, NOW_MS).version == NOW_MS
     assert versioned(WANTED, written_backends("not json"), NOW_MS).version == NOW_MS
     assert written_backends(written.file_text()) == written
     assert written_backends(None) is None

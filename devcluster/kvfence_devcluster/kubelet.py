@@ -11,6 +11,7 @@ import base64
 import contextlib
 import logging
 import os
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from .resources import ResourceType
 from .sandbox import POD_IP, NotReadyToStart, named_port
 from .selectors import selector_from_label_selector
 from .store import Store
-from .volumes import FILE_VOLUMES, sync_volume
+from .volumes import FILE_VOLUMES, sync_volume, volume_files
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class KubeletOptions:
     # What a test changes in a pod's command line before it starts: e.g. an --unsafe-fault in
     # one revision's engines, which no InferenceDeployment can ask for (the CRD forbids it).
     amend_argv: Callable[[dict[str, Any], list[str]], list[str]] | None = None
+    # Seconds a changed ConfigMap waits before a running pod's configMap volume shows it. The
+    # real kubelet refreshes these volumes on its sync period and cache TTL, about a minute
+    # after the change; 0 (the default) rewrites the files on the pod's next pass.
+    configmap_volume_lag: float = 0.0
 
 
 class Kubelet:
@@ -82,6 +87,8 @@ class Kubelet:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._http: aiohttp.ClientSession | None = None
+        # (pod uid, volume name) -> when a change to its ConfigMap was first seen
+        self._configmap_changed_at: dict[tuple[str, str], float] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -183,10 +190,31 @@ class Kubelet:
                 any(kind in volume for kind in FILE_VOLUMES)
                 and volume["name"] in runtime.sandbox.volume_paths
             ):
+                if self._configmap_lagging(runtime, volume):
+                    continue
                 # A source that disappeared leaves the last files, as in Kubernetes.
                 with contextlib.suppress(NotReadyToStart):
                     changed |= sync_volume(runtime.sandbox, volume, runtime.namespace, self)
         return changed
+
+    def _configmap_lagging(self, runtime: PodRuntime, volume: dict[str, Any]) -> bool:
+        """Whether a configMap volume's change is still inside options.configmap_volume_lag."""
+        lag = self.options.configmap_volume_lag
+        if lag <= 0 or "configMap" not in volume:
+            return False
+        key = (runtime.uid, volume["name"])
+        try:
+            _, sources = volume_files(volume, runtime.namespace, self)
+        except NotReadyToStart:
+            return False
+        if sources == runtime.sandbox.volume_sources.get(volume["name"]):
+            self._configmap_changed_at.pop(key, None)
+            return False
+        seen = self._configmap_changed_at.setdefault(key, time.monotonic())
+        if time.monotonic() - seen < lag:
+            return True
+        self._configmap_changed_at.pop(key, None)
+        return False
 
     def resolve_service(self, namespace: str, service: str, port: int | None) -> str | None:
         """Where `<service>.<namespace>.svc[:port]` leads, as host:port: the Service's

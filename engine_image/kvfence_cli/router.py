@@ -50,7 +50,8 @@ def add_parser(sub: Subparsers) -> None:
         "--backends-file",
         default=None,
         help='JSON {"prefill": [URL], "decode": [URL], "contextLength": N}, re-read '
-        "when it changes",
+        "when it changes; the operator also pushes it (PUT /internal/v1/backends, internal "
+        'token), and the newest "version" wins',
     )
     p.add_argument(
         "--api-keys",

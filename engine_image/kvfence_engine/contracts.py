@@ -13,6 +13,7 @@ the canary), so each reader requires only what it uses. The JSON field names are
 renaming one breaks those readers.
 """
 
+import hashlib
 import json
 from enum import StrEnum
 from typing import Annotated, Literal
@@ -244,11 +245,17 @@ class ServedModel(_Message):
 
 class BackendsFile(_Message):
     """The engines the router may send to, and the context it serves (under LowerContext,
-    what every pool holds). The operator rewrites it as pods pass or fail the pool check; a
-    hand-written file may give only the URLs."""
+    what every pool holds). The operator rewrites it as pods pass or fail the pool check, in
+    the router's ConfigMap and by PUT /internal/v1/backends; a hand-written file may give only
+    the URLs.
+
+    `version` orders what the operator wrote: the router keeps the newest set it was given,
+    so a ConfigMap volume the kubelet refreshes late never rolls back a newer push. 0 (a
+    hand-written or older file) is older than any push."""
 
     model_config = ConfigDict(populate_by_name=True)
 
+    version: Count = 0
     revision: str | None = None
     model: ServedModel | None = None
     context_length: Positive | None = Field(None, alias="contextLength")
@@ -258,6 +265,23 @@ class BackendsFile(_Message):
     def file_text(self) -> str:
         data = self.model_dump(mode="json", by_alias=True)
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    def digest(self) -> str:
+        """sha256 of file_text(): equal digests, equal sets."""
+        return hashlib.sha256(self.file_text().encode()).hexdigest()
+
+
+BackendsSource = Literal["flags", "file", "push"]
+
+
+class BackendsInForce(_Message):
+    """The router's GET and PUT /internal/v1/backends: the set it sends to now, where it came
+    from (--prefill/--decode, the backends file, a push) and the sha256 of its file text (what
+    the operator compares with the set it means)."""
+
+    source: BackendsSource
+    digest: str
+    backends: BackendsFile
 
 
 # --- /internal/*: the router calls decode and prefill --------------------------------------

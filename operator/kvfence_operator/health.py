@@ -51,9 +51,10 @@ class InvalidSpec(ValueError):
     the only ValidationError reported as InvalidSpec."""
 
 
-def is_engine_pod(pod: Mapping[str, Any]) -> bool:
+def may_serve(pod: Mapping[str, Any]) -> bool:
     """A pod that can serve: not being deleted, not finished. An evicted pod (phase Failed,
-    no IP) stays until pod GC, but is no engine of its revision: not probed, gated or counted."""
+    no IP) stays until pod GC, but is no engine of its revision: not probed, gated or counted;
+    nor is its address given to a router or pushed to (its IP may be another pod's now)."""
     if pod["metadata"].get("deletionTimestamp"):
         return False
     return (pod.get("status") or {}).get("phase") not in TERMINAL_PHASES

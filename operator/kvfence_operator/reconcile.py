@@ -12,11 +12,17 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvfence_engine.contracts import BackendsFile
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.canary_job import CONTAINER as CANARY_CONTAINER
 from kvfence_operator.builders.canary_job import EXIT_FINDING, build_canary_job, canary_job_name
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
-from kvfence_operator.builders.router_deployment import build_router_configmap, build_stable_service
+from kvfence_operator.builders.router_deployment import (
+    BACKENDS_FILE_NAME,
+    build_router_configmap,
+    build_stable_service,
+    router_backends,
+)
 from kvfence_operator.builders.secret import RevisionCredentials, internal_token_of, secret_name
 from kvfence_operator.canary_rerun import ANNOTATION_RERUN_CANARY, rerun_requested, rerun_value
 from kvfence_operator.crd.types import (
@@ -30,8 +36,8 @@ from kvfence_operator.health import (
     InvalidSpec,
     Problem,
     create_problem,
-    is_engine_pod,
     keys_secret_problem,
+    may_serve,
     read_status,
 )
 from kvfence_operator.kube import Kube, KubeError, is_subset
@@ -61,6 +67,13 @@ from kvfence_operator.rollout import (
     RevisionObservation,
     plan_rollout,
     serving_revision,
+)
+from kvfence_operator.router_push import (
+    BackendsPusher,
+    now_ms,
+    push_backends,
+    versioned,
+    written_backends,
 )
 from kvfence_operator.status import compute_status, with_conflicts
 
@@ -215,6 +228,7 @@ class Reconciler:
     operator_namespace: str
     read_pool: PoolReader = read_pool
     unsafe_faults_allowed: bool = False  # tests only: a pod's unsafe faults pass the pool gate
+    push_backends: BackendsPusher = push_backends  # router_push: to the revision's routers
     # names this pass found taken by objects it does not control (reset every pass)
     _conflicts: list[Conflict] = field(default_factory=list, init=False, repr=False)
     # errors the API answered this pass, for Degraded and Events (reset every pass)
@@ -435,7 +449,7 @@ class Reconciler:
             for pod in self._revision_pods(
                 ns, deployments[role], selector(instance, revision, role)
             ):
-                if not is_engine_pod(pod):  # deleted, evicted or finished
+                if not may_serve(pod):  # deleted, evicted or finished
                     continue
                 pods.append(pod)
                 pools.append(
@@ -459,9 +473,15 @@ class Reconciler:
         urls: dict[str, list[str]] = {str(role): [] for role in ENGINE_ROLES}
         for pod, pool in zip(pods, pools, strict=True):
             url = pod_url(pod)
-            if decision.gates[pool.pod].sufficient and url is not None:
+            if decision.gates[pool.pod].sufficient and url is not None:  # pods: may_serve
                 urls[pool.role].append(url)
-        self._write_backends(spec, instance, revision, decision.effective_context, urls)
+        backends = self._write_backends(spec, instance, revision, decision.effective_context, urls)
+        routers = self._revision_pods(
+            ns, deployments[Role.ROUTER], selector(instance, revision, Role.ROUTER)
+        )
+        self.push_backends(
+            [url for pod in routers if may_serve(pod) and (url := pod_url(pod))], backends, token
+        )
 
         replicas = {}
         for role, deployment in deployments.items():
@@ -539,23 +559,33 @@ class Reconciler:
         revision: str,
         context: int | None,
         urls: Mapping[str, list[str]],
-    ) -> None:
+    ) -> BackendsFile:
+        """Write the router's ConfigMap (its start-up source) and return what it holds, with
+        the version router_push.versioned gives it."""
+        name = child_name(instance, revision, Role.ROUTER)
+        held = self._ours(instance, self.kube.get("v1", "ConfigMap", instance.namespace, name))
+        written = written_backends(((held or {}).get("data") or {}).get(BACKENDS_FILE_NAME))
+        prefill, decode = urls[str(Role.PREFILL)], urls[str(Role.DECODE)]
+        backends = versioned(
+            router_backends(spec, revision, context, prefill, decode), written, now_ms()
+        )
         configmap = build_router_configmap(
             spec,
             instance,
             revision,
             context_length=context,
-            prefill_urls=urls[str(Role.PREFILL)],
-            decode_urls=urls[str(Role.DECODE)],
+            prefill_urls=prefill,
+            decode_urls=decode,
+            version=backends.version,
         )
         existing = self._claim(instance, configmap)
-        name = configmap["metadata"]["name"]
         wanted = {
             "metadata": {"annotations": configmap["metadata"]["annotations"]},
             "data": configmap["data"],
         }
         if existing is not None and not is_subset(wanted, existing):
             self.kube.patch("v1", "ConfigMap", instance.namespace, name, wanted)
+        return backends
 
 
 def _condition_message(status: InferenceDeploymentStatus, reason: str) -> str | None:

@@ -2,18 +2,22 @@
 the operator's end-to-end tests depend on it: API server semantics kmock lacks, a kubelet that
 runs pods as real local processes, and kopf running against it."""
 
+import base64
 import itertools
 import json
 import sys
 import textwrap
+import time
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from kubernetes import client, watch
 
-from kvfence_devcluster.fixtures import Cluster, ClusterApiError
+from kvfence_devcluster.fixtures import Cluster, ClusterApiError, start_cluster
+from kvfence_devcluster.kubelet import KubeletOptions
 from kvfence_devcluster.sandbox import VENV_BIN
 from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_operator.builders.engine_deployment import (
@@ -688,6 +692,51 @@ def test_mounted_files_and_environment_follow_configmaps_and_secrets(cluster: Cl
     message = finished["status"]["containerStatuses"][0]["state"]["terminated"]["message"]
     assert message == f"{pod['metadata']['name']}|s3cret|KEY tenant"
     assert finished["status"]["phase"] == "Succeeded"
+
+
+def test_a_configmap_volume_can_lag_its_configmap_like_the_real_kubelets(tmp_path: Path):
+    """KubeletOptions.configmap_volume_lag: a running pod's configMap files change that long
+    after the ConfigMap does (the real kubelet: its sync period, about a minute); a Secret's
+    files and a new pod's files are not held back."""
+    lag = 3.0
+    with start_cluster(tmp_path / "cluster", kubelet=KubeletOptions(configmap_volume_lag=lag)) as c:
+        c.create(config_map("lagging", **{"backends.json": "v1"}))
+        c.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "creds"},
+                "stringData": {"token": "t1"},
+            }
+        )
+        volumes = [
+            {"name": "config", "configMap": {"name": "lagging"}},
+            {"name": "creds", "secret": {"secretName": "creds"}},
+        ]
+        mounts = [
+            {"name": "config", "mountPath": "/etc/kvfence"},
+            {"name": "creds", "mountPath": "/var/run/creds"},
+        ]
+        pod_spec = {"containers": [{"name": "main", "image": "python:3.11",
+                                    "command": ["sleep", "60"], "volumeMounts": mounts}],
+                    "volumes": volumes}  # fmt: skip
+        c.create(job("holder", [], pod=pod_spec))
+        pod = c.wait_for(
+            lambda: only_pod(c, **{"job-name": "holder"}),
+            "the pod to run",
+            until=lambda p: p and "running" in p["status"]["containerStatuses"][0]["state"],
+        )
+        assert c.kubelet is not None
+        paths = c.kubelet.runtimes[pod["metadata"]["uid"]].sandbox.volume_paths
+        config, token = paths["config"] / "backends.json", paths["creds"] / "token"
+        assert (config.read_text(), token.read_text()) == ("v1", "t1")
+        changed = time.monotonic()
+        c.patch("ConfigMap", "lagging", {"data": {"backends.json": "v2"}})
+        c.patch("Secret", "creds", {"data": {"token": base64.b64encode(b"t2").decode()}})
+        c.wait_for(token.read_text, "the Secret's file to change", until=lambda t: t == "t2")
+        assert config.read_text() == "v1", "the ConfigMap's file must lag"
+        c.wait_for(config.read_text, "the ConfigMap's file to change", until=lambda t: t == "v2")
+        assert time.monotonic() - changed >= lag
 
 
 # ---- the operator's own manifests, and kopf -------------------------------------------------

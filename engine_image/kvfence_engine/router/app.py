@@ -41,6 +41,8 @@ from kvfence_engine.contracts import (
     AbortBody,
     BackendPool,
     BackendReport,
+    BackendsFile,
+    BackendsInForce,
     BackendUnread,
     DecodeBody,
     DeltaLine,
@@ -64,7 +66,7 @@ from kvfence_engine.core.metrics import BACKEND_PREFIX, ISOLATION_COUNTERS
 from kvfence_engine.disagg.wire import delta_of
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
-from kvfence_engine.router.backends import Backend, Backends
+from kvfence_engine.router.backends import Backend, Backends, StalePush
 from kvfence_engine.router.keys import ApiKeys, request_id_for
 from kvfence_engine.router.tenants import InflightCollector, Slot, TenantInflight
 from kvfence_engine.serving.limits import refuse_unfittable_prompt
@@ -88,6 +90,9 @@ from kvfence_engine.serving.openai_api import (
 from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
+# PUT's body, read by hand so that the token is checked before the body and a bad body is a
+# 422 (FastAPI would check the body first, as a 400); the response model puts it in components.
+PUSH_SCHEMA = {"$ref": "#/components/schemas/BackendsFile"}
 BACKEND_READ_TIMEOUT = 2.0  # a slow engine must not stall the router's /metrics or /v1/kvpool
 
 
@@ -186,6 +191,19 @@ class RouterState:
             )
         raise errors.internal_token_required(request.url.path)
 
+    def require_pusher(self, request: Request) -> None:
+        """Who may replace the backends: only a caller with the internal token (never a
+        router without one, even on a laptop)."""
+        if self.internal_token is None:
+            raise EngineError(
+                403,
+                f"{request.url.path} is off: this router has no internal token (start it with "
+                "--internal-token-file)",
+                "permission_error",
+                "forbidden",
+            )
+        self.require_operator(request)
+
     async def served_context(self) -> int:
         """--context-length, else what the operator wrote, else the smallest decode pool's
         effective context (read from the instances themselves)."""
@@ -241,6 +259,46 @@ def create_router_app(state: RouterState) -> FastAPI:
         )
         summary = summarise_pools(reports, await state.served_context())
         return summary if operator else tenant_view(summary)
+
+    @app.get("/internal/v1/backends", responses=error_responses(401, 403))
+    async def backends_in_force(request: Request) -> BackendsInForce:
+        state.require_operator(request)
+        state.backends.refresh()
+        return state.backends.report()
+
+    @app.put(
+        "/internal/v1/backends",
+        responses=error_responses(401, 403, 409, 422),
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": PUSH_SCHEMA}},
+            }
+        },
+    )
+    async def push_backends(request: Request) -> BackendsInForce:
+        """The operator's push: this set replaces the one in force at once, unless a newer
+        one (by version) is in force. Only with the internal token."""
+        state.require_pusher(request)
+        body = await request.body()
+        try:
+            written = BackendsFile.model_validate_json(body)
+            state.backends.refresh()  # a newer file already on disk wins over an older push
+            state.backends.push(written)
+        except ValidationError as exc:
+            invalid = invalid_body(exc.errors(), body, request.headers.get("content-type", ""))
+            raise dataclasses.replace(invalid, status=422, code="invalid_backends") from exc
+        except StalePush as exc:
+            raise EngineError(409, str(exc), "invalid_request_error", "stale_backends") from exc
+        except ValueError as exc:
+            raise EngineError(422, str(exc), "invalid_request_error", "invalid_backends") from exc
+        log.info(
+            "backends pushed: version %d, %d prefill, %d decode",
+            written.version,
+            len(written.prefill),
+            len(written.decode),
+        )
+        return state.backends.report()
 
     @app.get("/v1/models", responses=error_responses(*OPENAI_ERRORS))
     async def models(request: Request) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The router's view of prefill and decode instances: least-outstanding choice, dead instances
-out of rotation for a while, and a backends file the operator rewrites."""
+out of rotation for a while, and the set the operator writes (backends file) and pushes."""
 
+import logging
 import os
 import socket
 import time
@@ -9,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from kvfence_engine.contracts import BackendsFile, Role
+from kvfence_engine.contracts import BackendsFile, BackendsInForce, BackendsSource, Role
 from kvfence_engine.core import errors
 
+log = logging.getLogger(__name__)
 DOWN_SECONDS = 5.0
 
 
@@ -63,8 +65,25 @@ def expand(url: str) -> list[str]:
     return [urlunsplit(parts._replace(netloc=f"{addr}{port}")) for addr in addresses]
 
 
+class StalePush(ValueError):
+    """A pushed set older than the one in force (a lagging writer): refused, nothing changes."""
+
+
+def check_urls(written: BackendsFile) -> None:
+    """Every URL an http(s) URL with a host, as `expand` needs (ValueError otherwise)."""
+    for url in (*written.prefill, *written.decode):
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"backend URL {url!r} is not http(s)://HOST[:PORT]")
+
+
 @dataclass(slots=True)
 class Backends:
+    """The set in force: from --prefill/--decode, the backends file (re-read when it changes)
+    or the operator's push, whichever is newest by BackendsFile.version. The file is the
+    start-up source; once a push is in force, a file replaces it only with a higher version,
+    so a ConfigMap volume refreshed late (by a minute, in Kubernetes) never rolls it back."""
+
     prefill: BackendPool
     decode: BackendPool
     prefill_urls: list[str]
@@ -72,6 +91,8 @@ class Backends:
     file: Path | None = None
     context_length: int | None = None  # what the operator last wrote, if anything
     model_name: str | None = None  # the id to advertise (spec.model.name), if the file says
+    in_force: BackendsFile = field(default_factory=BackendsFile)
+    source: BackendsSource = "flags"
     _mtime: float = -1.0
     _resolved_at: float = 0.0
 
@@ -83,9 +104,40 @@ class Backends:
             prefill,
             decode,
             Path(file) if file else None,
+            in_force=BackendsFile(prefill=prefill, decode=decode),
         )
         b.refresh(force=True)
         return b
+
+    def report(self) -> BackendsInForce:
+        return BackendsInForce(
+            source=self.source, digest=self.in_force.digest(), backends=self.in_force
+        )
+
+    def push(self, written: BackendsFile) -> None:
+        """Put a pushed set in force now (new requests go only to its backends; those in
+        flight finish where they are). StalePush if a newer set is in force; ValueError for a
+        URL that is not http(s)://HOST[:PORT]."""
+        check_urls(written)
+        if written.version < self.in_force.version:
+            raise StalePush(
+                f"version {written.version} is older than the set in force "
+                f"(version {self.in_force.version}, from the {self.source})"
+            )
+        self._apply(written, "push")
+
+    def _apply(self, written: BackendsFile, source: BackendsSource) -> None:
+        self.in_force, self.source = written, source
+        self.prefill_urls = list(written.prefill)
+        self.decode_urls = list(written.decode)
+        self.context_length = written.context_length
+        self.model_name = written.model.name if written.model else None
+        self._resolve()
+
+    def _resolve(self) -> None:
+        self._resolved_at = time.monotonic()
+        self.prefill.set_urls([u for url in self.prefill_urls for u in expand(url)])
+        self.decode.set_urls([u for url in self.decode_urls for u in expand(url)])
 
     def refresh(self, force: bool = False) -> None:
         """Re-read the backends file when it changed; re-resolve names every few seconds."""
@@ -98,12 +150,14 @@ class Backends:
                 self._mtime = mtime
                 if mtime >= 0:
                     written = BackendsFile.model_validate_json(self.file.read_text())
-                    self.prefill_urls = list(written.prefill)
-                    self.decode_urls = list(written.decode)
-                    self.context_length = written.context_length
-                    self.model_name = written.model.name if written.model else None
+                    if self.source != "push" or written.version > self.in_force.version:
+                        self._apply(written, "file")
+                        return
+                    log.info(
+                        "backends file version %d ignored: not newer than the pushed %d",
+                        written.version,
+                        self.in_force.version,
+                    )
                 force = True
         if force or time.monotonic() - self._resolved_at > 5.0:
-            self._resolved_at = time.monotonic()
-            self.prefill.set_urls([u for url in self.prefill_urls for u in expand(url)])
-            self.decode.set_urls([u for url in self.decode_urls for u in expand(url)])
+            self._resolve()

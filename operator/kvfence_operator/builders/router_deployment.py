@@ -49,6 +49,7 @@ def router_backends(
     context_length: int | None = None,
     prefill_urls: Sequence[str] = (),
     decode_urls: Sequence[str] = (),
+    version: int = 0,
 ) -> BackendsFile:
     """The router's live configuration, which the operator rewrites as pods come and go: the
     engine pods whose pool check passed (their kvfence.dev/kv-pool gate is True), by URL, and
@@ -56,6 +57,7 @@ def router_backends(
     Service would resolve to the same Ready pods, but only after DNS caches expire, and not at
     all in `kvfence up`; the operator knows first."""
     return BackendsFile(
+        version=version,
         revision=revision,
         model=ServedModel(source=spec.model.source, name=spec.model.name),
         context_length=spec.context_length if context_length is None else context_length,
@@ -71,10 +73,11 @@ def build_router_configmap(
     context_length: int | None = None,
     prefill_urls: Sequence[str] = (),
     decode_urls: Sequence[str] = (),
+    version: int = 0,
 ) -> dict[str, Any]:
     """The backends file, and the spec it was computed from (`spec`: the revision's own, see
-    revision.judged_spec), recorded for the passes to come."""
-    backends = router_backends(spec, revision, context_length, prefill_urls, decode_urls)
+    revision.judged_spec), recorded for the passes to come. `version`: see router_push."""
+    backends = router_backends(spec, revision, context_length, prefill_urls, decode_urls, version)
     name = child_name(instance, revision, Role.ROUTER)
     metadata = object_meta(instance, name, labels(instance, revision, Role.ROUTER))
     metadata["annotations"] = {ANNOTATION_SPEC: spec_record(spec)}

@@ -217,11 +217,13 @@ def test_the_backends_file_keeps_its_keys_and_a_hand_written_one_still_reads() -
         "model": {"name": None, "source": "builtin:tiny-random"},
         "prefill": ["http://p"],
         "revision": "r1",
+        "version": 0,
     }
     assert text.startswith('{\n  "contextLength": 512,\n') and text.endswith("}\n")
     assert BackendsFile.model_validate_json(text) == BACKENDS_FILE
     by_hand = BackendsFile.model_validate_json('{"prefill": ["http://p"], "contextLength": 256}')
     assert by_hand.context_length == 256 and by_hand.decode == []
+    assert by_hand.version == 0  # a file without a version (hand-written, older) still reads
     with pytest.raises(ValidationError, match="contextlength"):
         BackendsFile.model_validate_json('{"contextlength": 256}')  # a typo is not ignored
 

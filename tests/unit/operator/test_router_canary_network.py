@@ -75,9 +75,11 @@ def test_backends_file_lists_the_pool_checked_pods_and_the_served_context():
         context_length=6144,
         prefill_urls=["http://10.0.0.2:8000"],
         decode_urls=["http://10.0.0.4:8000", "http://10.0.0.3:8000"],
+        version=7,
     )
     backends = json.loads(configmap["data"]["backends.json"])
     assert backends == {
+        "version": 7,
         "revision": REVISION,
         "model": {"source": "/models/SmolLM2-135M-Instruct.Q4_1.gguf", "name": "smollm2-135m"},
         "contextLength": 6144,

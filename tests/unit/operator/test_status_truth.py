@@ -20,7 +20,7 @@ from kvfence_operator.crd.types import (
     RevisionStatus,
     RoleReplicas,
 )
-from kvfence_operator.health import InvalidSpec, is_engine_pod
+from kvfence_operator.health import InvalidSpec, may_serve
 from kvfence_operator.kube import KubeError
 from kvfence_operator.reconcile import Reconciler
 from kvfence_operator.rollout import CanaryOutcome, JobPhase, RevisionObservation, plan_rollout
@@ -102,9 +102,9 @@ def test_reverting_with_canaries_disabled_or_the_job_gone_still_says_it_serves_r
 )
 def test_only_pods_that_can_still_run_are_engines(status, engine):
     pod = {"metadata": {"name": "p"}, "status": status}
-    assert is_engine_pod(pod) is engine
+    assert may_serve(pod) is engine
     deleting = {"metadata": {"name": "p", "deletionTimestamp": "2026-01-01T00:00:00Z"}}
-    assert not is_engine_pod({**deleting, "status": status})
+    assert not may_serve({**deleting, "status": status})
 
 
 # ---- 3. replicas: 0 ---------------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""The router learns its backends from the operator's push, not from the ConfigMap volume
+(issue 14, item 2): on the test cluster, with the kubelet made to refresh ConfigMap volumes as
+late as a real one does (here: not within the test at all), a deleted engine pod leaves the
+router's backends within an operator pass or two, and the router keeps answering."""
+
+import base64
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from kvfence_devcluster.fixtures import Cluster, start_cluster
+from kvfence_devcluster.kubelet import KubeletOptions
+from kvfence_operator.builders.secret import INTERNAL_TOKEN_KEY, secret_name
+from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
+from kvfence_operator.meta import LABEL_REVISION, Instance, child_name
+from kvfence_operator.revision import revision_of
+
+NAME = "pushed"
+USER_KEY = "sk-user-push-0123456789"
+ENOUGH = str(96 * 16 * 768)  # tiny-random: 1536 tokens
+LAG = 3600.0  # seconds before a running pod's configMap volume shows a change
+PASSES = 15.0  # the operator runs a pass every second; a loaded machine is slow
+
+
+def manifest() -> dict[str, Any]:
+    return {
+        "apiVersion": "kvfence.dev/v1alpha1",
+        "kind": "InferenceDeployment",
+        "metadata": {"name": NAME, "namespace": "default"},
+        "spec": {
+            "model": {"source": "builtin:tiny-random"},
+            "engine": {"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1"]},
+            "contextLength": 1024,
+            "prefill": {"resources": {"requests": {"cpu": "1"}}},
+            "decode": {"replicas": 2, "resources": {"requests": {"cpu": "1"}}},
+            "router": {"apiKeysSecret": f"{NAME}-keys"},
+            "canary": {"enabled": False},
+        },
+    }
+
+
+def pods(cluster: Cluster, revision: str, role: str) -> list[dict[str, Any]]:
+    labels = {"app.kubernetes.io/instance": NAME, LABEL_REVISION: revision}
+    return [
+        p
+        for p in cluster.list("Pod", "default", labels | {"kvfence.dev/role": role})
+        if not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+def in_force(router_url: str, token: str) -> dict[str, Any]:
+    r = httpx.get(router_url + "/internal/v1/backends", headers={"X-Kvfence-Internal-Token": token})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_a_deleted_engine_pod_leaves_the_routers_backends_without_the_configmap_volume(
+    tmp_path: Path,
+) -> None:
+    options = KubeletOptions(configmap_volume_lag=LAG)
+    with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
+        keys = base64.b64encode(f"{USER_KEY} team-a\n".encode()).decode()
+        cluster.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": f"{NAME}-keys"},
+                "data": {"api-keys": keys},
+            }
+        )
+        operator = cluster.start_operator(
+            ["--standalone", "--namespace", "default"], env={"KVFENCE_RECONCILE_INTERVAL": "1"}
+        )
+        created = cluster.create(manifest())
+        revision = revision_of(InferenceDeploymentSpec.model_validate(created["spec"]))
+        instance = Instance(NAME, "default", created["metadata"]["uid"])
+        secret = cluster.wait_for(
+            lambda: cluster.get("Secret", secret_name(instance, revision)),
+            "the revision's Secret",
+            60,
+            until=lambda s: s is not None,
+        )
+        assert secret is not None
+        token = base64.b64decode(secret["data"][INTERNAL_TOKEN_KEY]).decode()
+
+        (router,) = cluster.wait_for(
+            lambda: pods(cluster, revision, "router"), "the router pod", 60, until=bool
+        )
+        router_url = cluster.pod_url(router)
+        wanted = {
+            role: sorted(cluster.pod_url(p) for p in pods(cluster, revision, role))
+            for role in ("prefill", "decode")
+        }
+
+        held = cluster.wait_for(
+            lambda: in_force(router_url, token),  # an error while the router starts: retried
+            "the router to hold the prefill pod and both decode pods",
+            240,
+            until=lambda h: {role: sorted(h["backends"][role]) for role in wanted} == wanted,
+            interval=0.5,
+        )
+        client = openai.OpenAI(
+            base_url=router_url + "/v1", api_key=USER_KEY, max_retries=0, timeout=60
+        )
+        assert client.completions.create(model="tiny-random", prompt="hi", max_tokens=2).usage
+
+        # The router's backends file, as the kubelet last wrote it: it will not change now.
+        runtime = cluster.kubelet.runtimes[router["metadata"]["uid"]]  # type: ignore[union-attr]
+        file = runtime.sandbox.volume_paths["config"] / "backends.json"
+        on_disk = json.loads(file.read_text())
+
+        victim = next(p for p in pods(cluster, revision, "decode"))
+        victim_url = cluster.pod_url(victim)
+        deleted = time.monotonic()
+        cluster.delete("Pod", victim["metadata"]["name"])
+        after = cluster.wait_for(
+            lambda: in_force(router_url, token),
+            "the deleted decode pod to leave the router's backends",
+            PASSES,
+            until=lambda h: victim_url not in h["backends"]["decode"],
+            interval=0.2,
+        )
+        print(f"left the router's backends {time.monotonic() - deleted:.1f} s after deletion")
+        assert after["source"] == "push"
+        assert after["backends"]["version"] > held["backends"]["version"]
+        # the ConfigMap changed, the volume did not: the push did it
+        assert json.loads(file.read_text()) == on_disk
+        configmap = cluster.get("ConfigMap", child_name(instance, revision, Role.ROUTER))
+        assert configmap is not None
+        assert victim_url not in json.loads(configmap["data"]["backends.json"])["decode"]
+
+        # and the router still answers, from the decode pod that is left (and its successor)
+        answer = client.completions.create(model="tiny-random", prompt="hi", max_tokens=2)
+        assert answer.usage is not None and answer.usage.completion_tokens == 2
+        operator.stop()

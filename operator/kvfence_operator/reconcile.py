@@ -5,7 +5,7 @@ Level-based: every pass recomputes everything from the cluster and the status, s
 repeated, interrupted or run by a freshly restarted operator with the same result.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -13,6 +13,7 @@ from typing import Any
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.canary_job import build_canary_job, canary_job_name
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
+from kvfence_operator.builders.network_policy import build_router_network_policy
 from kvfence_operator.builders.router_deployment import build_router_configmap, build_stable_service
 from kvfence_operator.builders.secret import RevisionCredentials, internal_token_of, secret_name
 from kvfence_operator.crd.types import (
@@ -22,6 +23,7 @@ from kvfence_operator.crd.types import (
     Role,
     RoleReplicas,
 )
+from kvfence_operator.drift import declaring_spec, drift_patch, replica_counts, with_replicas
 from kvfence_operator.kube import Kube, KubeError, is_subset
 from kvfence_operator.meta import (
     ANNOTATION_SPEC,
@@ -62,7 +64,6 @@ REVISION_KINDS = (
     ("v1", "ConfigMap"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
 )
-UPDATABLE_KINDS = {"ConfigMap", "Deployment"}
 GATE_WRITE_ATTEMPTS = 3
 
 
@@ -170,12 +171,17 @@ class Reconciler:
         events: list[Event] = []
         self._conflicts = []
 
-        self._ensure_revision(spec, instance, desired)
         stable = self.kube.get("v1", "Service", instance.namespace, instance.name)
-        revision_status = serving_revision(
-            previous.revision, selected_revision(stable, instance.uid)
-        )
+        selected = selected_revision(stable, instance.uid)
+        revision_status = serving_revision(previous.revision, selected)
         current = revision_status.current if revision_status else None
+        for revision in dict.fromkeys(r for r in (desired, current) if r is not None):
+            record = None if revision == desired else self._spec_record(instance, revision)
+            declaring = declaring_spec(revision, desired, spec, record)
+            if declaring is not None:
+                self._ensure_revision(
+                    declaring, instance, revision, replica_counts(spec), revision == selected
+                )
         observed: dict[str, RevisionObservation] = {}
         pools_of: dict[str, list[PodPool]] = {}
         for revision in {r for r in (current, desired) if r is not None}:
@@ -193,6 +199,8 @@ class Reconciler:
             context = observed[plan.start_canary].pools.effective_context
             self._claim(instance, build_canary_job(spec, instance, plan.start_canary, context))
         endpoint = None
+        if plan.serve is not None:
+            self._fence_routers(instance, plan.keep, plan.serve)
         if plan.serve is not None and self._serve(spec, instance, plan.serve):
             endpoint = service_url(instance, instance.name, spec.router.service.port)
         self._retire(instance, keep=set(plan.keep))
@@ -238,9 +246,16 @@ class Reconciler:
     # ---- children ------------------------------------------------------------------------
 
     def _ensure_revision(
-        self, spec: InferenceDeploymentSpec, instance: Instance, revision: str
+        self,
+        spec: InferenceDeploymentSpec,
+        instance: Instance,
+        revision: str,
+        replicas: Mapping[str, int],
+        serving: bool,
     ) -> None:
-        """Create what is missing; update only replica counts (revision-neutral by design).
+        """Create what is missing and put back what someone else changed (drift.py): every
+        child as `spec` (the revision's own, drift.declaring_spec) declares it, with the
+        revision-neutral `replicas`; `serving`: the stable Service selects the revision.
         The Secret is generated once: its credentials live as long as the revision. A name
         someone else has stops the creation there: the pods come last, so they never start
         on credentials, a backends file or a fence that are not the operator's."""
@@ -250,9 +265,10 @@ class Reconciler:
             self._conflicts.append(Conflict.of({**secret, "kind": "Secret"}))
             return
         credentials = RevisionCredentials.generate()
-        for child in build_revision_children(
-            spec, instance, revision, credentials, self.operator_namespace
+        for built in build_revision_children(
+            spec, instance, revision, credentials, self.operator_namespace, serving=serving
         ):
+            child = with_replicas(built, replicas)
             kind, name = child["kind"], child["metadata"]["name"]
             if kind == "Secret" and secret is not None:
                 continue
@@ -260,12 +276,27 @@ class Reconciler:
             existing = self._claim(instance, child)
             if len(self._conflicts) > conflicts:
                 return
-            # the ConfigMap's data is written by _observe, from the pods' pools
-            if existing is None or kind not in UPDATABLE_KINDS or kind == "ConfigMap":
+            if existing is None or kind == "Secret":
                 continue
-            wanted = {"spec": {"replicas": child["spec"]["replicas"]}}
-            if not is_subset(wanted, existing):
-                self.kube.patch(child["apiVersion"], kind, ns, name, wanted)
+            patch = drift_patch(child, existing)
+            if patch is not None:
+                self.kube.patch(child["apiVersion"], kind, ns, name, patch)
+
+    def _fence_routers(self, instance: Instance, keep: Sequence[str], serve: str) -> None:
+        """Open the routers of the revision the stable Service is about to select (before the
+        switch, so no client meets a closed router), close every other kept revision's."""
+        ns = instance.namespace
+        for revision in keep:
+            policy = build_router_network_policy(
+                instance, revision, self.operator_namespace, serving=revision == serve
+            )
+            name = policy["metadata"]["name"]
+            existing = self._ours(
+                instance, self.kube.get("networking.k8s.io/v1", "NetworkPolicy", ns, name)
+            )
+            patch = drift_patch(policy, existing) if existing is not None else None
+            if patch is not None:
+                self.kube.patch("networking.k8s.io/v1", "NetworkPolicy", ns, name, patch)
 
     def _serve(self, spec: InferenceDeploymentSpec, instance: Instance, revision: str) -> bool:
         """Make the stable Service what the spec declares, pointed at `revision`. False when

@@ -12,7 +12,8 @@ add are not drift, and an unchanged child is never written:
   must match exactly: a key added to one changes what it selects or admits;
 - a declared empty list or null matches only an absent or empty one; a declared empty map
   declares nothing in it (the server may default its fields), except where exact;
-- resource quantities compare as text (`1` and `"1"`);
+- resource quantities compare by value (`1` and `"1"`, `0.5` and `500m`: the server stores
+  them canonically);
 - metadata: the labels the operator sets, and its controller ownerReference; others' labels,
   annotations and ownerReferences stay.
 
@@ -24,6 +25,8 @@ reads and writes.
 
 from collections.abc import Mapping
 from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
 
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import LABEL_ROLE
@@ -67,8 +70,16 @@ def holds(wanted: Any, live: Any, exact: bool = False, quantity: bool = False) -
             and all(holds(w, a, exact, quantity) for w, a in zip(wanted, live, strict=True))
         )
     if quantity and isinstance(wanted, int | float | str) and isinstance(live, int | float | str):
-        return str(wanted) == str(live)
+        return _same_quantity(wanted, live)
     return bool(wanted == live)
+
+
+def _same_quantity(wanted: int | float | str, live: int | float | str) -> bool:
+    """The API server stores quantities canonically (`0.5` CPU as `500m`, `1` as `"1"`)."""
+    try:
+        return bool(parse_quantity(wanted) == parse_quantity(live))
+    except ValueError:
+        return str(wanted) == str(live)
 
 
 def _exact(wanted: Any, live: Any) -> Any:

@@ -192,9 +192,14 @@ def test_owner_references_are_restored_and_others_kept():
     assert drift_patch(child, edited) is None
 
 
-def test_compare_tolerates_defaults_quantities_and_empties_but_not_additions_to_lists():
+def test_compare_tolerates_defaults_canonical_quantities_and_empties_but_not_list_additions():
     assert holds({"a": {"b": 1}}, {"a": {"b": 1, "c": 2}, "d": 3})
     assert holds({"requests": {"cpu": 1}}, {"requests": {"cpu": "1"}})
+    assert holds(
+        {"limits": {"cpu": "0.5", "memory": "1Gi"}},
+        {"limits": {"cpu": "500m", "memory": "1073741824"}},
+    )
+    assert not holds({"limits": {"cpu": "1"}}, {"limits": {"cpu": "2"}})
     assert not holds({"port": 8000}, {"port": "8000"})  # only quantities compare as text
     assert holds({"env": [], "x": None, "y": {}}, {})
     assert holds({"y": {}}, {"y": {"defaulted": True}})

@@ -172,15 +172,16 @@ class Reconciler:
         self._conflicts = []
 
         stable = self.kube.get("v1", "Service", instance.namespace, instance.name)
-        selected = selected_revision(stable, instance.uid)
-        revision_status = serving_revision(previous.revision, selected)
+        revision_status = serving_revision(
+            previous.revision, selected_revision(stable, instance.uid)
+        )
         current = revision_status.current if revision_status else None
         for revision in dict.fromkeys(r for r in (desired, current) if r is not None):
             record = None if revision == desired else self._spec_record(instance, revision)
             declaring = declaring_spec(revision, desired, spec, record)
             if declaring is not None:
                 self._ensure_revision(
-                    declaring, instance, revision, replica_counts(spec), revision == selected
+                    declaring, instance, revision, replica_counts(spec), revision == current
                 )
         observed: dict[str, RevisionObservation] = {}
         pools_of: dict[str, list[PodPool]] = {}
@@ -255,7 +256,8 @@ class Reconciler:
     ) -> None:
         """Create what is missing and put back what someone else changed (drift.py): every
         child as `spec` (the revision's own, drift.declaring_spec) declares it, with the
-        revision-neutral `replicas`; `serving`: the stable Service selects the revision.
+        revision-neutral `replicas`; `serving`: the revision serves (the current one: what the
+        stable Service selects, or status says without one), so its routers are public.
         The Secret is generated once: its credentials live as long as the revision. A name
         someone else has stops the creation there: the pods come last, so they never start
         on credentials, a backends file or a fence that are not the operator's."""

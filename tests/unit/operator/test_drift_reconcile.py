@@ -112,3 +112,22 @@ def test_a_rollout_keeps_the_serving_revision_as_its_own_spec_declares_it():
     kube.writes.clear()
     reconciler.reconcile(body(new, old))
     assert kube.writes == []
+
+
+def test_the_serving_routers_stay_open_without_a_stable_service_of_ours():
+    """The stable Service's name taken by someone else's Service (a NameConflict): status
+    still says which revision serves, and its routers' policy stays open, written by no pass."""
+    spec = spec_with()
+    revision = revision_of(spec)
+    built = build_revision_children(spec, INSTANCE, revision, CREDENTIALS, OPERATOR_NAMESPACE)
+    theirs = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": INSTANCE.name}}
+    kube = PatchingKube(*built, theirs)
+    reconciler = Reconciler(kube, OPERATOR_NAMESPACE, read_pool=never_probed)  # type: ignore[arg-type]
+    reconciler.reconcile(body(spec, revision))  # promoted before the name was taken
+    policy = ("NetworkPolicy", child_name(INSTANCE, revision, Role.ROUTER))
+    opened = build_router_network_policy(INSTANCE, revision, OPERATOR_NAMESPACE, serving=True)
+    assert kube.objects[policy]["spec"] == opened["spec"]
+    kube.writes.clear()
+    reconciler.reconcile(body(spec, revision))
+    assert kube.writes == []
+    assert kube.objects[policy]["spec"] == opened["spec"]

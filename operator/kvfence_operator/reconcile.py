@@ -5,7 +5,7 @@ Level-based: every pass recomputes everything from the cluster and the status, s
 repeated, interrupted or run by a freshly restarted operator with the same result.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -17,6 +17,7 @@ from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.canary_job import CONTAINER as CANARY_CONTAINER
 from kvfence_operator.builders.canary_job import EXIT_FINDING, build_canary_job, canary_job_name
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
+from kvfence_operator.builders.network_policy import build_router_network_policy
 from kvfence_operator.builders.router_deployment import (
     BACKENDS_FILE_NAME,
     build_router_configmap,
@@ -32,6 +33,7 @@ from kvfence_operator.crd.types import (
     Role,
     RoleReplicas,
 )
+from kvfence_operator.drift import declaring_spec, drift_patch
 from kvfence_operator.health import (
     InvalidSpec,
     Problem,
@@ -58,7 +60,7 @@ from kvfence_operator.ownership import (
     stable_service_patch,
 )
 from kvfence_operator.pool_gate import PodGate, PodPool, judge_pools, read_pool
-from kvfence_operator.replicas import replica_counts
+from kvfence_operator.replicas import replica_counts, with_replicas
 from kvfence_operator.revision import judged_spec, revision_of
 from kvfence_operator.rollout import (
     CanaryOutcome,
@@ -88,7 +90,6 @@ REVISION_KINDS = (
     ("v1", "ConfigMap"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
 )
-UPDATABLE_KINDS = {"ConfigMap", "Deployment"}
 GATE_WRITE_ATTEMPTS = 3
 
 
@@ -250,15 +251,19 @@ class Reconciler:
         keys = spec.router.api_keys_secret
         if self.kube.get("v1", "Secret", instance.namespace, keys) is None:
             self._problems.append(keys_secret_problem(keys, instance.namespace))
-        self._ensure_revision(spec, instance, desired)
         stable = self.kube.get("v1", "Service", instance.namespace, instance.name)
         revision_status = serving_revision(
             previous.revision, selected_revision(stable, instance.uid)
         )
         current = revision_status.current if revision_status else None
+        for revision in dict.fromkeys(r for r in (desired, current) if r is not None):
+            record = None if revision == desired else self._spec_record(instance, revision)
+            declaring = declaring_spec(revision, desired, spec, record)
+            if declaring is not None:
+                self._ensure_revision(
+                    declaring, instance, revision, replica_counts(spec), revision == current
+                )
         rerun = rerun_value(body)
-        if current is not None and current != desired:
-            self._scale(spec, instance, current)
         if desired != current:  # a candidate's canary only: the serving one's is never re-run
             events += self._rerun_canary(instance, desired, rerun)
         observed: dict[str, RevisionObservation] = {}
@@ -280,6 +285,8 @@ class Reconciler:
                 instance, build_canary_job(spec, instance, plan.start_canary, context, rerun)
             )
         endpoint = None
+        if plan.serve is not None:
+            self._fence_routers(instance, plan.keep, plan.serve)
         if plan.serve is not None and self._serve(spec, instance, plan.serve):
             endpoint = service_url(instance, instance.name, spec.router.service.port)
         self._retire(instance, keep=set(plan.keep))
@@ -332,9 +339,17 @@ class Reconciler:
     # ---- children ------------------------------------------------------------------------
 
     def _ensure_revision(
-        self, spec: InferenceDeploymentSpec, instance: Instance, revision: str
+        self,
+        spec: InferenceDeploymentSpec,
+        instance: Instance,
+        revision: str,
+        replicas: Mapping[str, int],
+        serving: bool,
     ) -> None:
-        """Create what is missing; update only replica counts (revision-neutral by design).
+        """Create what is missing and put back what someone else changed (drift.py): every
+        child as `spec` (the revision's own, drift.declaring_spec) declares it, with the
+        revision-neutral `replicas`; `serving`: the revision serves (the current one: what the
+        stable Service selects, or status says without one), so its routers are public.
         The Secret is generated once: its credentials live as long as the revision. A name
         someone else has stops the creation there: the pods come last, so they never start
         on credentials, a backends file or a fence that are not the operator's."""
@@ -344,9 +359,10 @@ class Reconciler:
             self._conflicts.append(Conflict.of({**secret, "kind": "Secret"}))
             return
         credentials = RevisionCredentials.generate()
-        for child in build_revision_children(
-            spec, instance, revision, credentials, self.operator_namespace
+        for built in build_revision_children(
+            spec, instance, revision, credentials, self.operator_namespace, serving=serving
         ):
+            child = with_replicas(built, replicas)
             kind, name = child["kind"], child["metadata"]["name"]
             if kind == "Secret" and secret is not None:
                 continue
@@ -354,24 +370,27 @@ class Reconciler:
             existing = self._claim(instance, child)
             if len(self._conflicts) > conflicts:
                 return
-            # the ConfigMap's data is written by _observe, from the pods' pools
-            if existing is None or kind not in UPDATABLE_KINDS or kind == "ConfigMap":
+            if existing is None or kind == "Secret":
                 continue
-            wanted = {"spec": {"replicas": child["spec"]["replicas"]}}
-            if not is_subset(wanted, existing):
-                self.kube.patch(child["apiVersion"], kind, ns, name, wanted)
+            patch = drift_patch(child, existing)
+            if patch is not None:
+                self.kube.patch(child["apiVersion"], kind, ns, name, patch)
 
-    def _scale(self, spec: InferenceDeploymentSpec, instance: Instance, revision: str) -> None:
-        """The spec's replica counts on `revision`'s Deployments (the serving one, while a
-        candidate rolls out: replicas.py)."""
-        for role, replicas in replica_counts(spec).items():
-            name = child_name(instance, revision, role)
-            found = self._ours(
-                instance, self.kube.get("apps/v1", "Deployment", instance.namespace, name)
+    def _fence_routers(self, instance: Instance, keep: Sequence[str], serve: str) -> None:
+        """Open the routers of the revision the stable Service is about to select (before the
+        switch, so no client meets a closed router), close every other kept revision's."""
+        ns = instance.namespace
+        for revision in keep:
+            policy = build_router_network_policy(
+                instance, revision, self.operator_namespace, serving=revision == serve
             )
-            wanted = {"spec": {"replicas": replicas}}
-            if found is not None and not is_subset(wanted, found):
-                self.kube.patch("apps/v1", "Deployment", instance.namespace, name, wanted)
+            name = policy["metadata"]["name"]
+            existing = self._ours(
+                instance, self.kube.get("networking.k8s.io/v1", "NetworkPolicy", ns, name)
+            )
+            patch = drift_patch(policy, existing) if existing is not None else None
+            if patch is not None:
+                self.kube.patch("networking.k8s.io/v1", "NetworkPolicy", ns, name, patch)
 
     def _rerun_canary(self, instance: Instance, revision: str, wanted: str) -> list[Event]:
         """Delete the revision's canary Job (its pods with it) when the InferenceDeployment's

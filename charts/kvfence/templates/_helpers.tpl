@@ -104,7 +104,8 @@ InferenceDeployment resource from API discovery, which every authenticated clien
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "delete"]
 # application: NetworkPolicies that let only a revision's routers (and this operator) reach
-# its engines, and only its prefill pods reach decode's transfer port.
+# its engines, only its prefill pods reach decode's transfer port, and only its canary (and
+# this operator) reach its routers until it serves; patched back when someone edits them.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]

@@ -13,7 +13,10 @@ from kvfence_operator.builders.engine_deployment import (
     build_engine_deployment,
     build_engine_service,
 )
-from kvfence_operator.builders.network_policy import build_network_policies
+from kvfence_operator.builders.network_policy import (
+    build_network_policies,
+    build_router_network_policy,
+)
 from kvfence_operator.builders.router_deployment import (
     build_router_configmap,
     build_router_deployment,
@@ -31,11 +34,14 @@ def build_revision_children(
     credentials: RevisionCredentials,
     operator_namespace: str,
     context_length: int | None = None,
+    serving: bool = False,
 ) -> list[dict[str, Any]]:
+    """serving: whether the stable Service selects this revision (its routers are public)."""
     return [
         build_revision_secret(instance, revision, credentials),
         build_router_configmap(spec, instance, revision, context_length),
         *build_network_policies(instance, revision, operator_namespace),
+        build_router_network_policy(instance, revision, operator_namespace, serving),
         *(build_engine_service(instance, revision, role) for role in ENGINE_ROLES),
         build_router_service(instance, revision),
         *(build_engine_deployment(spec, instance, revision, role) for role in ENGINE_ROLES),

@@ -1,6 +1,8 @@
-"""NetworkPolicies for one revision's engines: only that revision's routers (and the operator,
-which reads /v1/kvpool) reach the engines' HTTP port, and only that revision's prefill pods
-reach decode's transfer port. Routers are not selected: they are the public endpoint."""
+"""NetworkPolicies for one revision: only that revision's routers (and the operator, which
+reads /v1/kvpool) reach the engines' HTTP port, and only that revision's prefill pods reach
+decode's transfer port. The routers' HTTP port is the public endpoint only once the revision
+serves (the stable Service selects it); before, only its canary Job and the operator reach it,
+so a candidate that has not passed its canary cannot be used with real tenant keys."""
 
 from typing import Any
 
@@ -39,17 +41,33 @@ def _policy(
     }
 
 
+def _operator_peer(operator_namespace: str) -> dict[str, Any]:
+    return {
+        "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}},
+        "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
+    }
+
+
 def _http_rule(instance: Instance, revision: str, operator_namespace: str) -> dict[str, Any]:
     return {
-        "from": [
-            _peers(instance, revision, Role.ROUTER),
-            {
-                "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}},
-                "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
-            },
-        ],
+        "from": [_peers(instance, revision, Role.ROUTER), _operator_peer(operator_namespace)],
         "ports": [{"protocol": "TCP", "port": HTTP_PORT}],
     }
+
+
+def build_router_network_policy(
+    instance: Instance, revision: str, operator_namespace: str, serving: bool
+) -> dict[str, Any]:
+    """The routers' policy: while the revision does not serve, its HTTP port admits only the
+    revision's canary Job pods and the operator's pods; once it serves, everyone (no `from`).
+    Reconciled every pass, so promotion opens it and nothing else does."""
+    rule: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": HTTP_PORT}]}
+    if not serving:
+        rule = {
+            "from": [_peers(instance, revision, Role.CANARY), _operator_peer(operator_namespace)],
+            **rule,
+        }
+    return _policy(instance, revision, Role.ROUTER, [rule])
 
 
 def build_network_policies(

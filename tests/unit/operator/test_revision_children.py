@@ -58,6 +58,7 @@ def test_one_revision_is_a_secret_config_policies_services_and_three_deployments
         ("ConfigMap", f"{prefix}-router"),
         ("NetworkPolicy", f"{prefix}-prefill"),
         ("NetworkPolicy", f"{prefix}-decode"),
+        ("NetworkPolicy", f"{prefix}-router"),
         ("Service", f"{prefix}-prefill"),
         ("Service", f"{prefix}-decode"),
         ("Service", f"{prefix}-router"),

@@ -61,6 +61,7 @@ REVISION_KINDS = (
     ("v1", "Service"),
     ("v1", "ConfigMap"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("policy/v1", "PodDisruptionBudget"),
 )
 UPDATABLE_KINDS = {"ConfigMap", "Deployment"}
 GATE_WRITE_ATTEMPTS = 3
@@ -172,13 +173,18 @@ class Reconciler:
 
         self._ensure_revision(spec, instance, desired)
         stable = self.kube.get("v1", "Service", instance.namespace, instance.name)
+        now = datetime.now(UTC)
         revision_status = serving_revision(
-            previous.revision, selected_revision(stable, instance.uid)
+            previous.revision, selected_revision(stable, instance.uid), now=now
         )
         current = revision_status.current if revision_status else None
+        # a retiring revision keeps its gates and backends while it drains
+        retiring = [
+            r.revision for r in (revision_status.retiring if revision_status else None) or []
+        ]
         observed: dict[str, RevisionObservation] = {}
         pools_of: dict[str, list[PodPool]] = {}
-        for revision in {r for r in (current, desired) if r is not None}:
+        for revision in {r for r in (current, desired, *retiring) if r is not None}:
             judged = judged_spec(revision, desired, spec, self._spec_record(instance, revision))
             observed[revision], pools_of[revision], gate_events = self._observe(
                 judged, instance, revision
@@ -186,7 +192,13 @@ class Reconciler:
             events += gate_events
 
         plan = plan_rollout(
-            desired, revision_status, previous.canary, observed, spec.canary.enabled
+            desired,
+            revision_status,
+            previous.canary,
+            observed,
+            spec.canary.enabled,
+            now=now,
+            retire_after_seconds=spec.rollout.retire_after_seconds,
         )
         events += plan.events
         if plan.start_canary is not None:

@@ -84,6 +84,13 @@ def pod_shaping_parts(spec: InferenceDeploymentSpec) -> dict[str, object]:
                 "router": {"apiKeysSecret": stored["router"]["apiKeysSecret"]},
                 # the router's and the engines' flags
                 "tenantLimits": stored.get("tenantLimits"),
+                # the pods' grace period and --drain-seconds (retireAfterSeconds is not: it
+                # is the operator's timing, applied in place)
+                "rollout": {
+                    "terminationGracePeriodSeconds": (stored.get("rollout") or {}).get(
+                        "terminationGracePeriodSeconds"
+                    )
+                },
             }
         )
     )

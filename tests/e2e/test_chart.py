@@ -346,6 +346,11 @@ APPLICATION_RULES = [
         "resources": ["networkpolicies"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
+    {
+        "apiGroups": ["policy"],
+        "resources": ["poddisruptionbudgets"],
+        "verbs": ["get", "list", "create", "delete"],
+    },
 ]
 
 

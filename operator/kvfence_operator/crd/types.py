@@ -311,6 +311,30 @@ class CanarySpec(_ApiModel):
     )
 
 
+PRE_STOP_SECONDS = 5  # a stopping pod's preStop sleep: time for endpoints to drop it
+
+
+class RolloutSpec(_ApiModel):
+    """How promotion hands traffic to the new revision without dropping any."""
+
+    retire_after_seconds: int = Field(
+        30,
+        ge=0,
+        le=86400,
+        description="Seconds the old revision keeps running after the stable Service switched "
+        "to the new one (clients' open connections finish there), before it is retired.",
+    )
+    termination_grace_period_seconds: int = Field(
+        300,
+        ge=PRE_STOP_SECONDS + 5,
+        le=86400,
+        description="The pods' terminationGracePeriodSeconds: make it longer than the longest "
+        f"stream. A stopping pod leaves the Service endpoints for {PRE_STOP_SECONDS} s "
+        "(preStop), then takes no new connection and lets requests in flight finish for the "
+        "rest of it.",
+    )
+
+
 class InferenceDeploymentSpec(_ApiModel):
     """What to serve, how big its context is, and how the pods run."""
 
@@ -339,6 +363,7 @@ class InferenceDeploymentSpec(_ApiModel):
     router: RouterSpec
     tenant_limits: TenantLimits = Field(default_factory=TenantLimits)
     canary: CanarySpec = Field(default_factory=CanarySpec, **OBJECT_DEFAULT)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, **OBJECT_DEFAULT)
 
     @model_validator(mode="after")
     def _min_context_fits(self) -> "InferenceDeploymentSpec":
@@ -419,9 +444,19 @@ class RoleReplicas(_LenientModel):
         return f"{self.ready}/{self.desired}"
 
 
+class RetiringRevision(_LenientModel):
+    revision: str
+    since: datetime = Field(description="When the stable Service stopped selecting it.")
+
+
 class RevisionStatus(_LenientModel):
     current: str | None = Field(None, description="Revision the stable Service points at.")
     candidate: str | None = Field(None, description="Revision being rolled out, if any.")
+    retiring: list[RetiringRevision] | None = Field(
+        None,
+        description="Revisions no longer selected, draining until spec.rollout."
+        "retireAfterSeconds has passed since then; then they are deleted.",
+    )
 
 
 class CanaryResult(StrEnum):

@@ -52,6 +52,7 @@ def test_writing_a_default_explicitly_does_not_change_the_revision():
         {"router.service.type": "ClusterIP"},
         {"canary.timeoutSeconds": 60},
         {"canary.enabled": False},
+        {"rollout.retireAfterSeconds": 600},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -74,6 +75,7 @@ def test_changes_applied_in_place_keep_the_revision(change):
         {"router.apiKeysSecret": "other-keys"},
         {"tenantLimits.maxConcurrentRequests": 8},
         {"tenantLimits.maxPoolSharePerTenant": 0.25},
+        {"rollout.terminationGracePeriodSeconds": 60},
     ],
     ids=lambda c: next(iter(c)),
 )

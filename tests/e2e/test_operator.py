@@ -285,6 +285,7 @@ def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on
         cluster.wait_for(
             lambda: cluster.list("Deployment", "default", {LABEL_REVISION: r1}),
             "the old revision's Deployments to be removed",
+            timeout=90,  # after the default 30 s drain (spec.rollout.retireAfterSeconds)
             until=lambda found: found == [],
         )
         for role in ("prefill", "decode", "router"):

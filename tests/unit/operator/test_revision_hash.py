@@ -117,3 +117,21 @@ def test_a_manifest_and_the_object_stored_from_it_have_one_revision(name):
     assert revision_of(InferenceDeploymentSpec.model_validate(spec)) == revision_of(
         InferenceDeploymentSpec.model_validate(stored_spec(spec))
     )
+
+
+# Each sample's revision under the release before spec.rollout existed.
+REVISIONS_BEFORE_SPEC_ROLLOUT = {
+    "cpu-lower-context": "3a445c4e3d",
+    "full": "43c69ce858",
+    "minimal": "e41b67ea55",
+}
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_the_release_that_adds_spec_rollout_rolls_no_existing_object(name):
+    """An object stored before: on upgrade the API server fills in the new field's schema
+    default (a grace period of 300 s), which must not change its revision."""
+    stored = stored_spec(load_sample(name)["spec"])
+    assert stored["rollout"]["terminationGracePeriodSeconds"] == 300
+    before = REVISIONS_BEFORE_SPEC_ROLLOUT[name]
+    assert revision_of(InferenceDeploymentSpec.model_validate(stored)) == before

@@ -27,6 +27,7 @@ from kvfence_engine.tools.localproc import free_port
 
 from .apiserver import INFERENCE_DEPLOYMENT_CRD, write_kubeconfig
 from .fixtures import Cluster, start_cluster
+from .kubelet import KubeletOptions
 from .processes import ManagedProcess
 
 PROG = "kvfence-devcluster"
@@ -75,6 +76,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="pods' directories and every log, kept on exit (default: a temporary folder, "
         "removed on exit)",
+    )
+    parser.add_argument(
+        "--grace-cap",
+        type=float,
+        default=KubeletOptions.grace_cap,
+        metavar="SECONDS",
+        help="stop a deleted pod's containers at the latest this long after its deletion, "
+        "whatever its terminationGracePeriodSeconds (its preStop included); raise it to let "
+        "pods drain as they would on a real cluster (default: %(default)g)",
     )
     parser.add_argument(
         "--install-crds",
@@ -127,7 +137,8 @@ def _crd_established(cluster: Cluster) -> bool:
 
 def _serve(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
     crds = (INFERENCE_DEPLOYMENT_CRD,) if args.install_crds else ()
-    with start_cluster(state / "cluster", crds=crds) as cluster:
+    kubelet = KubeletOptions(grace_cap=args.grace_cap)
+    with start_cluster(state / "cluster", crds=crds, kubelet=kubelet) as cluster:
         # The operator watches no CRDs (it finds its resource once, at start, as kopf does
         # with scanning off), so it starts once its CRD is established, as after a chart's crds/.
         operator = _start_operator(cluster, stop) if args.operator and args.install_crds else None

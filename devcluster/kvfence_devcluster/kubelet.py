@@ -49,7 +49,9 @@ class KubeletOptions:
     probe_period: float = 0.25  # seconds between readiness probes (instead of periodSeconds)
     restart_backoff: float = 0.5  # first restart delay; doubles up to max_restart_backoff
     max_restart_backoff: float = 8.0
-    grace_cap: float = 5.0  # terminationGracePeriodSeconds is capped at this
+    # terminationGracePeriodSeconds (preStop included) is capped at this: raise it for a test
+    # of a drain; teardown cuts every drain to 2 s whatever it is
+    grace_cap: float = 5.0
     tick: float = 0.2  # controllers run at least this often (Job deadlines)
     claims: Mapping[str, Path] = field(default_factory=dict)  # PVC name -> local directory
     node_name: str = "kvfence-test-node"
@@ -83,7 +85,7 @@ class Kubelet:
         self.processes: list[ManagedProcess] = []  # every container ever started
         self.ports_given: set[int] = set()
         self.errors: list[str] = []
-        self._terminating: set[asyncio.Task[None]] = set()
+        self._terminating: dict[asyncio.Task[None], PodRuntime] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._http: aiohttp.ClientSession | None = None
@@ -121,8 +123,8 @@ class Kubelet:
             if pod is None or pod["metadata"].get("deletionTimestamp") or evicted(pod):
                 del self.runtimes[uid]
                 task = asyncio.create_task(runtime.terminate())
-                self._terminating.add(task)
-                task.add_done_callback(self._terminating.discard)
+                self._terminating[task] = runtime
+                task.add_done_callback(self._terminating.pop)
         for uid, pod in pods.items():
             done = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
             if (
@@ -138,8 +140,8 @@ class Kubelet:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         runtimes, self.runtimes = list(self.runtimes.values()), {}
-        for runtime in runtimes:
-            runtime.grace = min(runtime.grace, 2.0)
+        for runtime in [*runtimes, *self._terminating.values()]:
+            runtime.hurry(2.0)  # teardown stays quick, whatever the pods' drains
         await asyncio.gather(
             *(r.terminate() for r in runtimes), *self._terminating, return_exceptions=True
         )

@@ -71,6 +71,13 @@ class Container:
         return status
 
 
+def pre_stop_sleep(container: dict[str, Any]) -> float:
+    """Seconds of the container's `lifecycle.preStop.sleep` (the only preStop action run; an
+    exec or httpGet hook is not, as if it returned at once)."""
+    sleep = ((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}
+    return float(sleep.get("seconds") or 0)
+
+
 def _exit_code(code: int) -> int:
     return 128 - code if code < 0 else code  # killed by signal N: 128+N, as container runtimes say
 
@@ -87,6 +94,7 @@ class PodRuntime:
             float(pod["spec"].get("terminationGracePeriodSeconds", 30)), kubelet.options.grace_cap
         )
         self.task: asyncio.Task[None] | None = None
+        self._deadline = float("inf")  # of the grace period, once terminating
 
     @property
     def store(self) -> Store:
@@ -330,11 +338,27 @@ class PodRuntime:
         return sorted(conditions, key=lambda c: order.get(c.get("type", ""), len(order)))
 
     async def terminate(self) -> None:
-        """Kill the containers (SIGTERM, SIGKILL after the grace period), drop the directory."""
+        """Stop the containers as the kubelet does, then drop the directory: each container's
+        preStop sleep (the pod is already out of every Service's endpoints: it is gone from
+        the store), then SIGTERM, then SIGKILL once the grace period, counted from the start,
+        has passed (2 s after a preStop that used it all up, as the kubelet allows)."""
         if self.task is not None:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+        self._deadline = time.monotonic() + self.grace
         await asyncio.gather(
-            *(c.process.astop(self.grace) for c in self.containers if c.process is not None)
+            *(self._stop(c, c.process) for c in self.containers if c.process is not None)
         )
         self.sandbox.remove()
+
+    async def _stop(self, container: Container, process: ManagedProcess) -> None:
+        pre_stop = time.monotonic() + pre_stop_sleep(container.spec)
+        while time.monotonic() < min(pre_stop, self._deadline) and process.running:
+            await asyncio.sleep(0.05)
+        at_least = time.monotonic() + 2.0
+        await process.astop(until=lambda: max(self._deadline, at_least))
+
+    def hurry(self, grace: float) -> None:
+        """At teardown: cut any preStop and grace period still running to `grace` seconds."""
+        self.grace = min(self.grace, grace)
+        self._deadline = min(self._deadline, time.monotonic() + grace)

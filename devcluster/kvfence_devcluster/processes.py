@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,13 +84,17 @@ class ManagedProcess:
             time.sleep(0.05)
         return self.kill()
 
-    async def astop(self, grace: float = 5.0) -> int | None:
-        """stop() without blocking the event loop."""
+    async def astop(
+        self, grace: float = 5.0, until: Callable[[], float] | None = None
+    ) -> int | None:
+        """stop() without blocking the event loop. `until`: the SIGKILL deadline
+        (time.monotonic()), asked again while waiting (it may come closer), instead of
+        `grace`."""
         if self.popen is None:
             return None
         self._signal_group(signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while self.poll() is None and time.monotonic() < deadline:
+        while self.poll() is None and time.monotonic() < (until() if until else deadline):
             await asyncio.sleep(0.05)
         return self.kill()
 

@@ -2,8 +2,10 @@
 
 import argparse
 import logging
+import signal
 import socket
 import sys
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -181,19 +183,48 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+DEFAULT_DRAIN_SECONDS = 5
+
+
+def add_drain_seconds(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--drain-seconds",
+        type=non_negative,
+        default=DEFAULT_DRAIN_SECONDS,
+        metavar="N",
+        help="on SIGTERM, take no new connection and let the requests and streams in flight "
+        "finish for up to N seconds, then exit 0 (the operator sets the pods' grace period "
+        "less their preStop sleep)",
+    )
+
+
 def http_server(app: "ASGIApp", args: argparse.Namespace) -> "uvicorn.Server":
     import uvicorn
 
+    class DrainingServer(uvicorn.Server):
+        """SIGTERM is how a pod is asked to stop: after the drain the process exits 0, as
+        for a request, instead of uvicorn re-raising the signal (exit 143). Ctrl-C is still
+        re-raised (130)."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                self._captured_signals.remove(sig)
+
     logging.getLogger("uvicorn.access").addFilter(QuietProbes())
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=args.drain_seconds,
     )
-    return uvicorn.Server(config)
+    return DrainingServer(config)
 
 
 def run_http(server: "uvicorn.Server", sock: socket.socket) -> int:
-    """0 once stopped; 130 for Ctrl-C, which uvicorn re-raises after its graceful shutdown
-    (a traceback otherwise). SIGTERM ends the process by that signal, as uvicorn intends.
+    """0 once stopped, by SIGTERM too (after draining: `http_server`); 130 for Ctrl-C, which
+    uvicorn re-raises after its graceful shutdown (a traceback otherwise).
 
     `sock` (from `listen`) proved the port free before anything started; it is closed here and
     uvicorn binds the port itself, as `uvicorn.run` does."""

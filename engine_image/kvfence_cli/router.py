@@ -6,6 +6,7 @@ import sys
 
 from kvfence_cli.common import (
     Subparsers,
+    add_drain_seconds,
     add_max_request_bytes,
     non_negative,
     positive,
@@ -21,7 +22,9 @@ example (engines started with `kvfence serve --role prefill|decode`):
 exit codes:
   2    a usage error, a port in use, or an unreadable keys, token or backends file
   130  stopped by Ctrl-C (SIGINT)
-  143  stopped by SIGTERM (uvicorn shuts down gracefully, then ends by the signal)"""
+
+SIGTERM (how Kubernetes stops a pod) ends it with 0, after the requests and streams in flight
+finished or --drain-seconds passed."""
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -91,6 +94,7 @@ def add_parser(sub: Subparsers) -> None:
         "/v1/kvpool (with API keys and no token, /metrics is off)",
     )
     add_max_request_bytes(p)
+    add_drain_seconds(p)
     p.set_defaults(func=run)
 
 

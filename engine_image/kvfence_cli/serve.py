@@ -9,6 +9,7 @@ import sys
 from kvfence_cli.common import (
     SIZES_HELP,
     Subparsers,
+    add_drain_seconds,
     add_max_request_bytes,
     http_server,
     listen,
@@ -33,7 +34,9 @@ exit codes:
   2    a usage error, a port in use, an unusable --device, an unreadable
        --internal-token-file, or --unsafe-fault refused
   130  stopped by Ctrl-C (SIGINT)
-  143  stopped by SIGTERM (uvicorn shuts down gracefully, then ends by the signal)"""
+
+SIGTERM (how Kubernetes stops a pod) ends it with 0, after the requests and streams in flight
+finished or --drain-seconds passed."""
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -170,6 +173,7 @@ def add_parser(sub: Subparsers) -> None:
         "(default 1.0: no cap). The combined role serves one tenant, 'default'",
     )
     add_max_request_bytes(p)
+    add_drain_seconds(p)
     p.add_argument("--scrub-on-free", action="store_true", help="zero pages when released")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
     p.add_argument(

@@ -25,6 +25,7 @@ _PLURALS: dict[tuple[str, str], str] = {
     ("apps/v1", "ReplicaSet"): "replicasets",  # read only: whose a pod is
     ("batch/v1", "Job"): "jobs",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     (f"{API_GROUP}/{API_VERSION}", KIND): PLURAL,
 }
 

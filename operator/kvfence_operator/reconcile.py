@@ -89,6 +89,7 @@ REVISION_KINDS = (
     ("v1", "Service"),
     ("v1", "ConfigMap"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("policy/v1", "PodDisruptionBudget"),
 )
 GATE_WRITE_ATTEMPTS = 3
 
@@ -252,8 +253,9 @@ class Reconciler:
         if self.kube.get("v1", "Secret", instance.namespace, keys) is None:
             self._problems.append(keys_secret_problem(keys, instance.namespace))
         stable = self.kube.get("v1", "Service", instance.namespace, instance.name)
+        now = datetime.now(UTC)
         revision_status = serving_revision(
-            previous.revision, selected_revision(stable, instance.uid)
+            previous.revision, selected_revision(stable, instance.uid), now=now
         )
         current = revision_status.current if revision_status else None
         for revision in dict.fromkeys(r for r in (desired, current) if r is not None):
@@ -266,9 +268,13 @@ class Reconciler:
         rerun = rerun_value(body)
         if desired != current:  # a candidate's canary only: the serving one's is never re-run
             events += self._rerun_canary(instance, desired, rerun)
+        # a retiring revision keeps its gates and backends while it drains
+        retiring = [
+            r.revision for r in (revision_status.retiring if revision_status else None) or []
+        ]
         observed: dict[str, RevisionObservation] = {}
         pools_of: dict[str, list[PodPool]] = {}
-        for revision in {r for r in (current, desired) if r is not None}:
+        for revision in {r for r in (current, desired, *retiring) if r is not None}:
             judged = judged_spec(revision, desired, spec, self._spec_record(instance, revision))
             observed[revision], pools_of[revision], gate_events = self._observe(
                 judged, instance, revision
@@ -276,7 +282,13 @@ class Reconciler:
             events += gate_events
 
         plan = plan_rollout(
-            desired, revision_status, previous.canary, observed, spec.canary.enabled
+            desired,
+            revision_status,
+            previous.canary,
+            observed,
+            spec.canary.enabled,
+            now=now,
+            retire_after_seconds=spec.rollout.retire_after_seconds,
         )
         events += plan.events
         if plan.start_canary is not None:
@@ -286,7 +298,9 @@ class Reconciler:
             )
         endpoint = None
         if plan.serve is not None:
-            self._fence_routers(instance, plan.keep, plan.serve)
+            # open: the revision about to serve, and those draining (their clients finish there)
+            draining = [r.revision for r in plan.revision.retiring or []]
+            self._fence_routers(instance, plan.keep, {plan.serve, *draining})
         if plan.serve is not None and self._serve(spec, instance, plan.serve):
             endpoint = service_url(instance, instance.name, spec.router.service.port)
         self._retire(instance, keep=set(plan.keep))
@@ -376,13 +390,14 @@ class Reconciler:
             if patch is not None:
                 self.kube.patch(child["apiVersion"], kind, ns, name, patch)
 
-    def _fence_routers(self, instance: Instance, keep: Sequence[str], serve: str) -> None:
+    def _fence_routers(self, instance: Instance, keep: Sequence[str], open_: set[str]) -> None:
         """Open the routers of the revision the stable Service is about to select (before the
-        switch, so no client meets a closed router), close every other kept revision's."""
+        switch, so no client meets a closed router) and of those draining after a switch;
+        close every other kept revision's (a candidate's, until its promotion)."""
         ns = instance.namespace
         for revision in keep:
             policy = build_router_network_policy(
-                instance, revision, self.operator_namespace, serving=revision == serve
+                instance, revision, self.operator_namespace, serving=revision in open_
             )
             name = policy["metadata"]["name"]
             existing = self._ours(

@@ -66,6 +66,17 @@ def _pruned(value: Any) -> Any:
     return value
 
 
+# spec.rollout.terminationGracePeriodSeconds came with this default. An object stored before
+# then gets it from the CRD schema when the operator is upgraded; hashed as absent, it keeps
+# its revision (an upgrade rolls nothing). A frozen number, not the code's default.
+GRACE_WHEN_INTRODUCED = 300
+
+
+def _grace_hashed(stored: Mapping[str, Any]) -> int | None:
+    grace = (stored.get("rollout") or {}).get("terminationGracePeriodSeconds")
+    return None if grace == GRACE_WHEN_INTRODUCED else grace
+
+
 def pod_shaping_parts(spec: InferenceDeploymentSpec) -> dict[str, object]:
     stored = stored_spec(spec)
 
@@ -84,6 +95,9 @@ def pod_shaping_parts(spec: InferenceDeploymentSpec) -> dict[str, object]:
                 "router": {"apiKeysSecret": stored["router"]["apiKeysSecret"]},
                 # the router's and the engines' flags
                 "tenantLimits": stored.get("tenantLimits"),
+                # the pods' grace period and --drain-seconds (retireAfterSeconds is not: it
+                # is the operator's timing, applied in place)
+                "rollout": {"terminationGracePeriodSeconds": _grace_hashed(stored)},
             }
         )
     )

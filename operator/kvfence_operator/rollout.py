@@ -6,11 +6,19 @@ kopf handlers and `kvfence up` both call `plan_rollout`; neither decides on its 
 """
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from enum import StrEnum
 
-from kvfence_operator.crd.types import CanaryResult, CanaryStatus, RevisionStatus, RoleReplicas
+from kvfence_operator.crd.types import (
+    CanaryResult,
+    CanaryStatus,
+    RetiringRevision,
+    RevisionStatus,
+    RoleReplicas,
+)
 from kvfence_operator.pool_gate import PoolDecision
+from kvfence_operator.retirement import drain
 
 DISABLED = "canary disabled in spec"
 REFUSED = "not run: the pool check refused this revision"
@@ -79,17 +87,27 @@ class RolloutPlan:
     events: list[Event] = field(default_factory=list)
 
 
-def serving_revision(status: RevisionStatus | None, selected: str | None) -> RevisionStatus | None:
+def serving_revision(
+    status: RevisionStatus | None, selected: str | None, now: datetime | None = None
+) -> RevisionStatus | None:
     """The revision status a pass starts from. The stable Service's selector (`selected`, None
     when there is no stable Service of this InferenceDeployment's) is where the cluster itself
     records which revision serves; `status.revision.current` is a copy of it, lost with status
     (a backup restored without it) or stale after a crash between switching the Service and
     writing status. So the selector wins, and status counts only without a stable Service:
-    what the Service selects is always `current`, and `current` is always kept."""
+    what the Service selects is always `current`, and `current` is always kept. A `current`
+    in status that the Service no longer selects (the crash case) drains from `now` on."""
     if selected is None or (status is not None and status.current == selected):
         return status
     candidate = status.candidate if status is not None else None
-    return RevisionStatus(current=selected, candidate=candidate if candidate != selected else None)
+    retiring = list((status.retiring if status is not None else None) or [])
+    if status is not None and status.current is not None and now is not None:
+        retiring.append(RetiringRevision(revision=status.current, since=now))
+    return RevisionStatus(
+        current=selected,
+        candidate=candidate if candidate != selected else None,
+        retiring=retiring or None,
+    )
 
 
 def plan_rollout(
@@ -98,9 +116,40 @@ def plan_rollout(
     previous_canary: CanaryStatus | None,
     observed: Mapping[str, RevisionObservation],
     canary_enabled: bool,
+    *,
+    now: datetime | None = None,
+    retire_after_seconds: int = 0,
 ) -> RolloutPlan:
     """desired: the spec's revision. A new revision is promoted only when its pods are Ready,
-    every pool suffices, and its canary passed (or canaries are disabled)."""
+    every pool suffices, and its canary passed (or canaries are disabled). The revision it
+    replaces keeps running (is kept, and listed in `revision.retiring`) until
+    `retire_after_seconds` have passed since `now` at the promotion (retirement.drain)."""
+    plan = _plan_serving(
+        desired, previous, previous_canary, observed, canary_enabled, retire_after_seconds
+    )
+    draining, drained = drain(
+        previous, plan.revision, now=now, retire_after_seconds=retire_after_seconds
+    )
+    events = [
+        Event("Normal", "Retired", f"revision {r.revision} drained and is removed") for r in drained
+    ]
+    return replace(
+        plan,
+        revision=plan.revision.model_copy(update={"retiring": list(draining) or None}),
+        keep=(*plan.keep, *(r.revision for r in draining)),
+        events=[*plan.events, *events],
+    )
+
+
+def _plan_serving(
+    desired: str,
+    previous: RevisionStatus | None,
+    previous_canary: CanaryStatus | None,
+    observed: Mapping[str, RevisionObservation],
+    canary_enabled: bool,
+    retire_after_seconds: int,
+) -> RolloutPlan:
+    """Which revision serves, which is rolled out, and what its canary says."""
     current = previous.current if previous else None
     candidate = desired if desired != current else None
     events: list[Event] = []
@@ -141,7 +190,7 @@ def plan_rollout(
         return stay(canary)
     if not canary_enabled:
         assert canary is not None  # NotRun, set above
-        return _promote(candidate, current, canary, events)
+        return _promote(candidate, current, canary, events, retire_after_seconds)
     outcome = seen.canary
     if outcome is None:
         events.append(Event("Normal", "CanaryStarted", f"canary job for revision {candidate}"))
@@ -181,7 +230,7 @@ def plan_rollout(
         message=outcome.message or "passed",
     )
     events.append(Event("Normal", "CanaryPassed", f"revision {candidate} passed its canary"))
-    return _promote(candidate, current, passed, events)
+    return _promote(candidate, current, passed, events, retire_after_seconds)
 
 
 def _not_started(canary: CanaryStatus | None) -> bool:
@@ -196,9 +245,16 @@ def _carried(previous: CanaryStatus | None, candidate: str) -> CanaryStatus | No
 
 
 def _promote(
-    candidate: str, current: str | None, canary: CanaryStatus, events: list[Event]
+    candidate: str,
+    current: str | None,
+    canary: CanaryStatus,
+    events: list[Event],
+    retire_after_seconds: int,
 ) -> RolloutPlan:
-    retired = f"; revision {current} is removed" if current else ""
+    retired = ""
+    if current is not None:
+        later = f"drains for {retire_after_seconds} s, then " if retire_after_seconds else ""
+        retired = f"; revision {current} {later}is removed"
     events.append(Event("Normal", "Promoted", f"revision {candidate} now serves{retired}"))
     return RolloutPlan(
         RevisionStatus(current=candidate, candidate=None),

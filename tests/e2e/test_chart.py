@@ -346,6 +346,11 @@ APPLICATION_RULES = [
         "resources": ["networkpolicies"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
+    {
+        "apiGroups": ["policy"],
+        "resources": ["poddisruptionbudgets"],
+        "verbs": ["get", "list", "create", "delete"],
+    },
 ]
 
 
@@ -571,8 +576,13 @@ def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
     kube = RecordingKube()
     reconciler = Reconciler(kube, NAMESPACE, read_pool=sufficient_pool)  # type: ignore[arg-type]
     roll_out(reconciler, kube, body)
-    # A spec change: a second revision rolls out and the first one is retired.
-    body["spec"] = {**body["spec"], "contextLength": body["spec"]["contextLength"] // 2}
+    # A spec change: a second revision rolls out and the first one is retired (at once: no
+    # drain delay, so that this pass makes the deletes).
+    body["spec"] = {
+        **body["spec"],
+        "contextLength": body["spec"]["contextLength"] // 2,
+        "rollout": {"retireAfterSeconds": 0},
+    }
     body["metadata"]["generation"] = 2
     roll_out(reconciler, kube, body)
 

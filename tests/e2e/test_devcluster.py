@@ -931,3 +931,55 @@ def test_kopf_handles_an_inference_deployment_and_its_deletion(cluster: Cluster,
     kopf.stop()
     assert "Handler 'created' succeeded" in kopf.log()
     assert "Handler 'deleted' succeeded" in kopf.log()
+
+
+# A web server that, on SIGTERM, says so, finishes for a second and exits 0.
+DRAINING_SERVER = (
+    "import http.server as h, signal, sys, threading, time\n"
+    "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+    "server = h.HTTPServer(('127.0.0.1', port), h.SimpleHTTPRequestHandler)\n"
+    "def term(*_):\n"
+    "    print('SIGTERM', 'at', time.time(), flush=True)\n"
+    "    threading.Thread(target=lambda: (time.sleep(1), print('all', 'drained', flush=True),"
+    " server.shutdown())).start()\n"
+    "signal.signal(signal.SIGTERM, term)\n"
+    "server.serve_forever()\n"
+)
+
+
+def test_a_deleted_pod_leaves_the_service_then_sleeps_its_pre_stop_before_sigterm(tmp_path):
+    deployment = web_deployment("drain", replicas=1)
+    template = deployment["spec"]["template"]["spec"]
+    template["terminationGracePeriodSeconds"] = 20
+    template["containers"][0]["command"] = ["python", "-c", DRAINING_SERVER]
+    template["containers"][0]["lifecycle"] = {"preStop": {"sleep": {"seconds": 3}}}
+    with start_cluster(tmp_path / "cluster", kubelet=KubeletOptions(grace_cap=30)) as cluster:
+        cluster.create(deployment)
+        service = cluster.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": "drain"},
+                "spec": {"selector": {"app": "drain"}, "ports": [{"port": 80, "targetPort": 8080}]},
+            }
+        )
+        through_service = f"http://{service['spec']['clusterIP']}:80/"
+        pod = cluster.wait_for(
+            lambda: only_pod(cluster, app="drain"),
+            "a ready pod",
+            until=lambda p: bool(p) and answers(through_service),
+        )
+        name, pid = pod["metadata"]["name"], container_pid(pod)
+        cluster.delete("Deployment", "drain")
+        deleted_at = time.time()
+        cluster.wait_gone("Pod", name)
+        # out of the Service at once, but still running, and no SIGTERM yet: the preStop sleep
+        assert not answers(through_service)
+        time.sleep(1.5)
+        assert alive(pid) and "SIGTERM at" not in cluster.pod_log(name)
+        cluster.wait_for(lambda: alive(pid), "the pod's process to exit", until=lambda a: not a)
+        log = cluster.pod_log(name)
+        assert "all drained" in log, log  # it stopped on its own, within the grace period
+        term_at = float(log.split("SIGTERM at ", 1)[1].split()[0])
+        assert 2.5 < term_at - deleted_at < 6, term_at - deleted_at
+        assert not cluster.problems()

@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import openai
@@ -284,6 +285,7 @@ def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on
         cluster.wait_for(
             lambda: cluster.list("Deployment", "default", {LABEL_REVISION: r1}),
             "the old revision's Deployments to be removed",
+            timeout=90,  # after the default 30 s drain (spec.rollout.retireAfterSeconds)
             until=lambda found: found == [],
         )
         for role in ("prefill", "decode", "router"):
@@ -636,3 +638,104 @@ def test_the_serving_revision_keeps_serving_through_a_refused_candidate_and_a_lo
     )
     assert answer.usage.completion_tokens == 2
     assert infd(cluster)["status"]["revision"] == {"current": r1, "candidate": r2}
+
+
+# ---- promotion that drains ------------------------------------------------------------------
+
+RETIRE_AFTER = 20
+# tiny-random KV: 256 pages of 16 tokens hold 4096 tokens
+ROOMY = str(256 * 16 * 768)
+LONG_STREAM = 3000  # ~30 s of tokens here: it outlives the promotion and the retire delay
+
+
+@pytest.mark.slow
+def test_a_stream_in_flight_at_promotion_completes_and_the_old_revision_goes_after_its_delay(
+    tmp_path,
+):
+    """A stream through the stable Service to r1 goes on while r2 is promoted: r1 keeps its
+    pods (and PodDisruptionBudgets) for rollout.retireAfterSeconds after the switch, then its
+    pods drain (preStop, then --drain-seconds) and everything of r1 is gone."""
+
+    def spec(max_num_seqs: str) -> dict[str, Any]:
+        return manifest(
+            engine={
+                "kvCacheMemory": ROOMY,
+                "extraArgs": ["--threads", "1", "--max-num-seqs", max_num_seqs],
+            },
+            contextLength=4096,
+            canary={"enabled": False},
+            rollout={"retireAfterSeconds": RETIRE_AFTER, "terminationGracePeriodSeconds": 90},
+        )
+
+    # the kubelet honours the pods' whole grace period (60 s in this test)
+    with start_cluster(tmp_path / "cluster", kubelet=KubeletOptions(grace_cap=90)) as cluster:
+        cluster.create(api_keys_secret())
+        env = {"KVFENCE_RECONCILE_INTERVAL": "1"}
+        operator = cluster.start_operator(["--standalone", "--namespace", "default"], env=env)
+        first = cluster.create(spec("16"))
+        r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
+        wait_condition(cluster, "Ready", "True", timeout=240)
+        uid = first["metadata"]["uid"]
+        budgets = cluster.list("PodDisruptionBudget", "default", {LABEL_REVISION: r1})
+        assert sorted(b["metadata"]["labels"]["kvfence.dev/role"] for b in budgets) == [
+            "decode",
+            "prefill",
+            "router",
+        ]
+        for budget in budgets:
+            assert budget["spec"]["maxUnavailable"] == 1
+            assert [o["uid"] for o in budget["metadata"]["ownerReferences"]] == [uid]
+
+        stable = cluster.get("Service", NAME)["spec"]["clusterIP"]
+        client = openai.OpenAI(
+            base_url=f"http://{stable}:8000/v1", api_key=USER_KEY, max_retries=0, timeout=120
+        )
+        stream = client.completions.create(
+            model="tiny-random", prompt="go on", max_tokens=LONG_STREAM, temperature=0, stream=True
+        )
+        chunks = iter(stream)
+        received = [next(chunks)]  # to r1: the only revision there is
+
+        second = spec("32")
+        r2 = revision_of(InferenceDeploymentSpec.model_validate(second["spec"]))
+        cluster.patch(*KIND[:1], NAME, {"spec": second["spec"]}, api_version=KIND[1])
+        promoted = cluster.wait_for(
+            lambda: infd(cluster)["status"]["revision"],
+            "the promotion of r2",
+            timeout=240,
+            until=lambda revision: revision.get("current") == r2,
+        )
+        # switched, and r1 drains: kept whole, in status as retiring
+        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
+        assert [r["revision"] for r in promoted["retiring"]] == [r1]
+        assert len(cluster.list("Deployment", "default", {LABEL_REVISION: r1})) == 3
+        assert len(cluster.list("PodDisruptionBudget", "default", {LABEL_REVISION: r1})) == 3
+        switched = datetime.fromisoformat(promoted["retiring"][0]["since"])
+
+        cluster.wait_for(
+            lambda: cluster.list("Deployment", "default", {LABEL_REVISION: r1}),
+            "r1's Deployments to be retired",
+            timeout=RETIRE_AFTER + 60,
+            until=lambda found: found == [],
+        )
+        assert datetime.now(UTC) - switched >= timedelta(seconds=RETIRE_AFTER)
+        for kind in ("PodDisruptionBudget", "Service", "ConfigMap", "NetworkPolicy"):
+            cluster.wait_for(  # the same pass deletes them, just after the Deployments
+                lambda kind=kind: cluster.list(kind, "default", {LABEL_REVISION: r1}),
+                f"r1's {kind} objects to be retired",
+                timeout=10,
+                until=lambda found: found == [],
+            )
+        assert len(cluster.list("PodDisruptionBudget", "default", {LABEL_REVISION: r2})) == 3
+        assert infd(cluster)["status"]["revision"].get("retiring") is None
+
+        # the stream that began on r1 ends whole, after r1 was retired: its pods drained it
+        received += list(chunks)
+        tokens = [c for c in received if c.choices and c.choices[0].text]
+        assert received[-1].choices[0].finish_reason == "length"
+        assert len(tokens) == LONG_STREAM
+        # and new requests reach r2
+        answer = client.completions.create(model="tiny-random", prompt="hi", max_tokens=2)
+        assert answer.usage.completion_tokens == 2
+        operator.stop()
+        assert not cluster.problems()

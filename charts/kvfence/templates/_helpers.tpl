@@ -109,4 +109,9 @@ InferenceDeployment resource from API discovery, which every authenticated clien
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# application: PodDisruptionBudgets that let a voluntary disruption take one pod of a
+# revision's role at a time; retired with the revision.
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "create", "delete"]
 {{- end -}}

@@ -8,6 +8,7 @@ the revision's pods are Ready) and the stable Service (switched on promotion) ar
 
 from typing import Any
 
+from kvfence_operator.builders.disruption_budget import build_disruption_budgets
 from kvfence_operator.builders.engine_deployment import (
     ENGINE_ROLES,
     build_engine_deployment,
@@ -44,6 +45,7 @@ def build_revision_children(
         build_router_network_policy(instance, revision, operator_namespace, serving),
         *(build_engine_service(instance, revision, role) for role in ENGINE_ROLES),
         build_router_service(instance, revision),
+        *build_disruption_budgets(instance, revision),
         *(build_engine_deployment(spec, instance, revision, role) for role in ENGINE_ROLES),
         build_router_deployment(spec, instance, revision),
     ]

@@ -7,6 +7,7 @@ from kvfence_operator.builders.pod_template import (
     TERMINATION_LOG,
     container_security_context,
     cpu_threads,
+    drain_seconds,
     engine_resources,
     home_in_tmp,
     http_port,
@@ -14,6 +15,7 @@ from kvfence_operator.builders.pod_template import (
     model_volume,
     override_env,
     pod_template,
+    pre_stop,
     requests_gpu,
     tmp_volume,
 )
@@ -58,6 +60,7 @@ def engine_args(spec: InferenceDeploymentSpec, role: Role, revision: str, device
         "--transfer-port", str(TRANSFER_PORT),
         "--context-length", str(spec.context_length),
         "--context-policy", CONTEXT_POLICY_FLAG[spec.pool_policy],
+        "--drain-seconds", str(drain_seconds(spec.rollout)),
     ]  # fmt: skip
     if engine.kv_cache_memory is not None:
         args += ["--kv-cache-memory", engine.kv_cache_memory]
@@ -109,6 +112,7 @@ def build_engine_deployment(
         "securityContext": container_security_context(),
         "volumeMounts": [tmp_mount, token_mount, *(mount for _, mount in models)],
         **http_probes(),
+        **pre_stop(),
         # An engine that cannot load its model exits with the reason in TERMINATION_LOG (a
         # crash loop whose message says why); any other crash falls back to the log's tail.
         "terminationMessagePath": TERMINATION_LOG,
@@ -120,6 +124,7 @@ def build_engine_deployment(
         volumes=[tmp, token, *(volume for volume, _ in models)],
         overrides=role_spec.pod,
         readiness_gates=[KV_POOL_GATE],
+        termination_grace_period_seconds=spec.rollout.termination_grace_period_seconds,
     )
     name = child_name(instance, revision, role)
     return {

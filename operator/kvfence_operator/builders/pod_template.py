@@ -8,7 +8,14 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from kvfence_operator.crd.types import MODEL_MOUNT_PATH, ModelSpec, PodOverrides, Resources
+from kvfence_operator.crd.types import (
+    MODEL_MOUNT_PATH,
+    PRE_STOP_SECONDS,
+    ModelSpec,
+    PodOverrides,
+    Resources,
+    RolloutSpec,
+)
 from kvfence_operator.meta import HTTP_PORT
 
 RUN_AS_ID = 65532  # the images' non-root user
@@ -84,6 +91,19 @@ def http_probes() -> dict[str, Any]:
     }
 
 
+def pre_stop() -> dict[str, Any]:
+    """A stopping server waits before its SIGTERM, still serving, while endpoints and
+    kube-proxies drop the pod (they learn of the deletion asynchronously); the native sleep
+    action, so the image needs no shell."""
+    return {"lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SECONDS}}}}
+
+
+def drain_seconds(rollout: RolloutSpec) -> int:
+    """How long a server lets its requests and streams in flight finish after SIGTERM (its
+    --drain-seconds): the rest of the grace period after the preStop sleep."""
+    return rollout.termination_grace_period_seconds - PRE_STOP_SECONDS
+
+
 def http_port() -> dict[str, Any]:
     return {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}
 
@@ -128,6 +148,7 @@ def pod_template(
     overrides: PodOverrides | None = None,
     readiness_gates: Sequence[str] = (),
     restart_policy: str | None = None,
+    termination_grace_period_seconds: int | None = None,
 ) -> dict[str, Any]:
     """A hardened pod template; the user's overrides add scheduling and metadata only."""
     overrides = overrides or PodOverrides()
@@ -140,6 +161,8 @@ def pod_template(
     }
     if restart_policy:
         spec["restartPolicy"] = restart_policy
+    if termination_grace_period_seconds is not None:
+        spec["terminationGracePeriodSeconds"] = termination_grace_period_seconds
     if readiness_gates:
         spec["readinessGates"] = [{"conditionType": gate} for gate in readiness_gates]
     scheduling = overrides.model_dump(

@@ -9,11 +9,13 @@ from kvfence_operator.builders.pod_template import (
     CREDENTIALS_DIR,
     INTERNAL_TOKEN_FILE,
     container_security_context,
+    drain_seconds,
     home_in_tmp,
     http_port,
     http_probes,
     model_volume,
     pod_template,
+    pre_stop,
     tmp_volume,
 )
 from kvfence_operator.builders.secret import (
@@ -103,6 +105,7 @@ def router_args(spec: InferenceDeploymentSpec) -> list[str]:
         # No --context-length: it would override the backends file, where the operator
         # writes the served (possibly lowered) context.
         "--internal-token-file", INTERNAL_TOKEN_FILE,
+        "--drain-seconds", str(drain_seconds(spec.rollout)),
         *limits,
     ]  # fmt: skip
 
@@ -154,11 +157,13 @@ def build_router_deployment(
             *(mount for _, mount in models),
         ],
         **http_probes(),
+        **pre_stop(),
     }
     template = pod_template(
         pod_labels=labels(instance, revision, Role.ROUTER),
         containers=[container],
         volumes=[tmp, config, credentials, *(volume for volume, _ in models)],
+        termination_grace_period_seconds=spec.rollout.termination_grace_period_seconds,
     )
     return {
         "apiVersion": "apps/v1",

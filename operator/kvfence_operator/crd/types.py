@@ -311,9 +311,29 @@ class CanarySpec(_ApiModel):
     )
 
 
-class RolloutSpec(_ApiModel):
-    """How a rollout is judged; none of it is in the revision hash."""
+PRE_STOP_SECONDS = 5  # a stopping pod's preStop sleep: time for endpoints to drop it
 
+
+class RolloutSpec(_ApiModel):
+    """How promotion hands traffic to the new revision without dropping any, and how a
+    rollout is judged."""
+
+    retire_after_seconds: int = Field(
+        30,
+        ge=0,
+        le=86400,
+        description="Seconds the old revision keeps running after the stable Service switched "
+        "to the new one (clients' open connections finish there), before it is retired.",
+    )
+    termination_grace_period_seconds: int = Field(
+        300,
+        ge=PRE_STOP_SECONDS + 5,
+        le=86400,
+        description="The pods' terminationGracePeriodSeconds: make it longer than the longest "
+        f"stream. A stopping pod leaves the Service endpoints for {PRE_STOP_SECONDS} s "
+        "(preStop), then takes no new connection and lets requests in flight finish for the "
+        "rest of it.",
+    )
     progress_deadline_seconds: int = Field(
         600,
         ge=1,
@@ -431,9 +451,19 @@ class RoleReplicas(_LenientModel):
         return f"{self.ready}/{self.desired}"
 
 
+class RetiringRevision(_LenientModel):
+    revision: str
+    since: datetime = Field(description="When the stable Service stopped selecting it.")
+
+
 class RevisionStatus(_LenientModel):
     current: str | None = Field(None, description="Revision the stable Service points at.")
     candidate: str | None = Field(None, description="Revision being rolled out, if any.")
+    retiring: list[RetiringRevision] | None = Field(
+        None,
+        description="Revisions no longer selected, draining until spec.rollout."
+        "retireAfterSeconds has passed since then; then they are deleted.",
+    )
 
 
 class CanaryResult(StrEnum):

@@ -52,6 +52,7 @@ def test_writing_a_default_explicitly_does_not_change_the_revision():
         {"router.service.type": "ClusterIP"},
         {"canary.timeoutSeconds": 60},
         {"canary.enabled": False},
+        {"rollout.retireAfterSeconds": 600},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -74,6 +75,7 @@ def test_changes_applied_in_place_keep_the_revision(change):
         {"router.apiKeysSecret": "other-keys"},
         {"tenantLimits.maxConcurrentRequests": 8},
         {"tenantLimits.maxPoolSharePerTenant": 0.25},
+        {"rollout.terminationGracePeriodSeconds": 60},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -115,3 +117,21 @@ def test_a_manifest_and_the_object_stored_from_it_have_one_revision(name):
     assert revision_of(InferenceDeploymentSpec.model_validate(spec)) == revision_of(
         InferenceDeploymentSpec.model_validate(stored_spec(spec))
     )
+
+
+# Each sample's revision under the release before spec.rollout existed.
+REVISIONS_BEFORE_SPEC_ROLLOUT = {
+    "cpu-lower-context": "3a445c4e3d",
+    "full": "43c69ce858",
+    "minimal": "e41b67ea55",
+}
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_the_release_that_adds_spec_rollout_rolls_no_existing_object(name):
+    """An object stored before: on upgrade the API server fills in the new field's schema
+    default (a grace period of 300 s), which must not change its revision."""
+    stored = stored_spec(load_sample(name)["spec"])
+    assert stored["rollout"]["terminationGracePeriodSeconds"] == 300
+    before = REVISIONS_BEFORE_SPEC_ROLLOUT[name]
+    assert revision_of(InferenceDeploymentSpec.model_validate(stored)) == before

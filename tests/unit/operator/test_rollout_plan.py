@@ -1,12 +1,21 @@
 """The rollout state machine: promotion only after pods, pools and the canary; state in status."""
 
+from datetime import UTC, datetime, timedelta
+
 from helpers.rollout import observation
 from kvfence_operator.crd.types import (
     CanaryResult,
     CanaryStatus,
+    RetiringRevision,
     RevisionStatus,
 )
-from kvfence_operator.rollout import CanaryOutcome, JobPhase, plan_rollout
+from kvfence_operator.rollout import (
+    CanaryOutcome,
+    JobPhase,
+    RolloutPlan,
+    plan_rollout,
+    serving_revision,
+)
 
 
 def test_first_revision_waits_for_pods_before_any_canary():
@@ -105,3 +114,93 @@ def test_a_canary_whose_pools_were_refused_will_not_run():
 
 def test_a_status_written_with_the_old_skipped_result_still_reads():
     assert CanaryStatus.model_validate({"result": "Skipped"}).result is CanaryResult.NOT_RUN
+
+
+# ---- retirement after a drain -------------------------------------------------------------
+
+T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+PASSED_R2 = CanaryOutcome("job-r2", JobPhase.SUCCEEDED, "canary passed")
+
+
+def promoted_with_a_drain(now: datetime = T0) -> RolloutPlan:
+    observed = {"r1": observation("r1"), "r2": observation("r2", canary=PASSED_R2)}
+    previous = RevisionStatus(current="r1", candidate="r2")
+    return plan_rollout("r2", previous, None, observed, True, now=now, retire_after_seconds=30)
+
+
+def test_promotion_switches_the_service_but_keeps_the_old_revision_until_the_delay():
+    plan = promoted_with_a_drain()
+    assert plan.serve == "r2"
+    assert plan.keep == ("r2", "r1")
+    assert plan.revision.current == "r2" and plan.revision.candidate is None
+    assert plan.revision.retiring == [RetiringRevision(revision="r1", since=T0)]
+    (promoted,) = [e for e in plan.events if e.reason == "Promoted"]
+    assert "revision r1 drains for 30 s, then is removed" in promoted.message
+
+
+def test_the_old_revision_is_retired_once_the_delay_has_passed_and_not_before():
+    drained = promoted_with_a_drain().revision
+    observed = {"r2": observation("r2", canary=PASSED_R2), "r1": observation("r1")}
+
+    def at(seconds: float) -> RolloutPlan:
+        now = T0 + timedelta(seconds=seconds)
+        return plan_rollout("r2", drained, None, observed, True, now=now, retire_after_seconds=30)
+
+    early = at(29.9)
+    assert early.keep == ("r2", "r1") and early.serve == "r2"
+    assert early.revision.retiring == drained.retiring
+    assert early.events == []
+    late = at(30)
+    assert late.keep == ("r2",) and late.serve == "r2"
+    assert late.revision.retiring is None
+    assert [e.reason for e in late.events] == ["Retired"]
+    assert "r1" in late.events[0].message
+    # a restarted operator reads the same status and decides the same
+    assert at(29.9) == early
+
+
+def test_without_a_delay_the_old_revision_goes_at_promotion():
+    observed = {"r1": observation("r1"), "r2": observation("r2", canary=PASSED_R2)}
+    previous = RevisionStatus(current="r1", candidate="r2")
+    plan = plan_rollout("r2", previous, None, observed, True, now=T0, retire_after_seconds=0)
+    assert plan.keep == ("r2",) and plan.revision.retiring is None
+
+
+def test_a_new_rollout_during_the_drain_keeps_draining_the_old_revision():
+    draining = promoted_with_a_drain().revision
+    observed = {"r2": observation("r2"), "r3": observation("r3", ready=0)}
+    now = T0 + timedelta(seconds=10)
+    plan = plan_rollout("r3", draining, None, observed, True, now=now, retire_after_seconds=30)
+    assert plan.serve == "r2"
+    assert plan.keep == ("r2", "r3", "r1")
+    assert [r.revision for r in plan.revision.retiring] == ["r1"]
+
+
+def test_a_spec_reverted_to_the_draining_revision_makes_it_a_candidate_again_not_retired():
+    draining = promoted_with_a_drain().revision
+    observed = {"r2": observation("r2"), "r1": observation("r1")}
+    now = T0 + timedelta(seconds=40)  # past the delay: it would be retired if still retiring
+    plan = plan_rollout("r1", draining, None, observed, True, now=now, retire_after_seconds=30)
+    assert plan.serve == "r2"  # the Service is never switched back without a canary
+    assert plan.revision == RevisionStatus(current="r2", candidate="r1")
+    assert "r1" in plan.keep
+    assert [e.reason for e in plan.events] == ["RolloutStarted", "CanaryStarted"]
+
+
+def test_a_crash_between_the_switch_and_the_status_write_still_drains_the_old_revision():
+    """Status still says r1 serves; the Service selects r2: r1 drains from this pass on."""
+    stale = RevisionStatus(current="r1", candidate="r2")
+    start = serving_revision(stale, "r2", now=T0)
+    assert start == RevisionStatus(
+        current="r2", candidate=None, retiring=[RetiringRevision(revision="r1", since=T0)]
+    )
+    observed = {"r2": observation("r2", canary=PASSED_R2), "r1": observation("r1")}
+    plan = plan_rollout("r2", start, None, observed, True, now=T0, retire_after_seconds=30)
+    assert plan.keep == ("r2", "r1") and plan.serve == "r2"
+
+
+def test_a_lost_status_forgets_the_drain_and_the_old_revision_is_retired_at_once():
+    start = serving_revision(None, "r2", now=T0)
+    observed = {"r2": observation("r2", canary=PASSED_R2)}
+    plan = plan_rollout("r2", start, None, observed, True, now=T0, retire_after_seconds=30)
+    assert plan.keep == ("r2",)

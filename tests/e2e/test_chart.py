@@ -22,7 +22,7 @@ from kvfence_cli.main import build_parser
 from kvfence_engine.contracts import PoolGateReport
 from kvfence_operator.builders.pod_template import RUN_AS_ID
 from kvfence_operator.crd.schema import render_crd_yaml
-from kvfence_operator.crd.types import API_GROUP, PLURAL, InferenceDeployment
+from kvfence_operator.crd.types import API_GROUP, API_VERSION, KIND, PLURAL, InferenceDeployment
 from kvfence_operator.handlers import OPERATOR_NAMESPACE_ENV
 from kvfence_operator.meta import OPERATOR_POD_LABELS
 from kvfence_operator.pool_gate import PodPool
@@ -322,6 +322,7 @@ FRAMEWORK_RULES = [
 APPLICATION_RULES = [
     {"apiGroups": [API_GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
+    {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
     {
         "apiGroups": ["apps"],
         "resources": ["deployments"],
@@ -333,7 +334,7 @@ APPLICATION_RULES = [
         "resources": ["services", "configmaps"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     {
@@ -429,6 +430,15 @@ class RecordingKube:
         self.objects: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self.calls: set[tuple[str, str, str, str]] = set()
 
+    def admit_owner_references(self, references: list[Mapping[str, Any]]) -> None:
+        """The OwnerReferencesPermissionEnforcement admission plugin (on by default on
+        OpenShift): an ownerReference with blockOwnerDeletion may be set only by whom may
+        update the owner's finalizers subresource. Recorded as the call that permission
+        allows. (The emulated cluster checks no identity, so the check lives here.)"""
+        for reference in references:
+            if reference.get("blockOwnerDeletion"):
+                self.calls.add(("update", reference["apiVersion"], reference["kind"], "finalizers"))
+
     @staticmethod
     def key(obj: Mapping[str, Any]) -> tuple[str, str, str, str]:
         meta = obj["metadata"]
@@ -449,6 +459,7 @@ class RecordingKube:
 
     def create(self, obj: Mapping[str, Any]) -> bool:
         self.calls.add(("create", obj["apiVersion"], obj["kind"], ""))
+        self.admit_owner_references(obj["metadata"].get("ownerReferences") or [])
         if self.key(obj) in self.objects:
             return False
         stored = copy.deepcopy(dict(obj))
@@ -466,6 +477,7 @@ class RecordingKube:
         subresource: str = "",
     ) -> None:
         self.calls.add(("patch", api_version, kind, subresource))
+        self.admit_owner_references((patch.get("metadata") or {}).get("ownerReferences") or [])
         key = (api_version, kind, namespace, name)
         self.objects[key] = merged(self.objects[key], patch)
 
@@ -554,10 +566,7 @@ def granted(rules: list[dict[str, Any]], verb: str, api_version: str, resource: 
     )
 
 
-def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
-    default_docs: list[dict[str, Any]],
-) -> None:
-    (role,) = of_kind(default_docs, "ClusterRole")
+def recorded_rollout_and_update() -> RecordingKube:
     manifest = yaml.safe_load((ROOT / "examples" / "smollm2-local.yaml").read_text())
     body = {
         **manifest,
@@ -575,8 +584,23 @@ def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
     body["spec"] = {**body["spec"], "contextLength": body["spec"]["contextLength"] // 2}
     body["metadata"]["generation"] = 2
     roll_out(reconciler, kube, body)
+    return kube
 
-    assert {verb for verb, *_ in kube.calls} == {"get", "list", "create", "patch", "delete"}
+
+def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    (role,) = of_kind(default_docs, "ClusterRole")
+    kube = recorded_rollout_and_update()
+    assert {verb for verb, *_ in kube.calls} == {
+        "get",
+        "list",
+        "create",
+        "patch",
+        "delete",
+        "update",  # the owner's finalizers: ownerReferences with blockOwnerDeletion
+    }
+    assert ("update", f"{API_GROUP}/{API_VERSION}", KIND, "finalizers") in kube.calls
     denied = sorted(
         f"{verb} {kind}{'/' + sub if sub else ''} ({api_version})"
         for verb, api_version, kind, sub in kube.calls
@@ -588,3 +612,15 @@ def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
 def plural(kind: str) -> str:
     lower = kind.lower()
     return lower[:-1] + "ies" if lower.endswith("y") else lower + "s"
+
+
+def test_rbac_grants_no_secret_verb_the_operator_does_not_use(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    """Secrets hold credentials: the rule grants exactly the calls a rollout and an update
+    make (the revision Secrets are immutable, so never patched), and no list or watch."""
+    (role,) = of_kind(default_docs, "ClusterRole")
+    (rule,) = [r for r in role["rules"] if "secrets" in r["resources"]]
+    assert rule["resources"] == ["secrets"]
+    used = {verb for verb, _, kind, sub in recorded_rollout_and_update().calls if kind == "Secret"}
+    assert sorted(rule["verbs"]) == sorted(used)

@@ -182,6 +182,8 @@ def test_default_render_is_valid_kubernetes_and_watches_every_namespace(
 ) -> None:
     assert sorted(d["kind"] for d in default_docs) == [
         "ClusterRole",
+        "ClusterRole",  # the users' view role (aggregated)
+        "ClusterRole",  # the users' edit role (aggregated)
         "ClusterRoleBinding",
         "Deployment",
         "ServiceAccount",
@@ -197,9 +199,10 @@ def test_custom_render_is_valid_kubernetes_with_a_role_per_watched_namespace(
 ) -> None:
     for doc in custom_docs:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-    assert not of_kind(custom_docs, "ClusterRole") and not of_kind(
-        custom_docs, "ClusterRoleBinding"
-    )
+    # Nothing cluster-wide for the operator: the only ClusterRoles are the users' aggregated
+    # ones, bound to nobody by the chart.
+    assert not of_kind(custom_docs, "ClusterRoleBinding")
+    assert all(aggregated_to(r) for r in of_kind(custom_docs, "ClusterRole"))
     roles, bindings = of_kind(custom_docs, "Role"), of_kind(custom_docs, "RoleBinding")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
@@ -389,17 +392,22 @@ def test_every_rule_is_commented_framework_or_application_and_grants_exactly_tha
         assert application == APPLICATION_RULES
 
 
+# framework: what kopf needs; application: what kvfence's handlers do; users: what the
+# aggregated view/edit roles give people.
+RULE_COMMENT = r"# (framework|application|users):"
+
+
 def test_every_rule_in_the_template_source_has_a_comment() -> None:
     for path in sorted((CHART / "templates").iterdir()):
         lines = path.read_text().splitlines()
         for number, line in enumerate(lines):
             if line.lstrip().startswith("- apiGroups:"):
                 above = lines[number - 1].strip()
-                while above.startswith("#") and not re.match(r"# (framework|application):", above):
+                while above.startswith("#") and not re.match(RULE_COMMENT, above):
                     number -= 1
                     above = lines[number - 1].strip()
-                assert re.match(r"# (framework|application): \S", above), (
-                    f"{path.name}:{number + 1}: rule without a framework/application comment"
+                assert re.match(RULE_COMMENT + r" \S", above), (
+                    f"{path.name}:{number + 1}: rule without a framework/application/users comment"
                 )
 
 
@@ -566,6 +574,11 @@ def granted(rules: list[dict[str, Any]], verb: str, api_version: str, resource: 
     )
 
 
+def operator_cluster_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (role,) = [r for r in of_kind(docs, "ClusterRole") if not aggregated_to(r)]
+    return role
+
+
 def recorded_rollout_and_update() -> RecordingKube:
     manifest = yaml.safe_load((ROOT / "examples" / "smollm2-local.yaml").read_text())
     body = {
@@ -590,7 +603,7 @@ def recorded_rollout_and_update() -> RecordingKube:
 def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
     default_docs: list[dict[str, Any]],
 ) -> None:
-    (role,) = of_kind(default_docs, "ClusterRole")
+    role = operator_cluster_role(default_docs)
     kube = recorded_rollout_and_update()
     assert {verb for verb, *_ in kube.calls} == {
         "get",
@@ -619,8 +632,59 @@ def test_rbac_grants_no_secret_verb_the_operator_does_not_use(
 ) -> None:
     """Secrets hold credentials: the rule grants exactly the calls a rollout and an update
     make (the revision Secrets are immutable, so never patched), and no list or watch."""
-    (role,) = of_kind(default_docs, "ClusterRole")
+    role = operator_cluster_role(default_docs)
     (rule,) = [r for r in role["rules"] if "secrets" in r["resources"]]
     assert rule["resources"] == ["secrets"]
     used = {verb for verb, _, kind, sub in recorded_rollout_and_update().calls if kind == "Secret"}
     assert sorted(rule["verbs"]) == sorted(used)
+
+
+# ---- the users' aggregated roles -------------------------------------------------------------
+
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def aggregated_to(role: Mapping[str, Any]) -> set[str]:
+    """The built-in roles (view, edit, admin) a ClusterRole is aggregated into."""
+    labels = role["metadata"].get("labels") or {}
+    return {k.removeprefix(AGGREGATE) for k, v in labels.items() if k.startswith(AGGREGATE)}
+
+
+@pytest.mark.parametrize("values", [None, CUSTOM_VALUES], ids=["default", "custom"])
+def test_users_with_view_or_edit_get_inference_deployments_through_aggregated_roles(
+    helm: Any, values: dict[str, Any] | None
+) -> None:
+    """Whoever has the built-in view role in a namespace can read its InferenceDeployments,
+    whoever has edit or admin can also create, change and delete them; nothing else, and the
+    chart binds these roles to nobody."""
+    docs = manifests(render(helm, values))
+    roles = {
+        frozenset(aggregated_to(r)): r for r in of_kind(docs, "ClusterRole") if aggregated_to(r)
+    }
+    assert set(roles) == {frozenset({"view"}), frozenset({"edit", "admin"})}
+    for role in roles.values():
+        assert all(v == "true" for k, v in role["metadata"]["labels"].items() if AGGREGATE in k)
+        for rule in role["rules"]:
+            assert rule["apiGroups"] == [API_GROUP], rule
+    view, edit = roles[frozenset({"view"})], roles[frozenset({"edit", "admin"})]
+    read = ["get", "list", "watch"]
+    assert view["rules"] == [
+        {"apiGroups": [API_GROUP], "resources": [PLURAL, f"{PLURAL}/status"], "verbs": read}
+    ]
+    assert edit["rules"] == [
+        {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/status"], "verbs": read},
+        {
+            "apiGroups": [API_GROUP],
+            "resources": [PLURAL],
+            "verbs": [*read, "create", "update", "patch", "delete"],
+        },
+    ]
+    names = {view["metadata"]["name"], edit["metadata"]["name"]}
+    for binding in of_kind(docs, "ClusterRoleBinding") + of_kind(docs, "RoleBinding"):
+        assert binding["roleRef"]["name"] not in names, binding
+
+
+def test_the_aggregated_user_roles_can_be_left_out(helm: Any) -> None:
+    docs = manifests(render(helm, {"aggregateUserRoles": False}))
+    assert [r for r in of_kind(docs, "ClusterRole") if aggregated_to(r)] == []
+    assert len(of_kind(docs, "ClusterRole")) == 1  # the operator's

@@ -34,13 +34,19 @@ def manifest() -> dict[str, Any]:
     }
 
 
-def start(cluster: Cluster) -> Any:
+def start(cluster: Cluster, finalizers: list[str] | None = None) -> Any:
+    """`finalizers`: the InferenceDeployment exists with them before the operator starts."""
     cluster.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+    if finalizers is not None:
+        obj = manifest()
+        obj["metadata"]["finalizers"] = finalizers
+        cluster.create(obj)
     operator = cluster.start_operator(
         ["--standalone", "--namespace", NAMESPACE],
         env={"KVFENCE_RECONCILE_INTERVAL": str(INTERVAL)},
     )
-    cluster.create(manifest())
+    if finalizers is None:
+        cluster.create(manifest())
     return operator
 
 
@@ -102,3 +108,18 @@ def test_deleting_an_inference_deployment_stops_its_reconcile_and_leaves_no_chil
         cluster.wait_for(lambda: children(cluster), "the children collected", until=lambda c: not c)
         time.sleep(6 * INTERVAL)  # passes that would re-create them
         assert children(cluster) == []
+
+
+def test_the_finalizer_an_older_operator_set_is_removed_and_other_finalizers_are_kept(
+    tmp_path: Any,
+) -> None:
+    """Upgrading from an operator that set kvfence.dev/finalizer: the new one removes it, so
+    a later uninstall leaves nothing stuck either; someone else's finalizer is theirs."""
+    with start_cluster(tmp_path / "cluster", kubelet=False) as cluster:
+        start(cluster, finalizers=["example.com/keep", f"{API_GROUP}/finalizer"])
+        obj = cluster.wait_for(
+            lambda: reconciled(cluster),
+            "kvfence.dev/finalizer removed",
+            until=lambda o: f"{API_GROUP}/finalizer" not in (o["metadata"].get("finalizers") or []),
+        )
+        assert obj["metadata"]["finalizers"] == ["example.com/keep"]

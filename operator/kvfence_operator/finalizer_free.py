@@ -10,7 +10,11 @@ registered without it, and the watch tells of the deletion instead: a DELETED ev
 object's uid, the timer's `when` filter stops matching it, and kopf stops a timer whose
 filter no longer matches (daemons.match_daemons) in that same event's processing. Objects
 that still carry the finalizer from an older operator lose it on their next event: kopf
-removes its finalizer when no handler requires it."""
+removes its finalizer when no handler requires it.
+
+Left open: a deletion the watch never reports (the stream expired with 410 Gone across it and
+kopf listed afresh) leaves that object's timer running until the operator restarts; what it
+creates then names a gone owner, and the garbage collector removes it."""
 
 import dataclasses
 from collections.abc import Callable

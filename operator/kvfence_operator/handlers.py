@@ -17,6 +17,12 @@ from kvfence_operator.crd.types import (
     ConditionStatus,
     ConditionType,
 )
+from kvfence_operator.finalizer_free import (
+    mark_deleted,
+    not_deleted,
+    remember_deletions,
+    without_finalizer,
+)
 from kvfence_operator.health import InvalidSpec, read_status
 from kvfence_operator.kube import Kube, load_cluster_config
 from kvfence_operator.reconcile import Reconciler
@@ -33,6 +39,8 @@ def api_client() -> client.ApiClient:
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # No finalizer is set (finalizer_free); this name is the one older operators set, which
+    # kopf removes from the objects that still carry it.
     settings.persistence.finalizer = f"{API_GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -44,6 +52,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.connect_timeout = 10
     settings.posting.level = logging.WARNING  # events come from our own kopf.event calls
     settings.scanning.disabled = True  # namespaces come from the command line
+    remember_deletions(memo)
     unsafe_faults_allowed = os.environ.get(ALLOW_ENV) == "1"
     if unsafe_faults_allowed:
         logging.warning(
@@ -56,7 +65,18 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     )
 
 
-@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=RECONCILE_INTERVAL, initial_delay=0)
+kopf.on.event(API_GROUP, API_VERSION, PLURAL)(mark_deleted)
+
+
+@without_finalizer
+@kopf.timer(
+    API_GROUP,
+    API_VERSION,
+    PLURAL,
+    interval=RECONCILE_INTERVAL,
+    initial_delay=0,
+    when=not_deleted,
+)
 def reconcile(
     body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:

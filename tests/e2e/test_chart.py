@@ -22,7 +22,7 @@ from kvfence_cli.main import build_parser
 from kvfence_engine.contracts import PoolGateReport
 from kvfence_operator.builders.pod_template import RUN_AS_ID
 from kvfence_operator.crd.schema import render_crd_yaml
-from kvfence_operator.crd.types import API_GROUP, PLURAL, InferenceDeployment
+from kvfence_operator.crd.types import API_GROUP, API_VERSION, KIND, PLURAL, InferenceDeployment
 from kvfence_operator.handlers import OPERATOR_NAMESPACE_ENV
 from kvfence_operator.meta import OPERATOR_POD_LABELS
 from kvfence_operator.pool_gate import PodPool
@@ -182,6 +182,8 @@ def test_default_render_is_valid_kubernetes_and_watches_every_namespace(
 ) -> None:
     assert sorted(d["kind"] for d in default_docs) == [
         "ClusterRole",
+        "ClusterRole",  # the users' view role (aggregated)
+        "ClusterRole",  # the users' edit role (aggregated)
         "ClusterRoleBinding",
         "Deployment",
         "ServiceAccount",
@@ -197,9 +199,10 @@ def test_custom_render_is_valid_kubernetes_with_a_role_per_watched_namespace(
 ) -> None:
     for doc in custom_docs:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-    assert not of_kind(custom_docs, "ClusterRole") and not of_kind(
-        custom_docs, "ClusterRoleBinding"
-    )
+    # Nothing cluster-wide for the operator: the only ClusterRoles are the users' aggregated
+    # ones, bound to nobody by the chart.
+    assert not of_kind(custom_docs, "ClusterRoleBinding")
+    assert all(aggregated_to(r) for r in of_kind(custom_docs, "ClusterRole"))
     roles, bindings = of_kind(custom_docs, "Role"), of_kind(custom_docs, "RoleBinding")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
@@ -322,6 +325,7 @@ FRAMEWORK_RULES = [
 APPLICATION_RULES = [
     {"apiGroups": [API_GROUP], "resources": [PLURAL], "verbs": ["get", "list", "watch", "patch"]},
     {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/status"], "verbs": ["get", "patch"]},
+    {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/finalizers"], "verbs": ["update"]},
     {
         "apiGroups": ["apps"],
         "resources": ["deployments"],
@@ -333,7 +337,7 @@ APPLICATION_RULES = [
         "resources": ["services", "configmaps"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "patch", "delete"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     {
@@ -393,17 +397,22 @@ def test_every_rule_is_commented_framework_or_application_and_grants_exactly_tha
         assert application == APPLICATION_RULES
 
 
+# framework: what kopf needs; application: what kvfence's handlers do; users: what the
+# aggregated view/edit roles give people.
+RULE_COMMENT = r"# (framework|application|users):"
+
+
 def test_every_rule_in_the_template_source_has_a_comment() -> None:
     for path in sorted((CHART / "templates").iterdir()):
         lines = path.read_text().splitlines()
         for number, line in enumerate(lines):
             if line.lstrip().startswith("- apiGroups:"):
                 above = lines[number - 1].strip()
-                while above.startswith("#") and not re.match(r"# (framework|application):", above):
+                while above.startswith("#") and not re.match(RULE_COMMENT, above):
                     number -= 1
                     above = lines[number - 1].strip()
-                assert re.match(r"# (framework|application): \S", above), (
-                    f"{path.name}:{number + 1}: rule without a framework/application comment"
+                assert re.match(RULE_COMMENT + r" \S", above), (
+                    f"{path.name}:{number + 1}: rule without a framework/application/users comment"
                 )
 
 
@@ -434,6 +443,15 @@ class RecordingKube:
         self.objects: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self.calls: set[tuple[str, str, str, str]] = set()
 
+    def admit_owner_references(self, references: list[Mapping[str, Any]]) -> None:
+        """The OwnerReferencesPermissionEnforcement admission plugin (on by default on
+        OpenShift): an ownerReference with blockOwnerDeletion may be set only by whom may
+        update the owner's finalizers subresource. Recorded as the call that permission
+        allows. (The emulated cluster checks no identity, so the check lives here.)"""
+        for reference in references:
+            if reference.get("blockOwnerDeletion"):
+                self.calls.add(("update", reference["apiVersion"], reference["kind"], "finalizers"))
+
     @staticmethod
     def key(obj: Mapping[str, Any]) -> tuple[str, str, str, str]:
         meta = obj["metadata"]
@@ -454,6 +472,7 @@ class RecordingKube:
 
     def create(self, obj: Mapping[str, Any]) -> bool:
         self.calls.add(("create", obj["apiVersion"], obj["kind"], ""))
+        self.admit_owner_references(obj["metadata"].get("ownerReferences") or [])
         if self.key(obj) in self.objects:
             return False
         stored = copy.deepcopy(dict(obj))
@@ -471,6 +490,7 @@ class RecordingKube:
         subresource: str = "",
     ) -> None:
         self.calls.add(("patch", api_version, kind, subresource))
+        self.admit_owner_references((patch.get("metadata") or {}).get("ownerReferences") or [])
         key = (api_version, kind, namespace, name)
         self.objects[key] = merged(self.objects[key], patch)
 
@@ -559,10 +579,12 @@ def granted(rules: list[dict[str, Any]], verb: str, api_version: str, resource: 
     )
 
 
-def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
-    default_docs: list[dict[str, Any]],
-) -> None:
-    (role,) = of_kind(default_docs, "ClusterRole")
+def operator_cluster_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (role,) = [r for r in of_kind(docs, "ClusterRole") if not aggregated_to(r)]
+    return role
+
+
+def recorded_rollout_and_update() -> RecordingKube:
     manifest = yaml.safe_load((ROOT / "examples" / "smollm2-local.yaml").read_text())
     body = {
         **manifest,
@@ -585,8 +607,23 @@ def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
     }
     body["metadata"]["generation"] = 2
     roll_out(reconciler, kube, body)
+    return kube
 
-    assert {verb for verb, *_ in kube.calls} == {"get", "list", "create", "patch", "delete"}
+
+def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    role = operator_cluster_role(default_docs)
+    kube = recorded_rollout_and_update()
+    assert {verb for verb, *_ in kube.calls} == {
+        "get",
+        "list",
+        "create",
+        "patch",
+        "delete",
+        "update",  # the owner's finalizers: ownerReferences with blockOwnerDeletion
+    }
+    assert ("update", f"{API_GROUP}/{API_VERSION}", KIND, "finalizers") in kube.calls
     denied = sorted(
         f"{verb} {kind}{'/' + sub if sub else ''} ({api_version})"
         for verb, api_version, kind, sub in kube.calls
@@ -598,3 +635,66 @@ def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
 def plural(kind: str) -> str:
     lower = kind.lower()
     return lower[:-1] + "ies" if lower.endswith("y") else lower + "s"
+
+
+def test_rbac_grants_no_secret_verb_the_operator_does_not_use(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    """Secrets hold credentials: the rule grants exactly the calls a rollout and an update
+    make (the revision Secrets are immutable, so never patched), and no list or watch."""
+    role = operator_cluster_role(default_docs)
+    (rule,) = [r for r in role["rules"] if "secrets" in r["resources"]]
+    assert rule["resources"] == ["secrets"]
+    used = {verb for verb, _, kind, sub in recorded_rollout_and_update().calls if kind == "Secret"}
+    assert sorted(rule["verbs"]) == sorted(used)
+
+
+# ---- the users' aggregated roles -------------------------------------------------------------
+
+AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
+
+
+def aggregated_to(role: Mapping[str, Any]) -> set[str]:
+    """The built-in roles (view, edit, admin) a ClusterRole is aggregated into."""
+    labels = role["metadata"].get("labels") or {}
+    return {k.removeprefix(AGGREGATE) for k, v in labels.items() if k.startswith(AGGREGATE)}
+
+
+@pytest.mark.parametrize("values", [None, CUSTOM_VALUES], ids=["default", "custom"])
+def test_users_with_view_or_edit_get_inference_deployments_through_aggregated_roles(
+    helm: Any, values: dict[str, Any] | None
+) -> None:
+    """Whoever has the built-in view role in a namespace can read its InferenceDeployments,
+    whoever has edit or admin can also create, change and delete them; nothing else, and the
+    chart binds these roles to nobody."""
+    docs = manifests(render(helm, values))
+    roles = {
+        frozenset(aggregated_to(r)): r for r in of_kind(docs, "ClusterRole") if aggregated_to(r)
+    }
+    assert set(roles) == {frozenset({"view"}), frozenset({"edit", "admin"})}
+    for role in roles.values():
+        assert all(v == "true" for k, v in role["metadata"]["labels"].items() if AGGREGATE in k)
+        for rule in role["rules"]:
+            assert rule["apiGroups"] == [API_GROUP], rule
+    view, edit = roles[frozenset({"view"})], roles[frozenset({"edit", "admin"})]
+    read = ["get", "list", "watch"]
+    assert view["rules"] == [
+        {"apiGroups": [API_GROUP], "resources": [PLURAL, f"{PLURAL}/status"], "verbs": read}
+    ]
+    assert edit["rules"] == [
+        {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/status"], "verbs": read},
+        {
+            "apiGroups": [API_GROUP],
+            "resources": [PLURAL],
+            "verbs": [*read, "create", "update", "patch", "delete"],
+        },
+    ]
+    names = {view["metadata"]["name"], edit["metadata"]["name"]}
+    for binding in of_kind(docs, "ClusterRoleBinding") + of_kind(docs, "RoleBinding"):
+        assert binding["roleRef"]["name"] not in names, binding
+
+
+def test_the_aggregated_user_roles_can_be_left_out(helm: Any) -> None:
+    docs = manifests(render(helm, {"aggregateUserRoles": False}))
+    assert [r for r in of_kind(docs, "ClusterRole") if aggregated_to(r)] == []
+    assert len(of_kind(docs, "ClusterRole")) == 1  # the operator's

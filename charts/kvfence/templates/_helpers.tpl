@@ -63,8 +63,9 @@ InferenceDeployment resource from API discovery, which every authenticated clien
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-# application: InferenceDeployments are watched; the patch adds kvfence's finalizer and
-# kopf's annotations (handler progress lives in kvfence.dev/ annotations).
+# application: InferenceDeployments are watched; the patch writes kopf's annotations (handler
+# progress lives in kvfence.dev/ annotations) and removes the kvfence.dev/finalizer that
+# older operators set (this one sets none, so an uninstall leaves nothing in Terminating).
 - apiGroups: ["kvfence.dev"]
   resources: ["inferencedeployments"]
   verbs: ["get", "list", "watch", "patch"]
@@ -72,6 +73,12 @@ InferenceDeployment resource from API discovery, which every authenticated clien
 - apiGroups: ["kvfence.dev"]
   resources: ["inferencedeployments/status"]
   verbs: ["get", "patch"]
+# application: every child's ownerReference sets blockOwnerDeletion, which the
+# OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened clusters) allows
+# only to whom may update the owner's finalizers; without this rule every create is refused.
+- apiGroups: ["kvfence.dev"]
+  resources: ["inferencedeployments/finalizers"]
+  verbs: ["update"]
 # application: prefill, decode and router Deployments of each revision.
 - apiGroups: ["apps"]
   resources: ["deployments"]
@@ -86,11 +93,15 @@ InferenceDeployment resource from API discovery, which every authenticated clien
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# application: each revision's internal-token Secret and reading the user's apiKeysSecret,
-# by name only: no list or watch, so the operator cannot enumerate other Secrets.
+# application: Secrets, by name only (no list or watch: the operator cannot enumerate
+# them), and only in the watched namespaces when watchNamespaces is set (a Role in each).
+# create: each revision's Secret (its internal token and canary keys); delete: a retired
+# revision's; get: the internal token, which the operator sends to read the engines'
+# /v1/kvpool, and whether the user's apiKeysSecret exists (ApiKeysSecretMissing). No patch
+# or update: a revision's Secret is immutable, the user's is never written.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "create", "delete"]
 # application: engine pods are found to read their /v1/kvpool; canary pods for the verdict.
 - apiGroups: [""]
   resources: ["pods"]

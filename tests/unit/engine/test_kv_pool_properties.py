@@ -62,7 +62,8 @@ class PoolMachine(RuleBasedStateMachine):
         for page in doomed:  # evicted, oldest first: out of the cache, tag bumped
             key = self.shared.pop(page)[0]
             del self.lru[page]
-            assert int(self.pool.tags[page]) > doomed_tags[page]
+            # the eviction retired the tag, then the allocation issued the next one
+            assert int(self.pool.tags[page]) == doomed_tags[page] + 2
             assert self.pool.lookup(owner, [key]) == ([], [])
         self.held.setdefault(owner, []).extend(zip(pages, tags, strict=True))
         self.history += [(owner, p, t) for p, t in zip(pages, tags, strict=True)]

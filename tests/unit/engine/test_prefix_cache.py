@@ -219,3 +219,21 @@ def test_the_read_check_refuses_a_shared_page_of_another_tenant() -> None:
     )
     assert check.foreign.tolist() == [False, True, True]
     assert check.failed.tolist() == [False, True, True]
+
+
+def test_under_pool_pressure_hits_evictions_and_preemptions_change_no_output() -> None:
+    """A pool too small for the batch: requests sharing a system prefix are preempted and
+    recomputed, cached pages are evicted and re-published; every answer equals a cold one."""
+    engine, cold = make_tiny_engine(pages=12, prefix_cache=True), make_tiny_engine()
+    system = prompt_of(40, seed=30)
+    prompts = [system + prompt_of(10 + i, seed=31 + i) for i in range(6)]
+    seqs = [
+        ask(engine, p, tenant=f"t{i % 2}", max_tokens=16, run=False) for i, p in enumerate(prompts)
+    ]
+    run_until_done(engine)
+    assert counter(engine, "kvfence_preemptions") > 0 and engine.pool.evictions > 0
+    assert counter(engine, "kvfence_prefix_cache_hit_tokens") > 0
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        assert seq.error is None
+        assert seq.output_ids == ask(cold, prompt, max_tokens=16).output_ids
+    assert engine.pool.num_free == engine.pool.num_pages

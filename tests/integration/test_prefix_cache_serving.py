@@ -109,3 +109,20 @@ def test_the_prefix_cache_is_refused_outside_the_combined_role(logs_dir: Path) -
         last == "kvfence serve: --prefix-cache is only available in the combined role for "
         "now, not decode"
     )
+
+
+def test_an_unusable_prefix_cache_secret_is_a_usage_error(logs_dir: Path, tmp_path: Path) -> None:
+    short = tmp_path / "short-secret"
+    short.write_bytes(b"too short")
+    cases = {
+        "prefix-short": ("--prefix-cache", "--prefix-cache-secret-file", str(short)),
+        "prefix-missing": ("--prefix-cache", "--prefix-cache-secret-file", str(tmp_path / "no")),
+        "prefix-alone": ("--prefix-cache-secret-file", str(short)),
+    }
+    for name, flags in cases.items():
+        proc = serve(logs_dir, name, *ENGINE_ARGS, *flags).start()
+        assert proc.proc is not None and proc.proc.wait(timeout=60) == 2, name
+        last = (logs_dir / f"{name}.log").read_text().strip().splitlines()[-1]
+        assert last.startswith("kvfence serve: ") and "Traceback" not in last, last
+    assert "at least 16 bytes" in (logs_dir / "prefix-short.log").read_text()
+    assert "needs --prefix-cache" in (logs_dir / "prefix-alone.log").read_text()

@@ -69,7 +69,7 @@ class EngineArgs:
     reserve_timeout: float = 60.0  # decode role: a reservation whose KV never starts expires
     max_pool_share_per_tenant: float = 1.0  # of the pool, reserved by one tenant; 1.0: no cap
     # Reuse the KV of a prompt's leading full pages across requests of one tenant (combined
-    # role only, for now). Off by default: see docs/isolation.md, "Prefix cache".
+    # role only, for now). Off by default: see docs/isolation.md, invariant 11.
     prefix_cache: bool = False
     prefix_cache_secret_file: str | None = None  # None: a random secret for this process
     faults: Faults = field(default_factory=Faults)
@@ -341,7 +341,7 @@ class LLMEngine:
         if self.prefix is None:
             return
         for seq in seqs:
-            if not seq.output_ids and seq.cache_keys:
+            if not seq.output_ids:
                 seq.cached_tokens = seq.prefill_start
                 self.metrics.prefix_queried_tokens.inc(len(seq.prompt_ids))
                 self.metrics.prefix_hit_tokens.inc(seq.prefill_start)

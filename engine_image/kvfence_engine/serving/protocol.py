@@ -57,7 +57,7 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
     user: str | None = None
     # Extension (vLLM's name): narrows prefix-cache sharing to requests with the same salt,
-    # within the tenant; it can never widen it (docs/isolation.md, "Prefix cache").
+    # within the tenant; it can never widen it (docs/isolation.md, invariant 11).
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     _unicode = field_validator("model", "stop", "user", "cache_salt")(valid_unicode)

@@ -175,6 +175,21 @@ def add_parser(sub: Subparsers) -> None:
     add_max_request_bytes(p)
     add_drain_seconds(p)
     p.add_argument("--scrub-on-free", action="store_true", help="zero pages when released")
+    p.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="reuse the KV of a prompt's leading full pages for later requests of the same "
+        "tenant (and cache_salt); combined role only. Off by default: a tenant's hits show in "
+        "its own usage.cached_tokens and timing (docs/isolation.md)",
+    )
+    p.add_argument(
+        "--prefix-cache-secret-file",
+        default=None,
+        metavar="FILE",
+        help="the secret the prefix cache keys pages with (at least 16 bytes); default: "
+        "random per process",
+    )
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
     p.add_argument(
         "--termination-log",
@@ -192,6 +207,25 @@ def add_parser(sub: Subparsers) -> None:
         help="TEST ONLY; refused unless KVFENCE_ALLOW_UNSAFE=1",
     )
     p.set_defaults(func=run)
+
+
+def check_prefix_cache(args: argparse.Namespace) -> None:
+    """Refuse, before anything loads, a prefix cache the role cannot have or an unusable
+    secret file (ValueError or OSError: a usage error)."""
+    if args.prefix_cache_secret_file is not None and not args.prefix_cache:
+        raise ValueError("--prefix-cache-secret-file needs --prefix-cache")
+    if not args.prefix_cache:
+        return
+    if args.role != "combined":
+        raise ValueError(
+            f"--prefix-cache is only available in the combined role for now, not {args.role}"
+        )
+    if args.prefix_cache_secret_file is not None:
+        from pathlib import Path
+
+        from kvfence_engine.core.prefix_cache import PrefixKeys
+
+        PrefixKeys.from_file(Path(args.prefix_cache_secret_file), args.page_size)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -215,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
         faults = Faults.from_names(args.unsafe_fault)
         token = read_token(args.internal_token_file)
         resolve_device(args.device)
+        check_prefix_cache(args)
         sock = listen(args.host, args.port)
     except (UnsafeFaultRefused, OSError, ValueError) as exc:
         print(f"kvfence serve: {exc}", file=sys.stderr)
@@ -241,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
         reserve_timeout=args.reserve_timeout,
         max_pool_share_per_tenant=args.max_pool_share_per_tenant,
         kv_checksum=args.kv_checksum,
+        prefix_cache=args.prefix_cache,
+        prefix_cache_secret_file=args.prefix_cache_secret_file,
         faults=faults,
     )
     if faults.enabled:

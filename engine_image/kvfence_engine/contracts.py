@@ -92,6 +92,9 @@ class KvPoolReport(_Reading):
     # was loaded from (--model). None from engines older than these fields.
     model_name: str | None = None
     model_source: str | None = None
+    # the tenant-scoped prefix cache (docs/isolation.md); defaults: an older engine's report
+    prefix_cache: bool = False
+    cached_pages: Count = 0
 
     @model_validator(mode="after")
     def _pool_is_whole_pages(self) -> "KvPoolReport":

@@ -17,8 +17,11 @@ class StepBatch:
     is_prefill: bool
     slot_mapping: torch.Tensor  # [T] flat slot (page * page_size + offset) each token writes
     cu_seqlens: list[int]  # prefill: token offsets of each sequence in the flat batch
-    page_table: torch.Tensor | None = None  # decode: [B, M] pages to gather
+    page_table: torch.Tensor | None = None  # decode, or a prefill with prefix_lens: [B, M]
     key_mask: torch.Tensor | None = None  # decode: [B, 1, 1, M * page_size] True = attend
+    # prefill: per sequence, leading positions already in the pool (a prefix-cache hit), read
+    # from its pages rather than computed; None when no sequence of the batch has any
+    prefix_lens: list[int] | None = None
 
 
 def paged_attention(
@@ -38,7 +41,13 @@ def paged_attention(
         # A prefill's keys are exactly the ones it just wrote: attend to them directly.
         outs = []
         bounds = batch.cu_seqlens
-        for start, end in pairwise(bounds):
+        for row, (start, end) in enumerate(pairwise(bounds)):
+            cached = batch.prefix_lens[row] if batch.prefix_lens else 0
+            if cached:
+                outs.append(
+                    _attend_after_prefix(q[start:end], k_cache, v_cache, batch, row, cached)
+                )
+                continue
             out = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1),
                 k[start:end].transpose(0, 1),
@@ -61,3 +70,32 @@ def paged_attention(
         enable_gqa=True,
     )
     return out.squeeze(2)
+
+
+def _attend_after_prefix(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: StepBatch,
+    row: int,
+    cached: int,
+) -> torch.Tensor:
+    """A prefill whose first `cached` positions come from shared pages: its queries (positions
+    cached ..) attend causally to every key of the sequence, read from its pages (this step's
+    own keys were written there above)."""
+    assert batch.page_table is not None
+    _, page_size, kv_heads, head_dim = k_cache.shape
+    total = cached + q.shape[0]
+    pages = batch.page_table[row, : -(-total // page_size)]
+    keys = k_cache.index_select(0, pages).view(-1, kv_heads, head_dim)[:total]
+    values = v_cache.index_select(0, pages).view(-1, kv_heads, head_dim)[:total]
+    query_pos = torch.arange(cached, total, device=q.device)
+    mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        keys.transpose(0, 1).to(q.dtype),
+        values.transpose(0, 1).to(q.dtype),
+        attn_mask=mask,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)

@@ -5,6 +5,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,7 @@ from kvfence_engine.core.pool_plan import (
     effective_context,
     plan_pool,
 )
+from kvfence_engine.core.prefix_cache import PrefixKeys
 from kvfence_engine.core.quantization import (
     WeightDtype,
     pack_int4_linears,
@@ -66,6 +68,10 @@ class EngineArgs:
     kv_checksum: bool = True  # per-page XXH3-64 checksum on KV transfers (both ends must agree)
     reserve_timeout: float = 60.0  # decode role: a reservation whose KV never starts expires
     max_pool_share_per_tenant: float = 1.0  # of the pool, reserved by one tenant; 1.0: no cap
+    # Reuse the KV of a prompt's leading full pages across requests of one tenant (combined
+    # role only, for now). Off by default: see docs/isolation.md, invariant 11.
+    prefix_cache: bool = False
+    prefix_cache_secret_file: str | None = None  # None: a random secret for this process
     faults: Faults = field(default_factory=Faults)
 
 
@@ -155,6 +161,7 @@ class LLMEngine:
             shares=self.shares,
         )
         self.runner = ModelRunner(model, self.pool, self.device, self.faults)
+        self.prefix = self._prefix_keys(args)
         self._ids = itertools.count(1)
         m = self.metrics
         m.pool_tokens.set(self.pool.pool_tokens)
@@ -162,6 +169,18 @@ class LLMEngine:
         m.context_length.set(self.context_effective)
         m.pages_used.set_function(lambda: self.pool.num_used)
         m.watch_tenants(self.shares.by_tenant)
+
+    @staticmethod
+    def _prefix_keys(args: EngineArgs) -> PrefixKeys | None:
+        if not args.prefix_cache:
+            return None
+        if Role(args.role) is not Role.COMBINED:
+            raise ValueError("the prefix cache is only available in the combined role for now")
+        scoped = Fault.CROSS_TENANT_PREFIX not in args.faults
+        if args.prefix_cache_secret_file is not None:
+            path = Path(args.prefix_cache_secret_file)
+            return PrefixKeys.from_file(path, args.page_size, scope_by_tenant=scoped)
+        return PrefixKeys.random(args.page_size, scope_by_tenant=scoped)
 
     # --- admission (any thread; allocates nothing) ---------------------------------------------
 
@@ -172,6 +191,7 @@ class LLMEngine:
         *,
         max_tokens: int | None,
         tenant: str = DEFAULT_TENANT,
+        cache_salt: str | None = None,
     ) -> Request:
         """Build a sequence and decide whether it may run. A rejected sequence comes back
         terminal (finish_reason "error") and must not be scheduled; nothing was allocated."""
@@ -216,6 +236,8 @@ class LLMEngine:
         if params.seed is not None or not params.greedy:
             seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4))
             seq.generator = torch.Generator().manual_seed(seed)
+        if self.prefix is not None:
+            seq.cache_keys = self.prefix.page_keys(tenant, cache_salt, seq.prompt_ids)
         return seq
 
     def _refuse_over_share(self, seq: Request, *, explicit_max_tokens: bool) -> EngineError | None:
@@ -294,6 +316,7 @@ class LLMEngine:
             # remove_finished below, only this frame knows it, so a failure is handled here.
             if is_prefill:
                 self.metrics.prefill_batch.observe(len(seqs))
+                self._count_prefix_hits(seqs)
             try:
                 step = self.runner.prepare(seqs, is_prefill)
                 safe = self._refuse_unsafe_reads(seqs, step, changed)
@@ -311,6 +334,34 @@ class LLMEngine:
         m.preemptions.inc(self.scheduler.take_preemptions())
         m.stale_releases.inc(self.pool.take_stale_releases())
         return list(dict.fromkeys(changed))
+
+    def _count_prefix_hits(self, seqs: list[Request]) -> None:
+        """A request's first prefill decides its cached_tokens (a recompute after preemption
+        does not count again)."""
+        if self.prefix is None:
+            return
+        for seq in seqs:
+            if not seq.output_ids:
+                seq.cached_tokens = seq.prefill_start
+                self.metrics.prefix_queried_tokens.inc(len(seq.prompt_ids))
+                self.metrics.prefix_hit_tokens.inc(seq.prefill_start)
+
+    def _publish_prefix(self, seqs: list[Request]) -> None:
+        """After a prefill: the full prompt pages each request computed become shared."""
+        if self.prefix is None:
+            return
+        for seq in seqs:
+            full = len(seq.cache_keys)
+            if not full or seq.placeholder_rejection is not None or seq.error is not None:
+                continue
+            first = seq.prefill_start // self.pool.page_size
+            self.pool.publish(
+                seq.seq_id,
+                seq.pages[first:full],
+                seq.page_tags[first:full],
+                seq.cache_keys[first:full],
+                self.pool.tenant_id(seq.tenant),
+            )
 
     def _fail_batch(self, seqs: list[Request], is_prefill: bool) -> None:
         """(inside an except) The step running `seqs` raised: each ends with a 500 naming an
@@ -357,18 +408,30 @@ class LLMEngine:
             step.num_held,
             step.read_len,
             self.pool.page_size,
+            self.pool.page_tenant,
+            step.seq_tenant,
         )
         failed = bool(check.failed.any())
         self.metrics.read_check_seconds.inc(time.perf_counter() - started)
         if not failed:
             return seqs
         safe = []
-        for seq, tag_bad, unwritten in zip(
-            seqs, check.tag_mismatch.tolist(), check.unwritten.tolist(), strict=True
+        for seq, tag_bad, foreign, unwritten in zip(
+            seqs,
+            check.tag_mismatch.tolist(),
+            check.foreign.tolist(),
+            check.unwritten.tolist(),
+            strict=True,
         ):
             if tag_bad:
                 self.metrics.tag_mismatch.inc()
                 seq.finish("error", errors.isolation_violation("a KV page it held was reassigned"))
+                changed.append(seq)
+            elif foreign:
+                self.metrics.foreign_tenant_read.inc()
+                seq.finish(
+                    "error", errors.isolation_violation("a cached KV page of another tenant")
+                )
                 changed.append(seq)
             elif unwritten:
                 self.metrics.unwritten_read.inc()
@@ -395,6 +458,7 @@ class LLMEngine:
             self.metrics.generation_tokens.inc()
             self._finish_if_done(seq, token)
         if is_prefill:
+            self._publish_prefix(seqs)
             for seq, count in zip(seqs, written, strict=True):
                 if seq.export_kv:  # prefill role: the KV leaves before the pages are freed
                     used = seq.pages[: self.pool.pages_for(count)]
@@ -479,6 +543,8 @@ class LLMEngine:
             deferred_release=True,
             scrub_on_free=self.pool.scrub_on_free,
             unsafe_faults=sorted(fault.value for fault in self.faults.enabled),
+            prefix_cache=self.prefix is not None,
+            cached_pages=self.pool.num_cached,
             model_name=self.loaded.name,
             model_source=self.loaded.source or None,
         )

@@ -41,6 +41,11 @@ class Fault(StrEnum):
         "skip-count-check",
         "decode does not compare tokens written with tokens reserved",
     )
+    CROSS_TENANT_PREFIX = (
+        "cross-tenant-prefix",
+        "the prefix cache's page keys leave the tenant out, so one tenant's lookup finds "
+        "another's cached pages",
+    )
 
 
 class UnsafeFaultRefused(ValueError):

@@ -15,10 +15,11 @@ class ReadCheck:
 
     tag_mismatch: torch.Tensor  # a held page now carries another tag (reallocated under us)
     unwritten: torch.Tensor  # a position to be read was never written for this sequence
+    foreign: torch.Tensor  # a held shared (prefix-cache) page belongs to another tenant
 
     @property
     def failed(self) -> torch.Tensor:
-        return self.tag_mismatch | self.unwritten
+        return self.tag_mismatch | self.unwritten | self.foreign
 
 
 def check_reads(
@@ -30,6 +31,8 @@ def check_reads(
     num_held: torch.Tensor,
     read_len: torch.Tensor,
     page_size: int,
+    pool_tenant: torch.Tensor | None = None,
+    seq_tenant: torch.Tensor | None = None,
 ) -> ReadCheck:
     """Check a batch of page tables against the pool's current tags and fill counts.
 
@@ -39,6 +42,9 @@ def check_reads(
         one of them must already have been written (fill) into a page the sequence still owns,
         under the tag the sequence holds (pool_written_tag), not by an earlier owner.
     Every held page is tag-checked, including pages this step will only write into.
+    pool_tenant, seq_tenant: the tenant id of each pool page (kv_pool.NO_TENANT unless it is a
+        shared prefix-cache page) and of each sequence [B]: a sequence holding a shared page of
+        another tenant fails (a key that should have kept the tenants apart did not).
     """
     cols = torch.arange(page_table.shape[1])
     held = cols[None, :] < num_held[:, None]
@@ -47,5 +53,9 @@ def check_reads(
     short = ((pool_fill[page_table] < need) | (pool_written_tag[page_table] != held_tags)) & held
     short &= need > 0
     beyond_table = read_len > num_held * page_size  # positions no page was reserved for
-    unwritten = (short.any(dim=1) | beyond_table) & ~tag_bad
-    return ReadCheck(tag_mismatch=tag_bad, unwritten=unwritten)
+    foreign = torch.zeros_like(tag_bad)
+    if pool_tenant is not None and seq_tenant is not None:
+        owners = pool_tenant[page_table]
+        foreign = ((owners >= 0) & (owners != seq_tenant[:, None]) & held).any(dim=1) & ~tag_bad
+    unwritten = (short.any(dim=1) | beyond_table) & ~tag_bad & ~foreign
+    return ReadCheck(tag_mismatch=tag_bad, unwritten=unwritten, foreign=foreign)

@@ -2,13 +2,22 @@
 
 Release never zeroes a page (that is what makes the pool fast and what makes isolation a
 bookkeeping problem) unless scrub_on_free is set.
+
+Prefix cache: a full prompt page a request wrote may be published under its key
+(core/prefix_cache). It is then SHARED: read-only, reference-counted, and carrying its tenant,
+which the read check compares with every reader's. A shared page no request references sits in
+an LRU; allocation evicts from it when the free list is empty, and eviction bumps its tag, so a
+(page, tag) anyone still remembers can never be read again.
 """
 
 import threading
+from collections import OrderedDict
 
 import torch
 
 FREE = -1
+SHARED = -2  # owner of a published prefix-cache page: readers hold references, not the page
+NO_TENANT = -1  # page_tenant of a page that is not shared
 
 
 class PoolExhausted(RuntimeError):
@@ -48,6 +57,14 @@ class KVPool:
         # The early-release fault's pages on the free list: page -> the owner still using it.
         self._robbed: dict[int, int] = {}
         self.stale_releases = 0
+        # Prefix cache: the tenant (interned id) of each shared page, its references, its key.
+        self.page_tenant = torch.full((num_pages,), NO_TENANT, dtype=torch.int64)
+        self.holders: dict[int, set[int]] = {}  # shared page -> the owners holding a reference
+        self._by_key: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced shared pages, oldest first
+        self._tenant_ids: dict[str, int] = {}
+        self.evictions = 0
         # Allocation, release and transfer writes may come from the engine thread and from
         # transfer receiver threads; the bookkeeping changes under this lock.
         self.lock = threading.RLock()
@@ -58,11 +75,22 @@ class KVPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can have now: free ones and unreferenced cached ones."""
+        return len(self._free) + len(self._lru)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Shared (prefix-cache) pages, referenced or not."""
+        return len(self._key_of)
+
+    def tenant_id(self, tenant: str) -> int:
+        """The interned id the read check compares (ids are never reused)."""
+        with self.lock:
+            return self._tenant_ids.setdefault(tenant, len(self._tenant_ids))
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -79,11 +107,13 @@ class KVPool:
             return self._allocate(owner, count)
 
     def _allocate(self, owner: int, count: int) -> tuple[list[int], list[int]]:
-        assert owner != FREE
-        if count > len(self._free):
-            raise PoolExhausted(f"need {count} pages, {len(self._free)} free")
+        assert owner not in (FREE, SHARED)
+        if count > self.num_free:
+            raise PoolExhausted(f"need {count} pages, {self.num_free} free")
         if count == 0:
             return [], []
+        while count > len(self._free):
+            self._evict_one()
         pages = self._pop_free(owner, count)
         idx = torch.tensor(pages)
         assert bool((self.owner[idx] == FREE).all()), "free list held a live page"
@@ -107,14 +137,74 @@ class KVPool:
             self._robbed.pop(page, None)
         return pages
 
+    def _evict_one(self) -> None:
+        page, _ = self._lru.popitem(last=False)
+        assert not self.holders.pop(page) and int(self.owner[page]) == SHARED
+        del self._by_key[self._key_of.pop(page)]
+        self.tags[page] += 1  # whoever remembers (page, old tag) can never read it again
+        self.page_tenant[page] = NO_TENANT
+        self.owner[page] = FREE
+        self.fill[page] = 0
+        if self.scrub_on_free:
+            self.k[:, page] = 0
+            self.v[:, page] = 0
+        self._free.append(page)
+        self.evictions += 1
+
+    def lookup(self, owner: int, keys: list[bytes]) -> tuple[list[int], list[int]]:
+        """The longest run of leading keys that are cached: `owner` takes a reference on each
+        page; returns (pages, tags). The key decides the hit; the read check decides the read."""
+        assert owner not in (FREE, SHARED)
+        with self.lock:
+            pages: list[int] = []
+            for key in keys:
+                page = self._by_key.get(key)
+                if page is None:
+                    break
+                pages.append(page)
+            for page in pages:
+                assert owner not in self.holders[page], "a request referenced a page twice"
+                self.holders[page].add(owner)
+                self._lru.pop(page, None)
+            return pages, [int(self.tags[p]) for p in pages]
+
+    def publish(
+        self, owner: int, pages: list[int], tags: list[int], keys: list[bytes], tenant: int
+    ) -> int:
+        """Make full pages `owner` wrote shared under `keys`; the owner keeps a reference under
+        the same tag. A page not fully written by `owner` under its tag, or whose key is
+        already cached (by another request), stays private. Returns how many were published."""
+        with self.lock:
+            published = 0
+            for page, tag, key in zip(pages, tags, keys, strict=True):
+                if (
+                    key in self._by_key
+                    or int(self.owner[page]) != owner
+                    or int(self.tags[page]) != tag
+                    or int(self.written_tag[page]) != tag
+                    or int(self.fill[page]) != self.page_size
+                ):
+                    continue
+                self.owner[page] = SHARED
+                self.page_tenant[page] = tenant
+                self.holders[page] = {owner}
+                self._by_key[key] = page
+                self._key_of[page] = key
+                published += 1
+            return published
+
     def holds(self, owner: int, pages: list[int], tags: list[int]) -> torch.Tensor:
-        """Which of these (page, tag) pairs are still live for `owner`."""
+        """Which of these (page, tag) pairs are still live for `owner` (a shared page: live
+        for every holder of a reference under its tag)."""
         idx = torch.tensor(pages, dtype=torch.int64)
-        return (self.owner[idx] == owner) & (self.tags[idx] == torch.tensor(tags))
+        referenced = torch.tensor([owner in self.holders.get(p, ()) for p in pages])
+        mine = (self.owner[idx] == owner) | ((self.owner[idx] == SHARED) & referenced)
+        return mine & (self.tags[idx] == torch.tensor(tags))
 
     def release(self, owner: int, pages: list[int], tags: list[int]) -> int:
         """Return pages to the free list. A (page, tag) the owner no longer holds is left
-        alone (someone else owns it now) and counted; returns how many were freed."""
+        alone (someone else owns it now) and counted. A shared page loses one reference and, at
+        none, joins the LRU. Returns how many (page, tag) pairs were live and released."""
         with self.lock:
             return self._release(owner, pages, tags)
 
@@ -123,7 +213,16 @@ class KVPool:
             return 0
         live = self.holds(owner, pages, tags)
         self.stale_releases += int((~live).sum())
-        freed = [p for p, ok in zip(pages, live.tolist(), strict=True) if ok]
+        freed = []
+        for page, ok in zip(pages, live.tolist(), strict=True):
+            if not ok:
+                continue
+            if int(self.owner[page]) == SHARED:
+                self.holders[page].discard(owner)
+                if not self.holders[page]:
+                    self._lru[page] = None  # still cached; allocation may evict it
+            else:
+                freed.append(page)
         if freed:
             idx = torch.tensor(freed)
             if self.scrub_on_free:
@@ -132,13 +231,19 @@ class KVPool:
             self.owner[idx] = FREE
             self.fill[idx] = 0
             self._free.extend(freed)
-        return len(freed)
+        return int(live.sum())
 
     def force_release(self, owner: int, pages: list[int]) -> None:
         """Put `owner`'s pages back on the free list while it still uses them (the early-release
         fault). The next allocation by another owner gets them first; `owner` never does while
         any other page is free."""
         with self.lock:
+            for page in pages:  # a shared page leaves the cache with it
+                if int(self.owner[page]) == SHARED:
+                    del self._by_key[self._key_of.pop(page)]
+                    self._lru.pop(page, None)
+                    self.holders.pop(page, None)
+                    self.page_tenant[page] = NO_TENANT
             self.owner[torch.tensor(pages)] = FREE
             self._free.extend(pages)
             self._robbed.update(dict.fromkeys(pages, owner))

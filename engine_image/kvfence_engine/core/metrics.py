@@ -41,6 +41,21 @@ class EngineMetrics:
             "reads refused: slots never written for the reader",
             registry=r,
         )
+        self.foreign_tenant_read = Counter(
+            "kvfence_kv_foreign_tenant_read",
+            "reads refused: a shared prefix-cache page belonged to another tenant",
+            registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            "kvfence_prefix_cache_hit_tokens",
+            "prompt tokens read from the prefix cache instead of computed",
+            registry=r,
+        )
+        self.prefix_queried_tokens = Counter(
+            "kvfence_prefix_cache_queried_tokens",
+            "prompt tokens of requests that looked up the prefix cache",
+            registry=r,
+        )
         self.checksum_verified = Counter(
             "kvfence_transfer_checksum_verified",
             "transferred KV pages whose checksum matched",

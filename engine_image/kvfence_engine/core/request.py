@@ -89,6 +89,12 @@ class Request:
     # Only the reject-placeholder fault sets this: the incident stored a rejection here, in a
     # field that is_terminal() does not read, so the request flowed on as a placeholder.
     placeholder_rejection: EngineError | None = None
+    # Prefix cache (core/prefix_cache): the keys of the prompt's full pages (empty: the cache
+    # is off), the client's salt that narrowed them, the leading tokens this prefill reads from
+    # shared pages instead of computing, and the first prefill's hit (usage.cached_tokens).
+    cache_keys: list[bytes] = field(default_factory=list)
+    prefill_start: int = 0
+    cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ class PreparedStep:
     held_tags: torch.Tensor
     num_held: torch.Tensor
     read_len: torch.Tensor
+    seq_tenant: torch.Tensor  # the pool's id of each sequence's tenant
     # which slots this step writes, for the pool's fill counts
     written_pages: torch.Tensor
     written_offsets: torch.Tensor
@@ -57,17 +58,23 @@ class ModelRunner:
         page_table = _padded([s.pages for s in seqs])
         held_tags = _padded([s.page_tags for s in seqs])
         num_held = torch.tensor([len(s.pages) for s in seqs], dtype=torch.int64)
+        seq_tenant = torch.tensor([self.pool.tenant_id(s.tenant) for s in seqs], dtype=torch.int64)
         if is_prefill:
-            chunks = [self.prefill_tokens(s) for s in seqs]
+            # A prefix-cache hit: the first prefill_start tokens are read from shared pages.
+            starts = [s.prefill_start for s in seqs]
+            chunks = [self.prefill_tokens(s)[a:] for s, a in zip(seqs, starts, strict=True)]
             lengths = [len(c) for c in chunks]
             input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.int64)
-            positions = torch.cat([torch.arange(n) for n in lengths])
+            positions = torch.cat(
+                [torch.arange(a, a + n) for a, n in zip(starts, lengths, strict=True)]
+            )
             owner_row = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lengths))
             cu = [0]
             for n in lengths:
                 cu.append(cu[-1] + n)
             logits_rows = torch.tensor(cu[1:], dtype=torch.int64) - 1
-            read_len = torch.zeros(len(seqs), dtype=torch.int64)  # reads only what it writes
+            # reads only what it writes, and the cached prefix
+            read_len = torch.tensor(starts, dtype=torch.int64)
         else:
             input_ids = torch.tensor([s.last_token for s in seqs], dtype=torch.int64)
             positions = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64)
@@ -79,6 +86,9 @@ class ModelRunner:
         written_offsets = positions % page
         slots = written_pages * page + written_offsets
         batch = StepBatch(is_prefill=is_prefill, slot_mapping=slots.to(self.device), cu_seqlens=cu)
+        if is_prefill and any(starts):
+            batch.prefix_lens = starts
+            batch.page_table = page_table.to(self.device)
         if not is_prefill:
             keys = torch.arange(page_table.shape[1] * page)
             batch.page_table = page_table.to(self.device)
@@ -92,6 +102,7 @@ class ModelRunner:
             held_tags=held_tags,
             num_held=num_held,
             read_len=read_len,
+            seq_tenant=seq_tenant,
             written_pages=written_pages,
             written_offsets=written_offsets,
         )

@@ -77,15 +77,28 @@ class Scheduler:
                 continue
             if batch and tokens + seq.num_tokens > self.max_batched_tokens:
                 break
-            needed = self.pool.pages_for(seq.num_tokens)
+            hit_pages, hit_tags = self._lookup_prefix(seq)
+            needed = self.pool.pages_for(seq.num_tokens) - len(hit_pages)
             if needed > self.pool.num_free:
+                self.pool.release(seq.seq_id, hit_pages, hit_tags)
                 break
             self.waiting.popleft()
-            seq.pages, seq.page_tags = self.pool.allocate(seq.seq_id, needed)
+            pages, tags = self.pool.allocate(seq.seq_id, needed)
+            seq.pages, seq.page_tags = hit_pages + pages, hit_tags + tags
+            seq.prefill_start = len(hit_pages) * self.pool.page_size
             seq.status = Status.RUNNING
             batch.append(seq)
             tokens += seq.num_tokens
         return batch
+
+    def _lookup_prefix(self, seq: Request) -> tuple[list[int], list[int]]:
+        """Cached pages for the leading full pages of the prompt (a reference on each). At
+        least one token is always left to compute (its logits give the next token), and a
+        partial page is never shared: only full pages have keys."""
+        if not seq.cache_keys or seq.placeholder_rejection is not None:
+            return [], []
+        usable = min(len(seq.cache_keys), (seq.num_tokens - 1) // self.pool.page_size)
+        return self.pool.lookup(seq.seq_id, seq.cache_keys[:usable])
 
     def _schedule_decodes(self) -> list[Request]:
         batch: list[Request] = []
@@ -126,6 +139,7 @@ class Scheduler:
         self.pool.release(seq.seq_id, seq.pages, seq.page_tags)
         seq.pages, seq.page_tags = [], []
         seq.num_cached = 0
+        seq.prefill_start = 0
         if self.shares is not None and is_terminal(seq):
             self.shares.give_back(seq.seq_id)
 

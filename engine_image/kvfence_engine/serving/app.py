@@ -130,7 +130,7 @@ async def _generate(
     request: Request,
 ) -> Response:
     chat = isinstance(body, ChatCompletionRequest)
-    seq = engine.admit(prompt_ids, params, max_tokens)
+    seq = engine.admit(prompt_ids, params, max_tokens, cache_salt=body.cache_salt)
     if is_terminal(seq):  # rejected at admission: nothing was allocated
         assert seq.error is not None
         raise naming_prompt_field(seq.error, body)
@@ -138,5 +138,6 @@ async def _generate(
     out = OpenAIOutput(chat, engine.engine.loaded.name, tokenizer, len(prompt_ids))
     deltas = engine.stream(seq)
     first = await anext(deltas)
+    out.cached_tokens = seq.cached_tokens  # decided by the prefill that gave the first token
     detok = Detokenizer(tokenizer, body.stops())
     return await respond(first, deltas, out, detok, body, request.is_disconnected)

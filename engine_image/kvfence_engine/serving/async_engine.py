@@ -66,8 +66,11 @@ class AsyncEngine:
         params: SamplingParams,
         max_tokens: int | None,
         tenant: str = DEFAULT_TENANT,
+        cache_salt: str | None = None,
     ) -> Request:
-        return self.engine.admit(prompt_ids, params, max_tokens=max_tokens, tenant=tenant)
+        return self.engine.admit(
+            prompt_ids, params, max_tokens=max_tokens, tenant=tenant, cache_salt=cache_salt
+        )
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run fn on the engine thread and await its result (or exception)."""

@@ -307,16 +307,18 @@ class OpenAIOutput:
     id: str = ""  # OpenAI's shape: "chatcmpl-..." or "cmpl-...", shared by a stream's chunks
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens read from this tenant's prefix cache
 
     def __post_init__(self) -> None:
         if not self.id:
             self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def logprobs(self, items: list[TokenLogprob], offset: int) -> dict[str, Any] | None:

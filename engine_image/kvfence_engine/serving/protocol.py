@@ -56,8 +56,11 @@ class _Common(BaseModel):
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
     user: str | None = None
+    # Extension (vLLM's name): narrows prefix-cache sharing to requests with the same salt,
+    # within the tenant; it can never widen it (docs/isolation.md, invariant 11).
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
-    _unicode = field_validator("model", "stop", "user")(valid_unicode)
+    _unicode = field_validator("model", "stop", "user", "cache_salt")(valid_unicode)
 
     @field_validator("stop")
     @classmethod

@@ -70,6 +70,8 @@ KVPOOL_FIELDS = [
     "unsafe_faults",
     "model_name",
     "model_source",
+    "prefix_cache",
+    "cached_pages",
 ]
 
 REPORT = KvPoolReport(

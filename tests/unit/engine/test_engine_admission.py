@@ -124,5 +124,6 @@ def test_fault_names_are_the_documented_unsafe_fault_names() -> None:
         "early-release",
         "late-write",
         "skip-count-check",
+        "cross-tenant-prefix",
     ]
     assert all(fault.description for fault in Fault)

@@ -1,4 +1,8 @@
-"""Property tests for the page pool: ownership is exclusive, tags only grow, stale is refused."""
+"""Property tests for the page pool: ownership is exclusive, tags only grow, stale is refused;
+shared (prefix-cache) pages are reference-counted, carry their tenant, and are evicted
+least-recently-released first with a tag bump."""
+
+from collections import OrderedDict
 
 import torch
 from hypothesis import given, settings
@@ -6,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvfence_engine.core.isolation import check_reads
-from kvfence_engine.core.kv_pool import FREE, KVPool, PoolExhausted
+from kvfence_engine.core.kv_pool import FREE, SHARED, KVPool, PoolExhausted
 
 PAGES = 12
 
@@ -31,16 +35,36 @@ class PoolMachine(RuleBasedStateMachine):
         self.held: dict[int, list[tuple[int, int]]] = {}  # owner -> [(page, tag)]
         self.history: list[tuple[int, int, int]] = []  # every (owner, page, tag) ever handed out
         self.last_tags = self.pool.tags.clone()
+        # the model of the prefix cache: shared page -> (key, tenant id, tag), and the
+        # unreferenced ones in the order allocation must evict them
+        self.shared: dict[int, tuple[bytes, int, int]] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.keys_made = 0
+
+    def tenant(self, owner: int) -> int:
+        return self.pool.tenant_id(f"tenant-{owner % 2}")
+
+    def is_shared(self, page: int) -> bool:
+        return page in self.shared
 
     @rule(owner=st.integers(1, 5), count=st.integers(0, 5))
     def allocate(self, owner: int, count: int) -> None:
         free_before = self.pool.num_free
+        evict = max(0, count - (free_before - len(self.lru))) if count <= free_before else 0
+        doomed = list(self.lru)[:evict]
+        doomed_tags = {p: int(self.pool.tags[p]) for p in doomed}
         try:
             pages, tags = self.pool.allocate(owner, count)
         except PoolExhausted:
             assert count > free_before
             assert self.pool.num_free == free_before  # all or nothing
             return
+        for page in doomed:  # evicted, oldest first: out of the cache, tag bumped
+            key = self.shared.pop(page)[0]
+            del self.lru[page]
+            # the eviction retired the tag, then the allocation issued the next one
+            assert int(self.pool.tags[page]) == doomed_tags[page] + 2
+            assert self.pool.lookup(owner, [key]) == ([], [])
         self.held.setdefault(owner, []).extend(zip(pages, tags, strict=True))
         self.history += [(owner, p, t) for p, t in zip(pages, tags, strict=True)]
 
@@ -53,6 +77,67 @@ class PoolMachine(RuleBasedStateMachine):
         chunk, self.held[owner] = held[:k], held[k:]
         freed = self.pool.release(owner, [p for p, _ in chunk], [t for _, t in chunk])
         assert freed == len(chunk)
+        for page, _ in chunk:
+            if self.is_shared(page) and not any(
+                page == p for pairs in self.held.values() for p, _ in pairs
+            ):
+                self.lru[page] = None
+
+    @precondition(lambda self: any(self.held.values()))
+    @rule(data=st.data())
+    def publish_some(self, data: st.DataObject) -> None:
+        """An owner wrote some of its private pages full and publishes them under new keys."""
+        owner = data.draw(st.sampled_from([o for o, h in self.held.items() if h]))
+        private = [(p, t) for p, t in self.held[owner] if not self.is_shared(p)]
+        if not private:
+            return
+        chosen = data.draw(st.lists(st.sampled_from(private), min_size=1, unique=True))
+        pages = [p for p, _ in chosen]
+        self.pool.record_writes(
+            torch.tensor(pages).repeat_interleave(4), torch.arange(4).repeat(len(pages))
+        )
+        keys = [self.new_key() for _ in chosen]
+        tenant = self.tenant(owner)
+        tags = [t for _, t in chosen]
+        assert self.pool.publish(owner, pages, tags, keys, tenant) == len(chosen)
+        for (page, tag), key in zip(chosen, keys, strict=True):
+            self.shared[page] = (key, tenant, tag)
+        # publishing a key that is already cached leaves the page private
+        if private[len(chosen) :]:
+            page, tag = private[len(chosen)]
+            if page not in pages:
+                assert self.pool.publish(owner, [page], [tag], [keys[0]], tenant) == 0
+
+    def new_key(self) -> bytes:
+        self.keys_made += 1
+        return self.keys_made.to_bytes(8)
+
+    @precondition(lambda self: bool(self.shared))
+    @rule(owner=st.integers(1, 5), data=st.data())
+    def look_up(self, owner: int, data: st.DataObject) -> None:
+        """Lookup by key takes a reference; the page's tenant is what the read check sees."""
+        page = data.draw(st.sampled_from(sorted(self.shared)))
+        key, tenant, tag = self.shared[page]
+        if (page, tag) in self.held.get(owner, []):
+            return  # a request never references one page twice
+        assert self.pool.lookup(owner, [key]) == ([page], [tag])
+        self.lru.pop(page, None)
+        self.held.setdefault(owner, []).append((page, tag))
+        self.history.append((owner, page, tag))
+        check = check_reads(
+            self.pool.tags,
+            self.pool.fill,
+            self.pool.written_tag,
+            torch.tensor([[page]]),
+            torch.tensor([[tag]]),
+            torch.tensor([1]),
+            torch.tensor([4]),
+            4,
+            self.pool.page_tenant,
+            torch.tensor([self.tenant(owner)]),
+        )
+        assert not bool(check.tag_mismatch[0]) and not bool(check.unwritten[0])
+        assert bool(check.foreign[0]) == (tenant != self.tenant(owner))
 
     @precondition(lambda self: bool(self.history))
     @rule(data=st.data())
@@ -61,8 +146,10 @@ class PoolMachine(RuleBasedStateMachine):
         if (page, tag) in self.held.get(owner, []):
             return  # still live: not stale
         owner_before = int(self.pool.owner[page])
+        holders_before = set(self.pool.holders.get(page, ()))
         assert self.pool.release(owner, [page], [tag]) == 0
         assert int(self.pool.owner[page]) == owner_before
+        assert self.pool.holders.get(page, set()) == holders_before
         check = check_reads(
             self.pool.tags,
             self.pool.fill,
@@ -72,23 +159,50 @@ class PoolMachine(RuleBasedStateMachine):
             torch.tensor([1]),
             torch.tensor([1]),
             4,
+            self.pool.page_tenant,
+            torch.tensor([self.tenant(owner)]),
         )
+        cached = self.shared.get(page)
+        if cached is not None and cached[2] == tag:
+            # Still cached under the tag it had: read-only bytes that never change under that
+            # tag, so only the tenant decides (eviction bumps the tag and ends this).
+            assert bool(check.failed[0]) == (cached[1] != self.tenant(owner))
+            return
         assert bool(check.failed[0]), "a stale (page, tag) must never pass the read check"
 
     @invariant()
     def no_page_has_two_live_owners(self) -> None:
         seen: dict[int, int] = {}
+        readers: dict[int, set[int]] = {page: set() for page in self.shared}
         for owner, pairs in self.held.items():
             for page, tag in pairs:
+                assert int(self.pool.tags[page]) == tag
+                if self.is_shared(page):
+                    assert owner not in readers[page]
+                    readers[page].add(owner)
+                    continue
                 assert page not in seen, f"page {page} held by {seen.get(page)} and {owner}"
                 seen[page] = owner
                 assert int(self.pool.owner[page]) == owner
-                assert int(self.pool.tags[page]) == tag
         free = self.pool._free
         assert len(free) == len(set(free)), "a page is on the free list twice"
         assert not set(free) & seen.keys(), "a held page is on the free list"
+        assert not set(free) & self.shared.keys(), "a cached page is on the free list"
         assert all(int(self.pool.owner[p]) == FREE for p in free)
-        assert len(free) + len(seen) == PAGES
+        assert len(free) + len(seen) + len(self.shared) == PAGES
+
+    @invariant()
+    def shared_pages_are_counted_and_carry_their_tenant(self) -> None:
+        for page, (_key, tenant, tag) in self.shared.items():
+            holders = {o for o, pairs in self.held.items() if (page, tag) in pairs}
+            assert int(self.pool.owner[page]) == SHARED
+            assert self.pool.holders[page] == holders
+            assert int(self.pool.page_tenant[page]) == tenant
+            assert int(self.pool.tags[page]) == tag
+            assert (page in self.lru) == (not holders)
+        assert list(self.pool._lru) == list(self.lru)  # eviction order: least recently released
+        assert self.pool.num_free == len(self.pool._free) + len(self.lru)
+        assert bool((self.pool.page_tenant[self.pool.owner != SHARED] == -1).all())
 
     @invariant()
     def tags_only_grow(self) -> None:

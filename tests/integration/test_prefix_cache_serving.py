@@ -1,0 +1,128 @@
+"""The prefix cache over HTTP: a real `kvfence serve --prefix-cache` and the official openai
+client. A repeated prompt reports usage.prompt_tokens_details.cached_tokens > 0; a different
+cache_salt (the only other scope a combined engine, which serves one tenant, can show) and an
+engine without the cache report 0."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from helpers.engines import prompt_of, tiny_budget
+from helpers.processes import metric, serve
+from kvfence_engine.tools.localproc import LocalProcess
+
+ENGINE_ARGS = ("--model", "builtin:tiny-random", "--context-length", "512")
+
+
+@pytest.fixture(scope="module")
+def cached_server(logs_dir: Path) -> Iterator[LocalProcess]:
+    budget = str(tiny_budget(64))
+    with serve(
+        logs_dir, "prefix", *ENGINE_ARGS, "--kv-cache-memory", budget, "--prefix-cache"
+    ) as p:
+        yield p
+
+
+def client_of(proc: LocalProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
+
+
+def cached(usage: object) -> int:
+    details = getattr(usage, "prompt_tokens_details", None)
+    assert details is not None, usage
+    return int(details.cached_tokens)
+
+
+def test_a_repeated_completion_prompt_reports_cached_tokens(cached_server: LocalProcess) -> None:
+    client = client_of(cached_server)
+    prompt = prompt_of(100, seed=21)  # 6 full pages of 16
+    ask = lambda: client.completions.create(  # noqa: E731
+        model="tiny-random", prompt=prompt, max_tokens=6, temperature=0
+    )
+    first, again = ask(), ask()
+    assert cached(first.usage) == 0
+    assert cached(again.usage) == 96
+    assert again.choices[0].text == first.choices[0].text
+    assert metric(cached_server.url, "kvfence_prefix_cache_hit_tokens_total") >= 96
+    assert metric(cached_server.url, "kvfence_prefix_cache_queried_tokens_total") >= 200
+    report = httpx.get(cached_server.url + "/v1/kvpool").json()
+    assert report["prefix_cache"] is True and report["cached_pages"] >= 6
+
+
+def test_a_repeated_chat_reports_cached_tokens_whole_and_streamed(
+    cached_server: LocalProcess,
+) -> None:
+    client = client_of(cached_server)
+    system = "You are a careful assistant. " * 20
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
+    kwargs = {"model": "tiny-random", "messages": messages, "max_tokens": 4, "temperature": 0}
+    first = client.chat.completions.create(**kwargs)
+    assert cached(first.usage) == 0
+    again = client.chat.completions.create(**kwargs)
+    assert cached(again.usage) > 0
+    stream = client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert len(usage) == 1 and cached(usage[0]) == cached(again.usage)
+
+
+def test_another_cache_salt_gets_no_hit_and_its_own_salt_does(
+    cached_server: LocalProcess,
+) -> None:
+    client = client_of(cached_server)
+    prompt = prompt_of(64, seed=22)
+
+    def ask(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else None
+        r = client.completions.create(
+            model="tiny-random", prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+        )
+        return cached(r.usage)
+
+    assert ask("alice") == 0
+    assert ask("bob") == 0
+    assert ask(None) == 0
+    assert ask("alice") == 48
+    r = httpx.post(cached_server.url + "/v1/completions", json={"prompt": prompt, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_without_the_flag_nothing_is_cached(tiny_server: LocalProcess) -> None:
+    client = client_of(tiny_server)
+    prompt = prompt_of(100, seed=23)
+    for _ in range(2):
+        r = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=2)
+        assert cached(r.usage) == 0
+    assert httpx.get(tiny_server.url + "/v1/kvpool").json()["prefix_cache"] is False
+
+
+def test_the_prefix_cache_is_refused_outside_the_combined_role(logs_dir: Path) -> None:
+    proc = serve(logs_dir, "prefix-decode", *ENGINE_ARGS, "--role", "decode", "--prefix-cache")
+    proc.start()
+    assert proc.proc is not None and proc.proc.wait(timeout=60) == 2
+    last = (logs_dir / "prefix-decode.log").read_text().strip().splitlines()[-1]
+    assert (
+        last == "kvfence serve: --prefix-cache is only available in the combined role for "
+        "now, not decode"
+    )
+
+
+def test_an_unusable_prefix_cache_secret_is_a_usage_error(logs_dir: Path, tmp_path: Path) -> None:
+    short = tmp_path / "short-secret"
+    short.write_bytes(b"too short")
+    cases = {
+        "prefix-short": ("--prefix-cache", "--prefix-cache-secret-file", str(short)),
+        "prefix-missing": ("--prefix-cache", "--prefix-cache-secret-file", str(tmp_path / "no")),
+        "prefix-alone": ("--prefix-cache-secret-file", str(short)),
+    }
+    for name, flags in cases.items():
+        proc = serve(logs_dir, name, *ENGINE_ARGS, *flags).start()
+        assert proc.proc is not None and proc.proc.wait(timeout=60) == 2, name
+        last = (logs_dir / f"{name}.log").read_text().strip().splitlines()[-1]
+        assert last.startswith("kvfence serve: ") and "Traceback" not in last, last
+    assert "at least 16 bytes" in (logs_dir / "prefix-short.log").read_text()
+    assert "needs --prefix-cache" in (logs_dir / "prefix-alone.log").read_text()

@@ -2,12 +2,12 @@
 may be given to a router or pushed to, and that a push failure never fails the pass."""
 
 import base64
-import copy
 import logging
 from typing import Any
 
 import pytest
 
+from helpers.memory_kube import MemoryKube
 from kvfence_engine.contracts import BackendsFile, PoolGateReport
 from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.builders.secret import secret_name
@@ -79,35 +79,6 @@ REVISION = revision_of(SPEC)
 OWNER = {"kind": "InferenceDeployment", "name": "tiny", "uid": "uid-infd", "controller": True}
 
 
-class Cluster:
-    """Just enough of Kube for Reconciler._observe: objects by (kind, name), writes kept."""
-
-    def __init__(self, *objects: dict[str, Any]) -> None:
-        self.objects = {(o["kind"], o["metadata"]["name"]): o for o in objects}
-
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
-        return copy.deepcopy(self.objects.get((kind, name)))
-
-    def list(self, api_version: str, kind: str, namespace: str, labels: dict[str, str]) -> Any:
-        return [
-            copy.deepcopy(o)
-            for (k, _), o in self.objects.items()
-            if k == kind and labels.items() <= (o["metadata"].get("labels") or {}).items()
-        ]
-
-    def create(self, obj: dict[str, Any]) -> bool:
-        key = (obj["kind"], obj["metadata"]["name"])
-        if key in self.objects:
-            return False
-        self.objects[key] = {**copy.deepcopy(obj), "metadata": {**obj["metadata"], "uid": "u"}}
-        return True
-
-    def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Any,
-              subresource: str = "") -> None:  # fmt: skip
-        if kind == "ConfigMap":
-            self.objects[(kind, name)] = {**self.objects[(kind, name)], **patch}
-
-
 def deployment(role: Role) -> dict[str, Any]:
     name = child_name(INSTANCE, REVISION, role)
     return {"kind": "Deployment", "metadata": {"name": name, "uid": f"d-{role}",
@@ -138,7 +109,7 @@ def test_each_pass_pushes_its_set_to_the_revisions_live_routers_only() -> None:
     secret = {"kind": "Secret", "metadata": {"name": secret_name(INSTANCE, REVISION),
               "ownerReferences": [OWNER]},
               "data": {"internal-token": base64.b64encode(b"tok").decode()}}  # fmt: skip
-    cluster = Cluster(
+    cluster = MemoryKube(
         secret,
         *(deployment(role) for role in (Role.PREFILL, Role.DECODE, Role.ROUTER)),
         pod(Role.PREFILL, 0, "10.0.0.1"),

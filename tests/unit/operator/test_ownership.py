@@ -1,10 +1,10 @@
 """Whose an object is: controller references by UID, the pod -> ReplicaSet -> Deployment
 chain, the stable Service's patch, and the NameConflict status."""
 
-import copy
 from datetime import UTC, datetime
 from typing import Any
 
+from helpers.memory_kube import MemoryKube
 from kvfence_operator.builders.router_deployment import build_stable_service
 from kvfence_operator.builders.secret import secret_name
 from kvfence_operator.crd.types import InferenceDeploymentSpec, InferenceDeploymentStatus
@@ -165,51 +165,6 @@ def test_a_name_conflict_is_ready_false_and_degraded_naming_the_object_and_its_o
 
 
 # ---- the reconciler against an in-memory API server --------------------------------------
-
-
-class MemoryKube:
-    """Enough of the API server for one reconcile pass: objects by (kind, name), a 409 on a
-    taken name, UIDs on create, and a record of every write."""
-
-    def __init__(self, *objects: dict[str, Any]) -> None:
-        self.objects = {(o["kind"], o["metadata"]["name"]): copy.deepcopy(o) for o in objects}
-        self.writes: list[tuple[str, str, str]] = []
-
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
-        return copy.deepcopy(self.objects.get((kind, name)))
-
-    def list(self, api_version: str, kind: str, namespace: str, labels: dict[str, str]) -> Any:
-        return [
-            copy.deepcopy(o)
-            for (k, _), o in self.objects.items()
-            if k == kind and labels.items() <= (o["metadata"].get("labels") or {}).items()
-        ]
-
-    def create(self, obj: dict[str, Any]) -> bool:
-        key = (obj["kind"], obj["metadata"]["name"])
-        if key in self.objects:
-            return False
-        self.writes.append(("create", *key))
-        self.objects[key] = {
-            **copy.deepcopy(obj),
-            "metadata": {**obj["metadata"], "uid": f"u-{key[1]}"},
-        }
-        return True
-
-    def patch(
-        self,
-        api_version: str,
-        kind: str,
-        namespace: str,
-        name: str,
-        patch: Any,
-        subresource: str = "",
-    ) -> None:
-        self.writes.append(("patch", kind, name))
-
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        self.writes.append(("delete", kind, name))
-        self.objects.pop((kind, name), None)
 
 
 def body(uid: str = "uid-infd") -> dict[str, Any]:

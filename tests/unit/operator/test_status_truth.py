@@ -8,8 +8,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from test_ownership import MemoryKube, body
+from test_ownership import body
 
+from helpers.memory_kube import MemoryKube
 from helpers.rollout import decode_pools, observation
 from kvfence_operator.crd.schema import printer_columns
 from kvfence_operator.crd.types import (

@@ -1,0 +1,58 @@
+"""An in-memory API server for unit tests that run the real reconcile code: just the verbs of
+kvfence_operator.kube.Kube, on plain dicts.
+
+Objects are kept by (kind, name) in one namespace; create answers False on a taken name (the
+API's 409) and gives the object a UID (`u-<name>`); patches are JSON merge patches, applied as
+the API server applies them (to the status too, for a status subresource patch); every write
+is recorded as (verb, kind, name), so a test can say what a pass wrote."""
+
+import copy
+import json
+from typing import Any
+
+from kvfence_devcluster.patching import merge_patch
+
+
+class MemoryKube:
+    def __init__(self, *objects: dict[str, Any]) -> None:
+        self.objects = {(o["kind"], o["metadata"]["name"]): copy.deepcopy(o) for o in objects}
+        self.writes: list[tuple[str, str, str]] = []
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
+        return copy.deepcopy(self.objects.get((kind, name)))
+
+    def list(self, api_version: str, kind: str, namespace: str, labels: dict[str, str]) -> Any:
+        return [
+            copy.deepcopy(o)
+            for (k, _), o in self.objects.items()
+            if k == kind and labels.items() <= (o["metadata"].get("labels") or {}).items()
+        ]
+
+    def create(self, obj: dict[str, Any]) -> bool:
+        key = (obj["kind"], obj["metadata"]["name"])
+        if key in self.objects:
+            return False
+        self.writes.append(("create", *key))
+        self.objects[key] = {
+            **copy.deepcopy(obj),
+            "metadata": {**obj["metadata"], "uid": f"u-{key[1]}"},
+        }
+        return True
+
+    def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: Any,
+        subresource: str = "",
+    ) -> None:
+        self.writes.append(("patch", kind, name))
+        key = (kind, name)
+        if key in self.objects:
+            self.objects[key] = merge_patch(self.objects[key], json.loads(json.dumps(patch)))
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self.writes.append(("delete", kind, name))
+        self.objects.pop((kind, name), None)

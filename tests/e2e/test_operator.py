@@ -5,7 +5,7 @@ import base64
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -104,6 +104,19 @@ def operator(cluster: Cluster) -> Iterator[Any]:
     )
     yield process
     process.stop()
+
+
+def early_release_in_decode_of(revision: str) -> Callable[[dict[str, Any], list[str]], list[str]]:
+    """A kubelet `amend_argv`: that revision's decode pods run with --unsafe-fault
+    early-release (which no InferenceDeployment can ask for), so its canary must fail."""
+
+    def amend(pod: dict[str, Any], argv: list[str]) -> list[str]:
+        labels = pod["metadata"].get("labels") or {}
+        if labels.get(LABEL_REVISION) == revision and labels.get("kvfence.dev/role") == "decode":
+            return [*argv, "--unsafe-fault", "early-release"]
+        return argv
+
+    return amend
 
 
 def check_first_rollout(cluster: Cluster, created: dict[str, Any], revision: str) -> None:
@@ -227,17 +240,7 @@ def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on
         engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1", "--max-num-seqs", "16"]}
     )
     bad_revision = revision_of(InferenceDeploymentSpec.model_validate(bad["spec"]))
-
-    def early_release_in_bad_decode(pod: dict[str, Any], argv: list[str]) -> list[str]:
-        labels = pod["metadata"].get("labels") or {}
-        if (
-            labels.get(LABEL_REVISION) == bad_revision
-            and labels.get("kvfence.dev/role") == "decode"
-        ):
-            return [*argv, "--unsafe-fault", "early-release"]
-        return argv
-
-    options = KubeletOptions(amend_argv=early_release_in_bad_decode)
+    options = KubeletOptions(amend_argv=early_release_in_decode_of(bad_revision))
     with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
         cluster.create(api_keys_secret())
         # the bad revision's decode reports its fault: let it past the pool gate, so that

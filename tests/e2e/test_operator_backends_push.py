@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import openai
+from test_operator import NAME, USER_KEY, api_keys_secret, manifest  # the operator e2e's
 
 from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_devcluster.kubelet import KubeletOptions
@@ -19,28 +20,16 @@ from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import LABEL_REVISION, Instance, child_name
 from kvfence_operator.revision import revision_of
 
-NAME = "pushed"
-USER_KEY = "sk-user-push-0123456789"
-ENOUGH = str(96 * 16 * 768)  # tiny-random: 1536 tokens
 LAG = 3600.0  # seconds before a running pod's configMap volume shows a change
 PASSES = 15.0  # the operator runs a pass every second; a loaded machine is slow
 
 
-def manifest() -> dict[str, Any]:
-    return {
-        "apiVersion": "kvfence.dev/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": NAME, "namespace": "default"},
-        "spec": {
-            "model": {"source": "builtin:tiny-random"},
-            "engine": {"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1"]},
-            "contextLength": 1024,
-            "prefill": {"resources": {"requests": {"cpu": "1"}}},
-            "decode": {"replicas": 2, "resources": {"requests": {"cpu": "1"}}},
-            "router": {"apiKeysSecret": f"{NAME}-keys"},
-            "canary": {"enabled": False},
-        },
-    }
+def pushed_manifest() -> dict[str, Any]:
+    """Two decode pods (one is deleted), no canary (promotion is not what this is about)."""
+    return manifest(
+        decode={"replicas": 2, "resources": {"requests": {"cpu": "1"}}},
+        canary={"enabled": False},
+    )
 
 
 def pods(cluster: Cluster, revision: str, role: str) -> list[dict[str, Any]]:
@@ -63,19 +52,11 @@ def test_a_deleted_engine_pod_leaves_the_routers_backends_without_the_configmap_
 ) -> None:
     options = KubeletOptions(configmap_volume_lag=LAG)
     with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
-        keys = base64.b64encode(f"{USER_KEY} team-a\n".encode()).decode()
-        cluster.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Secret",
-                "metadata": {"name": f"{NAME}-keys"},
-                "data": {"api-keys": keys},
-            }
-        )
+        cluster.create(api_keys_secret())
         operator = cluster.start_operator(
             ["--standalone", "--namespace", "default"], env={"KVFENCE_RECONCILE_INTERVAL": "1"}
         )
-        created = cluster.create(manifest())
+        created = cluster.create(pushed_manifest())
         revision = revision_of(InferenceDeploymentSpec.model_validate(created["spec"]))
         instance = Instance(NAME, "default", created["metadata"]["uid"])
         secret = cluster.wait_for(

@@ -4,62 +4,29 @@ builtin:tiny-random, and the real `kubectl` doing what a user with edit rights m
 
 import base64
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
+from test_operator import (  # the operator e2e module's manifest, waits and operator fixture
+    NAME,
+    USER_KEY,
+    manifest,
+    operator,  # noqa: F401 (the fixture the tests use)
+    wait_condition,
+)
 
 from kvfence_devcluster.fixtures import Cluster
 from kvfence_operator.crd.types import InferenceDeploymentSpec
 from kvfence_operator.meta import LABEL_REVISION, LABEL_ROLE, OPERATOR_POD_LABELS
 from kvfence_operator.revision import revision_of
 
-NAME = "tiny"
-USER_KEY = "sk-user-a-0123456789"
 NEW_KEY = "sk-user-b-9876543210"
-KIND = ("InferenceDeployment", "kvfence.dev/v1alpha1")
-ENOUGH = str(96 * 16 * 768)  # 1536 tokens of tiny-random KV
 HTTP_RULE_PORTS = [{"protocol": "TCP", "port": 8000}]
-
-
-def manifest(**spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvfence.dev/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": NAME, "namespace": "default"},
-        "spec": {
-            "model": {"source": "builtin:tiny-random"},
-            "engine": {"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1"]},
-            "contextLength": 1024,
-            "prefill": {"resources": {"requests": {"cpu": "1"}}},  # on CPU
-            "decode": {"resources": {"requests": {"cpu": "1"}}},
-            "router": {"apiKeysSecret": f"{NAME}-keys"},
-            "canary": {"timeoutSeconds": 120},
-            **spec,
-        },
-    }
 
 
 def keys_data(*lines: str) -> dict[str, str]:
     return {"api-keys": base64.b64encode("".join(f"{line}\n" for line in lines).encode()).decode()}
-
-
-@pytest.fixture
-def operator(cluster: Cluster) -> Iterator[Any]:
-    cluster.create(
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": f"{NAME}-keys"},
-            "data": keys_data(f"{USER_KEY} team-a"),
-        }
-    )
-    process = cluster.start_operator(
-        ["--standalone", "--namespace", "default"], env={"KVFENCE_RECONCILE_INTERVAL": "1"}
-    )
-    yield process
-    process.stop()
 
 
 def create(cluster: Cluster, **spec: Any) -> str:
@@ -68,13 +35,7 @@ def create(cluster: Cluster, **spec: Any) -> str:
 
 
 def wait_ready(cluster: Cluster, timeout: float = 240) -> dict[str, Any]:
-    def ready(obj: dict[str, Any]) -> bool:
-        conditions = (obj.get("status") or {}).get("conditions") or []
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-    return cluster.wait_for(
-        lambda: cluster.get(*KIND[:1], NAME, api_version=KIND[1]), "Ready=True", timeout, ready
-    )
+    return wait_condition(cluster, "Ready", "True", timeout)
 
 
 def pods(cluster: Cluster, revision: str, role: str) -> list[dict[str, Any]]:
@@ -91,9 +52,8 @@ def template_image(cluster: Cluster, deployment: str) -> str:
     return image_of(cluster.get("Deployment", deployment)["spec"]["template"]["spec"])
 
 
-def test_candidate_routers_admit_only_the_canary_and_the_operator_until_promotion(
-    cluster, operator
-):
+@pytest.mark.usefixtures("operator")
+def test_candidate_routers_admit_only_the_canary_and_the_operator_until_promotion(cluster):
     revision = create(cluster)
     router = f"{NAME}-{revision}-router"
 
@@ -134,7 +94,8 @@ def test_candidate_routers_admit_only_the_canary_and_the_operator_until_promotio
     assert not cluster.problems()
 
 
-def test_children_edited_with_kubectl_come_back_as_declared(cluster, operator):
+@pytest.mark.usefixtures("operator")
+def test_children_edited_with_kubectl_come_back_as_declared(cluster):
     revision = create(cluster, canary={"enabled": False})
     router = f"{NAME}-{revision}-router"
     wait_ready(cluster)
@@ -211,7 +172,8 @@ def test_children_edited_with_kubectl_come_back_as_declared(cluster, operator):
     assert not cluster.problems()
 
 
-def test_a_keys_secret_change_reaches_the_running_router_without_a_restart(cluster, operator):
+@pytest.mark.usefixtures("operator")
+def test_a_keys_secret_change_reaches_the_running_router_without_a_restart(cluster):
     revision = create(cluster, canary={"enabled": False})
     wait_ready(cluster)
     (router_pod,) = pods(cluster, revision, "router")

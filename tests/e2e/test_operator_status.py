@@ -10,6 +10,7 @@ from test_operator import (  # the operator e2e module's manifest and waits
     NAME,
     api_keys_secret,
     condition,
+    early_release_in_decode_of,
     engine_pods,
     infd,
     manifest,
@@ -35,17 +36,7 @@ def test_reverting_the_spec_after_a_failed_canary_says_the_serving_revision_pass
         engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1", "--max-num-seqs", "16"]}
     )
     bad_revision = revision_of(InferenceDeploymentSpec.model_validate(bad["spec"]))
-
-    def early_release_in_bad_decode(pod: dict[str, Any], argv: list[str]) -> list[str]:
-        labels = pod["metadata"].get("labels") or {}
-        if (
-            labels.get(LABEL_REVISION) == bad_revision
-            and labels.get("kvfence.dev/role") == "decode"
-        ):
-            return [*argv, "--unsafe-fault", "early-release"]
-        return argv
-
-    options = KubeletOptions(amend_argv=early_release_in_bad_decode)
+    options = KubeletOptions(amend_argv=early_release_in_decode_of(bad_revision))
     with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
         cluster.create(api_keys_secret())
         env = {"KVFENCE_RECONCILE_INTERVAL": "1", "KVFENCE_ALLOW_UNSAFE": "1"}

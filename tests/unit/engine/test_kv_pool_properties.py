@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvfence_engine.core.isolation import check_reads
+from kvfence_engine.core.isolation import ReadCheck, check_reads
 from kvfence_engine.core.kv_pool import FREE, SHARED, KVPool, PoolExhausted
 
 PAGES = 12
@@ -43,6 +43,21 @@ class PoolMachine(RuleBasedStateMachine):
 
     def tenant(self, owner: int) -> int:
         return self.pool.tenant_id(f"tenant-{owner % 2}")
+
+    def read_one(self, owner: int, page: int, tag: int, length: int) -> ReadCheck:
+        """The read check for one sequence of `owner` reading `length` tokens of one page."""
+        return check_reads(
+            self.pool.tags,
+            self.pool.fill,
+            self.pool.written_tag,
+            torch.tensor([[page]]),
+            torch.tensor([[tag]]),
+            torch.tensor([1]),
+            torch.tensor([length]),
+            4,
+            self.pool.page_tenant,
+            torch.tensor([self.tenant(owner)]),
+        )
 
     def is_shared(self, page: int) -> bool:
         return page in self.shared
@@ -124,18 +139,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.lru.pop(page, None)
         self.held.setdefault(owner, []).append((page, tag))
         self.history.append((owner, page, tag))
-        check = check_reads(
-            self.pool.tags,
-            self.pool.fill,
-            self.pool.written_tag,
-            torch.tensor([[page]]),
-            torch.tensor([[tag]]),
-            torch.tensor([1]),
-            torch.tensor([4]),
-            4,
-            self.pool.page_tenant,
-            torch.tensor([self.tenant(owner)]),
-        )
+        check = self.read_one(owner, page, tag, length=4)
         assert not bool(check.tag_mismatch[0]) and not bool(check.unwritten[0])
         assert bool(check.foreign[0]) == (tenant != self.tenant(owner))
 
@@ -150,18 +154,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool.release(owner, [page], [tag]) == 0
         assert int(self.pool.owner[page]) == owner_before
         assert self.pool.holders.get(page, set()) == holders_before
-        check = check_reads(
-            self.pool.tags,
-            self.pool.fill,
-            self.pool.written_tag,
-            torch.tensor([[page]]),
-            torch.tensor([[tag]]),
-            torch.tensor([1]),
-            torch.tensor([1]),
-            4,
-            self.pool.page_tenant,
-            torch.tensor([self.tenant(owner)]),
-        )
+        check = self.read_one(owner, page, tag, length=1)
         cached = self.shared.get(page)
         if cached is not None and cached[2] == tag:
             # Still cached under the tag it had: read-only bytes that never change under that

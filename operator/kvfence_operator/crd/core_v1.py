@@ -22,7 +22,8 @@ QUANTITY_PATTERN = (
 Quantity = int | Annotated[str, Field(pattern=QUANTITY_PATTERN)]
 Name = Annotated[str, Field(min_length=1, max_length=253)]
 LabelKey = Annotated[str, Field(min_length=1, max_length=317)]
-Values = Annotated[list[Annotated[str, Field(max_length=63)]], Field(max_length=64)]
+# label values are at most 63 characters, but matchFields values are node names (253)
+Values = Annotated[list[Annotated[str, Field(max_length=253)]], Field(max_length=64)]
 
 
 class KubeModel(BaseModel):

@@ -30,15 +30,51 @@ class KubeModel(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
+def cel(*rules: tuple[str, str]) -> dict[str, Any]:
+    """Schema extra holding CEL rules as (rule, message) pairs."""
+    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
+
+
 # ---- scheduling ---------------------------------------------------------------------------------
 
 
+# Kubernetes' own checks of a toleration (validateTolerations), as CEL and in pydantic.
+TOLERATION_RULES = (
+    (
+        "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+        "a toleration without a key must have operator Exists",
+    ),
+    (
+        "!(has(self.operator) && self.operator == 'Exists') || !has(self.value) || "
+        "self.value == ''",
+        "a toleration with operator Exists must not have a value",
+    ),
+    (
+        "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+        "tolerationSeconds needs effect NoExecute",
+    ),
+)
+
+
 class Toleration(KubeModel):
+    model_config = ConfigDict(json_schema_extra=cel(*TOLERATION_RULES))
+
     key: str | None = Field(None, max_length=317)
     operator: Literal["Exists", "Equal"] | None = None
     value: str | None = Field(None, max_length=63)
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = None
+
+    @model_validator(mode="after")
+    def _as_kubernetes_checks_it(self) -> "Toleration":
+        (no_key, exists_value, seconds), exists = TOLERATION_RULES, self.operator == "Exists"
+        if not self.key and not exists:
+            raise ValueError(no_key[1])
+        if exists and self.value:
+            raise ValueError(exists_value[1])
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError(seconds[1])
+        return self
 
 
 class LabelSelectorRequirement(KubeModel):

@@ -30,6 +30,7 @@ from kvfence_operator.crd.core_v1 import (
     Quantity,
     Toleration,
     TopologySpreadConstraint,
+    cel,
 )
 
 API_GROUP = "kvfence.dev"
@@ -103,11 +104,6 @@ def spec_flag_pattern(flags: tuple[str, ...]) -> str:
 
 def spec_flag_message(flags: tuple[str, ...], instead: str) -> str:
     return f"extraArgs must not set {' or '.join(flags)}: {instead}"
-
-
-def cel(*rules: tuple[str, str]) -> dict[str, Any]:
-    """Schema extra holding CEL rules as (rule, message) pairs."""
-    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
 
 
 # On an object-valued field whose model has defaults: `default: {}` in the CRD, so that the API

@@ -137,6 +137,23 @@ INVALID = [
         "unknown-field",
     ),
     (
+        "toleration without a key or Exists",
+        _set("spec.prefill.pod", {"tolerations": [{"operator": "Equal", "value": "a"}]}),
+        "cel",
+    ),
+    (
+        "toleration Exists with a value",
+        _set(
+            "spec.prefill.pod", {"tolerations": [{"key": "g", "operator": "Exists", "value": "a"}]}
+        ),
+        "cel",
+    ),
+    (
+        "toleration seconds without NoExecute",
+        _set("spec.decode.pod", {"tolerations": [{"key": "g", "tolerationSeconds": 30}]}),
+        "cel",
+    ),
+    (
         "toleration as a string",
         _set("spec.decode.pod", {"tolerations": ["nvidia.com/gpu"]}),
         "openapi",

@@ -221,8 +221,8 @@ class EngineSpec(_ApiModel):
     extra_args: list[ExtraArg] = Field(
         default_factory=list,
         max_length=64,
-        description="More `kvfence serve` flags; the operator's own flags (role, ports, context, "
-        "pool budget, token) come after them and win.",
+        description="More `kvfence serve` flags; not those the operator derives from the spec "
+        "or sets itself (role, ports, context, pool budget, checksums, token), which it refuses.",
         json_schema_extra=cel(
             (
                 f"self.all(a, !a.startsWith('{UNSAFE_FLAG_PREFIX}'))",

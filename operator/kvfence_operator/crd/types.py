@@ -72,6 +72,8 @@ SPEC_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("--scrub-on-free", "--no-scrub-on-free"), "set engine.scrubOnFree instead"),
     (("--max-pool-share-per-tenant",), "set tenantLimits.maxPoolSharePerTenant instead"),
     (("--device",), "it follows prefill/decode resources (cuda with a */gpu resource)"),
+    # main's promotion drain (issue #14) passes it from rollout.terminationGracePeriodSeconds
+    (("--drain-seconds",), "set rollout.terminationGracePeriodSeconds instead"),
     (
         (
             "--role",

@@ -24,6 +24,7 @@ import yaml
 from kmock._internal import parsing, rendering
 
 from . import discovery, openapi, protobuf, tables
+from .admission import CrdAdmission, refuse
 from .protobuf import ProtobufError
 from .resources import ApiError, ResourceType, bad_request, not_found
 from .selectors import SelectorError, parse_field_selector, parse_label_selector
@@ -88,10 +89,13 @@ class ApiServer(kmock.KubernetesScaffold):
         factory=dict, init=False
     )
     _schemas: dict[tuple[str, str, str], dict[str, Any]] = attrs.field(factory=dict, init=False)
+    _admissions: dict[tuple[str, str, str], CrdAdmission] = attrs.field(factory=dict, init=False)
+    _strict_fields: bool = attrs.field(default=False, init=False)  # the request being served
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.resources.load_bundled()
+        self.store.admit = self._admit
         # Below kmock's discovery handlers and any reaction a test adds; above its catch-all 404.
         self.fallback["get /openapi/v3"] << self._serve_openapi_root
         openapi_paths = re.compile(r"/openapi/v3/(api|apis/[^/]+)/[^/]+")
@@ -154,6 +158,17 @@ class ApiServer(kmock.KubernetesScaffold):
             schema = (version.get("schema") or {}).get("openAPIV3Schema")
             if isinstance(schema, dict):
                 self._schemas[key] = schema
+                self._admissions[key] = CrdAdmission(schema)
+
+    def _admit(self, rt: ResourceType, obj: dict[str, Any]) -> None:
+        """A custom resource is checked against its CRD's schema as the apiextensions server
+        does (admission.py): what `kubectl apply` of a mistyped manifest gets refused with."""
+        admission = self._admissions.get((rt.group, rt.version, rt.plural)) if rt.custom else None
+        if admission is None:
+            return
+        checked = {k: v for k, v in obj.items() if k != "status"}
+        checked["metadata"] = {"name": obj["metadata"].get("name", "")}
+        refuse(rt, obj, admission.refusals(checked), strict=self._strict_fields)
 
     def install_crd(self, crd: dict[str, Any]) -> dict[str, Any]:
         """Create a CRD object as `kubectl apply` would, and mark it Established."""
@@ -385,6 +400,7 @@ class ApiServer(kmock.KubernetesScaffold):
                     self._custom.discard(key)
 
     async def _serve_create(self, request: rendering.Request) -> Any:
+        self._strict_fields = request.params.get("fieldValidation") == "Strict"
         try:
             rt, namespace = self._target(request)
             if request.name is not None:
@@ -395,6 +411,7 @@ class ApiServer(kmock.KubernetesScaffold):
         return _reply(created, 201)
 
     async def _serve_replace(self, request: rendering.Request) -> Any:
+        self._strict_fields = request.params.get("fieldValidation") == "Strict"
         try:
             rt, namespace = self._target(request)
             if request.name is None:
@@ -406,6 +423,7 @@ class ApiServer(kmock.KubernetesScaffold):
             return self._failure(exc)
 
     async def _serve_patch(self, request: rendering.Request) -> Any:
+        self._strict_fields = request.params.get("fieldValidation") == "Strict"
         try:
             rt, namespace = self._target(request)
             if request.name is None:

@@ -4,7 +4,8 @@
 fields itself (a PATCH operation of the kind that takes the `fieldValidation` query
 parameter); without an answer they fail ("failed to download openapi") unless run with
 `--validate=false`. Each group-version's document here holds one PATCH operation per kind,
-saying so; the request's `fieldValidation` is then accepted and ignored (no admission here).
+saying so; the request's `fieldValidation` then decides whether an unknown field in a custom
+resource is an error (`Strict`, kubectl's default) or kept (admission.py).
 The documents carry the schemas of custom resources (their CRD's openAPIV3Schema, so
 `kubectl explain infd.spec` works) and none of the built-in kinds (client-side apply then uses
 the strategic-merge rules compiled into kubectl; explain says the kind is not found). No path
@@ -21,7 +22,7 @@ from .discovery import Entry
 PARAMETER = {
     "name": "fieldValidation",
     "in": "query",
-    "description": "accepted and ignored: the devcluster does not validate fields",
+    "description": "Strict: unknown fields of a custom resource are errors; else they are kept",
     "schema": {"type": "string", "uniqueItems": True},
 }
 

@@ -110,6 +110,9 @@ class Store:
         self._watchers: set[Watcher] = set()
         self._listeners: list[Callable[[Change], None]] = []
         self._propagation: dict[ObjectKey, str] = {}  # deletions waiting for finalizers
+        # Checks a new object, or one whose spec a write changes (the status subresource is
+        # not checked); raises the ApiError that refuses the write. The API server sets it.
+        self.admit: Callable[[ResourceType, dict[str, Any]], None] | None = None
 
     @property
     def resource_version(self) -> str:
@@ -251,6 +254,8 @@ class Store:
         if (rt.group, rt.plural) == ("", "services"):
             self._allocate_cluster_ip(rt, obj)
         apply_defaults(rt.group, rt.plural, obj, creating=True)
+        if self.admit is not None:
+            self.admit(rt, obj)
         return copy.deepcopy(self._commit(rt, key, None, obj, "ADDED"))
 
     def _allocate_cluster_ip(self, rt: ResourceType, service: dict[str, Any]) -> None:
@@ -358,6 +363,8 @@ class Store:
         if subresource != "status":
             apply_defaults(rt.group, rt.plural, new, creating=False)
             self._check_immutable(rt, old, new)
+            if self.admit is not None and self._spec(rt, new) != self._spec(rt, old):
+                self.admit(rt, new)
         if new == old:
             return copy.deepcopy(old)  # a no-op write changes nothing, not even resourceVersion
         if rt.tracks_generation and self._spec(rt, new) != self._spec(rt, old):

@@ -15,6 +15,7 @@ from pydantic.json_schema import JsonSchemaMode
 from kvfence_operator.crd.types import (
     API_GROUP,
     API_VERSION,
+    CATEGORIES,
     KIND,
     NAME_MAX_LENGTH,
     NAME_PATTERN,
@@ -194,6 +195,7 @@ def build_crd() -> dict[str, Any]:
                 "plural": PLURAL,
                 "singular": SINGULAR,
                 "shortNames": [SHORT_NAME],
+                "categories": CATEGORIES,
             },
             "scope": "Namespaced",
             "versions": [

@@ -6,6 +6,7 @@ the operator or `kvfence up` reads one. Cross-field rules are CEL rules in the s
 (`x-kubernetes-validations`) and the same check as a pydantic validator, with the same message.
 """
 
+import re
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -21,6 +22,16 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from kvfence_engine.tools.units import SIZE_GRAMMAR, SIZE_PATTERN, parse_size
+from kvfence_operator.crd.core_v1 import (
+    MODEL_VOLUME_TYPES,
+    Affinity,
+    EnvVarSource,
+    ModelVolume,
+    Quantity,
+    Toleration,
+    TopologySpreadConstraint,
+    cel,
+)
 
 API_GROUP = "kvfence.dev"
 API_VERSION = "v1alpha1"
@@ -28,6 +39,9 @@ KIND = "InferenceDeployment"
 PLURAL = "inferencedeployments"
 SINGULAR = "inferencedeployment"
 SHORT_NAME = "infd"
+# `kubectl get kvfence` lists them. Not in `all`: `kubectl delete all --all` would then delete
+# the InferenceDeployments themselves, not only their (recreated) children.
+CATEGORIES = ["kvfence"]
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/kvfence/kvfence-engine:0.1.0"
 MODEL_MOUNT_PATH = "/models"
@@ -36,19 +50,62 @@ MODEL_MOUNT_PATH = "/models"
 NAME_MAX_LENGTH = 40
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-QUANTITY_PATTERN = (
-    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
-    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
-)
 UNSAFE_ENV = "KVFENCE_ALLOW_UNSAFE"
 # argparse accepts any unambiguous prefix of a long option, and `kvfence serve` has a single
 # option starting with --u, so this prefix catches --unsafe-fault and all its abbreviations.
 UNSAFE_FLAG_PREFIX = "--u"
+# `kvfence serve` flags that engine_args derives from the spec (or sets itself), with what to
+# write instead: the spec wins over extraArgs in both directions, so extraArgs may not name
+# them, in either form (--x, --no-x), with a value (--x=v) or abbreviated as argparse takes it.
+# --threads is not here: it comes from the pod's CPU and extraArgs may override it on purpose.
+SPEC_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("--model",), "set model.source instead"),
+    (("--context-length",), "set contextLength instead"),
+    (("--context-policy",), "set poolPolicy instead"),
+    (
+        ("--kv-cache-memory", "--memory-fraction"),
+        "set engine.kvCacheMemory or engine.memoryFraction instead",
+    ),
+    (("--page-size",), "set engine.pageSize instead"),
+    (("--kv-cache-dtype",), "set engine.kvCacheDtype instead"),
+    (("--kv-checksum", "--no-kv-checksum"), "set engine.kvChecksum instead"),
+    (("--scrub-on-free", "--no-scrub-on-free"), "set engine.scrubOnFree instead"),
+    (("--max-pool-share-per-tenant",), "set tenantLimits.maxPoolSharePerTenant instead"),
+    (("--device",), "it follows prefill/decode resources (cuda with a */gpu resource)"),
+    # main's promotion drain (issue #14) passes it from rollout.terminationGracePeriodSeconds
+    (("--drain-seconds",), "set rollout.terminationGracePeriodSeconds instead"),
+    (
+        (
+            "--role",
+            "--host",
+            "--port",
+            "--transfer-port",
+            "--revision",
+            "--internal-token-file",
+            "--termination-log",
+        ),
+        "the operator sets them for each pod",
+    ),
+)
 
 
-def cel(*rules: tuple[str, str]) -> dict[str, Any]:
-    """Schema extra holding CEL rules as (rule, message) pairs."""
-    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in rules]}
+def _abbreviations(flag: str) -> str:
+    """A regex for `flag` and every prefix argparse could take for it (at least one letter after
+    the dashes): --role is --r(o(le?)?)?, as nested optional groups."""
+    pattern = ""
+    for char in reversed(flag[3:]):
+        pattern = f"(?:{char}{pattern})?" if pattern else f"{char}?"
+    return flag[:3] + pattern
+
+
+def spec_flag_pattern(flags: tuple[str, ...]) -> str:
+    """Matches an extraArg that sets one of `flags` (RE2 and Python agree on it)."""
+    names = "|".join(_abbreviations(f) for f in flags)
+    return f"^(?:{names})(?:=|$)"
+
+
+def spec_flag_message(flags: tuple[str, ...], instead: str) -> str:
+    return f"extraArgs must not set {' or '.join(flags)}: {instead}"
 
 
 # On an object-valued field whose model has defaults: `default: {}` in the CRD, so that the API
@@ -115,12 +172,11 @@ class ModelSpec(_ApiModel):
         description="builtin:smollm2-135m-instruct, builtin:tiny-random, or an absolute path to "
         "a .gguf file or a folder with config.json + safetensors.",
     )
-    volume: dict[str, Any] | None = Field(
+    volume: ModelVolume | None = Field(
         None,
-        min_length=1,
-        max_length=1,
-        description="One Kubernetes volume source (e.g. persistentVolumeClaim: {claimName: m}) "
-        f"mounted read-only at {MODEL_MOUNT_PATH} in engine and router pods.",
+        description=f"One volume source, of type {', '.join(MODEL_VOLUME_TYPES)} (e.g. "
+        "persistentVolumeClaim: {claimName: m}), mounted read-only at "
+        f"{MODEL_MOUNT_PATH} in engine and router pods.",
     )
 
     @model_validator(mode="after")
@@ -167,14 +223,21 @@ class EngineSpec(_ApiModel):
     extra_args: list[ExtraArg] = Field(
         default_factory=list,
         max_length=64,
-        description="More `kvfence serve` flags; the operator's own flags (role, ports, context, "
-        "pool budget, token) come after them and win.",
+        description="More `kvfence serve` flags; not those the operator derives from the spec "
+        "or sets itself (role, ports, context, pool budget, checksums, token), which it refuses.",
         json_schema_extra=cel(
             (
                 f"self.all(a, !a.startsWith('{UNSAFE_FLAG_PREFIX}'))",
                 "extraArgs must not contain --unsafe-fault (or an abbreviation of it): fault "
                 "switches are for tests only",
-            )
+            ),
+            *(
+                (
+                    f"self.all(a, !a.matches('{spec_flag_pattern(flags)}'))",
+                    spec_flag_message(flags, instead),
+                )
+                for flags, instead in SPEC_FLAGS
+            ),
         ),
     )
 
@@ -196,10 +259,11 @@ class EngineSpec(_ApiModel):
                 "extraArgs must not contain --unsafe-fault (or an abbreviation of it): fault "
                 f"switches are for tests only; remove {unsafe}"
             )
+        for flags, instead in SPEC_FLAGS:
+            found = [a for a in self.extra_args if re.search(spec_flag_pattern(flags), a)]
+            if found:
+                raise ValueError(f"{spec_flag_message(flags, instead)}; remove {found}")
         return self
-
-
-Quantity = int | Annotated[str, Field(pattern=QUANTITY_PATTERN)]
 
 
 class Resources(_ApiModel):
@@ -212,7 +276,11 @@ class Resources(_ApiModel):
 class EnvVar(_ApiModel):
     name: str = Field(pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=256)
     value: str | None = None
-    value_from: dict[str, Any] | None = Field(None, description="A core/v1 EnvVarSource.")
+    value_from: EnvVarSource | None = Field(
+        None,
+        description="A core/v1 EnvVarSource (a secretKeyRef may name any Secret in the "
+        "namespace, as a pod's may).",
+    )
 
 
 class LocalObjectReference(_ApiModel):
@@ -227,9 +295,11 @@ class PodOverrides(_ApiModel):
         default_factory=dict, description="Extra pod labels; kvfence's own labels win."
     )
     node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    affinity: dict[str, Any] | None = None
-    topology_spread_constraints: list[dict[str, Any]] = Field(default_factory=list)
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
+    affinity: Affinity | None = None
+    topology_spread_constraints: list[TopologySpreadConstraint] = Field(
+        default_factory=list, max_length=64
+    )
     priority_class_name: str | None = Field(None, max_length=253)
     runtime_class_name: str | None = Field(None, max_length=253)
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)

@@ -99,9 +99,168 @@ INVALID = [
     ("unknown model scheme", _set("spec.model.source", "hf:SmolLM2"), "openapi"),
     (
         "model volume with two sources",
-        _set("spec.model", {"source": "/models/a.gguf", "volume": {"a": {}, "b": {}}}),
+        _set(
+            "spec.model",
+            {
+                "source": "/models/a.gguf",
+                "volume": {
+                    "persistentVolumeClaim": {"claimName": "m"},
+                    "nfs": {"server": "nfs.example", "path": "/m"},
+                },
+            },
+        ),
         "openapi",
     ),
+    (
+        "model volume on the node's filesystem",
+        _set("spec.model", {"source": "/models/a.gguf", "volume": {"hostPath": {"path": "/"}}}),
+        "unknown-field",
+    ),
+    (
+        "model volume from a Secret",
+        _set("spec.model", {"source": "/models/a.gguf", "volume": {"secret": {"secretName": "s"}}}),
+        "unknown-field",
+    ),
+    (
+        "model volume claim without a name",
+        _set("spec.model", {"source": "/models/a", "volume": {"persistentVolumeClaim": {}}}),
+        "openapi",
+    ),
+    (
+        "mistyped toleration effect",
+        _set("spec.prefill.pod", {"tolerations": [{"key": "gpu", "effect": "NoSchedul"}]}),
+        "openapi",
+    ),
+    (
+        "misspelt toleration field",
+        _set("spec.decode.pod", {"tolerations": [{"key": "gpu", "tolerationSecond": 5}]}),
+        "unknown-field",
+    ),
+    (
+        "toleration without a key or Exists",
+        _set("spec.prefill.pod", {"tolerations": [{"operator": "Equal", "value": "a"}]}),
+        "cel",
+    ),
+    (
+        "toleration Exists with a value",
+        _set(
+            "spec.prefill.pod", {"tolerations": [{"key": "g", "operator": "Exists", "value": "a"}]}
+        ),
+        "cel",
+    ),
+    (
+        "toleration seconds without NoExecute",
+        _set("spec.decode.pod", {"tolerations": [{"key": "g", "tolerationSeconds": 30}]}),
+        "cel",
+    ),
+    (
+        "toleration as a string",
+        _set("spec.decode.pod", {"tolerations": ["nvidia.com/gpu"]}),
+        "openapi",
+    ),
+    (
+        "node affinity operator in lower case",
+        _set(
+            "spec.prefill.pod",
+            {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "gpu", "operator": "in"}]}
+                            ]
+                        }
+                    }
+                }
+            },
+        ),
+        "openapi",
+    ),
+    (
+        "pod anti-affinity weight zero",
+        _set(
+            "spec.prefill.pod",
+            {
+                "affinity": {
+                    "podAntiAffinity": {
+                        "preferredDuringSchedulingIgnoredDuringExecution": [
+                            {"weight": 0, "podAffinityTerm": {"topologyKey": "zone"}}
+                        ]
+                    }
+                }
+            },
+        ),
+        "openapi",
+    ),
+    (
+        "misspelt affinity kind",
+        _set("spec.prefill.pod", {"affinity": {"podAntiAfinity": {}}}),
+        "unknown-field",
+    ),
+    (
+        "spread constraint without a topology key",
+        _set(
+            "spec.decode.pod",
+            {"topologySpreadConstraints": [{"maxSkew": 1, "whenUnsatisfiable": "DoNotSchedule"}]},
+        ),
+        "openapi",
+    ),
+    (
+        "env from two sources",
+        _set(
+            "spec.decode.pod",
+            {
+                "env": [
+                    {
+                        "name": "X",
+                        "valueFrom": {
+                            "fieldRef": {"fieldPath": "spec.nodeName"},
+                            "secretKeyRef": {"name": "s", "key": "k"},
+                        },
+                    }
+                ]
+            },
+        ),
+        "openapi",
+    ),
+    (
+        "env from an unknown source",
+        _set("spec.decode.pod", {"env": [{"name": "X", "valueFrom": {"secretRef": {"n": 1}}}]}),
+        "unknown-field",
+    ),
+    (
+        "extraArgs flip the KV checksum off",
+        _set("spec.engine.extraArgs", ["--no-kv-checksum"]),
+        "cel",
+    ),
+    (
+        "extraArgs turn scrubbing on",
+        _set("spec.engine.extraArgs", ["--scrub-on-free"]),
+        "cel",
+    ),
+    (
+        "extraArgs set the context with a value",
+        _set("spec.engine.extraArgs", ["--context-length=65536"]),
+        "cel",
+    ),
+    (
+        "extraArgs set the context abbreviated",
+        _set("spec.engine.extraArgs", ["--context-len", "65536"]),
+        "cel",
+    ),
+    (
+        "extraArgs set the pool budget",
+        _set("spec.engine.extraArgs", ["--kv-cache-memory", "100Gi"]),
+        "cel",
+    ),
+    (
+        "extraArgs set the pool share",
+        _set("spec.engine.extraArgs", ["--max-pool-share-per-tenant=1"]),
+        "cel",
+    ),
+    ("extraArgs set the device", _set("spec.engine.extraArgs", ["--device", "cuda"]), "cel"),
+    ("extraArgs set the port", _set("spec.engine.extraArgs", ["--port=9000"]), "cel"),
+    ("extraArgs set the role", _set("spec.engine.extraArgs", ["--role", "both"]), "cel"),
     ("service port zero", _set("spec.router.service.port", 0), "openapi"),
     ("unknown service type", _set("spec.router.service.type", "Ingress"), "openapi"),
     ("bad secret name", _set("spec.router.apiKeysSecret", "Keys_Secret"), "openapi"),
@@ -180,7 +339,15 @@ def _edge_values() -> dict:
     manifest = load_sample("cpu-lower-context")
     manifest["spec"]["prefill"]["replicas"] = 0
     manifest["spec"]["minContextLength"] = manifest["spec"]["contextLength"]
-    manifest["spec"]["engine"] = {"memoryFraction": 1, "extraArgs": ["--threads", "2"]}
+    manifest["spec"]["engine"] = {
+        "memoryFraction": 1,
+        # flags the spec does not derive, even those sharing a prefix with one it does
+        "extraArgs": [
+            "--threads", "2", "--max-num-seqs", "8", "--max-batched-tokens=512",
+            "--transfer-max-connections", "4", "--reserve-timeout", "5", "--weight-dtype",
+            "float32", "--max-waiting", "16",
+        ],
+    }  # fmt: skip
     manifest["spec"]["tenantLimits"] = {"maxConcurrentRequests": 1, "maxPoolSharePerTenant": 1}
     return manifest
 
@@ -196,3 +363,48 @@ def test_pydantic_error_names_the_wrong_value():
     manifest["spec"]["minContextLength"] = 9000
     with pytest.raises(ValidationError, match="9000 > 4096"):
         InferenceDeployment.model_validate(manifest)
+
+
+@pytest.mark.parametrize(
+    "volume",
+    [
+        {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+        {"image": {"reference": "registry.example/models/smollm2:1", "pullPolicy": "IfNotPresent"}},
+        {"csi": {"driver": "s3.csi.aws.com", "volumeAttributes": {"bucketName": "models"}}},
+        {"nfs": {"server": "nfs.example", "path": "/exports/models", "readOnly": True}},
+    ],
+    ids=lambda v: next(iter(v)),
+)
+def test_allowed_model_volume_types_are_accepted_and_reach_the_pod_unchanged(volume):
+    manifest = load_sample("minimal")
+    manifest["spec"]["model"] = {"source": "/models/m.gguf", "volume": volume}
+    assert crd_admission().refusals(manifest) == []
+    spec = InferenceDeployment.model_validate(manifest).spec
+    assert {**spec.model.volume, "name": "model"} == {**volume, "name": "model"}
+
+
+def test_a_refused_model_volume_type_is_named_with_the_allowed_ones():
+    manifest = load_sample("minimal")
+    manifest["spec"]["model"] = {"source": "/models/m", "volume": {"hostPath": {"path": "/"}}}
+    with pytest.raises(ValidationError, match="hostPath is not an allowed volume type; use one of "
+                       "persistentVolumeClaim, image, csi, nfs"):  # fmt: skip
+        InferenceDeployment.model_validate(manifest)
+
+
+def test_extra_args_refusal_names_the_spec_field_to_use():
+    manifest = load_sample("minimal")
+    manifest["spec"]["engine"] = {"extraArgs": ["--no-kv-checksum"]}
+    (refusal,) = crd_admission().refusals(manifest)
+    assert refusal.message == (
+        "extraArgs must not set --kv-checksum or --no-kv-checksum: set engine.kvChecksum instead"
+    )
+
+
+def test_env_may_read_a_secret_key_as_a_pod_may():
+    """Documented, not limited: docs/crd.md "Who may create one"."""
+    manifest = load_sample("minimal")
+    env = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+    manifest["spec"]["decode"] = {"pod": {"env": env}}
+    assert crd_admission().refusals(manifest) == []
+    pod = InferenceDeployment.model_validate(manifest).spec.decode.pod
+    assert pod.model_dump(by_alias=True, exclude_none=True)["env"] == env

@@ -499,7 +499,8 @@ def test_a_failed_job_reports_the_termination_message(cluster: Cluster):
 
 
 def test_a_job_past_its_active_deadline_is_killed_and_fails(cluster: Cluster):
-    cluster.create(job("slow", ["sleep", "60"], activeDeadlineSeconds=1))
+    # 5 s: time for the pod to start, even on a loaded machine
+    cluster.create(job("slow", ["sleep", "60"], activeDeadlineSeconds=5))
     running = cluster.wait_for(
         lambda: only_pod(cluster, **{"job-name": "slow"}),
         "the Job's pod to run",

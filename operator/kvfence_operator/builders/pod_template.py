@@ -8,6 +8,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from kvfence_engine.tools.cache_dir import WEIGHTS_CACHE_ENV
 from kvfence_operator.crd.types import MODEL_MOUNT_PATH, ModelSpec, PodOverrides, Resources
 from kvfence_operator.meta import HTTP_PORT
 
@@ -28,6 +29,9 @@ def pod_security_context() -> dict[str, Any]:
         "runAsUser": RUN_AS_ID,
         "runAsGroup": RUN_AS_ID,
         "fsGroup": RUN_AS_ID,  # makes the 0440 secret files readable by the container user
+        # chown a volume only when its root is not the group's yet: not every file of a
+        # writable model volume at every pod start
+        "fsGroupChangePolicy": "OnRootMismatch",
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
@@ -53,6 +57,13 @@ def tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
 def home_in_tmp() -> dict[str, str]:
     """Libraries that cache under $HOME need it writable."""
     return {"name": "HOME", "value": "/tmp"}
+
+
+def no_weights_cache() -> dict[str, str]:
+    """Engines keep no converted (float32) weights cache: HOME is the small scratch volume, a
+    7B model's conversion is ~28 GB, and an emptyDir dies with the pod, so it would only save
+    the conversion on a container restart."""
+    return {"name": WEIGHTS_CACHE_ENV, "value": "off"}
 
 
 def model_volume(model: ModelSpec) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -98,15 +109,6 @@ def engine_resources(resources: Resources | None) -> dict[str, Any]:
 def _positive(quantity: int | str) -> bool:
     number = re.match(r"[+-]?[0-9.]+", str(quantity))
     return number is not None and float(number.group()) > 0
-
-
-def requests_gpu(resources: dict[str, Any]) -> bool:
-    """True when the container asks for any */gpu device: the engine then runs on cuda."""
-    return any(
-        name.endswith("/gpu") and _positive(quantity)
-        for section in ("requests", "limits")
-        for name, quantity in resources.get(section, {}).items()
-    )
 
 
 def cpu_threads(resources: dict[str, Any]) -> int | None:

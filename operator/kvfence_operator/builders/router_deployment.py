@@ -13,6 +13,7 @@ from kvfence_operator.builders.pod_template import (
     http_port,
     http_probes,
     model_volume,
+    override_env,
     pod_template,
     tmp_volume,
 )
@@ -144,7 +145,7 @@ def build_router_deployment(
         "command": ["kvfence"],
         "args": router_args(spec),
         "ports": [http_port()],
-        "env": [home_in_tmp()],
+        "env": [home_in_tmp(), *override_env(spec.router.pod)],
         "resources": {k: dict(v) for k, v in ROUTER_RESOURCES.items()},
         "securityContext": container_security_context(),
         "volumeMounts": [
@@ -159,6 +160,7 @@ def build_router_deployment(
         pod_labels=labels(instance, revision, Role.ROUTER),
         containers=[container],
         volumes=[tmp, config, credentials, *(volume for volume, _ in models)],
+        overrides=spec.router.pod,
     )
     return {
         "apiVersion": "apps/v1",

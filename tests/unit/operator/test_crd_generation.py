@@ -83,7 +83,7 @@ def test_only_free_form_kubernetes_objects_preserve_unknown_fields():
     }
     pod = "openAPIV3Schema.spec.{role}.pod"
     expected = {"openAPIV3Schema.spec.model.volume"}
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode", "router", "canary"):
         expected |= {
             f"{pod.format(role=role)}.tolerations[]",
             f"{pod.format(role=role)}.affinity",

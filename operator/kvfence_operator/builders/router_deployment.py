@@ -12,7 +12,6 @@ from kvfence_operator.builders.pod_template import (
     home_in_tmp,
     http_port,
     http_probes,
-    model_volume,
     override_env,
     pod_template,
     tmp_volume,
@@ -99,6 +98,8 @@ def router_args(spec: InferenceDeploymentSpec) -> list[str]:
         "--port", str(HTTP_PORT),
         "--backends-file", BACKENDS_FILE,
         "--model", spec.model.source,  # its tokenizer: the router rejects over-long prompts
+        # a model on a volume: the tokenizer comes from the engines, the router mounts nothing
+        *(["--tokenizer-from-engines"] if spec.model.volume is not None else []),
         "--api-keys", TENANT_KEYS_FILE,
         "--api-keys", CANARY_KEYS_FILE,
         # No --context-length: it would override the backends file, where the operator
@@ -138,7 +139,6 @@ def build_router_deployment(
             ],
         },
     }
-    models = model_volume(spec.model)  # the router tokenizes to reject over-long prompts
     container = {
         "name": "router",
         "image": spec.engine.image,
@@ -152,14 +152,13 @@ def build_router_deployment(
             tmp_mount,
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True},
-            *(mount for _, mount in models),
         ],
         **http_probes(),
     }
     template = pod_template(
         pod_labels=labels(instance, revision, Role.ROUTER),
         containers=[container],
-        volumes=[tmp, config, credentials, *(volume for volume, _ in models)],
+        volumes=[tmp, config, credentials],
         overrides=spec.router.pod,
     )
     return {

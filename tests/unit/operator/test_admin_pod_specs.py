@@ -225,3 +225,23 @@ def test_fs_group_changes_ownership_only_when_the_volume_root_differs(sample):
     assert pods
     for pod in pods:
         assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+
+
+# ---- 5. the router's tokenizer without the model volume ----------------------------------
+
+
+def test_the_router_mounts_no_model_volume_and_reads_the_tokenizer_from_its_engines():
+    """A ReadWriteOnce claim attaches to one node: a router elsewhere would never start."""
+    deployment = build_router_deployment(sample_spec("full"), instance_for("full"), REVISION)
+    assert {v["name"] for v in pod_spec(deployment)["volumes"]} == {"tmp", "config", "credentials"}
+    assert all(m["mountPath"] != "/models" for m in container(deployment)["volumeMounts"])
+    args = container(deployment)["args"]
+    assert "--tokenizer-from-engines" in args
+    assert flag(args, "--model") == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"  # what it checks
+
+
+def test_a_builtin_model_is_tokenized_from_the_image():
+    args = container(
+        build_router_deployment(sample_spec("minimal"), instance_for("minimal"), REVISION)
+    )["args"]
+    assert "--tokenizer-from-engines" not in args

@@ -87,9 +87,9 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument(
         "--tokenizer-from-engines",
         action="store_true",
-        help="read the tokenizer of --model from an engine of the backends (GET "
-        "/internal/v1/tokenizer, internal token) instead of from the model's files, which this "
-        "process then needs no access to; not ready until an engine serving --model gave it",
+        help="read the tokenizer from an engine of the backends (GET /internal/v1/tokenizer, "
+        "internal token) instead of from the model's files, which this process then needs no "
+        "access to; not ready until an engine (serving --model, if given) gave it",
     )
     p.add_argument(
         "--internal-token-file",
@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.router.keys import ApiKeys
     from kvfence_engine.router.served_model import (
         MODEL_WAIT_SECONDS,
+        RouterModel,
         agreed_model,
         read_engine_models,
     )
@@ -119,9 +120,6 @@ def run(args: argparse.Namespace) -> int:
             "kvfence router: give --prefill and --decode URLs or --backends-file", file=sys.stderr
         )
         return 2
-    if args.tokenizer_from_engines and not args.model:
-        print("kvfence router: --tokenizer-from-engines needs --model", file=sys.stderr)
-        return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     try:
         token = read_token(args.internal_token_file)
@@ -129,11 +127,16 @@ def run(args: argparse.Namespace) -> int:
         backends = Backends.create(args.prefill, args.decode, args.backends_file)
         engines = [b.url for pool in (backends.prefill, backends.decode) for b in pool.backends]
         wait = 0.0 if args.model else MODEL_WAIT_SECONDS  # given: check the engines that answer
-        model = agreed_model(engines, read_engine_models(engines, token, wait), args.model, wait)
-        # from the engines: read once one is listed (RouterState.load_tokenizer)
-        name, tokenizer = (
-            ("", None) if args.tokenizer_from_engines else load_tokenizer(model.source)
-        )
+        if args.tokenizer_from_engines:  # read once an engine is listed (RouterState)
+            model = RouterModel(args.model or "", None)
+            if args.model:  # the engines listed now must serve it
+                agreed_model(engines, read_engine_models(engines, token, 0.0), args.model, 0.0)
+            name, tokenizer = "", None
+        else:
+            model = agreed_model(
+                engines, read_engine_models(engines, token, wait), args.model, wait
+            )
+            name, tokenizer = load_tokenizer(model.source)
     except (OSError, ValueError) as exc:
         print(f"kvfence router: {exc}", file=sys.stderr)
         return 2
@@ -145,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
         token,
         args.context_length,
         inflight=TenantInflight(args.max_concurrent_per_tenant),
-        tokenizer_source=model.source if args.tokenizer_from_engines else None,
+        tokenizer_from_engines=args.tokenizer_from_engines,
+        tokenizer_source=args.model,
     )
     app = create_router_app(state)
     set_max_request_bytes(app, args.max_request_bytes)

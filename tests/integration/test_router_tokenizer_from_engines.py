@@ -119,3 +119,25 @@ def test_the_engines_tokenizer_needs_the_internal_token(fuzz_deployment: Deploym
     served = httpx.get(url, headers={TOKEN_HEADER: FUZZ_TOKEN})
     assert served.status_code == 200
     assert served.json()["model_source"] == "builtin:tiny-random"
+
+
+def test_without_model_the_router_takes_its_engines_tokenizer_and_name(
+    fuzz_deployment: Deployment, tmp_path: Path
+) -> None:
+    """What the operator runs for a model on a volume: the engines were given the same source,
+    and the tokenizer is theirs by construction."""
+    backends = tmp_path / "backends.json"
+    backends_file(backends, None, "builtin:tiny-random", 1)
+    command = router_command(tmp_path, "builtin:tiny-random")
+    command.remove("--model")
+    command.remove("builtin:tiny-random")
+    with listening(command, tmp_path / "router.log") as router:
+        backends_file(backends, fuzz_deployment, "builtin:tiny-random", 2)
+        router.wait_ready(timeout=60)
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key=FUZZ_KEY, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["tiny-random"]
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(
+                model="tiny-random", prompt="word " * (4 * FUZZ_CONTEXT), max_tokens=1
+            )
+        assert refused.value.code == "context_length_exceeded"

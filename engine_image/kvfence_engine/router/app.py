@@ -140,7 +140,8 @@ class RouterState:
     inflight: TenantInflight = field(default_factory=TenantInflight)
     _discovered_context: int | None = None
     background: set["asyncio.Task[None]"] = field(default_factory=set)
-    # --tokenizer-from-engines: the model source whose tokenizer the engines must serve
+    # --tokenizer-from-engines: read it from an engine, which must serve tokenizer_source if set
+    tokenizer_from_engines: bool = False
     tokenizer_source: str | None = None
     tokenizer_problem: str = "not read yet"
     _tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -164,9 +165,9 @@ class RouterState:
         return tenant
 
     async def load_tokenizer(self) -> None:
-        """With tokenizer_source: read the tokenizer from an engine of the backends, once; a
-        failure is kept in tokenizer_problem and tried again at the next call."""
-        if self.tokenizer is not None or self.tokenizer_source is None:
+        """With tokenizer_from_engines: read the tokenizer from an engine of the backends,
+        once; a failure is kept in tokenizer_problem and tried again at the next call."""
+        if self.tokenizer is not None or not self.tokenizer_from_engines:
             return
         async with self._tokenizer_lock:
             if self.tokenizer is not None:
@@ -181,7 +182,7 @@ class RouterState:
             except ValueError as exc:
                 self.tokenizer_problem = str(exc)
                 return
-            self.model_name = self.model_name or got.name or self.tokenizer_source
+            self.model_name = self.model_name or got.name or "model"
             self.tokenizer = got.tokenizer
 
     async def served_tokenizer(self) -> Tokenizer:

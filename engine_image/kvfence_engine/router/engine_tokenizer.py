@@ -1,7 +1,8 @@
 """The tokenizer of a router that has no model files (`kvfence router --tokenizer-from-engines`):
 read from one of its engines (GET /internal/v1/tokenizer, internal token), which must serve
-the source the router was given. A router on a cluster so mounts no model volume, which a
-ReadWriteOnce claim could not attach on a second node."""
+the source the router was given, if it was given one. The tokenizer is then the engines' own by
+construction. A router on a cluster so mounts no model volume, which a ReadWriteOnce claim
+could not attach on a second node."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,10 +22,10 @@ class EngineTokenizer:
 
 
 async def fetch_tokenizer(
-    client: httpx.AsyncClient, urls: Sequence[str], headers: dict[str, str], source: str
+    client: httpx.AsyncClient, urls: Sequence[str], headers: dict[str, str], source: str | None
 ) -> EngineTokenizer:
-    """The tokenizer of the first engine in `urls` that serves `source`; ValueError saying in
-    one line why none could give it."""
+    """The tokenizer of the first engine in `urls` that serves `source` (None: any source);
+    ValueError saying in one line why none could give it."""
     if not urls:
         raise ValueError("no engine listed yet to read the tokenizer from")
     problems: list[str] = []
@@ -40,7 +41,7 @@ async def fetch_tokenizer(
         try:
             body: dict[str, Any] = response.json()
             served = body["model_source"]
-            if served != source:
+            if source is not None and served != source:
                 problems.append(f"{url} serves {served}, not {source}")
                 continue
             return EngineTokenizer(body.get("model_name"), tokenizer_of_data(body["tokenizer"]))

@@ -97,9 +97,13 @@ def router_args(spec: InferenceDeploymentSpec) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(HTTP_PORT),
         "--backends-file", BACKENDS_FILE,
-        "--model", spec.model.source,  # its tokenizer: the router rejects over-long prompts
-        # a model on a volume: the tokenizer comes from the engines, the router mounts nothing
-        *(["--tokenizer-from-engines"] if spec.model.volume is not None else []),
+        # Its tokenizer: the router rejects over-long prompts. A model on a volume: the
+        # router mounts nothing and reads the engines' own tokenizer from them.
+        *(
+            ["--tokenizer-from-engines"]
+            if spec.model.volume is not None
+            else ["--model", spec.model.source]
+        ),
         "--api-keys", TENANT_KEYS_FILE,
         "--api-keys", CANARY_KEYS_FILE,
         # No --context-length: it would override the backends file, where the operator

@@ -88,6 +88,13 @@ def add_parser(sub: Subparsers) -> None:
         "when they disagree, or disagree with --model)",
     )
     p.add_argument(
+        "--tokenizer-from-engines",
+        action="store_true",
+        help="read the tokenizer from an engine of the backends (GET /internal/v1/tokenizer, "
+        "internal token) instead of from the model's files, which this process then needs no "
+        "access to; not ready until an engine (serving --model, if given) gave it",
+    )
+    p.add_argument(
         "--internal-token-file",
         default=None,
         help="send this token to the engines; require it on /metrics and for the full "
@@ -105,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.router.keys import ApiKeys
     from kvfence_engine.router.served_model import (
         MODEL_WAIT_SECONDS,
+        RouterModel,
         agreed_model,
         read_engine_models,
     )
@@ -123,8 +131,16 @@ def run(args: argparse.Namespace) -> int:
         backends = Backends.create(args.prefill, args.decode, args.backends_file)
         engines = [b.url for pool in (backends.prefill, backends.decode) for b in pool.backends]
         wait = 0.0 if args.model else MODEL_WAIT_SECONDS  # given: check the engines that answer
-        model = agreed_model(engines, read_engine_models(engines, token, wait), args.model, wait)
-        name, tokenizer = load_tokenizer(model.source)
+        if args.tokenizer_from_engines:  # read once an engine is listed (RouterState)
+            model = RouterModel(args.model or "", None)
+            if args.model:  # the engines listed now must serve it
+                agreed_model(engines, read_engine_models(engines, token, 0.0), args.model, 0.0)
+            name, tokenizer = "", None
+        else:
+            model = agreed_model(
+                engines, read_engine_models(engines, token, wait), args.model, wait
+            )
+            name, tokenizer = load_tokenizer(model.source)
     except (OSError, ValueError) as exc:
         print(f"kvfence router: {exc}", file=sys.stderr)
         return 2
@@ -136,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
         token,
         args.context_length,
         inflight=TenantInflight(args.max_concurrent_per_tenant),
+        tokenizer_from_engines=args.tokenizer_from_engines,
+        tokenizer_source=args.model,
     )
     app = create_router_app(state)
     set_max_request_bytes(app, args.max_request_bytes)

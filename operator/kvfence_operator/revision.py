@@ -92,7 +92,10 @@ def pod_shaping_parts(spec: InferenceDeploymentSpec) -> dict[str, object]:
                 "poolPolicy": stored.get("poolPolicy"),
                 "prefill": without_replicas("prefill"),
                 "decode": without_replicas("decode"),
-                "router": {"apiKeysSecret": stored["router"]["apiKeysSecret"]},
+                "router": {
+                    "apiKeysSecret": stored["router"]["apiKeysSecret"],
+                    "pod": stored["router"].get("pod"),  # pruned when empty: no new revision
+                },
                 # the router's and the engines' flags
                 "tenantLimits": stored.get("tenantLimits"),
                 # the pods' grace period and --drain-seconds (retireAfterSeconds is not: it

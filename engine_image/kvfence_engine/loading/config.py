@@ -47,7 +47,7 @@ UNREADABLE = (OSError, ValueError, KeyError, TypeError, SafetensorError)
 
 
 def converted_path(path: Path) -> Path | None:
-    root = cache.writable_cache_dir()
+    root = cache.weights_cache_dir()
     key = cache.file_key(path, f"conversion {CONVERSION}")
     return root / f"weights-{key}.safetensors" if root else None
 

@@ -149,22 +149,20 @@ def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
     )
 
 
-def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
-    """One JSON file: the tokenizers model plus what the engine adds (eos, template)."""
-    data = {
+def tokenizer_data(tokenizer: Tokenizer) -> dict[str, Any]:
+    """The tokenizers model plus what the engine adds (eos, template), as JSON values: what
+    the cache file holds and what an engine serves its router (GET /internal/v1/tokenizer)."""
+    return {
         "tokenizer": json.loads(tokenizer.backend.to_str()),
         "eos_ids": sorted(tokenizer.eos_ids),
         "bos_token": tokenizer.bos_token,
         "eos_token": tokenizer.eos_token,
         "chat_template": tokenizer.chat_template,
     }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)  # atomic: concurrent processes never read half a file
 
 
-def load_saved_tokenizer(path: Path) -> Tokenizer:
-    data = json.loads(path.read_text())
+def tokenizer_of_data(data: dict[str, Any]) -> Tokenizer:
+    """The inverse of tokenizer_data; KeyError, TypeError or ValueError for anything else."""
     return Tokenizer(
         backend=HFTokenizer.from_str(json.dumps(data["tokenizer"])),
         eos_ids=frozenset(data["eos_ids"]),
@@ -172,6 +170,17 @@ def load_saved_tokenizer(path: Path) -> Tokenizer:
         eos_token=data["eos_token"],
         chat_template=data["chat_template"],
     )
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
+    """One JSON file: tokenizer_data."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(tokenizer_data(tokenizer)))
+    tmp.replace(path)  # atomic: concurrent processes never read half a file
+
+
+def load_saved_tokenizer(path: Path) -> Tokenizer:
+    return tokenizer_of_data(json.loads(path.read_text()))
 
 
 def tokenizer_from_folder(folder: Path, eos_ids: Sequence[int] = ()) -> Tokenizer:

@@ -67,6 +67,7 @@ from kvfence_engine.disagg.wire import delta_of
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.router.backends import Backend, Backends, StalePush
+from kvfence_engine.router.engine_tokenizer import fetch_tokenizer
 from kvfence_engine.router.keys import ApiKeys, request_id_for
 from kvfence_engine.router.tenants import InflightCollector, Slot, TenantInflight
 from kvfence_engine.serving.limits import refuse_unfittable_prompt
@@ -125,7 +126,7 @@ class RouterMetrics:
 @dataclass(slots=True)
 class RouterState:
     model_name: str
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: read from an engine (tokenizer_source) when it can be
     backends: Backends
     api_keys: ApiKeys | None  # None: no keys files, every request is the default tenant
     internal_token: str | None
@@ -139,6 +140,11 @@ class RouterState:
     inflight: TenantInflight = field(default_factory=TenantInflight)
     _discovered_context: int | None = None
     background: set["asyncio.Task[None]"] = field(default_factory=set)
+    # --tokenizer-from-engines: read it from an engine, which must serve tokenizer_source if set
+    tokenizer_from_engines: bool = False
+    tokenizer_source: str | None = None
+    tokenizer_problem: str = "not read yet"
+    _tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
         self.metrics.registry.register(InflightCollector(self.inflight))
@@ -157,6 +163,44 @@ class RouterState:
                 401, "missing or invalid API key", "invalid_request_error", "invalid_api_key"
             )
         return tenant
+
+    async def load_tokenizer(self) -> None:
+        """With tokenizer_from_engines: read the tokenizer from an engine of the backends,
+        once; a failure is kept in tokenizer_problem and tried again at the next call."""
+        if self.tokenizer is not None or not self.tokenizer_from_engines:
+            return
+        async with self._tokenizer_lock:
+            if self.tokenizer is not None:
+                return
+            self.backends.refresh()
+            pools = (self.backends.prefill, self.backends.decode)
+            urls = [b.url for pool in pools for b in pool.backends]
+            try:
+                got = await fetch_tokenizer(
+                    self.client, urls, self.headers(), self.tokenizer_source
+                )
+            except ValueError as exc:
+                self.tokenizer_problem = str(exc)
+                return
+            self.model_name = self.model_name or got.name or "model"
+            self.tokenizer = got.tokenizer
+
+    async def served_tokenizer(self) -> Tokenizer:
+        """The tokenizer, or a 503 that says why there is none yet."""
+        await self.load_tokenizer()
+        return self.require_tokenizer()
+
+    def require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise EngineError(
+                503,
+                f"the router has no tokenizer yet: {self.tokenizer_problem}",
+                "server_error",
+                "not_ready",
+                None,
+                2,
+            )
+        return self.tokenizer
 
     def headers(self) -> dict[str, str]:
         return {TOKEN_HEADER: self.internal_token} if self.internal_token else {}
@@ -236,9 +280,14 @@ def create_router_app(state: RouterState) -> FastAPI:
     async def readyz() -> JSONResponse:
         state.backends.refresh()
         ready = bool(state.backends.prefill.backends and state.backends.decode.backends)
-        return JSONResponse(
-            {"status": "ready" if ready else "no backends"}, status_code=200 if ready else 503
-        )
+        if not ready:
+            return JSONResponse({"status": "no backends"}, status_code=503)
+        await state.load_tokenizer()
+        if state.tokenizer is None:
+            return JSONResponse(
+                {"status": "no tokenizer", "reason": state.tokenizer_problem}, status_code=503
+            )
+        return JSONResponse({"status": "ready"})
 
     @app.get("/metrics", responses=METRICS_RESPONSES | error_responses(401, 403))
     async def metrics(request: Request) -> Response:
@@ -303,6 +352,7 @@ def create_router_app(state: RouterState) -> FastAPI:
     @app.get("/v1/models", responses=error_responses(*OPENAI_ERRORS))
     async def models(request: Request) -> dict[str, Any]:
         state.tenant(request)
+        await state.served_tokenizer()  # and the model's name with it
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "kvfence", "max_model_len": await state.served_context(),
@@ -311,14 +361,13 @@ def create_router_app(state: RouterState) -> FastAPI:
     @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         tenant = state.tenant(request)
+        tokenizer = await state.served_tokenizer()
         check_model(body.model, state.model_name)
 
         async def admitted(slot: Slot) -> Response:
             context = await state.served_context()
-            refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
-            prompt_ids = await asyncio.to_thread(
-                completion_prompt, body.prompt, state.tokenizer, 1 << 31
-            )
+            refuse_unfittable_prompt(body, tokenizer, context, state.metrics.rejected)
+            prompt_ids = await asyncio.to_thread(completion_prompt, body.prompt, tokenizer, 1 << 31)
             return await _route(
                 state, slot, prompt_ids, body, body.max_tokens, body.logprobs, False, request
             )
@@ -328,12 +377,13 @@ def create_router_app(state: RouterState) -> FastAPI:
     @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         tenant = state.tenant(request)
+        tokenizer = await state.served_tokenizer()
         check_model(body.model, state.model_name)
 
         async def admitted(slot: Slot) -> Response:
             context = await state.served_context()
-            refuse_unfittable_prompt(body, state.tokenizer, context, state.metrics.rejected)
-            prompt_ids = await asyncio.to_thread(chat_prompt, state.tokenizer, body)
+            refuse_unfittable_prompt(body, tokenizer, context, state.metrics.rejected)
+            prompt_ids = await asyncio.to_thread(chat_prompt, tokenizer, body)
             max_tokens, logprobs = body.token_limit(), chat_logprobs(body)
             return await _route(state, slot, prompt_ids, body, max_tokens, logprobs, True, request)
 
@@ -526,7 +576,7 @@ async def _route(
         await _abort(state, decode, request_id)
         return Response(status_code=499)
     deltas = slot.held_until_closed(_decode(state, decode, request_id, first))
-    out = OpenAIOutput(chat, state.model_name, state.tokenizer, len(prompt_ids))
+    out = OpenAIOutput(chat, state.model_name, state.require_tokenizer(), len(prompt_ids))
     try:
         first_delta = await anext(deltas)
     except BaseException:
@@ -535,7 +585,7 @@ async def _route(
     state.metrics.requests.labels(
         tenant=tenant, status="200" if first_delta.error is None else str(first_delta.error.status)
     ).inc()
-    detok = Detokenizer(state.tokenizer, body.stops())
+    detok = Detokenizer(state.require_tokenizer(), body.stops())
     return await respond(first_delta, deltas, out, detok, body, request.is_disconnected)
 
 

@@ -18,6 +18,7 @@ from kvfence_engine.contracts import EngineReadiness, KvPoolReport, Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.request import SamplingParams, is_terminal
 from kvfence_engine.loading.detokenizer import Detokenizer
+from kvfence_engine.loading.tokenizer import tokenizer_data
 from kvfence_engine.serving.async_engine import AsyncEngine
 from kvfence_engine.serving.limits import refuse_unfittable_prompt
 from kvfence_engine.serving.openai_api import (
@@ -67,6 +68,22 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/kvpool", dependencies=[Depends(operational)], responses=error_responses(401, 503))
     async def kvpool() -> KvPoolReport:
         return state.require_engine().engine.kvpool_report()
+
+    @app.get(
+        "/internal/v1/tokenizer",
+        dependencies=[Depends(operational)],
+        responses=error_responses(401, 503),
+    )
+    async def tokenizer() -> dict[str, Any]:
+        """The model's tokenizer, for a router that has no model volume (`kvfence router
+        --tokenizer-from-engines`): tokenizer_data, with the model's name and source."""
+        engine = state.require_engine().engine
+        report = engine.kvpool_report()
+        return {
+            "model_name": report.model_name,
+            "model_source": report.model_source,
+            "tokenizer": tokenizer_data(engine.tokenizer),
+        }
 
     @app.get("/metrics", dependencies=[Depends(operational)], responses=METRICS_RESPONSES)
     async def metrics() -> Response:

@@ -26,6 +26,18 @@ def writable_cache_dir() -> Path | None:
     return root if os.access(root, os.W_OK) else None
 
 
+# "off": no converted weights are cached (loading/config.py::converted_path); the operator sets
+# it in engine pods, whose only writable space is a small scratch volume.
+WEIGHTS_CACHE_ENV = "KVFENCE_WEIGHTS_CACHE"
+
+
+def weights_cache_dir() -> Path | None:
+    """Where converted weights are kept: the cache root, unless $KVFENCE_WEIGHTS_CACHE=off."""
+    if os.environ.get(WEIGHTS_CACHE_ENV, "").lower() == "off":
+        return None
+    return writable_cache_dir()
+
+
 def file_key(path: Path, salt: str = "") -> str:
     """Names what is cached of a file: its path, size and modification time (and salt)."""
     stat = path.stat()

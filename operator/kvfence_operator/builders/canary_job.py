@@ -7,6 +7,7 @@ from kvfence_operator.builders.pod_template import (
     INTERNAL_TOKEN_FILE,
     container_security_context,
     home_in_tmp,
+    override_env,
     pod_template,
     tmp_volume,
 )
@@ -105,6 +106,7 @@ def build_canary_job(
         ),
         "env": [
             home_in_tmp(),
+            *override_env(spec.canary.pod),  # before the keys: the last of a name wins
             *(
                 {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
                 for env, key in (
@@ -123,6 +125,7 @@ def build_canary_job(
         containers=[container],
         volumes=[tmp, token],
         restart_policy="Never",
+        overrides=spec.canary.pod,
     )
     meta = object_meta(
         instance, canary_job_name(instance, revision), labels(instance, revision, Role.CANARY)

@@ -13,12 +13,13 @@ from kvfence_operator.builders.pod_template import (
     http_port,
     http_probes,
     model_volume,
+    no_weights_cache,
     override_env,
     pod_template,
     pre_stop,
-    requests_gpu,
     tmp_volume,
 )
+from kvfence_operator.builders.resources import engine_device, with_default_requests
 from kvfence_operator.builders.secret import internal_token_volume
 from kvfence_operator.crd.types import InferenceDeploymentSpec, KvCacheDtype, PoolPolicy, Role
 from kvfence_operator.meta import (
@@ -94,7 +95,7 @@ def build_engine_deployment(
     _check_role(role)
     role_spec = spec.prefill if role is Role.PREFILL else spec.decode
     resources = engine_resources(role_spec.resources)
-    device = "cuda" if requests_gpu(resources) else "cpu"
+    device = engine_device(resources)
     ports = [http_port()]
     if role is Role.DECODE:  # decode receives KV from prefill here
         ports.append({"name": "transfer", "containerPort": TRANSFER_PORT, "protocol": "TCP"})
@@ -107,8 +108,8 @@ def build_engine_deployment(
         "command": ["kvfence"],
         "args": engine_args(spec, role, revision, device),
         "ports": ports,
-        "env": [home_in_tmp(), *override_env(role_spec.pod)],
-        "resources": resources,
+        "env": [home_in_tmp(), no_weights_cache(), *override_env(role_spec.pod)],
+        "resources": with_default_requests(resources),
         "securityContext": container_security_context(),
         "volumeMounts": [tmp_mount, token_mount, *(mount for _, mount in models)],
         **http_probes(),

@@ -8,6 +8,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from kvfence_engine.tools.cache_dir import WEIGHTS_CACHE_ENV
 from kvfence_operator.crd.types import (
     MODEL_MOUNT_PATH,
     PRE_STOP_SECONDS,
@@ -35,6 +36,9 @@ def pod_security_context() -> dict[str, Any]:
         "runAsUser": RUN_AS_ID,
         "runAsGroup": RUN_AS_ID,
         "fsGroup": RUN_AS_ID,  # makes the 0440 secret files readable by the container user
+        # chown a volume only when its root is not the group's yet: not every file of a
+        # writable model volume at every pod start
+        "fsGroupChangePolicy": "OnRootMismatch",
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
@@ -60,6 +64,13 @@ def tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
 def home_in_tmp() -> dict[str, str]:
     """Libraries that cache under $HOME need it writable."""
     return {"name": "HOME", "value": "/tmp"}
+
+
+def no_weights_cache() -> dict[str, str]:
+    """Engines keep no converted (float32) weights cache: HOME is the small scratch volume, a
+    7B model's conversion is ~28 GB, and an emptyDir dies with the pod, so it would only save
+    the conversion on a container restart."""
+    return {"name": WEIGHTS_CACHE_ENV, "value": "off"}
 
 
 def model_volume(model: ModelSpec) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -120,15 +131,6 @@ def _positive(quantity: int | str) -> bool:
     return number is not None and float(number.group()) > 0
 
 
-def requests_gpu(resources: dict[str, Any]) -> bool:
-    """True when the container asks for any */gpu device: the engine then runs on cuda."""
-    return any(
-        name.endswith("/gpu") and _positive(quantity)
-        for section in ("requests", "limits")
-        for name, quantity in resources.get(section, {}).items()
-    )
-
-
 def cpu_threads(resources: dict[str, Any]) -> int | None:
     """Torch CPU threads for a container: its CPU limit, else its CPU request, rounded up.
     Torch otherwise starts a thread per core of the node, and engines sharing cores then
@@ -165,9 +167,11 @@ def pod_template(
         spec["terminationGracePeriodSeconds"] = termination_grace_period_seconds
     if readiness_gates:
         spec["readinessGates"] = [{"conditionType": gate} for gate in readiness_gates]
+    # the typed core/v1 shapes' empty defaults stay out, as the API server omits them
     scheduling = overrides.model_dump(
         by_alias=True,
         exclude_none=True,
+        exclude_defaults=True,
         include={
             "node_selector",
             "tolerations",

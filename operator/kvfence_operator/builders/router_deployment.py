@@ -13,7 +13,7 @@ from kvfence_operator.builders.pod_template import (
     home_in_tmp,
     http_port,
     http_probes,
-    model_volume,
+    override_env,
     pod_template,
     pre_stop,
     tmp_volume,
@@ -99,7 +99,13 @@ def router_args(spec: InferenceDeploymentSpec) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(HTTP_PORT),
         "--backends-file", BACKENDS_FILE,
-        "--model", spec.model.source,  # its tokenizer: the router rejects over-long prompts
+        # Its tokenizer: the router rejects over-long prompts. A model on a volume: the
+        # router mounts nothing and reads the engines' own tokenizer from them.
+        *(
+            ["--tokenizer-from-engines"]
+            if spec.model.volume is not None
+            else ["--model", spec.model.source]
+        ),
         "--api-keys", TENANT_KEYS_FILE,
         "--api-keys", CANARY_KEYS_FILE,
         # No --context-length: it would override the backends file, where the operator
@@ -140,21 +146,19 @@ def build_router_deployment(
             ],
         },
     }
-    models = model_volume(spec.model)  # the router tokenizes to reject over-long prompts
     container = {
         "name": "router",
         "image": spec.engine.image,
         "command": ["kvfence"],
         "args": router_args(spec),
         "ports": [http_port()],
-        "env": [home_in_tmp()],
+        "env": [home_in_tmp(), *override_env(spec.router.pod)],
         "resources": {k: dict(v) for k, v in ROUTER_RESOURCES.items()},
         "securityContext": container_security_context(),
         "volumeMounts": [
             tmp_mount,
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True},
-            *(mount for _, mount in models),
         ],
         **http_probes(),
         **pre_stop(),
@@ -162,7 +166,8 @@ def build_router_deployment(
     template = pod_template(
         pod_labels=labels(instance, revision, Role.ROUTER),
         containers=[container],
-        volumes=[tmp, config, credentials, *(volume for volume, _ in models)],
+        volumes=[tmp, config, credentials],
+        overrides=spec.router.pod,
         termination_grace_period_seconds=spec.rollout.termination_grace_period_seconds,
     )
     return {

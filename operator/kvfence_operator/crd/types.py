@@ -266,11 +266,50 @@ class EngineSpec(_ApiModel):
         return self
 
 
-class Resources(_ApiModel):
-    """Container resources; replaces the default (one nvidia.com/gpu) as a whole."""
+CUDA_RESOURCE = "nvidia.com/gpu"
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"  # a MIG slice: nvidia.com/mig-1g.10gb, ...
+# Other vendors' device plugins: the engine image's torch is a CUDA build, so pods asking for
+# these would hold the device and run on CPU (or fail to start); refused on apply instead.
+OTHER_GPU_PREFIXES = ("amd.com/", "gpu.intel.com/")
+OTHER_GPU_MESSAGE = (
+    "resources: the engine image's torch runs on NVIDIA CUDA or on CPU only: request "
+    f"{CUDA_RESOURCE} or a MIG slice ({MIG_RESOURCE_PREFIX}<profile>), not another vendor's GPU"
+)
+_OTHER_GPU_RULE = cel(
+    (
+        f"self.all(k, k == '{CUDA_RESOURCE}' || !(k.endsWith('/gpu')"
+        + "".join(f" || k.startsWith('{prefix}')" for prefix in OTHER_GPU_PREFIXES)
+        + "))",
+        OTHER_GPU_MESSAGE,
+    )
+)
 
-    requests: dict[str, Quantity] = Field(default_factory=dict)
-    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+def is_cuda_resource(name: str) -> bool:
+    return name == CUDA_RESOURCE or name.startswith(MIG_RESOURCE_PREFIX)
+
+
+def is_other_gpu_resource(name: str) -> bool:
+    return name != CUDA_RESOURCE and (name.endswith("/gpu") or name.startswith(OTHER_GPU_PREFIXES))
+
+
+class Resources(_ApiModel):
+    """Container resources; replaces the default (one nvidia.com/gpu) as a whole. CPU and
+    memory requests are added where these name neither (the pod is then Burstable)."""
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, max_length=32, json_schema_extra=_OTHER_GPU_RULE
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict, max_length=32, json_schema_extra=_OTHER_GPU_RULE
+    )
+
+    @model_validator(mode="after")
+    def _cuda_only(self) -> "Resources":
+        other = sorted(n for n in [*self.requests, *self.limits] if is_other_gpu_resource(n))
+        if other:
+            raise ValueError(f"{OTHER_GPU_MESSAGE}; got {', '.join(other)}")
+        return self
 
 
 class EnvVar(_ApiModel):
@@ -349,6 +388,11 @@ class RouterSpec(_ApiModel):
         "'KEY TENANT' per line.",
     )
     service: RouterServiceSpec = Field(default_factory=RouterServiceSpec, **OBJECT_DEFAULT)
+    pod: PodOverrides = Field(
+        default_factory=PodOverrides,
+        description="Scheduling and metadata for the router pods (imagePullSecrets for a private "
+        "image); env goes to the router container. Part of the revision: a change rolls out.",
+    )
 
 
 class TenantLimits(_ApiModel):
@@ -378,6 +422,11 @@ class CanarySpec(_ApiModel):
     timeout_seconds: int = Field(900, ge=1, le=86400)
     image: str | None = Field(
         None, pattern=r"^\S+$", max_length=1024, description="Default: the engine image."
+    )
+    pod: PodOverrides = Field(
+        default_factory=PodOverrides,
+        description="Scheduling and metadata for the canary Job's pods; env goes to the canary "
+        "container. Applies to the next canary Job (no new revision).",
     )
 
 

@@ -110,3 +110,28 @@ def test_a_corrupt_weights_cache_is_converted_again_and_replaced(
 
 def _must_not_convert(path: Path) -> LoadedModel:
     raise AssertionError(f"{path} was converted again despite a valid cache entry")
+
+
+def test_with_the_weights_cache_off_no_weights_are_written_or_read(
+    tmp_path: Path, converted: tuple[Path, LoadedModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What engine pods run with: their scratch volume is far smaller than a converted model.
+    The tokenizer (small) is still cached."""
+    fresh = converted[1]
+    monkeypatch.setenv("KVFENCE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KVFENCE_WEIGHTS_CACHE", "off")
+    # a valid entry from the cache with weights on: not read either
+    for stored in converted[0].glob("weights-*.safetensors"):
+        (tmp_path / stored.name).write_bytes(stored.read_bytes())
+    kept = {p.name for p in tmp_path.iterdir()}
+    conversions: list[Path] = []
+
+    def convert(path: Path) -> LoadedModel:
+        conversions.append(path)
+        return LoadedModel(fresh.name, fresh.config, dict(fresh.weights), fresh.tokenizer)
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", convert)
+    loaded = load_gguf(smollm2_gguf_path())
+    assert torch.equal(loaded.weights["model.norm.weight"], fresh.weights["model.norm.weight"])
+    assert conversions == [smollm2_gguf_path()]
+    assert {p.name for p in tmp_path.iterdir()} == kept

@@ -22,7 +22,10 @@ def engine(sample: str, role: Role) -> dict:
 @pytest.mark.parametrize("role", ENGINE_ROLES)
 def test_engine_pods_ask_for_one_gpu_and_run_on_cuda_by_default(role):
     c = container(engine("minimal", role))
-    assert c["resources"] == {"requests": {"nvidia.com/gpu": 1}, "limits": {"nvidia.com/gpu": 1}}
+    assert c["resources"] == {
+        "requests": {"nvidia.com/gpu": 1, "cpu": "1", "memory": "4Gi"},  # never BestEffort
+        "limits": {"nvidia.com/gpu": 1},
+    }
     assert flag(c["args"], "--device") == "cuda"
 
 

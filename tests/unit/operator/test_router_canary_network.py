@@ -36,7 +36,7 @@ def test_router_runs_with_backends_file_both_key_files_context_and_token():
     assert flag(args, "--host") == "0.0.0.0"
     assert flag(args, "--port") == "8000"
     assert flag(args, "--backends-file") == "/etc/kvfence/backends.json"
-    assert flag(args, "--model") == "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert "--tokenizer-from-engines" in args  # a model on a volume: no --model, no mount
     assert "--context-length" not in args  # the backends file carries the served context
     assert flag(args, "--internal-token-file") == "/var/run/kvfence/internal-token"
     key_files = [args[i + 1] for i, a in enumerate(args) if a == "--api-keys"]

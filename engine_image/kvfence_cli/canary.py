@@ -3,6 +3,7 @@
 import argparse
 import logging
 import sys
+from dataclasses import replace
 
 from kvfence_cli.common import (
     TARGET_HELP,
@@ -93,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.tools.progress import Progress
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    progress = Progress("canary", len(planned_steps(args.rounds)))
     try:
         config = CanaryConfig(
             target=args.target,
@@ -103,13 +103,13 @@ def run(args: argparse.Namespace) -> int:
             context_length=args.context_length,
             timeout=args.timeout,
             rounds=args.rounds,
-            progress=progress.start_step,
         )
     except (ValueError, OSError) as exc:  # a bad flag, or an unreadable token file
         print(f"kvfence canary: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
-    with progress:
-        report = run_canary(config)
+    # made once the flags are good: an unfinished Progress is what this process reports
+    with Progress("canary", len(planned_steps(args.rounds))) as progress:
+        report = run_canary(replace(config, progress=progress.start_step))
     print(report.human())
     if args.report:
         write_report(report, args.report)

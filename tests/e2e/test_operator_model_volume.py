@@ -98,6 +98,17 @@ def test_a_router_without_the_model_volume_serves_and_refuses_over_long_prompts(
             interval=1.0,
         )
         assert models == ["smollm"]
+        # the router serves the model list with its tokenizer alone; answers need a gated
+        # decode pod in its backends, which Ready=True says
+        cluster.wait_for(
+            lambda: cluster.get("InferenceDeployment", NAME, api_version="kvfence.dev/v1alpha1"),
+            "Ready=True",
+            300,
+            until=lambda obj: any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in ((obj or {}).get("status") or {}).get("conditions") or []
+            ),
+        )
         answer = client.chat.completions.create(
             model="smollm", messages=[{"role": "user", "content": "Hi"}], max_tokens=2
         )

@@ -19,8 +19,8 @@ def refuses_connections(url: str, within: float = 5.0) -> bool:
     while time.monotonic() < deadline:
         try:
             httpx.get(url + "/healthz", timeout=1.0)
-        except httpx.ConnectError:
-            return True
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+            return True  # refused, or accepted by the closing socket's backlog and reset
         time.sleep(0.1)
     return False
 

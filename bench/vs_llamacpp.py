@@ -10,6 +10,10 @@ loopback:
   FILE --n_threads T --n_threads_batch T`), run by the python of a venv of its own
   (`--llamacpp-python`; `make bench` builds it). llama-cpp-python is a bench-only dependency:
   it is never installed into the project's venv, the test path or CI;
+- llama.cpp batched (concurrency 16 only; `--no-llamacpp-batched` leaves it out): llama.cpp's
+  own batched decoding through its C API as its `batched` example does it (bench/
+  _llamacpp_batched.py, run by the same venv's python): the 16 prompts prefilled in one batch,
+  then one batch per step, greedy, end-of-generation masked; in process, no HTTP;
 - transformers (`--no-transformers` leaves it out): `generate` in this process on the file
   dequantized to float32 (bench/_transformers.py), the same prompts as token ids, one at a time
   at concurrency 1 and one left-padded batch of 16 at concurrency 16. Its numbers are a bare
@@ -57,7 +61,9 @@ from _common import ForeignCpu, Stoppable, stop_all_on_exit, undisturbed
 
 CONCURRENCY = 16
 OURS, THEIRS, HF = "kvfence", "llama.cpp", "transformers"
+BATCHED = "llama.cpp batched"  # concurrency 16 only: llama.cpp's C API, one batch (in process)
 SERVED = (OURS, THEIRS)  # the systems behind HTTP
+BATCHED_SCRIPT = Path(__file__).with_name("_llamacpp_batched.py")
 READY_TIMEOUT_S = 180.0
 DEFAULT_LLAMACPP_PYTHON = Path(__file__).resolve().parents[1] / ".venv-llamacpp/bin/python"
 
@@ -70,6 +76,54 @@ def key(system: str, concurrency: int) -> str:
 
 class Failed(Exception):
     """Why the benchmark cannot run, in one line."""
+
+
+# --- the servers and llama.cpp's batched runner ---------------------------------------------
+
+
+class Batched:
+    """bench/_llamacpp_batched.py as a child process that lives for the whole run: one
+    generation of the 16 prompts per `run()`, its tokens/s and texts from its JSON line."""
+
+    def __init__(self, python: Path, gguf: Path, args: argparse.Namespace, prompts: list[str],
+                 logs: Path) -> None:  # fmt: skip
+        from kvfence_engine.tools.localproc import die_with_parent
+
+        prompts_file = logs / "batched-prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        self.log = logs / "llamacpp-batched.log"
+        command = [str(python), str(BATCHED_SCRIPT), str(gguf), str(args.threads)]
+        command += [str(args.max_tokens), str(prompts_file)]
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            )
+        if self._line() != "ready":
+            raise Failed(f"{BATCHED} did not start (log: {self.log})")
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if not line:
+            raise Failed(f"{BATCHED} exited with {self.proc.poll()} (log: {self.log})")
+        return line
+
+    def run(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        result: dict[str, Any] = json.loads(self._line())
+        return result
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 # --- the two servers ------------------------------------------------------------------------
@@ -237,6 +291,17 @@ async def agreement(
     return result
 
 
+async def batched_agreement(ours: Client, prompts: list[str], batched: Batched) -> dict[str, Any]:
+    """kvfence's forced greedy answers to the concurrent prompts against llama.cpp batched's
+    (both exactly max_tokens, no EOS stop), as text; also checks they read the same tokens."""
+    theirs = await asyncio.to_thread(batched.run)
+    answers = [await ours.complete(p) for p in prompts]
+    counts = [a["usage"]["prompt_tokens"] for a in answers]
+    if counts != theirs["prompt_tokens"]:
+        raise Failed(f"{BATCHED} read other prompt token counts: {theirs['prompt_tokens']}")
+    return _same([a["choices"][0]["text"] for a in answers], theirs["texts"])
+
+
 def _same(ours: list[Any], theirs: list[Any]) -> dict[str, Any]:
     differ = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
     first = {i: [ours[i], theirs[i]] for i in differ[:2]}  # what differed, to read
@@ -272,6 +337,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
     parser.add_argument(
+        "--no-llamacpp-batched",
+        dest="llamacpp_batched",
+        action="store_false",
+        help=f"leave out {BATCHED} (llama.cpp's C API, one batch) at concurrency {CONCURRENCY}",
+    )
+    parser.add_argument(
         "--no-transformers",
         dest="transformers",
         action="store_false",
@@ -302,11 +373,11 @@ def check_llamacpp(python: Path) -> str:
 
 
 def summarize(
-    rounds: list[Round], foreign: list[float], systems: tuple[str, ...]
+    rounds: list[Round], foreign: list[float], systems_at: dict[int, tuple[str, ...]]
 ) -> dict[str, Any]:
     kept, note = undisturbed(rounds, foreign)
     result: dict[str, Any] = {"rounds_kept": len(kept), "rounds": len(rounds), "note": note}
-    for concurrency in (1, CONCURRENCY):
+    for concurrency, systems in systems_at.items():
         medians = {s: statistics.median(r[key(s, concurrency)] for r in kept) for s in systems}
         result[f"concurrency_{concurrency}"] = {
             "tokens_per_s": medians,
@@ -318,14 +389,16 @@ def summarize(
 
 
 def report(summary: dict[str, Any]) -> None:
-    others = [s for s in (THEIRS, HF) if s in summary["concurrency_1"]["tokens_per_s"]]
+    present = summary[f"concurrency_{CONCURRENCY}"]["tokens_per_s"]
+    others = [s for s in (THEIRS, BATCHED, HF) if s in present]
     print()
-    header = f"{'scenario':<16}" + "".join(f"{s + ' tok/s':>20}" for s in (*others, OURS))
-    print(header + "".join(f"{'kvfence/' + s:>22}" for s in others))
+    header = f"{'scenario':<16}" + "".join(f"{s + ' tok/s':>24}" for s in (*others, OURS))
+    print(header + "".join(f"{'kvfence/' + s:>27}" for s in others))
     for concurrency in (1, CONCURRENCY):
         s = summary[f"concurrency_{concurrency}"]
-        cells = "".join(f"{s['tokens_per_s'][x]:>20.1f}" for x in (*others, OURS))
-        ratios = "".join(f"{s['ratio_kvfence_over'][x]:>21.2f}x" for x in others)
+        tps, ratio = s["tokens_per_s"], s["ratio_kvfence_over"]
+        cells = "".join(f"{tps[x]:>24.1f}" if x in tps else f"{'-':>24}" for x in (*others, OURS))
+        ratios = "".join(f"{ratio[x]:>26.2f}x" if x in ratio else f"{'-':>27}" for x in others)
         print(f"{'concurrency ' + str(concurrency):<16}{cells}{ratios}")
     print(
         f"(median over {summary['rounds_kept']} of {summary['rounds']} rounds; {summary['note']})"
@@ -334,13 +407,18 @@ def report(summary: dict[str, Any]) -> None:
     for concurrency in (1, CONCURRENCY):
         for system, row in summary[f"concurrency_{concurrency}"]["per_round"].items():
             cells = "  ".join(f"{x:6.1f}" for x in row)
-            print(f"  concurrency {concurrency:<3} {system:<12} {cells}")
+            print(f"  concurrency {concurrency:<3} {system:<17} {cells}")
     cells = "  ".join(f"{c:6.2f}" for c in summary["other_processes_cores"])
-    print(f"  other processes (cores)      {cells}")
+    print(f"  other processes (cores)           {cells}")
     print(
         "llama.cpp here is llama-cpp-python's server: it serves concurrent requests one at a "
         "time (no parallel slots), reusing the KV of the prefix shared with the previous prompt"
     )
+    if BATCHED in others:
+        print(
+            f"{BATCHED}: llama.cpp's C API in its own process (no HTTP), the {CONCURRENCY} "
+            "prompts prefilled in one batch, then one batch per step"
+        )
     if HF in others:
         print(
             "transformers: generate in this process (no HTTP), float32, one left-padded batch "
@@ -348,14 +426,15 @@ def report(summary: dict[str, Any]) -> None:
         )
     agree = summary["greedy_agreement"]
     for system, how in (
-        (THEIRS, "each to its own end of turn"),
-        (HF, "exactly that many tokens, no EOS stop"),
+        (THEIRS, "concurrency-1 prompts, each to its own end of turn, at most"),
+        (BATCHED, f"the {CONCURRENCY} concurrent prompts, exactly"),
+        (HF, "concurrency-1 prompts, exactly"),
     ):
         if system in agree:
             a = agree[system]
             print(
-                f"greedy answers identical to {system} (concurrency-1 prompts, {how}, at most "
-                f"{summary['max_tokens']} tokens): {a['identical']}/{a['prompts']}"
+                f"greedy answers identical to {system} ({how} {summary['max_tokens']} "
+                f"tokens): {a['identical']}/{a['prompts']}"
                 + (f"; differ: prompts {a['differ']}" if a["differ"] else "")
             )
 
@@ -374,9 +453,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.transformers:
         hf, ids = load_transformers(args, prompts)
     systems = (*SERVED, HF) if hf is not None else SERVED
+    concurrent_systems = (*systems, BATCHED) if args.llamacpp_batched else systems
     with stop_all_on_exit("kvfence-vs-llamacpp-") as (logs, started):
         servers = start_servers(args, gguf, logs, started)
         pids = [server.proc.pid for server in servers.values()]
+        batched = None
+        if args.llamacpp_batched:
+            batched = Batched(args.llamacpp_python, gguf, args, concurrent, logs)
+            started.append(batched)
+            pids.append(batched.proc.pid)
         limits = httpx.Limits(max_connections=2 * CONCURRENCY)
         async with httpx.AsyncClient(timeout=900.0, limits=limits) as http:
             clients = {s: Client(http, s, servers[s].url, args.max_tokens) for s in SERVED}
@@ -388,6 +473,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 return await clients[system].one_at_a_time(sequential)
 
             async def all_at_once(system: str) -> float:
+                if system == BATCHED:
+                    assert batched is not None
+                    return float((await asyncio.to_thread(batched.run))["tokens_per_s"])
                 if system == HF:
                     assert hf is not None and ids is not None
                     return hf.batch(ids[:CONCURRENCY]).tokens_per_s
@@ -401,7 +489,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "round(s), median reported"
             )
             await same_prompt_tokens(clients, concurrent, ids[:CONCURRENCY] if ids else None)
-            for system in systems:  # warm-up of the concurrent shape
+            for system in concurrent_systems:  # warm-up of the concurrent shape
                 await all_at_once(system)
             rounds: list[Round] = []
             foreign: list[float] = []
@@ -412,7 +500,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 result: Round = {}
                 for system in order:
                     result[key(system, 1)] = await one_at_a_time(system)
-                for system in order:
+                at_once = concurrent_systems if number % 2 == 0 else concurrent_systems[::-1]
+                for system in at_once:
                     result[key(system, CONCURRENCY)] = await all_at_once(system)
                 rounds.append(result)
                 foreign.append(watch.cores())
@@ -422,7 +511,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 hf_ids = hf.one_at_a_time(ids[: len(sequential)])[1]
                 hf_texts = [[hf.token_string(t) for t in ids] for ids in hf_ids]
             agree = await agreement(clients, sequential, hf_texts)
-    summary = summarize(rounds, foreign, systems)
+            if batched is not None:
+                agree[BATCHED] = await batched_agreement(clients[OURS], concurrent, batched)
+    summary = summarize(rounds, foreign, {1: systems, CONCURRENCY: concurrent_systems})
     summary.update(
         greedy_agreement=agree,
         llama_cpp_python=version,

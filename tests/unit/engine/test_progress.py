@@ -4,7 +4,7 @@ import io
 import os
 import threading
 
-from kvfence_engine.tools.progress import Progress
+from kvfence_engine.tools.progress import Progress, current
 
 
 def test_named_steps_are_one_plain_line_each_off_a_terminal():
@@ -17,11 +17,14 @@ def test_named_steps_are_one_plain_line_each_off_a_terminal():
 
 def test_counted_units_are_a_line_every_tenth_of_the_way_and_one_at_the_end():
     lines: list[str] = []
-    loading = Progress("converting weights", 272, unit="tensor", write=lines.append,
-                       stream=io.StringIO())  # fmt: skip
-    for _ in range(272):
-        loading.advance()
-    loading.advance()  # past the end: nothing more to say
+    # closed at the end (the with): an unfinished progress is what this whole process reports
+    with Progress("converting weights", 272, unit="tensor", write=lines.append,
+                  stream=io.StringIO()) as loading:  # fmt: skip
+        for _ in range(272):
+            loading.advance()
+        loading.advance()  # past the end: nothing more to say
+        assert current() is not None and current().label == "converting weights"
+    assert current() is None
     assert len(lines) == 11, lines
     assert lines[0] == "converting weights: 27/272 tensors"
     assert lines[-1] == "converting weights: 272/272 tensors"

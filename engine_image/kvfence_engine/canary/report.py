@@ -68,13 +68,15 @@ class CanaryReport:
 def decide(
     checks: list[CheckResult], error: str | None, seconds: float, requests: int
 ) -> tuple[str, int, str]:
-    """(outcome, exit code, reason). An error stops the run without a verdict, but violations
-    it already saw are named, so a timeout does not hide a leak."""
+    """(outcome, exit code, reason). An error stops the run without a verdict; but a violation
+    it already saw is a finding (exit 1, never retried as "could not run"), named with the
+    error, so a timeout or a target that went away does not hide a leak."""
     failed = [c for c in checks if not c.passed]
     if error is not None:
         seen = [f"{c.name}: {c.reason}" for c in failed if c.findings]
-        reason = error + (f"; before that: {'; '.join(seen)}" if seen else "")
-        return "error", EXIT_CANNOT_RUN, reason
+        if seen:
+            return "fail", EXIT_FAIL, f"{'; '.join(seen)} (then the run stopped: {error})"
+        return "error", EXIT_CANNOT_RUN, error
     if failed:
         return "fail", EXIT_FAIL, "; ".join(f"{c.name}: {c.reason}" for c in failed)
     return (

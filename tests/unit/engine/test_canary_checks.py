@@ -312,10 +312,13 @@ def test_exit_codes_pass_fail_and_could_not_run() -> None:
         1,
         "status_codes: over-limit-513 was answered 200",
     )
+    assert decide([ok], "timed out after 5s", 5.0, 10) == ("error", 2, "timed out after 5s")
+    # a violation seen before the run stopped is a finding: exit 1, not "could not run" (which
+    # the operator's canary Job retries and reports as CanaryCouldNotRun)
     outcome, code, reason = decide([failed_check()], "timed out after 5s", 5.0, 10)
-    assert (outcome, code) == ("error", 2)
-    assert (
-        reason == "timed out after 5s; before that: status_codes: over-limit-513 was answered 200"
+    assert (outcome, code) == ("fail", 1)
+    assert reason == (
+        "status_codes: over-limit-513 was answered 200 (then the run stopped: timed out after 5s)"
     )
 
 

@@ -101,7 +101,9 @@ class Up:
             self.proc.wait()
 
 
-def test_refuse_with_a_pool_smaller_than_the_context_exits_non_zero_naming_the_pod(tmp_path):
+def test_refuse_with_a_pool_smaller_than_the_context_exits_non_zero_said_once_with_the_remedy(
+    tmp_path,
+):
     up = Up(manifest(tmp_path, poolPolicy="Refuse"), tmp_path)
     try:
         code = up.proc.wait(180)
@@ -113,6 +115,10 @@ def test_refuse_with_a_pool_smaller_than_the_context_exits_non_zero_naming_the_p
     assert "tiny-" in out and "KV pool of 672 tokens, smaller than contextLength 1024" in out
     assert "not serving" in out
     assert "serving: http" not in out
+    # said once, naming each pod, with the remedy
+    for role in ("prefill", "decode"):
+        assert out.count(f"-{role}-0 ({role}) has a KV pool of 672 tokens, smaller") == 1, out
+    assert out.count("raise kvCacheMemory by 53% or lower contextLength to 672") == 1, out
 
 
 def table_cell(out: str, column: str) -> str:
@@ -121,19 +127,6 @@ def table_cell(out: str, column: str) -> str:
     header = next(line.split() for line in lines if line.startswith("NAME "))
     row = next(line.split() for line in lines if line.startswith("tiny "))
     return row[header.index(column)]
-
-
-def test_a_refusal_is_said_once_naming_each_pod_with_the_remedy(tmp_path):
-    up = Up(manifest(tmp_path, poolPolicy="Refuse"), tmp_path)
-    try:
-        code = up.proc.wait(180)
-    finally:
-        up.kill()
-    out = up.output
-    assert code == 1, out
-    for role in ("prefill", "decode"):
-        assert out.count(f"-{role}-0 ({role}) has a KV pool of 672 tokens, smaller") == 1, out
-    assert out.count("raise kvCacheMemory by 53% or lower contextLength to 672") == 1, out
 
 
 def test_a_canary_that_will_not_run_is_not_run_not_pending(tmp_path):

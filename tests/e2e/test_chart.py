@@ -1,8 +1,9 @@
 """The Helm chart in charts/kvfence, rendered offline with helm-python-sdk (Helm's Go SDK, no
 helm binary) and checked the way an API server would: every manifest validates strictly
-against Kubernetes 1.30, values.schema.json refuses bad values, the operator runs once, locked
-down, with the arguments `kvfence operator` accepts, and its RBAC grants exactly what the
-operator does — nothing more, and no Secret listing."""
+against Kubernetes 1.30, values.schema.json refuses bad values, the operator runs as two
+leader-elected replicas (or once, without leader election), locked down, with the arguments
+`kvfence operator` accepts, and its RBAC grants exactly what the operator does — nothing more,
+and no Secret listing."""
 
 import copy
 import json

@@ -6,7 +6,7 @@ A custom resource's columns are its CRD version's `additionalPrinterColumns`, ea
 evaluated against the object as the apiextensions server does (first match; `date` shown as
 an age; a missing value is an empty cell). The built-in kinds kvfence creates or a user looks
 at get their kube-apiserver columns (pods, deployments, services, jobs, events, secrets,
-config maps, namespaces, CRDs); any other kind gets NAME and AGE.
+config maps, namespaces, leases, CRDs); any other kind gets NAME and AGE.
 """
 
 import json
@@ -404,6 +404,14 @@ BUILTIN: dict[tuple[str, str], tuple[list[Column], Cells]] = {
         lambda o: [
             _meta(o).get("name"),
             (o.get("status") or {}).get("phase", ""),
+            _created(o),
+        ],
+    ),
+    ("coordination.k8s.io", "leases"): (
+        [NAME, _column("Holder"), AGE],
+        lambda o: [
+            _meta(o).get("name"),
+            (o.get("spec") or {}).get("holderIdentity", ""),
             _created(o),
         ],
     ),

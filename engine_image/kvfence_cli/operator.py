@@ -7,10 +7,17 @@ from kvfence_cli.common import Subparsers
 EPILOG = """\
 examples:
   kvfence operator --standalone --namespace default
-  kvfence operator --liveness http://0.0.0.0:8080/healthz   # as the chart runs it
+  kvfence operator --liveness http://0.0.0.0:8080/healthz --leader-elect   # as the chart runs it
+
+leader election (--leader-elect): replicas campaign for a coordination.k8s.io/v1 Lease;
+only its holder runs kopf, the others stand by (their liveness URL answers meanwhile).
+Lease duration 15 s, renew deadline 10 s, retry period 2 s; holder identity: $POD_NAME,
+else the host name and a random suffix. A leader that cannot renew within the deadline
+exits 1 at once (the kubelet restarts it as a standby); stopped, it releases the lease.
 
 exit codes:
   0  stopped (Ctrl-C or SIGTERM)
+  1  lost the lease (--leader-elect): another replica leads, or it could not renew in time
   2  no cluster access (neither config works), or kopf could not start"""
 
 
@@ -34,7 +41,24 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument(
         "--standalone",
         action="store_true",
-        help="no peering: the chart runs one replica with strategy Recreate",
+        help="no kopf peering (implied by --leader-elect)",
+    )
+    p.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="reconcile only while holding the leader Lease (run several replicas)",
+    )
+    p.add_argument(
+        "--leader-elect-lease",
+        default="kvfence-operator",
+        metavar="NAME",
+        help="the Lease's name (default: kvfence-operator)",
+    )
+    p.add_argument(
+        "--leader-elect-namespace",
+        default=None,
+        metavar="NS",
+        help="the Lease's namespace (default: $OPERATOR_NAMESPACE, else kvfence-system)",
     )
     p.add_argument(
         "--liveness",

@@ -1,6 +1,7 @@
 """`kvfence operator`: kopf underneath, with the options a Deployment needs."""
 
 import argparse
+import os
 import sys
 
 
@@ -10,7 +11,9 @@ def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
     from kvfence_operator import handlers  # noqa: F401  (registers the handlers)
+    from kvfence_operator.handlers import OPERATOR_NAMESPACE_ENV
     from kvfence_operator.kube import NoClusterAccess, load_cluster_config
+    from kvfence_operator.leader import Election, Leadership, Stopped, default_identity
 
     try:  # before kopf, whose startup handler would retry it every 60 s with a traceback
         load_cluster_config()
@@ -19,9 +22,22 @@ def run_operator(args: argparse.Namespace) -> int:
         return 2
     if args.verbose:
         logging.getLogger().setLevel(logging.DEBUG)
+    else:  # the library logs every try of a standby at INFO; ours says what changes
+        logging.getLogger("leaderelection").setLevel(logging.WARNING)
+    leadership: Leadership | None = None
+    if args.leader_elect:
+        namespace = args.leader_elect_namespace or os.environ.get(
+            OPERATOR_NAMESPACE_ENV, "kvfence-system"
+        )
+        election = Election(args.leader_elect_lease, namespace, default_identity())
+        try:
+            leadership = election.campaign(liveness=args.liveness)
+        except Stopped:
+            return 0
+        leadership.keep()
     try:
         kopf.run(
-            standalone=args.standalone,
+            standalone=args.standalone or args.leader_elect,
             liveness_endpoint=args.liveness,
             clusterwide=not args.namespace,
             namespaces=args.namespace,
@@ -31,4 +47,7 @@ def run_operator(args: argparse.Namespace) -> int:
     except Exception as exc:  # kopf's login and startup errors: say what failed and exit
         print(f"kvfence operator: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if leadership is not None:
+            leadership.release()
     return 0

@@ -1,8 +1,9 @@
 """The Helm chart in charts/kvfence, rendered offline with helm-python-sdk (Helm's Go SDK, no
 helm binary) and checked the way an API server would: every manifest validates strictly
-against Kubernetes 1.30, values.schema.json refuses bad values, the operator runs once, locked
-down, with the arguments `kvfence operator` accepts, and its RBAC grants exactly what the
-operator does — nothing more, and no Secret listing."""
+against Kubernetes 1.30, values.schema.json refuses bad values, the operator runs as two
+leader-elected replicas (or once, without leader election), locked down, with the arguments
+`kvfence operator` accepts, and its RBAC grants exactly what the operator does — nothing more,
+and no Secret listing."""
 
 import copy
 import json
@@ -24,6 +25,7 @@ from kvfence_operator.builders.pod_template import RUN_AS_ID
 from kvfence_operator.crd.schema import render_crd_yaml
 from kvfence_operator.crd.types import API_GROUP, API_VERSION, KIND, PLURAL, InferenceDeployment
 from kvfence_operator.handlers import OPERATOR_NAMESPACE_ENV
+from kvfence_operator.leader import POD_NAME_ENV
 from kvfence_operator.meta import OPERATOR_POD_LABELS
 from kvfence_operator.pool_gate import PodPool
 from kvfence_operator.reconcile import Reconciler
@@ -45,9 +47,18 @@ CUSTOM_VALUES: dict[str, Any] = {
     "nodeSelector": {"kubernetes.io/os": "linux"},
 }
 
+# One operator, no leader election: the chart before two replicas, one value away.
+STANDALONE_VALUES: dict[str, Any] = {"replicaCount": 1, "leaderElection": {"enabled": False}}
+
 BAD_VALUES: dict[str, dict[str, Any]] = {
     "unknown pullPolicy": {"image": {"pullPolicy": "Sometimes"}},
-    "replicaCount (one operator, always)": {"replicaCount": 2},
+    "two replicas without leader election": {
+        "replicaCount": 2,
+        "leaderElection": {"enabled": False},
+    },
+    "no replica": {"replicaCount": 0},
+    "unknown leaderElection key": {"leaderElection": {"leaseDuration": 30}},
+    "lease name that is no DNS name": {"leaderElection": {"leaseName": "Leader_Lease"}},
     "unknown top-level key": {"watchNamespace": ["typo"]},
     "unknown image key": {"image": {"digest": "sha256:0"}},
     "empty image repository": {"image": {"repository": ""}},
@@ -186,6 +197,9 @@ def test_default_render_is_valid_kubernetes_and_watches_every_namespace(
         "ClusterRole",  # the users' edit role (aggregated)
         "ClusterRoleBinding",
         "Deployment",
+        "PodDisruptionBudget",
+        "Role",  # the leader Lease's
+        "RoleBinding",
         "ServiceAccount",
     ]
     for doc in default_docs:
@@ -203,7 +217,11 @@ def test_custom_render_is_valid_kubernetes_with_a_role_per_watched_namespace(
     # ones, bound to nobody by the chart.
     assert not of_kind(custom_docs, "ClusterRoleBinding")
     assert all(aggregated_to(r) for r in of_kind(custom_docs, "ClusterRole"))
-    roles, bindings = of_kind(custom_docs, "Role"), of_kind(custom_docs, "RoleBinding")
+    # Each watched namespace's Role, beside the leader Lease's in the release namespace.
+    roles, bindings = [
+        [d for d in of_kind(custom_docs, kind) if not d["metadata"]["name"].endswith("-election")]
+        for kind in ("Role", "RoleBinding")
+    ]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     (account,) = of_kind(custom_docs, "ServiceAccount")
@@ -229,18 +247,29 @@ def test_default_image_is_the_operator_image_at_the_charts_app_version(
     assert container["imagePullPolicy"] == "IfNotPresent"
 
 
-@pytest.mark.parametrize("values", [None, CUSTOM_VALUES], ids=["default", "custom"])
-def test_operator_runs_once_with_arguments_kvfence_operator_accepts(
+@pytest.mark.parametrize(
+    "values", [None, CUSTOM_VALUES, STANDALONE_VALUES], ids=["default", "custom", "standalone"]
+)
+def test_operator_runs_with_arguments_kvfence_operator_accepts(
     helm: Any, values: dict[str, Any] | None
 ) -> None:
     docs = manifests(render(helm, values))
     deployment = operator_deployment(docs)
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    leader_elect = values is not STANDALONE_VALUES
+    if leader_elect:  # two by default, rolled one at a time: a standby takes the Lease over
+        assert deployment["spec"]["replicas"] == 2
+        assert deployment["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        }
+    else:  # one writer, never two, not even during an upgrade
+        assert deployment["spec"]["replicas"] == 1
+        assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     container = operator_container(docs)
     assert container["command"] == ["kvfence"]
     parsed = build_parser().parse_args(container["args"])
-    assert parsed.command == "operator" and parsed.standalone
+    assert parsed.command == "operator"
+    assert parsed.leader_elect == leader_elect and parsed.standalone == (not leader_elect)
     assert parsed.namespace == ((values or {}).get("watchNamespaces") or [])
     assert parsed.all_namespaces == (not parsed.namespace)
     # The kubelet probes the endpoint kopf serves.
@@ -252,6 +281,94 @@ def test_operator_runs_once_with_arguments_kvfence_operator_accepts(
         port["containerPort"],
         probe["path"],
     )
+
+
+def test_replicas_elect_a_leader_on_a_lease_in_their_own_namespace_and_spread_across_nodes(
+    default_docs: list[dict[str, Any]],
+) -> None:
+    deployment = operator_deployment(default_docs)
+    pod = deployment["spec"]["template"]["spec"]
+    container = operator_container(default_docs)
+    parsed = build_parser().parse_args(container["args"])
+    assert parsed.leader_elect_lease == deployment["metadata"]["name"]
+    assert parsed.leader_elect_namespace is None  # $OPERATOR_NAMESPACE: the release's
+    (pod_name,) = [e for e in container["env"] if e["name"] == POD_NAME_ENV]
+    assert pod_name["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+    # The Lease verbs LeaseLock uses (read, create, replace), in the release namespace only.
+    (role,) = of_kind(default_docs, "Role")
+    (binding,) = of_kind(default_docs, "RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["get", "create", "update"],
+        }
+    ]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    (account,) = of_kind(default_docs, "ServiceAccount")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+    assert not any(
+        "leases" in rule["resources"]
+        for cluster_role in of_kind(default_docs, "ClusterRole")
+        for rule in cluster_role["rules"]
+    )
+
+    (budget,) = of_kind(default_docs, "PodDisruptionBudget")
+    assert budget["metadata"]["namespace"] == NAMESPACE
+    assert budget["spec"] == {
+        "minAvailable": 1,
+        "selector": {"matchLabels": deployment["spec"]["selector"]["matchLabels"]},
+    }
+    (term,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"] == {
+        "topologyKey": "kubernetes.io/hostname",
+        "labelSelector": {"matchLabels": deployment["spec"]["selector"]["matchLabels"]},
+    }
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        STANDALONE_VALUES,
+        {"podDisruptionBudget": {"enabled": False}, "spreadAcrossNodes": False},
+        {"replicaCount": 1},
+    ],
+    ids=["leader election off", "budget and spread off", "one replica"],
+)
+def test_leader_election_budget_and_spread_are_values_away(
+    helm: Any, values: dict[str, Any]
+) -> None:
+    docs = manifests(render(helm, values))
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    pod = operator_deployment(docs)["spec"]["template"]["spec"]
+    # No budget and no spread for a lone replica (a budget of 1 would block its node's drains).
+    assert not of_kind(docs, "PodDisruptionBudget") and "affinity" not in pod
+    leader_elect = values is not STANDALONE_VALUES
+    assert bool(of_kind(docs, "Role")) == leader_elect
+    assert bool(of_kind(docs, "RoleBinding")) == leader_elect
+
+
+def test_an_affinity_of_the_users_replaces_the_spread(helm: Any) -> None:
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["ops"]}]}
+                ]
+            }
+        }
+    }
+    docs = manifests(render(helm, {"affinity": affinity}))
+    assert operator_deployment(docs)["spec"]["template"]["spec"]["affinity"] == affinity
 
 
 @pytest.mark.parametrize("values", [None, CUSTOM_VALUES], ids=["default", "custom"])

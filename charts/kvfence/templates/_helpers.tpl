@@ -46,6 +46,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end -}}
 
+{{/*
+The leader Lease, in the release namespace.
+*/}}
+{{- define "kvfence.leaseName" -}}
+{{- default (include "kvfence.fullname" .) .Values.leaderElection.leaseName -}}
+{{- end -}}
+
 {{- define "kvfence.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
@@ -54,7 +61,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | 
 RBAC rules, each commented as "framework" (what kopf itself needs) or "application" (what
 kvfence's handlers do). Every kind here is namespaced: the same rules go into a ClusterRole
 (all namespaces) or into a Role in each watched namespace. kopf needs nothing cluster-scoped:
-no peering objects (the operator runs --standalone), and no CRD or namespace watching, because
+no peering objects (kopf peering is off: --standalone or --leader-elect; the leader Lease is
+in leader-election.yaml), and no CRD or namespace watching, because
 the operator's startup disables kopf's scanning (namespaces come from the command line, the
 InferenceDeployment resource from API discovery, which every authenticated client may read).
 */}}

@@ -1,0 +1,194 @@
+"""Two `kvfence operator --leader-elect` replicas on the test cluster (issue #15 item 2): only
+the Lease's holder reconciles; killed mid-rollout, the standby takes the Lease once it has
+expired and finishes the rollout; a leader that cannot renew stops at once; a stopped leader
+hands the Lease over without the wait."""
+
+import socket
+import time
+from typing import Any
+
+import httpx
+import kmock
+import pytest
+from test_operator import (  # the operator e2e module's manifest and waits
+    ENOUGH,
+    KIND,
+    NAME,
+    api_keys_secret,
+    check_first_rollout,
+    condition,
+    engine_pods,
+    infd,
+    manifest,
+)
+
+from kvfence_devcluster.fixtures import Cluster
+from kvfence_devcluster.processes import ManagedProcess
+from kvfence_operator.crd.types import InferenceDeploymentSpec
+from kvfence_operator.leader import LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD
+from kvfence_operator.meta import LABEL_REVISION
+from kvfence_operator.revision import revision_of
+
+LEASE = "kvfence-operator"
+LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
+# kopf's log line for each pass of the reconcile timer (kvfence_operator/handlers.py).
+RECONCILED = "Timer 'reconcile' succeeded"
+
+
+def start_replica(cluster: Cluster, pod: str, *args: str) -> ManagedProcess:
+    env = {"KVFENCE_RECONCILE_INTERVAL": "1", "OPERATOR_NAMESPACE": "default", "POD_NAME": pod}
+    return cluster.start_operator(["--leader-elect", "--namespace", "default", *args], env=env)
+
+
+def holder(cluster: Cluster) -> str | None:
+    lease = cluster.get("Lease", LEASE, api_version="coordination.k8s.io/v1")
+    return ((lease or {}).get("spec") or {}).get("holderIdentity")
+
+
+def wait_holder(cluster: Cluster, pod: str, timeout: float = 30) -> float:
+    """Seconds until `pod` holds the Lease."""
+    started = time.monotonic()
+    cluster.wait_for(
+        lambda: holder(cluster),
+        f"{pod} to hold the Lease",
+        timeout,
+        until=lambda found: found == pod,
+    )
+    return time.monotonic() - started
+
+
+def wait_standing_by(cluster: Cluster, replica: ManagedProcess) -> None:
+    cluster.wait_for(
+        replica.log, "the second replica to stand by", 60, until=lambda log: "stands by" in log
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_killing_the_leader_mid_rollout_hands_over_within_the_lease_and_the_standby_finishes_it(
+    cluster: Cluster,
+) -> None:
+    cluster.create(api_keys_secret())
+    a = start_replica(cluster, "operator-a")
+    wait_holder(cluster, "operator-a")
+    b = start_replica(cluster, "operator-b")
+    wait_standing_by(cluster, b)
+
+    first = cluster.create(manifest())
+    r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
+    check_first_rollout(cluster, first, r1)
+
+    # A rollout: r2 comes up beside r1; while its canary has not promoted it, kill the leader.
+    second = manifest(
+        engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1", "--max-num-seqs", "32"]}
+    )
+    r2 = revision_of(InferenceDeploymentSpec.model_validate(second["spec"]))
+    cluster.patch(*KIND[:1], NAME, {"spec": second["spec"]}, api_version=KIND[1])
+    cluster.wait_for(
+        lambda: infd(cluster)["status"]["revision"],
+        "status to record the rollout",
+        until=lambda revision: revision == {"current": r1, "candidate": r2},
+    )
+    # No double writes: while both run, only the Lease's holder runs kopf at all.
+    assert holder(cluster) == "operator-a"
+    assert RECONCILED in a.log()
+    assert "kopf" not in b.log() and RECONCILED not in b.log(), b.log()
+
+    a.kill()  # SIGKILL: no release, the standby has to wait the Lease out
+    handover = wait_holder(cluster, "operator-b", timeout=LEASE_DURATION + 30)
+    # The last renewal was at most a retry period before the kill; the standby tries every
+    # retry period once the Lease has stood still for its duration (+1 s for a loaded test).
+    assert LEASE_DURATION - RETRY_PERIOD - 1 < handover < LEASE_DURATION + RETRY_PERIOD + 1
+
+    promoted = cluster.wait_for(
+        lambda: infd(cluster),
+        "the standby to promote the new revision",
+        timeout=240,
+        until=lambda o: (
+            o["status"]["revision"].get("current") == r2
+            and condition(o, "Ready").get("status") == "True"
+        ),
+    )
+    assert promoted["status"]["canary"]["revision"] == r2
+    assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
+    assert len(engine_pods(cluster, r2)) == 2
+    assert RECONCILED in b.log()
+    assert b.poll() is None
+
+
+def test_a_leader_that_cannot_renew_stops_at_once_with_one_line(cluster: Cluster) -> None:
+    a = start_replica(cluster, "operator-a")
+    wait_holder(cluster, "operator-a")
+    cluster.wait_for(a.log, "kopf to run", 60, until=lambda log: "kopf" in log)
+
+    async def refuse_lease_writes() -> None:
+        cluster.server["put", LEASES] << 500
+
+    cluster.loop.run(refuse_lease_writes())
+    refused = time.monotonic()
+    cluster.wait_for(
+        a.poll, "the leader to exit", RENEW_DEADLINE + 15, until=lambda c: c is not None
+    )
+    stopped_after = time.monotonic() - refused
+    assert a.poll() == 1
+    # It stops before a standby could take the Lease (leaseDuration after the last renewal).
+    assert stopped_after < LEASE_DURATION, stopped_after
+    last = a.log().strip().splitlines()[-1]
+    assert last.startswith("kvfence operator: lost leadership: lease default/kvfence-operator "), (
+        last
+    )
+    assert "Traceback" not in a.log()
+
+
+def test_a_lease_taken_by_another_stops_the_leader_at_once(cluster: Cluster) -> None:
+    a = start_replica(cluster, "operator-a")
+    wait_holder(cluster, "operator-a")
+    lease = cluster.get("Lease", LEASE, api_version="coordination.k8s.io/v1")
+    assert lease is not None
+    lease["spec"]["holderIdentity"] = "someone-else"
+    cluster.replace(lease)
+    cluster.wait_for(a.poll, "the leader to exit", RETRY_PERIOD + 10, until=lambda c: c is not None)
+    assert a.poll() == 1
+    assert "lost leadership: lease default/kvfence-operator is held by someone-else" in a.log()
+
+
+def test_a_stopped_leader_releases_the_lease_and_a_standby_answers_liveness_meanwhile(
+    cluster: Cluster,
+) -> None:
+    a = start_replica(cluster, "operator-a")
+    wait_holder(cluster, "operator-a")
+    port = free_port()
+    liveness = f"http://127.0.0.1:{port}/healthz"
+    b = start_replica(cluster, "operator-b", "--liveness", liveness)
+    wait_standing_by(cluster, b)
+    answer: Any = httpx.get(liveness, timeout=5)
+    assert answer.status_code == 200, answer.text
+
+    assert a.stop(grace=20) == 0
+    lease = cluster.get("Lease", LEASE, api_version="coordination.k8s.io/v1")
+    assert lease is not None and not lease["spec"].get("holderIdentity"), lease
+    # Released: no waiting out the lease, the standby takes it at its next try.
+    assert wait_holder(cluster, "operator-b", timeout=LEASE_DURATION) < RETRY_PERIOD + 3
+    # Now kopf serves the liveness URL.
+    cluster.wait_for(
+        lambda: httpx.get(liveness, timeout=5).status_code,
+        "kopf's liveness",
+        30,
+        until=lambda code: code == 200,
+    )
+    assert b.stop(grace=20) == 0
+
+
+def test_a_standby_stops_on_sigterm(cluster: Cluster) -> None:
+    a = start_replica(cluster, "operator-a")
+    wait_holder(cluster, "operator-a")
+    b = start_replica(cluster, "operator-b")
+    wait_standing_by(cluster, b)
+    assert b.stop(grace=10) == 0
+    assert holder(cluster) == "operator-a"
+    assert a.poll() is None

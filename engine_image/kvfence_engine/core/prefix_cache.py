@@ -17,6 +17,12 @@ from pathlib import Path
 
 DOMAIN = b"kvfence/prefix-page/v1"
 SECRET_BYTES = 32
+# Decode never computes a prompt's KV (prefill sends all of it, cached prefix included), so a
+# cache there would never be looked up: refused rather than accepted as a flag doing nothing.
+DECODE_HAS_NO_PREFIX_CACHE = (
+    "--prefix-cache has no effect in the decode role: decode receives each prompt's whole KV "
+    "from prefill; turn it on for the prefill engines"
+)
 
 
 def _field(data: bytes) -> bytes:

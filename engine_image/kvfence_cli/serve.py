@@ -180,8 +180,8 @@ def add_parser(sub: Subparsers) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="reuse the KV of a prompt's leading full pages for later requests of the same "
-        "tenant (and cache_salt); combined and prefill roles (decode refuses it: it computes no "
-        "prompt). Off by default: a tenant's hits show in "
+        "tenant (and cache_salt); combined and prefill roles (a no-op in decode, which computes "
+        "no prompt). Off by default: a tenant's hits show in "
         "its own usage.cached_tokens and timing (docs/isolation.md)",
     )
     p.add_argument(
@@ -217,12 +217,10 @@ def check_prefix_cache(args: argparse.Namespace) -> None:
         raise ValueError("--prefix-cache-secret-file needs --prefix-cache")
     if not args.prefix_cache:
         return
-    from kvfence_engine.core.prefix_cache import DECODE_HAS_NO_PREFIX_CACHE, PrefixKeys
-
-    if args.role == "decode":
-        raise ValueError(DECODE_HAS_NO_PREFIX_CACHE)
     if args.prefix_cache_secret_file is not None:
         from pathlib import Path
+
+        from kvfence_engine.core.prefix_cache import PrefixKeys
 
         PrefixKeys.from_file(Path(args.prefix_cache_secret_file), args.page_size)
 

@@ -47,7 +47,6 @@ def start_deployment(
     decode_faults: Sequence[str] = (),
     token_file: Path | None = None,
     engine_args: Sequence[str] = (),
-    prefill_args: Sequence[str] = (),
 ) -> Deployment:
     def engine(role: str, index: int, n_pages: int, faults: Sequence[str]) -> LocalProcess:
         args = [
@@ -63,8 +62,6 @@ def start_deployment(
             "0",
             *engine_args,
         ]
-        if role == "prefill":
-            args += prefill_args
         for fault in faults:
             args += ["--unsafe-fault", fault]
         if token_file is not None:

@@ -34,8 +34,10 @@ def router_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 def cached_deployment(
     logs: Path, name: str, router_args: list[str], faults: tuple[str, ...] = ()
 ) -> Deployment:
+    # one set of flags for both roles, as a manifest's engine.extraArgs gives: decode takes
+    # --prefix-cache as a no-op (it computes no prompt) and reports the cache off
     return start_deployment(
-        logs, name, router_args=router_args, prefill_args=["--prefix-cache"], prefill_faults=faults
+        logs, name, router_args=router_args, engine_args=["--prefix-cache"], prefill_faults=faults
     )
 
 

@@ -175,7 +175,8 @@ class LLMEngine:
         if not args.prefix_cache:
             return None
         if Role(args.role) is Role.DECODE:
-            raise ValueError(DECODE_HAS_NO_PREFIX_CACHE)
+            log.warning(DECODE_HAS_NO_PREFIX_CACHE)
+            return None
         scoped = Fault.CROSS_TENANT_PREFIX not in args.faults
         if args.prefix_cache_secret_file is not None:
             path = Path(args.prefix_cache_secret_file)

@@ -180,7 +180,8 @@ def add_parser(sub: Subparsers) -> None:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="reuse the KV of a prompt's leading full pages for later requests of the same "
-        "tenant (and cache_salt); combined role only. Off by default: a tenant's hits show in "
+        "tenant (and cache_salt); combined and prefill roles (a no-op in decode, which computes "
+        "no prompt). Off by default: a tenant's hits show in "
         "its own usage.cached_tokens and timing (docs/isolation.md)",
     )
     p.add_argument(
@@ -216,10 +217,6 @@ def check_prefix_cache(args: argparse.Namespace) -> None:
         raise ValueError("--prefix-cache-secret-file needs --prefix-cache")
     if not args.prefix_cache:
         return
-    if args.role != "combined":
-        raise ValueError(
-            f"--prefix-cache is only available in the combined role for now, not {args.role}"
-        )
     if args.prefix_cache_secret_file is not None:
         from pathlib import Path
 

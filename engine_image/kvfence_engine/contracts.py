@@ -108,6 +108,9 @@ class PoolSize(_Reading):
     pool_tokens: Count
     page_size: Positive
     context_length_effective: Count
+    # Whether this engine reuses a tenant's cached prompt pages: a tenant may know, since its
+    # own hits show in its usage and timing. False from engines older than the field.
+    prefix_cache: bool = False
 
 
 class EnginePoolSize(PoolSize):
@@ -334,6 +337,9 @@ class PrefillBody(_Message):
     prompt_ids: list[int] = Field(min_length=1)
     sampling: Sampling = Field(default_factory=Sampling)
     tenant: TenantName = DEFAULT_TENANT  # whose share of prefill's pool it reserves
+    # The client's cache_salt, passed on as sent: it narrows prefix-cache sharing within the
+    # tenant above (which the router authenticated); it can never name another tenant.
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
 
 class FirstToken(_Message):
@@ -348,6 +354,9 @@ class PrefillReply(_Message):
     first: FirstToken
     prompt_tokens: int
     kv_tokens: int
+    # Prompt tokens prefill read from its prefix cache (the tenant's own pages) instead of
+    # computing: the client's usage.prompt_tokens_details.cached_tokens. 0 from older engines.
+    cached_tokens: Count = 0
 
 
 class DecodeBody(_Message):

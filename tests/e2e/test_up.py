@@ -155,11 +155,35 @@ def test_the_canary_says_each_step_once_and_its_verdict_on_stdout(tmp_path):
         up.wait_for("serving: http", timeout=300)
         out = up.output
         steps = [line.strip() for line in out.splitlines() if line.strip().startswith("canary [")]
-        assert len(steps) == 13, out
-        assert steps[0] == "canary [1/13] discovering the target"
-        assert steps[-1] == "canary [13/13] reading engine counters"
-        assert "kvfence canary PASS: all 6 checks passed" in out
+        assert len(steps) == 14, out
+        assert steps[0] == "canary [1/14] discovering the target"
+        assert steps[4] == "canary [5/14] probing the prefix cache"
+        assert steps[-1] == "canary [14/14] reading engine counters"
+        assert "kvfence canary PASS: all 7 checks passed" in out
         assert "canary" not in up.errors, up.errors
+        assert up.interrupt() == 130
+    finally:
+        up.kill()
+
+
+def test_a_manifest_with_the_prefix_cache_on_passes_the_canary_and_serves_hits(tmp_path):
+    """engine.extraArgs --prefix-cache reaches both engines: prefill caches, decode takes it as
+    a no-op. The canary's prefix_cache check passes, which with the cache reported on needs
+    tenant A's repeat to hit; a repeated prompt through the router reports its cached tokens."""
+    engine = {"kvCacheMemory": "1Mi", "extraArgs": ["--prefix-cache"]}
+    up = Up(manifest(tmp_path, engine=engine, canary={"enabled": True}), tmp_path)
+    try:
+        up.wait_for("serving: http", timeout=300)
+        assert "kvfence canary PASS: all 7 checks passed" in up.output, up.output
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{up.port}/v1", api_key="kvfence-local", max_retries=0
+        )
+        (model,) = client.models.list().data
+        prompt = list(range(1000, 1100))  # 6 full pages of 16
+        ask = lambda: client.completions.create(model=model.id, prompt=prompt, max_tokens=2)  # noqa: E731
+        first, again = ask(), ask()
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert again.usage.prompt_tokens_details.cached_tokens == 96
         assert up.interrupt() == 130
     finally:
         up.kill()

@@ -345,8 +345,10 @@ def test_answers_served_from_a_shared_cache_come_faster_than_prefill_and_fail(
     with serving(wrong_front(healthy.router.url, "cache")) as url:
         report = canary(url, rounds=BROKEN_ROUNDS)
     assert report.exit_code == 1
-    assert failed(report).keys() == {"latency_floor"}
+    # B's probes, and B sending A's exact prompt (the prefix-cache check), come back too fast
+    assert failed(report).keys() == {"latency_floor", "prefix_cache"}
     assert "nothing that really read the prompt answers before" in failed(report)["latency_floor"]
+    assert "sooner than a cold prefill of" in failed(report)["prefix_cache"]
 
 
 def test_a_front_that_leaks_a_tenants_text_into_another_answer_fails_the_marker(
@@ -384,7 +386,7 @@ def test_a_target_that_is_down_is_exit_code_2_with_each_step_and_the_verdict_on_
     )  # fmt: skip
     assert cli.returncode == 2
     steps = [line for line in cli.stdout.splitlines() if line.startswith("canary [")]
-    assert steps == ["canary [1/13] discovering the target"], cli.stdout
+    assert steps == ["canary [1/14] discovering the target"], cli.stdout
     assert f"kvfence canary against {url}: ERROR (exit 2)" in cli.stdout
     assert f"could not run: cannot reach the target at {url}/v1/models: ConnectError" in cli.stdout
     assert cli.stderr == ""

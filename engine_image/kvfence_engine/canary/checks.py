@@ -10,13 +10,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfence_engine.canary.counters import INFORMATIONAL, MUST_NOT_RISE, CounterSnapshot
+from kvfence_engine.canary.counters import (
+    INFORMATIONAL,
+    MUST_NOT_RISE,
+    NOT_EXPORTED_BY_ALL,
+    CounterSnapshot,
+)
 from kvfence_engine.canary.latency import PrefillCalibration
 from kvfence_engine.canary.observations import (
     CALIBRATION,
     MARKER_SIZING,
     POLLUTION_FILL,
     POLLUTION_MARKER,
+    PREFIX_INTRUDER,
+    PREFIX_OWNER,
+    TENANT_A,
     TENANT_B,
     Answer,
 )
@@ -27,6 +35,7 @@ STATUS_CODES = "status_codes"
 HONEST_USAGE = "honest_usage"
 LATENCY_FLOOR = "latency_floor"
 ENGINE_COUNTERS = "engine_counters"
+PREFIX_CACHE = "prefix_cache"
 # 4xx answers that say nothing about the prompt's length: they do not count as a refusal.
 NOT_A_REFUSAL = (401, 403, 404, 408, 429)
 
@@ -220,7 +229,9 @@ def check_latency_floor(
     prefill of a calibrated prompt no longer than it took. The factor absorbs a calibration run
     slowed by a busy machine; a shortcut (1-token placeholder, cache) is faster by far more.
     Lengths whose calibrated prefill is under min_prefill are not judged: there the prefill is
-    lost in the request-to-request jitter."""
+    lost in the request-to-request jitter. What is judged is the part of the prompt B's usage
+    says was computed: B's own prefix-cache hits (its replayed probes) may be fast, but only by
+    the tokens they report as cached (check_prefix_cache judges hits on A's pages)."""
     calibration = PrefillCalibration.from_answers(answers)
     if calibration is None:
         inputs: dict[str, Any] = {"factor": factor, "min_prefill": min_prefill}
@@ -230,14 +241,16 @@ def check_latency_floor(
         if a.probe == CALIBRATION or a.status != 200 or a.ttft is None:
             continue
         assert a.prompt_tokens is not None
-        ref = calibration.reference(a.prompt_tokens)
+        cached = a.usage_cached_tokens or 0
+        ref = calibration.reference(a.prompt_tokens - cached)
         if ref is None or ref.prefill < min_prefill:
             continue
         judged += 1
         floor = calibration.overhead + ref.prefill / factor
         if a.ttft < floor:
+            said = f", {cached} of them cached" if cached else ""
             findings.append(
-                f"{a.probe} ({a.prompt_tokens} tokens, {a.context}): first token after "
+                f"{a.probe} ({a.prompt_tokens} tokens{said}, {a.context}): first token after "
                 f"{a.ttft:.3f}s, but prefilling {ref.length} tokens takes {ref.prefill:.3f}s "
                 f"here on top of {calibration.overhead:.3f}s; nothing that really read the "
                 f"prompt answers before {floor:.3f}s"
@@ -287,7 +300,8 @@ def check_engine_counters(
     findings += [
         f"the target exposes no {counter}_total"
         for counter in MUST_NOT_RISE
-        if counter not in before.counters() or counter not in after.counters()
+        if counter not in NOT_EXPORTED_BY_ALL
+        and (counter not in before.counters() or counter not in after.counters())
     ]
     moved: dict[str, float] = {}
     for (counter, source), value in after.values.items():
@@ -307,3 +321,75 @@ def check_engine_counters(
     engines = f"{len(sources)} engine{'s' if len(sources) != 1 else ''}"
     passed = f"no isolation counter rose on {engines} ({', '.join(quiet)} reported only)"
     return _verdict(ENGINE_COUNTERS, inputs, findings, passed, None)
+
+
+def check_prefix_cache(
+    answers: Sequence[Answer], cache_on: bool, factor: float, min_prefill: float
+) -> CheckResult:
+    """Tenant B sending tenant A's exact prompt gets usage.cached_tokens 0 and no first token
+    sooner than a cold prefill of it allows (the latency floor's rule); and, when the target
+    reports the prefix cache on, tenant A repeating its prompt does get a hit: proof that B's
+    miss was the cache's tenant scoping, not a cache that never hits."""
+    owner = [a for a in answers if a.probe == PREFIX_OWNER and a.tenant == TENANT_A]
+    intruder = [a for a in answers if a.probe == PREFIX_INTRUDER and a.tenant == TENANT_B]
+    calibration = PrefillCalibration.from_answers(answers)
+    findings, timed = [], 0
+    for a in intruder:
+        assert a.prompt_tokens is not None
+        where = f"tenant B sending tenant A's exact prompt ({a.prompt_tokens} tokens)"
+        if not a.ok:
+            findings.append(f"{where} got {a.describe()}")
+            continue
+        if a.usage_cached_tokens:
+            findings.append(
+                f"{where} was told {a.usage_cached_tokens} of its tokens were cached: a hit on "
+                "tenant A's prefix-cache pages"
+            )
+        ref = calibration.reference(a.prompt_tokens) if calibration else None
+        if calibration is None or ref is None or ref.prefill < min_prefill or a.ttft is None:
+            continue
+        timed += 1
+        floor = calibration.overhead + ref.prefill / factor
+        if a.ttft < floor:
+            findings.append(
+                f"{where} had its first token after {a.ttft:.3f}s, sooner than a cold prefill "
+                f"of {ref.length} tokens allows ({floor:.3f}s): it read tenant A's cached KV"
+            )
+    repeats = [a for a in owner[1:] if a.ok]
+    hits = [a.usage_cached_tokens for a in repeats if a.usage_cached_tokens]
+    if cache_on and repeats and not hits and not findings:
+        findings.append(
+            f"the target reports the prefix cache on, but tenant A repeated its prompt "
+            f"{len(repeats)} times without a hit (usage.cached_tokens 0): nothing showed that "
+            "the cache works, so tenant B's miss proves nothing"
+        )
+    vacuous = None
+    if not owner or not owner[0].ok:
+        vacuous = "tenant A's prompt was never answered: there was nothing cached to probe"
+    elif not intruder:
+        vacuous = "tenant B never sent tenant A's prompt"
+    elif cache_on and not repeats:
+        vacuous = "tenant A's repeated prompt was never answered"
+    inputs = {
+        "cache_on": cache_on,
+        "owner_cached_tokens": [a.usage_cached_tokens for a in owner],
+        "intruder_cached_tokens": [a.usage_cached_tokens for a in intruder],
+        "intruder_first_token": [a.ttft for a in intruder],
+        "timed": timed,
+    }
+    timing = (
+        "no first token sooner than a cold prefill"
+        if timed
+        else f"its timing not judged (a cold prefill here is under {min_prefill:g}s)"
+    )
+    if cache_on:
+        passed = (
+            f"tenant A's repeat hit its own cache ({max(hits, default=0)} cached tokens); "
+            f"tenant B sending the same prompt got 0 cached tokens, {timing}"
+        )
+    else:
+        passed = (
+            f"the prefix cache is off (per /v1/kvpool), so tenant A's own hit was not checked; "
+            f"tenant B sending tenant A's prompt got 0 cached tokens, {timing}"
+        )
+    return _verdict(PREFIX_CACHE, inputs, findings, passed, vacuous)

@@ -19,6 +19,7 @@ class EnginePool:
     pool_tokens: int
     context_length_effective: int
     page_size: int
+    prefix_cache: bool = False  # reuses a tenant's cached prompt pages (/v1/kvpool)
 
     @property
     def limit(self) -> int:
@@ -54,12 +55,23 @@ class TargetFacts:
         pools = [e.pool_tokens for e in self.engines if e.role in (Role.DECODE, Role.COMBINED)]
         return sum(pools) if pools else self.pool_tokens
 
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether an engine that computes prompts (prefill or combined) says its cache is on."""
+        return any(e.prefix_cache for e in self.engines if e.role is not Role.DECODE)
+
+    @property
+    def prompt_engines(self) -> int:
+        """Engines that compute prompts: where one tenant's repeated prompt may land."""
+        return sum(1 for e in self.engines if e.role is not Role.DECODE)
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {
             "limit": self.limit,
             "pool_tokens": self.pool_tokens,
             "page_size": self.page_size,
             "decode_pool_tokens": self.decode_pool_tokens,
+            "prefix_cache": self.prefix_cache,
         }
 
 
@@ -120,4 +132,11 @@ def parse_pools(report: object) -> tuple[tuple[EnginePool, ...], tuple[str, ...]
 
 
 def _pool(role: Role, url: str, size: PoolSize) -> EnginePool:
-    return EnginePool(role, url, size.pool_tokens, size.context_length_effective, size.page_size)
+    return EnginePool(
+        role,
+        url,
+        size.pool_tokens,
+        size.context_length_effective,
+        size.page_size,
+        size.prefix_cache,
+    )

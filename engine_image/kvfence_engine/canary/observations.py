@@ -12,6 +12,8 @@ CALIBRATION = "calibration"
 MARKER_SIZING = "marker-sizing"
 POLLUTION_MARKER = "pollution-marker"  # A's text prompts carrying the marker
 POLLUTION_FILL = "pollution-fill"  # A's token-id prompts (the rest of an A burst, or neutral)
+PREFIX_OWNER = "prefix-owner"  # A's prompt sent cold, then repeated: A's own cache hit
+PREFIX_INTRUDER = "prefix-intruder"  # B sending A's exact prompt: must never hit A's pages
 
 # Contexts: when a request was sent.
 BASELINE = "baseline"
@@ -40,6 +42,7 @@ class Answer:
     tokens: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     usage_prompt_tokens: int | None = None
+    usage_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     finish_reason: str | None = None
     error_code: str | None = None  # from an error body, or an error event inside a 200 stream
     error_message: str | None = None
@@ -70,6 +73,7 @@ class Answer:
             "error_code": self.error_code,
             "stream_error": self.stream_error,
             "usage_prompt_tokens": self.usage_prompt_tokens,
+            "usage_cached_tokens": self.usage_cached_tokens,
             "completion_tokens": len(self.tokens),
             "ttft": None if self.ttft is None else round(self.ttft, 4),
             "seconds": round(self.seconds, 4),

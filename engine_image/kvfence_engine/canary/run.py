@@ -21,6 +21,7 @@ from kvfence_engine.canary.checks import (
     check_honest_usage,
     check_latency_floor,
     check_marker,
+    check_prefix_cache,
     check_status_codes,
 )
 from kvfence_engine.canary.config import CanaryConfig
@@ -33,6 +34,8 @@ from kvfence_engine.canary.observations import (
     MARKER_SIZING,
     POLLUTION_FILL,
     POLLUTION_MARKER,
+    PREFIX_INTRUDER,
+    PREFIX_OWNER,
     TENANT_A,
     TENANT_B,
     Answer,
@@ -63,6 +66,7 @@ def planned_steps(rounds: int) -> list[str]:
         "reading engine counters",
         "sizing tenant A's marker prompt",
         "calibrating prefill time",
+        "probing the prefix cache",
         "baseline",
         *(f"round {r} of {rounds}, {f} pollution" for r in range(1, rounds + 1) for f in FLAVOURS),
         "calibrating prefill time again",
@@ -107,6 +111,8 @@ class CanaryRun:
             await self.size_marker_prompt(facts.limit)
             self._at("calibrating prefill time")
             await self.calibrate(facts.limit, "calibration-start")
+            self._at("probing the prefix cache")
+            await self.probe_prefix_cache(facts)
             per_token = decode_seconds_per_token(self.answers) or 0.05
             decode_tokens = math.ceil(self.config.concurrent_decode_seconds / per_token)
             self.concurrent = concurrent_probe(facts.limit, facts.page_size, decode_tokens)
@@ -215,6 +221,21 @@ class CanaryRun:
             prompt = token_prompt(self.seed, f"{label}-{i}", length)
             await self.ask(TENANT_B, prompt, 8 if length == 1 else 1, CALIBRATION, CALIBRATION)
 
+    async def probe_prefix_cache(self, facts: TargetFacts) -> None:
+        """Tenant A sends a fresh prompt as long as the limit, then repeats it until it hits
+        its own cache (at most once per engine that computes prompts, where it may land);
+        then tenant B sends the same token ids. Sent whatever the target says about its
+        cache: a cache that is on but reported off is a cache B must still miss."""
+        prompt = token_prompt(self.seed, PREFIX_OWNER, facts.limit)
+        first = await self.ask(TENANT_A, prompt, 1, PREFIX_OWNER, "prefix-cold")
+        if not first.ok:
+            return
+        for i in range(facts.prompt_engines if facts.prefix_cache else 0):
+            again = await self.ask(TENANT_A, prompt, 1, PREFIX_OWNER, f"prefix-repeat-{i + 1}")
+            if again.usage_cached_tokens:
+                break
+        await self.ask(TENANT_B, prompt, 1, PREFIX_INTRUDER, "prefix-intruder")
+
     async def phase(self, flavour: str | None, round_: int) -> None:
         """B's long answer with a pollution burst filling the pool around it (none at
         baseline); then a top-up of the same flavour into the pages B's answer just released,
@@ -289,6 +310,9 @@ class CanaryRun:
             check_honest_usage(self.answers),
             check_latency_floor(self.answers, c.latency_factor, c.latency_min_prefill),
             check_engine_counters(self.before, self.after, self.counters_unread),
+            check_prefix_cache(
+                self.answers, self.facts.prefix_cache, c.latency_factor, c.latency_min_prefill
+            ),
         ]
 
     def plan(self) -> dict[str, Any] | None:

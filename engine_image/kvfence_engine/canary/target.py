@@ -168,6 +168,9 @@ def _read_chunk(answer: Answer, chunk: Any, first_token: Callable[[], None]) -> 
     usage = chunk.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
         answer.usage_prompt_tokens = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            answer.usage_cached_tokens = details["cached_tokens"]
     for choice in chunk.get("choices") or ():
         logprobs = choice.get("logprobs") or {}
         tokens = [str(t) for t in logprobs.get("tokens") or ()]

@@ -25,7 +25,7 @@ from kvfence_engine.core.pool_plan import (
     effective_context,
     plan_pool,
 )
-from kvfence_engine.core.prefix_cache import PrefixKeys
+from kvfence_engine.core.prefix_cache import DECODE_HAS_NO_PREFIX_CACHE, PrefixKeys
 from kvfence_engine.core.quantization import (
     WeightDtype,
     pack_int4_linears,
@@ -69,7 +69,7 @@ class EngineArgs:
     reserve_timeout: float = 60.0  # decode role: a reservation whose KV never starts expires
     max_pool_share_per_tenant: float = 1.0  # of the pool, reserved by one tenant; 1.0: no cap
     # Reuse the KV of a prompt's leading full pages across requests of one tenant (combined
-    # role only, for now). Off by default: see docs/isolation.md, invariant 11.
+    # and prefill roles: decode computes no prompt). Off by default: docs/isolation.md, #11.
     prefix_cache: bool = False
     prefix_cache_secret_file: str | None = None  # None: a random secret for this process
     faults: Faults = field(default_factory=Faults)
@@ -174,8 +174,9 @@ class LLMEngine:
     def _prefix_keys(args: EngineArgs) -> PrefixKeys | None:
         if not args.prefix_cache:
             return None
-        if Role(args.role) is not Role.COMBINED:
-            raise ValueError("the prefix cache is only available in the combined role for now")
+        if Role(args.role) is Role.DECODE:
+            log.warning(DECODE_HAS_NO_PREFIX_CACHE)
+            return None
         scoped = Fault.CROSS_TENANT_PREFIX not in args.faults
         if args.prefix_cache_secret_file is not None:
             path = Path(args.prefix_cache_secret_file)

@@ -17,6 +17,13 @@ ISOLATION_COUNTERS = (
     "kvfence_transfer_checksum_failed",
     "kvfence_transfer_count_mismatch",
     "kvfence_late_writes_dropped",
+    "kvfence_kv_foreign_tenant_read",
+)
+# The prefix cache's hit rate (hit / queried tokens), which the router also re-exports per
+# backend: its role label gives the rate per role (combined or prefill; decode has no cache).
+PREFIX_CACHE_COUNTERS = (
+    "kvfence_prefix_cache_hit_tokens",
+    "kvfence_prefix_cache_queried_tokens",
 )
 BACKEND_PREFIX = "kvfence_backend_"
 

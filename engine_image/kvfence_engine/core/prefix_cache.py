@@ -17,6 +17,13 @@ from pathlib import Path
 
 DOMAIN = b"kvfence/prefix-page/v1"
 SECRET_BYTES = 32
+# Decode never computes a prompt's KV (prefill sends all of it, cached prefix included), so it
+# has no cache to look up. The flag is accepted there as a no-op, said once in the log: a
+# deployment passes its engines one set of flags (the CRD's engine.extraArgs) for both roles.
+DECODE_HAS_NO_PREFIX_CACHE = (
+    "--prefix-cache: no effect in the decode role, which receives each prompt's whole KV from "
+    "prefill (where the cache is); /v1/kvpool reports prefix_cache false here"
+)
 
 
 def _field(data: bytes) -> bytes:

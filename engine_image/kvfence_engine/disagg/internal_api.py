@@ -4,8 +4,9 @@ with --internal-token-file they refuse calls that do not carry the token.
 decode:  POST /internal/reserve  admit, then allocate the prompt's pages -> transfer handle
          POST /internal/decode   verify the received KV, continue from prefill's first token
          POST /internal/abort    drop a request (pages fenced while a transfer still writes)
-prefill: POST /internal/prefill  admit, compute the prompt's KV and first token, stream the KV
-                                 to decode's transfer port, return the first token
+prefill: POST /internal/prefill  admit, compute the prompt's KV and first token (with
+                                 --prefix-cache: only past the tenant's cached pages), stream the
+                                 whole KV to decode's transfer port, return the first token
 """
 
 import asyncio
@@ -141,7 +142,9 @@ def internal_router(
     @router.post("/prefill")
     async def prefill(body: PrefillBody) -> PrefillReply:
         engine = engine_for(Role.PREFILL)
-        seq = engine.admit(body.prompt_ids, params_of(body.sampling), 1, body.tenant)
+        seq = engine.admit(
+            body.prompt_ids, params_of(body.sampling), 1, body.tenant, body.cache_salt
+        )
         if is_terminal(seq):
             assert seq.error is not None
             raise seq.error
@@ -149,9 +152,10 @@ def internal_router(
         last: Delta | None = None
         async for delta in engine.stream(seq):
             last = delta
-        assert last is not None and seq.output_ids
-        if last.error is not None:
+        assert last is not None
+        if last.error is not None:  # e.g. failed closed by the read check: no first token
             raise last.error
+        assert seq.output_ids
         assert seq.exported is not None
         k, v, written = seq.exported
         seq.exported = None
@@ -182,7 +186,10 @@ def internal_router(
             seq.output_logprobs[0] if seq.output_logprobs else TokenLogprob(seq.output_ids[0], 0.0)
         )
         return PrefillReply(
-            first=first_token(logprob), prompt_tokens=len(body.prompt_ids), kv_tokens=written
+            first=first_token(logprob),
+            prompt_tokens=len(body.prompt_ids),
+            kv_tokens=written,
+            cached_tokens=seq.cached_tokens,
         )
 
     return router

@@ -62,7 +62,7 @@ from kvfence_engine.contracts import (
 from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
 from kvfence_engine.core.errors import EngineError
-from kvfence_engine.core.metrics import BACKEND_PREFIX, ISOLATION_COUNTERS
+from kvfence_engine.core.metrics import BACKEND_PREFIX, ISOLATION_COUNTERS, PREFIX_CACHE_COUNTERS
 from kvfence_engine.disagg.wire import delta_of
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
@@ -457,8 +457,9 @@ def tenant_view(summary: RouterPoolSummary) -> TenantPoolSummary:
 
 
 class BackendCounters(Collector):
-    """Each engine's isolation counters as scraped just now, labelled by role and backend, and
-    whether its /metrics could be read at all (a canary must not mistake "unreadable" for 0)."""
+    """Each engine's isolation and prefix-cache counters as scraped just now, labelled by role
+    and backend, and whether its /metrics could be read at all (a canary must not mistake
+    "unreadable" for 0)."""
 
     def __init__(self, scraped: list[BackendRead]) -> None:
         self.scraped = scraped
@@ -474,7 +475,7 @@ class BackendCounters(Collector):
                 f"{name}_total of each engine, read by the router",
                 labels=labels,
             )
-            for name in ISOLATION_COUNTERS
+            for name in (*ISOLATION_COUNTERS, *PREFIX_CACHE_COUNTERS)
         }
         for role, url, text in self.scraped:
             families = _parse_metrics(text)
@@ -562,9 +563,9 @@ async def _route(
     try:
         # Shielded: a client that leaves now must not cancel the prefill mid-transfer.
         prefill = asyncio.ensure_future(
-            _prefill(state, decode, handle, prompt_ids, sampling, tenant)
+            _prefill(state, decode, handle, prompt_ids, sampling, tenant, body.cache_salt)
         )
-        first = await asyncio.shield(prefill)
+        prefilled = await asyncio.shield(prefill)
     except asyncio.CancelledError:
         state.in_background(_abort_after(state, decode, request_id, prefill))
         raise
@@ -575,8 +576,9 @@ async def _route(
         # the first token exists now: cancel both halves (prefill is already done)
         await _abort(state, decode, request_id)
         return Response(status_code=499)
-    deltas = slot.held_until_closed(_decode(state, decode, request_id, first))
+    deltas = slot.held_until_closed(_decode(state, decode, request_id, prefilled.first))
     out = OpenAIOutput(chat, state.model_name, state.require_tokenizer(), len(prompt_ids))
+    out.cached_tokens = prefilled.cached_tokens  # this tenant's own hit, decided by prefill
     try:
         first_delta = await anext(deltas)
     except BaseException:
@@ -693,9 +695,18 @@ async def _prefill(
     prompt_ids: list[int],
     sampling: Sampling,
     tenant: str,
-) -> FirstToken:
+    cache_salt: str | None,
+) -> PrefillReply:
+    """Prefill computes the prompt's KV (past the tenant's cached pages) into decode's
+    reservation; its reply has the first token and how many prompt tokens were cached."""
     prefill = state.backends.prefill.pick()
-    body = PrefillBody(handle=handle, prompt_ids=prompt_ids, sampling=sampling, tenant=tenant)
+    body = PrefillBody(
+        handle=handle,
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        tenant=tenant,
+        cache_salt=cache_salt,
+    )
     decode.outstanding += 1
     try:
         result = await _call(
@@ -709,7 +720,7 @@ async def _prefill(
         )
     finally:
         decode.outstanding -= 1
-    return result.first
+    return result
 
 
 async def _abort(state: RouterState, decode: Backend, request_id: str) -> None:
@@ -725,7 +736,7 @@ async def _abort(state: RouterState, decode: Backend, request_id: str) -> None:
 
 
 async def _abort_after(
-    state: RouterState, decode: Backend, request_id: str, prefill: "asyncio.Future[FirstToken]"
+    state: RouterState, decode: Backend, request_id: str, prefill: "asyncio.Future[PrefillReply]"
 ) -> None:
     """The client left during prefill: let the first token come into existence, then cancel
     both halves (prefill is done by then; decode drops the reservation)."""

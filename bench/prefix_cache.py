@@ -25,7 +25,9 @@ The last line:
 
     ttft_p50_cold_ms=.. ttft_p50_cached_ms=.. speedup=..x cross_tenant_hits=0 prefix_cache=on
 
-where cold and cached are turns 2.. without and with the cache. Exit status 1 if any request
+where cold and cached are turns 2.. without and with the cache. --rounds (default 2) repeats
+the workload with new system prompts, alternating which deployment goes first; each
+deployment's first request is an unmeasured warm-up. Exit status 1 if any request
 failed or cross_tenant_hits > 0.
 
     python bench/prefix_cache.py                          # SmolLM2-135M, a few minutes on 2 cores
@@ -71,10 +73,11 @@ QUESTIONS = (
 )
 
 
-def system_prompt(tokenizer: Tokenizer, tenant: int, tokens: int) -> str:
-    """About `tokens` tokens of instructions, different for every tenant."""
-    rng = random.Random(f"tenant-{tenant}")
-    text = f"You are the support assistant of company number {tenant}. Follow these rules. "
+def system_prompt(tokenizer: Tokenizer, tenant: int, tokens: int, round_: int = 0) -> str:
+    """About `tokens` tokens of instructions, different for every tenant and round (a round
+    must not hit the pages of the one before)."""
+    rng = random.Random(f"tenant-{tenant}-round-{round_}")
+    text = f"You are the support assistant of company {tenant}-{round_}. Follow these rules. "
     while len(tokenizer.encode(text)) < tokens:
         text += " ".join(rng.choice(WORDS) for _ in range(12)) + ". "
     return tokenizer.decode(tokenizer.encode(text)[:tokens])
@@ -206,6 +209,8 @@ def run_workload(
         for k in keys
     ]
     model = clients[0].models.list().data[0].id
+    if not d.answers:  # warm-up: a fresh process's first request pays one-time costs
+        ask(clients[0], model, [{"role": "user", "content": "Hello!"}], max_tokens)
 
     def one(tenant: int, turn: int, messages: list[dict[str, str]]) -> None:
         try:
@@ -231,7 +236,7 @@ def run_workload(
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(keys)) as pool:
         list(pool.map(chat, range(len(keys))))
-    d.seconds = time.perf_counter() - t0
+    d.seconds += time.perf_counter() - t0
     # Cross-tenant: each tenant sends prompts its neighbour sent first, word for word.
     for tenant in range(len(keys)):
         other = turns[(tenant + 1) % len(keys)]
@@ -278,31 +283,39 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--context-length", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default="512Mi", help="KV pool per engine")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="workload rounds, new system prompts each, the two deployments' order alternating",
+    )
     args = p.parse_args()
-    if args.tenants < 2 or args.turns < 2:
-        print("prefix_cache: need at least 2 tenants and 2 turns", file=sys.stderr)
+    if args.tenants < 2 or args.turns < 2 or args.rounds < 1:
+        print("prefix_cache: need at least 2 tenants, 2 turns and 1 round", file=sys.stderr)
         return 2
 
     _, tokenizer = load_tokenizer(args.model)
-    turns = [
-        conversation(system_prompt(tokenizer, t, args.system_tokens), args.turns)
-        for t in range(args.tenants)
-    ]
     api_keys = [f"sk-prefix-bench-{t:02d}-{random.getrandbits(64):x}" for t in range(args.tenants)]
     with tempfile.TemporaryDirectory(prefix="kvfence-prefix-bench-keys-") as here:
         keys_file = Path(here) / "keys"
         keys_file.write_text("".join(f"{k} tenant-{t}\n" for t, k in enumerate(api_keys)))
         with deployments(args, keys_file) as (cold, warm):
             foreign = ForeignCpu([p.proc.pid for p in warm.processes + cold.processes if p.proc])
-            for d in (cold, warm):
-                run_workload(d, api_keys, turns, args.max_tokens)
+            for r in range(args.rounds):
+                turns = [
+                    conversation(system_prompt(tokenizer, t, args.system_tokens, r), args.turns)
+                    for t in range(args.tenants)
+                ]
+                for d in (cold, warm) if r % 2 == 0 else (warm, cold):  # no order advantage
+                    run_workload(d, api_keys, turns, args.max_tokens)
             cache_on = warm.cache_on()
             assert not cold.cache_on(), "the deployment without the cache has one"
             busy = foreign.cores()
 
     a, b = summary(cold), summary(warm)
     print(
-        f"{args.tenants} tenants x {args.turns} turns, system prompts of {args.system_tokens} "
+        f"{args.rounds} rounds of {args.tenants} tenants x {args.turns} turns, system prompts "
+        f"of {args.system_tokens} "
         f"tokens, {args.max_tokens} answer tokens, model {args.model}, {args.prefills} "
         f"prefill + 1 decode per deployment; mean prompt {a['prompt_tokens']:.0f} tokens"
     )

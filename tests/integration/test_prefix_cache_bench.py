@@ -14,7 +14,7 @@ LAST = re.compile(
     r"ttft_p50_cold_ms=(\d+) ttft_p50_cached_ms=(\d+) speedup=([\d.]+)x "
     r"cross_tenant_hits=(\d+) prefix_cache=(on|off)"
 )
-TINY = ["--model", "builtin:tiny-random", "--tenants", "2", "--turns", "2"]
+TINY = ["--model", "builtin:tiny-random", "--tenants", "2", "--turns", "2", "--rounds", "1"]
 TINY += ["--system-tokens", "48", "--max-tokens", "2", "--kv-cache-memory", "8Mi"]
 
 
@@ -44,4 +44,4 @@ def test_too_few_tenants_or_turns_is_one_line() -> None:
         [sys.executable, str(SCRIPT), "--tenants", "1"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2
-    assert done.stderr.strip() == "prefix_cache: need at least 2 tenants and 2 turns"
+    assert done.stderr.strip() == "prefix_cache: need at least 2 tenants, 2 turns and 1 round"

@@ -121,7 +121,7 @@ class Deployment:
     def cache_on(self) -> bool:
         """What the prefill engines say, not what was asked for."""
         return all(
-            bool(httpx.get(p.url + "/v1/kvpool", timeout=10).json().get("prefix_cache"))
+            bool(httpx.get(p.url + "/v1/kvpool", timeout=60).json().get("prefix_cache"))
             for p in self.prefills
         )
 
@@ -209,8 +209,11 @@ def run_workload(
         for k in keys
     ]
     model = clients[0].models.list().data[0].id
-    if not d.answers:  # warm-up: a fresh process's first request pays one-time costs
-        ask(clients[0], model, [{"role": "user", "content": "Hello!"}], max_tokens)
+    if not d.answers and not d.failures:  # warm-up: a fresh process's first request pays
+        try:  # one-time costs
+            ask(clients[0], model, [{"role": "user", "content": "Hello!"}], max_tokens)
+        except (openai.OpenAIError, RuntimeError) as exc:
+            d.failures.append(f"warm-up: {exc}")
 
     def one(tenant: int, turn: int, messages: list[dict[str, str]]) -> None:
         try:

@@ -138,9 +138,10 @@ def start(
     engine += ["--kv-cache-memory", args.kv_cache_memory, "--transfer-port", "0"]
     engine += ["--threads", str(args.threads)]
 
-    def serve(role: str, i: int, extra: Sequence[str] = ()) -> LocalProcess:
+    def serve(role: str, i: int, extra: Sequence[str] = (), log: str = "") -> LocalProcess:
         proc = LocalProcess(
-            ["serve", "--role", role, *engine, *extra], log_path=logs / f"{name}-{role}{i}.log"
+            ["serve", "--role", role, *engine, *extra],
+            log_path=logs / f"{name}-{role}{i}{log}.log",
         )
         started.append(proc)
         return proc.start()
@@ -155,7 +156,8 @@ def start(
             if not cache:
                 raise
             note = last_line(proc.log_path)
-            proc = serve("prefill", i)  # the same process without the cache, said so below
+            # the same process without the cache, said so below (the refusal's log kept)
+            proc = serve("prefill", i, log="-without-cache")
             proc.wait_ready(READY_TIMEOUT_S)
         prefills.append(proc)
     decode = serve("decode", 0).wait_ready(READY_TIMEOUT_S)

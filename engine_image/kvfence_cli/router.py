@@ -3,6 +3,7 @@
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from kvfence_cli.common import (
     Subparsers,
@@ -100,6 +101,24 @@ def add_parser(sub: Subparsers) -> None:
         help="send this token to the engines; require it on /metrics and for the full "
         "/v1/kvpool (with API keys and no token, /metrics is off)",
     )
+    p.add_argument(
+        "--routing-secret-file",
+        default=None,
+        metavar="FILE",
+        help="route prefix-aware: a tenant's prompts that begin alike go to the same prefill "
+        "instance (for its --prefix-cache), by rendezvous hashing of the tenant and the "
+        "prompt's first tokens keyed with this secret (at least 16 bytes; every router of a "
+        "deployment needs the same), passing over down or overloaded instances; default: "
+        "least-outstanding",
+    )
+    p.add_argument(
+        "--routing-prefix-tokens",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="with --routing-secret-file: how many leading prompt tokens place a request "
+        "(default 64)",
+    )
     add_max_request_bytes(p)
     add_drain_seconds(p)
     p.set_defaults(func=run)
@@ -110,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.router.app import RouterState, create_router_app
     from kvfence_engine.router.backends import Backends
     from kvfence_engine.router.keys import ApiKeys
+    from kvfence_engine.router.placement import DEFAULT_PREFIX_TOKENS, PrefixRouting
     from kvfence_engine.router.served_model import (
         MODEL_WAIT_SECONDS,
         RouterModel,
@@ -124,9 +144,22 @@ def run(args: argparse.Namespace) -> int:
             "kvfence router: give --prefill and --decode URLs or --backends-file", file=sys.stderr
         )
         return 2
+    if args.routing_prefix_tokens is not None and args.routing_secret_file is None:
+        print(
+            "kvfence router: --routing-prefix-tokens needs --routing-secret-file", file=sys.stderr
+        )
+        return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     try:
         token = read_token(args.internal_token_file)
+        routing = (
+            PrefixRouting.from_file(
+                Path(args.routing_secret_file),
+                args.routing_prefix_tokens or DEFAULT_PREFIX_TOKENS,
+            )
+            if args.routing_secret_file
+            else None
+        )
         keys = ApiKeys.load(args.api_keys)
         backends = Backends.create(args.prefill, args.decode, args.backends_file)
         engines = [b.url for pool in (backends.prefill, backends.decode) for b in pool.backends]
@@ -154,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
         inflight=TenantInflight(args.max_concurrent_per_tenant),
         tokenizer_from_engines=args.tokenizer_from_engines,
         tokenizer_source=args.model,
+        routing=routing,
     )
     app = create_router_app(state)
     set_max_request_bytes(app, args.max_request_bytes)

@@ -77,6 +77,17 @@ def _grace_hashed(stored: Mapping[str, Any]) -> int | None:
     return None if grace == GRACE_WHEN_INTRODUCED else grace
 
 
+# spec.engine.prefixCache came with this default: hashed as absent, as the grace period above.
+PREFIX_CACHE_WHEN_INTRODUCED = {"enabled": False}
+
+
+def _engine_hashed(stored: Mapping[str, Any]) -> Any:
+    engine = stored.get("engine")
+    if not isinstance(engine, Mapping) or engine.get("prefixCache") != PREFIX_CACHE_WHEN_INTRODUCED:
+        return engine
+    return {k: v for k, v in engine.items() if k != "prefixCache"}
+
+
 def pod_shaping_parts(spec: InferenceDeploymentSpec) -> dict[str, object]:
     stored = stored_spec(spec)
 
@@ -87,7 +98,7 @@ def pod_shaping_parts(spec: InferenceDeploymentSpec) -> dict[str, object]:
         _pruned(
             {
                 "model": stored["model"],
-                "engine": stored.get("engine"),
+                "engine": _engine_hashed(stored),
                 "contextLength": stored["contextLength"],
                 "poolPolicy": stored.get("poolPolicy"),
                 "prefill": without_replicas("prefill"),

@@ -41,11 +41,12 @@ from kvfence_engine.tools.localproc import (
     last_line,
     wait_all_ready,
 )
-from kvfence_operator.builders.engine_deployment import ENGINE_ROLES, engine_args
+from kvfence_operator.builders.engine_deployment import ENGINE_ROLES, caches_prefixes, engine_args
 from kvfence_operator.builders.router_deployment import router_args, router_backends
 from kvfence_operator.builders.secret import RevisionCredentials
 from kvfence_operator.crd.types import (
     InferenceDeployment,
+    InferenceDeploymentSpec,
     InferenceDeploymentStatus,
     Role,
     RoleReplicas,
@@ -190,6 +191,31 @@ def _write_private(path: Path, text: str) -> Path:
     return path
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixCacheFiles:
+    """The revision Secret's prefix-cache secrets, as files on this machine."""
+
+    prefix_cache_secret: Path
+    routing_secret: Path
+
+    @classmethod
+    def write(cls, workdir: Path, credentials: RevisionCredentials) -> "PrefixCacheFiles":
+        return cls(
+            _write_private(workdir / "prefix-cache-secret", credentials.prefix_cache_secret + "\n"),
+            _write_private(workdir / "routing-secret", credentials.routing_secret + "\n"),
+        )
+
+    def overrides(self, spec: InferenceDeploymentSpec, role: Role) -> dict[str, list[str]]:
+        """Where the pods' mounted secret files are here, for the flags this role's command
+        has (none when spec.engine.prefixCache is off: an override would add the flag)."""
+        if role is Role.ROUTER:
+            on = spec.engine.prefix_cache.enabled
+            return {"--routing-secret-file": [str(self.routing_secret)]} if on else {}
+        if caches_prefixes(spec, role):
+            return {"--prefix-cache-secret-file": [str(self.prefix_cache_secret)]}
+        return {}
+
+
 def start_engines(
     manifest: InferenceDeployment,
     local: LocalDeployment,
@@ -197,6 +223,7 @@ def start_engines(
     device: str,
     threads: int | None,
     say: Callable[[str], None],
+    secrets: PrefixCacheFiles,
 ) -> None:
     spec, revision, workdir = manifest.spec, local.revision, local.workdir
     for role in ENGINE_ROLES:
@@ -212,6 +239,7 @@ def start_engines(
                     "--internal-token-file": [str(token_file)],
                     "--termination-log": [],  # the reason is the log's last line here
                     **({"--threads": [str(threads)]} if threads else {}),
+                    **secrets.overrides(spec, role),
                 },
             )
             proc = LocalProcess(args, log_path=workdir / f"{name}.log")
@@ -307,6 +335,7 @@ def start_router(
     token_file: Path,
     keys_file: Path,
     say: Callable[[str], None],
+    secrets: PrefixCacheFiles,
 ) -> None:
     spec = manifest.spec
     port = reserved_port.getsockname()[1]
@@ -327,6 +356,7 @@ def start_router(
             "--backends-file": [str(backends_file)],
             "--api-keys": [str(keys_file)],
             "--internal-token-file": [str(token_file)],
+            **secrets.overrides(spec, Role.ROUTER),
         },
     )
     local.router = LocalProcess(args, port=port, log_path=local.workdir / "router.log")
@@ -476,10 +506,11 @@ def _run(
         workdir / "api-keys",
         credentials.api_keys_file() + f"{api_key} {LOCAL_TENANT}\n",
     )
+    secrets = PrefixCacheFiles.write(workdir, credentials)  # used where prefixCache is on
     replicas = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas}
     local = LocalDeployment(manifest.metadata.name, revision, workdir)
     try:
-        start_engines(manifest, local, token_file, device, options.threads, say)
+        start_engines(manifest, local, token_file, device, options.threads, say, secrets)
         pools = read_pools(local, credentials.internal_token)
         decision = judge_pools(
             pools,
@@ -493,7 +524,9 @@ def _run(
         canary: CanaryOutcome | None = None
         if decision.sufficient:
             say(f"pool check ({spec.pool_policy}): {decision.message}")
-            start_router(manifest, local, decision, router_port, token_file, keys_file, say)
+            start_router(
+                manifest, local, decision, router_port, token_file, keys_file, say, secrets
+            )
             if spec.canary.enabled:
                 assert local.router is not None and decision.effective_context is not None
                 canary = run_canary_gate(

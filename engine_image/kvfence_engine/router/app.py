@@ -69,6 +69,7 @@ from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.router.backends import Backend, Backends, StalePush
 from kvfence_engine.router.engine_tokenizer import fetch_tokenizer
 from kvfence_engine.router.keys import ApiKeys, request_id_for
+from kvfence_engine.router.placement import PrefixRouting
 from kvfence_engine.router.tenants import InflightCollector, Slot, TenantInflight
 from kvfence_engine.serving.limits import refuse_unfittable_prompt
 from kvfence_engine.serving.openai_api import (
@@ -145,6 +146,8 @@ class RouterState:
     tokenizer_source: str | None = None
     tokenizer_problem: str = "not read yet"
     _tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # --routing-secret-file: prefill by prefix within a tenant (the prefix cache's hits)
+    routing: PrefixRouting | None = None
 
     def __post_init__(self) -> None:
         self.metrics.registry.register(InflightCollector(self.inflight))
@@ -698,8 +701,11 @@ async def _prefill(
     cache_salt: str | None,
 ) -> PrefillReply:
     """Prefill computes the prompt's KV (past the tenant's cached pages) into decode's
-    reservation; its reply has the first token and how many prompt tokens were cached."""
-    prefill = state.backends.prefill.pick()
+    reservation; its reply has the first token and how many prompt tokens were cached. With a
+    routing secret the instance is the one placement ranks first for the tenant's prefix."""
+    pool = state.backends.prefill
+    routing = state.routing
+    prefill = pool.pick() if routing is None else pool.pick_by_prefix(routing, tenant, prompt_ids)
     body = PrefillBody(
         handle=handle,
         prompt_ids=prompt_ids,

@@ -1,5 +1,6 @@
-"""The router's view of prefill and decode instances: least-outstanding choice, dead instances
-out of rotation for a while, and the set the operator writes (backends file) and pushes."""
+"""The router's view of prefill and decode instances: least-outstanding choice (or prefix-aware,
+see placement.py), dead instances out of rotation for a while, and the set the operator writes
+(backends file) and pushes."""
 
 import logging
 import os
@@ -12,6 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from kvfence_engine.contracts import BackendsFile, BackendsInForce, BackendsSource, Role
 from kvfence_engine.core import errors
+from kvfence_engine.router.placement import Candidate, PrefixRouting
 
 log = logging.getLogger(__name__)
 DOWN_SECONDS = 5.0
@@ -43,6 +45,19 @@ class BackendPool:
         if not alive:
             raise errors.overloaded(f"no {self.role} instance is reachable", retry_after=2)
         return min(alive, key=lambda b: b.outstanding)
+
+    def pick_by_prefix(self, routing: PrefixRouting, tenant: str, prompt_ids: list[int]) -> Backend:
+        """The instance whose prefix cache most likely holds this tenant's prompt (see
+        placement.py), passing over down or overloaded ones."""
+        now = time.monotonic()
+        candidates = [Candidate(b.url, b.outstanding, b.down_until <= now) for b in self.backends]
+        try:
+            url = routing.choose(tenant, prompt_ids, candidates)
+        except ValueError:
+            raise errors.overloaded(
+                f"no {self.role} instance is reachable", retry_after=2
+            ) from None
+        return next(b for b in self.backends if b.url == url)
 
     def mark_down(self, backend: Backend) -> None:
         backend.down_until = time.monotonic() + DOWN_SECONDS

@@ -20,7 +20,11 @@ from kvfence_operator.builders.pod_template import (
     tmp_volume,
 )
 from kvfence_operator.builders.resources import engine_device, with_default_requests
-from kvfence_operator.builders.secret import internal_token_volume
+from kvfence_operator.builders.secret import (
+    PREFIX_CACHE_SECRET_FILE,
+    internal_token_volume,
+    prefix_cache_secret_item,
+)
 from kvfence_operator.crd.types import InferenceDeploymentSpec, KvCacheDtype, PoolPolicy, Role
 from kvfence_operator.meta import (
     HTTP_PORT,
@@ -84,7 +88,15 @@ def engine_args(spec: InferenceDeploymentSpec, role: Role, revision: str, device
     share = spec.tenant_limits.max_pool_share_per_tenant
     if share is not None:
         args += ["--max-pool-share-per-tenant", str(share)]
+    if caches_prefixes(spec, role):
+        args += ["--prefix-cache", "--prefix-cache-secret-file", PREFIX_CACHE_SECRET_FILE]
     return args
+
+
+def caches_prefixes(spec: InferenceDeploymentSpec, role: Role) -> bool:
+    """Whether this role's engines run the prefix cache: prefill, with prefixCache on (decode
+    receives a prompt's KV whole and computes none of it)."""
+    return spec.engine.prefix_cache.enabled and role is Role.PREFILL
 
 
 def build_engine_deployment(
@@ -101,6 +113,8 @@ def build_engine_deployment(
         ports.append({"name": "transfer", "containerPort": TRANSFER_PORT, "protocol": "TCP"})
     tmp, tmp_mount = tmp_volume()
     token, token_mount = internal_token_volume(instance, revision)
+    if caches_prefixes(spec, role):
+        token["secret"]["items"].append(prefix_cache_secret_item())
     models = model_volume(spec.model)
     container = {
         "name": "engine",

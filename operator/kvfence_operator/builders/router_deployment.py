@@ -21,7 +21,9 @@ from kvfence_operator.builders.pod_template import (
 from kvfence_operator.builders.secret import (
     CANARY_API_KEYS_KEY,
     INTERNAL_TOKEN_KEY,
+    ROUTING_SECRET_FILE,
     USER_API_KEYS_KEY,
+    routing_secret_item,
     secret_name,
 )
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
@@ -94,6 +96,10 @@ def build_router_configmap(
 def router_args(spec: InferenceDeploymentSpec) -> list[str]:
     concurrent = spec.tenant_limits.max_concurrent_requests
     limits = ["--max-concurrent-per-tenant", str(concurrent)] if concurrent else []
+    # with the prefill engines' prefix cache: a tenant's alike prompts to the same instance
+    routing = (
+        ["--routing-secret-file", ROUTING_SECRET_FILE] if spec.engine.prefix_cache.enabled else []
+    )
     return [
         "router",
         "--host", "0.0.0.0",
@@ -113,6 +119,7 @@ def router_args(spec: InferenceDeploymentSpec) -> list[str]:
         "--internal-token-file", INTERNAL_TOKEN_FILE,
         "--drain-seconds", str(drain_seconds(spec.rollout)),
         *limits,
+        *routing,
     ]  # fmt: skip
 
 
@@ -122,6 +129,12 @@ def build_router_deployment(
     name = child_name(instance, revision, Role.ROUTER)
     tmp, tmp_mount = tmp_volume()
     config = {"name": "config", "configMap": {"name": name}}
+    revision_items = [
+        {"key": INTERNAL_TOKEN_KEY, "path": "internal-token"},
+        {"key": CANARY_API_KEYS_KEY, "path": "api-keys/canary"},
+    ]
+    if spec.engine.prefix_cache.enabled:
+        revision_items.append(routing_secret_item())
     # One read-only directory: the token, the users' keys and this revision's canary keys.
     credentials = {
         "name": "credentials",
@@ -131,10 +144,7 @@ def build_router_deployment(
                 {
                     "secret": {
                         "name": secret_name(instance, revision),
-                        "items": [
-                            {"key": INTERNAL_TOKEN_KEY, "path": "internal-token"},
-                            {"key": CANARY_API_KEYS_KEY, "path": "api-keys/canary"},
-                        ],
+                        "items": revision_items,
                     }
                 },
                 {

@@ -71,6 +71,10 @@ SPEC_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("--kv-checksum", "--no-kv-checksum"), "set engine.kvChecksum instead"),
     (("--scrub-on-free", "--no-scrub-on-free"), "set engine.scrubOnFree instead"),
     (("--max-pool-share-per-tenant",), "set tenantLimits.maxPoolSharePerTenant instead"),
+    (
+        ("--prefix-cache", "--no-prefix-cache", "--prefix-cache-secret-file"),
+        "set engine.prefixCache.enabled instead (the operator makes the secret)",
+    ),
     (("--device",), "it follows prefill/decode resources (cuda with a */gpu resource)"),
     # main's promotion drain (issue #14) passes it from rollout.terminationGracePeriodSeconds
     (("--drain-seconds",), "set rollout.terminationGracePeriodSeconds instead"),
@@ -192,6 +196,20 @@ class ModelSpec(_ApiModel):
 ExtraArg = Annotated[str, Field(max_length=1024)]
 
 
+class PrefixCacheSpec(_ApiModel):
+    """Reuse of a prompt's leading KV pages within a tenant (docs/isolation.md #11)."""
+
+    enabled: bool = Field(
+        False,
+        strict=True,  # as the API server: "yes" or 1 is not a boolean
+        description="Prefill engines keep the KV of prompts' full pages and reuse it for later "
+        "prompts of the same tenant that begin alike; the router then routes prefix-aware "
+        "within a tenant. Off by default: within a tenant, a hit shows in usage.cached_tokens "
+        "and a faster first token, so anyone holding the tenant's key can tell whether a "
+        "prefix was sent before (docs/crd.md).",
+    )
+
+
 class EngineSpec(_ApiModel):
     """How each engine pod runs and sizes its KV pool."""
 
@@ -220,6 +238,7 @@ class EngineSpec(_ApiModel):
     )
     kv_checksum: bool = Field(True, description="Verify per-page checksums on KV transfer.")
     scrub_on_free: bool = Field(False, description="Zero KV pages when they are released.")
+    prefix_cache: PrefixCacheSpec = Field(default_factory=PrefixCacheSpec, **OBJECT_DEFAULT)
     extra_args: list[ExtraArg] = Field(
         default_factory=list,
         max_length=64,

@@ -51,16 +51,18 @@ def test_every_flag_engine_args_derives_from_the_spec_is_refused_in_extra_args()
     spec.engine.scrub_on_free = True
     spec.engine.kv_cache_dtype = KvCacheDtype.FLOAT16
     spec.tenant_limits.max_pool_share_per_tenant = 0.5
+    spec.engine.prefix_cache.enabled = True
     emitted = set()
-    for memory in (None, "1Gi"):
+    for memory, role in ((None, Role.DECODE), ("1Gi", Role.DECODE), ("1Gi", Role.PREFILL)):
         spec.engine.kv_cache_memory = memory
         spec.engine.memory_fraction = None if memory else 0.5
-        args = engine_args(spec, Role.DECODE, "abc123", "cuda")
+        args = engine_args(spec, role, "abc123", "cuda")
         emitted |= {a.split("=")[0] for a in args if a.startswith("--")}
     # --threads comes from the pod's CPU before extraArgs: extraArgs may override it on purpose
     emitted -= {"--threads"}
     assert emitted <= DERIVED, f"engine_args sets {emitted - DERIVED}, which extraArgs could flip"
-    for flag in sorted(emitted | {"--kv-checksum", "--no-scrub-on-free"}):
+    assert "--prefix-cache" in emitted  # the prefill role's, with prefixCache on
+    for flag in sorted(emitted | {"--kv-checksum", "--no-scrub-on-free", "--no-prefix-cache"}):
         assert _refused(flag), flag
         assert _refused(f"{flag}=1"), flag
 

@@ -76,6 +76,7 @@ def test_changes_applied_in_place_keep_the_revision(change):
         {"tenantLimits.maxConcurrentRequests": 8},
         {"tenantLimits.maxPoolSharePerTenant": 0.25},
         {"rollout.terminationGracePeriodSeconds": 60},
+        {"engine.prefixCache": {"enabled": True}},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -135,3 +136,17 @@ def test_the_release_that_adds_spec_rollout_rolls_no_existing_object(name):
     assert stored["rollout"]["terminationGracePeriodSeconds"] == 300
     before = REVISIONS_BEFORE_SPEC_ROLLOUT[name]
     assert revision_of(InferenceDeploymentSpec.model_validate(stored)) == before
+
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_the_release_that_adds_engine_prefix_cache_rolls_no_existing_object(name):
+    """On upgrade the API server fills in engine.prefixCache's schema default ({enabled:
+    false}): the revision stays what it was before the field existed; writing it explicitly
+    off is the same spec."""
+    stored = stored_spec(load_sample(name)["spec"])
+    assert stored["engine"]["prefixCache"] == {"enabled": False}
+    before = REVISIONS_BEFORE_SPEC_ROLLOUT[name]
+    assert revision_of(InferenceDeploymentSpec.model_validate(stored)) == before
+    explicit = load_sample(name)["spec"]
+    explicit.setdefault("engine", {})["prefixCache"] = {"enabled": False}
+    assert revision_of(InferenceDeploymentSpec.model_validate(explicit)) == before

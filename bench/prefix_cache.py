@@ -12,9 +12,12 @@ on its router (prefix-aware routing within a tenant). Each gets the same workloa
                  (scripted answers, so both deployments see identical prompts) and a new
                  question. Streamed through the `openai` client; time to first token is the
                  time to the first chunk.
-  cross-tenant   then each tenant sends, word for word, the first and the last prompt its
-                 neighbour sent before: a prefix another tenant sent first. The sum of their
-                 usage.prompt_tokens_details.cached_tokens is cross_tenant_hits, which must be 0.
+  cross-tenant   then, for each tenant, two probe tenants that have sent nothing before send,
+                 word for word, the first and the last prompt that tenant sent. The sum of their
+                 usage.prompt_tokens_details.cached_tokens is cross_tenant_hits, which must be 0
+                 (a probe with no history of its own: a chatting tenant may rightly hit its own
+                 pages of the text every prompt begins with, the chat template's and the
+                 system prompt's first words).
 
 Reported per deployment: TTFT p50 of first turns and of turns 2.. (the ones a cache can serve),
 requests/s and prompt tokens/s over the conversations, the cached tokens reported to the
@@ -204,12 +207,21 @@ def cached_of(usage: openai.types.CompletionUsage) -> int:
 
 
 def run_workload(
-    d: Deployment, keys: list[str], turns: list[list[list[dict[str, str]]]], max_tokens: int
+    d: Deployment,
+    keys: list[str],
+    probe_keys: list[str],
+    turns: list[list[list[dict[str, str]]]],
+    max_tokens: int,
 ) -> None:
-    clients = [
-        openai.OpenAI(base_url=d.router.url + "/v1", api_key=k, max_retries=0, timeout=600)
-        for k in keys
-    ]
+    """`keys`: the tenants that chat; `probe_keys`: two per chatting tenant, tenants that have
+    sent nothing before, so every cached token one is told of is a cross-tenant hit (a tenant
+    that chatted may rightly hit its own pages of the text all prompts begin with)."""
+
+    def client(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=d.router.url + "/v1", api_key=key, max_retries=0, timeout=600)
+
+    clients = [client(k) for k in keys]
+    probes = [client(k) for k in probe_keys]
     model = clients[0].models.list().data[0].id
     if not d.answers and not d.failures:  # warm-up: a fresh process's first request pays
         try:  # one-time costs
@@ -219,7 +231,9 @@ def run_workload(
 
     def one(tenant: int, turn: int, messages: list[dict[str, str]]) -> None:
         try:
-            ttft, usage = ask(clients[tenant], model, messages, max_tokens)
+            ttft, usage = ask(
+                (clients if turn >= 0 else probes)[tenant], model, messages, max_tokens
+            )
         except (openai.OpenAIError, RuntimeError) as exc:
             d.failures.append(f"tenant {tenant} turn {turn}: {exc}")
             return
@@ -242,11 +256,11 @@ def run_workload(
     with ThreadPoolExecutor(len(keys)) as pool:
         list(pool.map(chat, range(len(keys))))
     d.seconds += time.perf_counter() - t0
-    # Cross-tenant: each tenant sends prompts its neighbour sent first, word for word.
+    # Cross-tenant: a tenant's first and last prompts, word for word, each from a probe tenant
+    # of its own (the last begins with the first: one probe sending both would hit its own).
     for tenant in range(len(keys)):
-        other = turns[(tenant + 1) % len(keys)]
-        for messages in {0: other[0], len(other) - 1: other[-1]}.values():
-            one(tenant, -1, messages)
+        for j, messages in enumerate((turns[tenant][0], turns[tenant][-1])):
+            one(2 * tenant + j, -1, messages)
 
 
 def ms(values: list[float]) -> float:
@@ -301,9 +315,21 @@ def main() -> int:
 
     _, tokenizer = load_tokenizer(args.model)
     api_keys = [f"sk-prefix-bench-{t:02d}-{random.getrandbits(64):x}" for t in range(args.tenants)]
+    # fresh probe tenants, two per chatting tenant and round: they have no pages of their own
+    probe_keys = [
+        [f"sk-prefix-probe-{r}-{t:02d}-{random.getrandbits(64):x}" for t in range(2 * args.tenants)]
+        for r in range(args.rounds)
+    ]
     with tempfile.TemporaryDirectory(prefix="kvfence-prefix-bench-keys-") as here:
         keys_file = Path(here) / "keys"
-        keys_file.write_text("".join(f"{k} tenant-{t}\n" for t, k in enumerate(api_keys)))
+        keys_file.write_text(
+            "".join(f"{k} tenant-{t}\n" for t, k in enumerate(api_keys))
+            + "".join(
+                f"{k} probe-{r}-{t}\n"
+                for r, keys in enumerate(probe_keys)
+                for t, k in enumerate(keys)
+            )
+        )
         with deployments(args, keys_file) as (cold, warm):
             foreign = ForeignCpu([p.proc.pid for p in warm.processes + cold.processes if p.proc])
             for r in range(args.rounds):
@@ -312,7 +338,7 @@ def main() -> int:
                     for t in range(args.tenants)
                 ]
                 for d in (cold, warm) if r % 2 == 0 else (warm, cold):  # no order advantage
-                    run_workload(d, api_keys, turns, args.max_tokens)
+                    run_workload(d, api_keys, probe_keys[r], turns, args.max_tokens)
             cache_on = warm.cache_on()
             assert not cold.cache_on(), "the deployment without the cache has one"
             busy = foreign.cores()
@@ -330,8 +356,8 @@ def main() -> int:
     else:
         why = f" ({warm.cache_note})" if warm.cache_note else ""
         print(
-            f"prefix cache: OFF{why}: the prefill role does not cache yet, so the 'cache' "
-            "deployment runs without it and a speedup near 1x is the honest result"
+            f"prefix cache: OFF{why}: the 'cache' deployment runs without it, so a speedup "
+            "near 1x is the honest result"
         )
     print(f"{'':28}{'no cache':>12}{'cache':>12}")
     rows = [

@@ -144,15 +144,35 @@ def server_url(text: str) -> str:
     return url
 
 
-def read_token(path: str | None) -> str | None:
+def read_token(path: str | None, what: str = "internal token") -> str | None:
     """The shared internal token, from a file (a mounted Secret in Kubernetes)."""
     if path is None:
         return None
     with open(path) as f:
         token = f.read().strip()
     if not token:
-        raise ValueError(f"internal token file {path} is empty")
+        raise ValueError(f"{what} file {path} is empty")
     return token
+
+
+def add_metrics_token_file(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-token-file",
+        default=None,
+        help="also accept this token on /metrics, and only there (Authorization: Bearer, as "
+        "Prometheus sends it): a scraper needs no internal token; needs --internal-token-file",
+    )
+
+
+def read_metrics_token(path: str | None, internal_token: str | None) -> str | None:
+    """The metrics token, which only narrows who may read a /metrics that the internal token
+    already closes: without one, /metrics is open and a metrics token would mean nothing."""
+    if path is not None and internal_token is None:
+        raise ValueError(
+            "--metrics-token-file needs --internal-token-file "
+            "(without an internal token /metrics is open to everyone)"
+        )
+    return read_token(path, "metrics token")
 
 
 PROBE_PATHS = ("/healthz", "/readyz")

@@ -1,6 +1,6 @@
 """Checking a secret a caller presents: the router's API keys, the internal token on
 /internal/* calls, on the operational endpoints (/metrics, /v1/kvpool) and on a KV transfer's
-HELLO."""
+HELLO, and the metrics token on /metrics."""
 
 import hmac
 from collections.abc import Mapping
@@ -33,3 +33,9 @@ def presents_internal_token(headers: Mapping[str, str], expected: str) -> bool:
     return secret_matches(headers.get(TOKEN_HEADER), expected) or secret_matches(
         bearer_of(headers), expected
     )
+
+
+def presents_metrics_token(headers: Mapping[str, str], expected: str | None) -> bool:
+    """Whether a scrape carries the metrics token (as a bearer token: Prometheus's way). It
+    opens /metrics and nothing else, so it is never accepted in X-Kvfence-Internal-Token."""
+    return expected is not None and secret_matches(bearer_of(headers), expected)

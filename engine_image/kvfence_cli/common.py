@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import re
 import signal
 import socket
 import sys
@@ -144,35 +145,44 @@ def server_url(text: str) -> str:
     return url
 
 
-def read_token(path: str | None, what: str = "internal token") -> str | None:
+def read_token(path: str | None) -> str | None:
     """The shared internal token, from a file (a mounted Secret in Kubernetes)."""
     if path is None:
         return None
     with open(path) as f:
         token = f.read().strip()
     if not token:
-        raise ValueError(f"{what} file {path} is empty")
+        raise ValueError(f"internal token file {path} is empty")
     return token
 
 
-def add_metrics_token_file(parser: argparse.ArgumentParser) -> None:
+def sha256_hex(text: str) -> bytes:
+    """A SHA-256 digest written as 64 hex digits, as bytes."""
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", text):
+        raise argparse.ArgumentTypeError(f"must be 64 hex digits (a SHA-256), got {text!r}")
+    return bytes.fromhex(text)
+
+
+def add_metrics_token(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--metrics-token-file",
+        "--metrics-token-sha256",
+        type=sha256_hex,
         default=None,
-        help="also accept this token on /metrics, and only there (Authorization: Bearer, as "
-        "Prometheus sends it): a scraper needs no internal token; needs --internal-token-file",
+        metavar="HEX",
+        help="also accept on /metrics, and only there, the bearer token with this SHA-256 "
+        "(Prometheus's: `printf %%s TOKEN | sha256sum`); needs --internal-token-file",
     )
 
 
-def read_metrics_token(path: str | None, internal_token: str | None) -> str | None:
-    """The metrics token, which only narrows who may read a /metrics that the internal token
-    already closes: without one, /metrics is open and a metrics token would mean nothing."""
-    if path is not None and internal_token is None:
+def check_metrics_token(digest: bytes | None, internal_token: str | None) -> bytes | None:
+    """The metrics token only narrows who may read a /metrics that the internal token already
+    closes: without one, /metrics is open and a metrics token would mean nothing."""
+    if digest is not None and internal_token is None:
         raise ValueError(
-            "--metrics-token-file needs --internal-token-file "
+            "--metrics-token-sha256 needs --internal-token-file "
             "(without an internal token /metrics is open to everyone)"
         )
-    return read_token(path, "metrics token")
+    return digest
 
 
 PROBE_PATHS = ("/healthz", "/readyz")

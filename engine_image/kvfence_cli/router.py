@@ -8,10 +8,10 @@ from kvfence_cli.common import (
     Subparsers,
     add_drain_seconds,
     add_max_request_bytes,
-    add_metrics_token_file,
+    add_metrics_token,
+    check_metrics_token,
     non_negative,
     positive,
-    read_metrics_token,
     read_token,
     serve_http,
 )
@@ -103,7 +103,7 @@ def add_parser(sub: Subparsers) -> None:
         "/v1/kvpool (with API keys and no token, /metrics is off)",
     )
     add_max_request_bytes(p)
-    add_metrics_token_file(p)
+    add_metrics_token(p)
     add_drain_seconds(p)
     p.set_defaults(func=run)
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     try:
         token = read_token(args.internal_token_file)
-        metrics_token = read_metrics_token(args.metrics_token_file, token)
+        metrics_token = check_metrics_token(args.metrics_token_sha256, token)
         keys = ApiKeys.load(args.api_keys)
         backends = Backends.create(args.prefill, args.decode, args.backends_file)
         engines = [b.url for pool in (backends.prefill, backends.decode) for b in pool.backends]
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         inflight=TenantInflight(args.max_concurrent_per_tenant),
         tokenizer_from_engines=args.tokenizer_from_engines,
         tokenizer_source=args.model,
-        metrics_token=metrics_token,
+        metrics_token_sha256=metrics_token,
     )
     app = create_router_app(state)
     set_max_request_bytes(app, args.max_request_bytes)

@@ -11,12 +11,12 @@ from kvfence_cli.common import (
     Subparsers,
     add_drain_seconds,
     add_max_request_bytes,
-    add_metrics_token_file,
+    add_metrics_token,
+    check_metrics_token,
     http_server,
     listen,
     positive,
     positive_seconds,
-    read_metrics_token,
     read_token,
     run_http,
     share,
@@ -175,7 +175,7 @@ def add_parser(sub: Subparsers) -> None:
         "(default 1.0: no cap). The combined role serves one tenant, 'default'",
     )
     add_max_request_bytes(p)
-    add_metrics_token_file(p)
+    add_metrics_token(p)
     add_drain_seconds(p)
     p.add_argument("--scrub-on-free", action="store_true", help="zero pages when released")
     p.add_argument(
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         faults = Faults.from_names(args.unsafe_fault)
         token = read_token(args.internal_token_file)
-        metrics_token = read_metrics_token(args.metrics_token_file, token)
+        metrics_token = check_metrics_token(args.metrics_token_sha256, token)
         resolve_device(args.device)
         check_prefix_cache(args)
         sock = listen(args.host, args.port)
@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     def build(metrics: EngineMetrics) -> AsyncEngine:
         return AsyncEngine(LLMEngine(load_model(args.model), engine_args, metrics))
 
-    state = ServerState(role=role, internal_token=token, metrics_token=metrics_token)
+    state = ServerState(role=role, internal_token=token, metrics_token_sha256=metrics_token)
     app = create_app(state)
     set_max_request_bytes(app, args.max_request_bytes)
     if role in (Role.PREFILL, Role.DECODE):

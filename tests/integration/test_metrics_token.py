@@ -1,7 +1,8 @@
-"""The metrics token (--metrics-token-file): what Prometheus presents to scrape engines and
+"""The metrics token (--metrics-token-sha256): what Prometheus presents to scrape engines and
 routers. It opens /metrics and nothing else: not the pool report, not the internal endpoints,
 not the router's operator views."""
 
+import hashlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,10 @@ from helpers.deployments import Deployment, start_deployment
 INTERNAL, METRICS, TENANT_KEY = "internal-s3cret", "metrics-s3cret", "key-a"
 
 
+def sha256(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
@@ -23,9 +28,8 @@ def bearer(token: str) -> dict[str, str]:
 def scraped(logs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     files = tmp_path_factory.mktemp("metrics-token")
     (files / "internal").write_text(INTERNAL + "\n")
-    (files / "metrics").write_text(METRICS + "\n")
     (files / "keys").write_text(f"{TENANT_KEY} tenant-a\n")
-    metrics_flag = ["--metrics-token-file", str(files / "metrics")]
+    metrics_flag = ["--metrics-token-sha256", sha256(METRICS)]
     d = start_deployment(
         logs_dir,
         "metrics-token",
@@ -73,11 +77,9 @@ def test_a_router_answers_metrics_to_the_metrics_token_but_no_operator_view(
 
 @pytest.mark.parametrize("command", ["serve", "router"])
 def test_a_metrics_token_without_an_internal_token_is_refused_in_one_line(
-    command: str, tmp_path: Path
+    command: str,
 ) -> None:
-    token = tmp_path / "metrics"
-    token.write_text(METRICS)
-    args = ["--model", "builtin:tiny-random", "--port", "0", "--metrics-token-file", str(token)]
+    args = ["--model", "builtin:tiny-random", "--port", "0", "--metrics-token-sha256", sha256("x")]
     if command == "router":
         args += ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"]
     done = subprocess.run(
@@ -88,6 +90,20 @@ def test_a_metrics_token_without_an_internal_token_is_refused_in_one_line(
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (
-        f"kvfence {command}: --metrics-token-file needs --internal-token-file "
+        f"kvfence {command}: --metrics-token-sha256 needs --internal-token-file "
         "(without an internal token /metrics is open to everyone)"
+    )
+
+
+def test_a_metrics_token_digest_that_is_no_sha256_is_refused_in_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfence_cli", "serve", "--metrics-token-sha256", "s3cret"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "kvfence serve: error: argument --metrics-token-sha256: "
+        "must be 64 hex digits (a SHA-256), got 's3cret'"
     )

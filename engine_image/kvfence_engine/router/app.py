@@ -144,7 +144,7 @@ class RouterState:
     tokenizer_from_engines: bool = False
     tokenizer_source: str | None = None
     tokenizer_problem: str = "not read yet"
-    metrics_token: str | None = None  # Prometheus's: opens /metrics only (needs internal_token)
+    metrics_token_sha256: bytes | None = None  # Prometheus's token: opens /metrics only
     _tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def __post_init__(self) -> None:
@@ -292,7 +292,7 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     @app.get("/metrics", responses=METRICS_RESPONSES | error_responses(401, 403))
     async def metrics(request: Request) -> Response:
-        if not presents_metrics_token(request.headers, state.metrics_token):
+        if not presents_metrics_token(request.headers, state.metrics_token_sha256):
             state.require_operator(request)
         scraped = await _read_backends(state, "/metrics", lambda r: r.text)
         backends = CollectorRegistry(auto_describe=False)

@@ -3,7 +3,7 @@ The disaggregated roles add the internal endpoints (kvfence_engine.disagg.intern
 
 With an internal token (--internal-token-file) the pool report and the metrics are for the
 operator, the router and Prometheus only: they show pool occupancy and every request's
-counts. Prometheus presents the metrics token (--metrics-token-file), which opens /metrics and
+counts. Prometheus presents the metrics token (--metrics-token-sha256), which opens /metrics and
 nothing else. /healthz and /readyz stay open for the kubelet's probes."""
 
 import asyncio
@@ -57,7 +57,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     def scraper(request: Request) -> None:
         """The metrics token (Prometheus's), or whatever `operational` accepts."""
-        if not presents_metrics_token(request.headers, state.metrics_token):
+        if not presents_metrics_token(request.headers, state.metrics_token_sha256):
             operational(request)
 
     @app.get("/readyz", responses=READYZ_RESPONSES)

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvfence_engine.contracts import BackendsFile, ServedModel
+from kvfence_operator.builders.metrics import NO_METRICS_ACCESS, MetricsAccess
 from kvfence_operator.builders.pod_template import (
     CREDENTIALS_DIR,
     INTERNAL_TOKEN_FILE,
@@ -91,7 +92,9 @@ def build_router_configmap(
     }
 
 
-def router_args(spec: InferenceDeploymentSpec) -> list[str]:
+def router_args(
+    spec: InferenceDeploymentSpec, metrics: MetricsAccess = NO_METRICS_ACCESS
+) -> list[str]:
     concurrent = spec.tenant_limits.max_concurrent_requests
     limits = ["--max-concurrent-per-tenant", str(concurrent)] if concurrent else []
     return [
@@ -113,11 +116,15 @@ def router_args(spec: InferenceDeploymentSpec) -> list[str]:
         "--internal-token-file", INTERNAL_TOKEN_FILE,
         "--drain-seconds", str(drain_seconds(spec.rollout)),
         *limits,
+        *metrics.args(),
     ]  # fmt: skip
 
 
 def build_router_deployment(
-    spec: InferenceDeploymentSpec, instance: Instance, revision: str
+    spec: InferenceDeploymentSpec,
+    instance: Instance,
+    revision: str,
+    metrics: MetricsAccess = NO_METRICS_ACCESS,
 ) -> dict[str, Any]:
     name = child_name(instance, revision, Role.ROUTER)
     tmp, tmp_mount = tmp_volume()
@@ -150,7 +157,7 @@ def build_router_deployment(
         "name": "router",
         "image": spec.engine.image,
         "command": ["kvfence"],
-        "args": router_args(spec),
+        "args": router_args(spec, metrics),
         "ports": [http_port()],
         "env": [home_in_tmp(), *override_env(spec.router.pod)],
         "resources": {k: dict(v) for k, v in ROUTER_RESOURCES.items()},

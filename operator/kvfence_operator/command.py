@@ -1,6 +1,7 @@
 """`kvfence operator`: kopf underneath, with the options a Deployment needs."""
 
 import argparse
+import os
 import sys
 
 
@@ -11,10 +12,12 @@ def run_operator(args: argparse.Namespace) -> int:
 
     from kvfence_operator import handlers  # noqa: F401  (registers the handlers)
     from kvfence_operator.kube import NoClusterAccess, load_cluster_config
+    from kvfence_operator.metrics_token import SCRAPERS_ENV, scrapers_from
 
     try:  # before kopf, whose startup handler would retry it every 60 s with a traceback
         load_cluster_config()
-    except NoClusterAccess as exc:
+        scrapers_from(os.environ.get(SCRAPERS_ENV))
+    except (NoClusterAccess, ValueError) as exc:
         print(f"kvfence operator: {exc}", file=sys.stderr)
         return 2
     if args.verbose:

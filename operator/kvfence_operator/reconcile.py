@@ -17,6 +17,7 @@ from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.canary_job import CONTAINER as CANARY_CONTAINER
 from kvfence_operator.builders.canary_job import EXIT_FINDING, build_canary_job, canary_job_name
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
+from kvfence_operator.builders.metrics import NO_METRICS_ACCESS, MetricsAccess
 from kvfence_operator.builders.network_policy import build_router_network_policy
 from kvfence_operator.builders.router_deployment import (
     BACKENDS_FILE_NAME,
@@ -231,6 +232,7 @@ class Reconciler:
     read_pool: PoolReader = read_pool
     unsafe_faults_allowed: bool = False  # tests only: a pod's unsafe faults pass the pool gate
     push_backends: BackendsPusher = push_backends  # router_push: to the revision's routers
+    metrics: MetricsAccess = NO_METRICS_ACCESS  # how Prometheus reaches the pods (metrics_token)
     # names this pass found taken by objects it does not control (reset every pass)
     _conflicts: list[Conflict] = field(default_factory=list, init=False, repr=False)
     # errors the API answered this pass, for Degraded and Events (reset every pass)
@@ -374,7 +376,13 @@ class Reconciler:
             return
         credentials = RevisionCredentials.generate()
         for built in build_revision_children(
-            spec, instance, revision, credentials, self.operator_namespace, serving=serving
+            spec,
+            instance,
+            revision,
+            credentials,
+            self.operator_namespace,
+            serving=serving,
+            metrics=self.metrics,
         ):
             child = with_replicas(built, replicas)
             kind, name = child["kind"], child["metadata"]["name"]
@@ -397,7 +405,7 @@ class Reconciler:
         ns = instance.namespace
         for revision in keep:
             policy = build_router_network_policy(
-                instance, revision, self.operator_namespace, serving=revision in open_
+                instance, revision, self.operator_namespace, revision in open_, self.metrics
             )
             name = policy["metadata"]["name"]
             existing = self._ours(

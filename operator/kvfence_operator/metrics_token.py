@@ -1,0 +1,91 @@
+"""The operator's side of metrics access (builders/metrics.py): the metrics token, and the
+scrapers, from the settings the chart passes in the environment.
+
+The token lives in a Secret in the operator's own namespace (`KVFENCE_METRICS_TOKEN_SECRET`,
+key `token`), where the chart's PodMonitor reads it for Prometheus. At start-up the operator
+creates it with a fresh random token; a 409 means it exists (a restart, another replica, or
+a Secret a GitOps tool or the platform team put there), and the one there is kept, never
+regenerated. Then the operator reads it, by name, in its own namespace only, and gives the
+pods its SHA-256. Rotating it: replace the Secret's `token` and restart the operator; every
+engine and router pod then restarts with the new digest (their Deployments change)."""
+
+import base64
+import hashlib
+import json
+import secrets
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from kvfence_operator.builders.metrics import MetricsAccess
+
+TOKEN_SECRET_ENV = "KVFENCE_METRICS_TOKEN_SECRET"  # unset or empty: no metrics token
+SCRAPERS_ENV = "KVFENCE_METRICS_SCRAPERS"  # a NetworkPolicy peer as JSON; unset: no rule
+TOKEN_KEY = "token"
+SELECTORS = ("namespaceSelector", "podSelector")
+SELECTOR_FIELDS = ("matchLabels", "matchExpressions")
+
+
+class SecretStore(Protocol):
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any: ...
+    def create(self, obj: dict[str, Any]) -> bool: ...
+
+
+def scrapers_from(text: str | None) -> dict[str, Any] | None:
+    """The scrapers' NetworkPolicy peer from `KVFENCE_METRICS_SCRAPERS`: an object with a
+    namespaceSelector and/or a podSelector, each a label selector. ValueError says what is
+    wrong with it."""
+    if not text:
+        return None
+    try:
+        peer = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{SCRAPERS_ENV} is not JSON: {exc}") from exc
+    if not isinstance(peer, dict) or not peer or set(peer) - set(SELECTORS):
+        raise ValueError(
+            f"{SCRAPERS_ENV} must be an object with namespaceSelector and/or podSelector, "
+            f"got {text}"
+        )
+    for key, value in peer.items():
+        if not isinstance(value, dict) or set(value) - set(SELECTOR_FIELDS):
+            raise ValueError(
+                f"{SCRAPERS_ENV}: {key} must be a label selector (matchLabels, "
+                f"matchExpressions), got {json.dumps(value)}"
+            )
+    return peer
+
+
+def metrics_token_secret(namespace: str, name: str) -> dict[str, Any]:
+    token = base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/managed-by": "kvfence-operator"},
+        },
+        "type": "Opaque",
+        "data": {TOKEN_KEY: token},
+    }
+
+
+def metrics_token_sha256(kube: SecretStore, namespace: str, name: str) -> str:
+    """Create the metrics token Secret if it is missing (create-and-409: one that exists is
+    kept), read it, and return the token's SHA-256 in hex."""
+    kube.create(metrics_token_secret(namespace, name))
+    found = kube.get("v1", "Secret", namespace, name)
+    data = (found or {}).get("data") or {}
+    token = base64.b64decode(data.get(TOKEN_KEY) or "").decode().strip()
+    if not token:
+        raise ValueError(
+            f"Secret {namespace}/{name} has no {TOKEN_KEY!r}: put the metrics "
+            "token there, or delete the Secret and the operator makes one"
+        )
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def metrics_access(kube: SecretStore, namespace: str, env: Mapping[str, str]) -> MetricsAccess:
+    scrapers = scrapers_from(env.get(SCRAPERS_ENV))
+    name = env.get(TOKEN_SECRET_ENV)
+    digest = metrics_token_sha256(kube, namespace, name) if name else None
+    return MetricsAccess(token_sha256=digest, scrapers=scrapers)

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from kvfence_operator.builders.metrics import MetricsAccess
 
 TOKEN_SECRET_ENV = "KVFENCE_METRICS_TOKEN_SECRET"  # unset or empty: no metrics token
-SCRAPERS_ENV = "KVFENCE_METRICS_SCRAPERS"  # a NetworkPolicy peer as JSON; unset: no rule
+SCRAPERS_ENV = "KVFENCE_METRICS_SCRAPERS"  # NetworkPolicy peers, a JSON list; unset: no rule
 TOKEN_KEY = "token"
 SELECTORS = ("namespaceSelector", "podSelector")
 SELECTOR_FIELDS = ("matchLabels", "matchExpressions")
@@ -30,28 +30,31 @@ class SecretStore(Protocol):
     def create(self, obj: dict[str, Any]) -> bool: ...
 
 
-def scrapers_from(text: str | None) -> dict[str, Any] | None:
-    """The scrapers' NetworkPolicy peer from `KVFENCE_METRICS_SCRAPERS`: an object with a
-    namespaceSelector and/or a podSelector, each a label selector. ValueError says what is
-    wrong with it."""
+def scrapers_from(text: str | None) -> list[dict[str, Any]]:
+    """The scrapers' NetworkPolicy peers from `KVFENCE_METRICS_SCRAPERS`: a JSON list of
+    objects with a namespaceSelector and/or a podSelector, each a label selector (empty or
+    unset: none). ValueError says what is wrong with it."""
     if not text:
-        return None
+        return []
     try:
-        peer = json.loads(text)
+        peers = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{SCRAPERS_ENV} is not JSON: {exc}") from exc
-    if not isinstance(peer, dict) or not peer or set(peer) - set(SELECTORS):
-        raise ValueError(
-            f"{SCRAPERS_ENV} must be an object with namespaceSelector and/or podSelector, "
-            f"got {text}"
-        )
-    for key, value in peer.items():
-        if not isinstance(value, dict) or set(value) - set(SELECTOR_FIELDS):
+    if not isinstance(peers, list):
+        raise ValueError(f"{SCRAPERS_ENV} must be a list of NetworkPolicy peers, got {text}")
+    for peer in peers:
+        if not isinstance(peer, dict) or not peer or set(peer) - set(SELECTORS):
             raise ValueError(
-                f"{SCRAPERS_ENV}: {key} must be a label selector (matchLabels, "
-                f"matchExpressions), got {json.dumps(value)}"
+                f"{SCRAPERS_ENV}: each peer must be an object with namespaceSelector and/or "
+                f"podSelector, got {json.dumps(peer)}"
             )
-    return peer
+        for key, value in peer.items():
+            if not isinstance(value, dict) or set(value) - set(SELECTOR_FIELDS):
+                raise ValueError(
+                    f"{SCRAPERS_ENV}: {key} must be a label selector (matchLabels, "
+                    f"matchExpressions), got {json.dumps(value)}"
+                )
+    return peers
 
 
 def metrics_token_secret(namespace: str, name: str) -> dict[str, Any]:

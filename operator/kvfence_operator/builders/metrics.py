@@ -4,8 +4,8 @@
 kvfence_operator/metrics_token.py); engines and routers get it as `--metrics-token-sha256`, and
 accept that token on /metrics and nowhere else. Only its hash is in the pods' arguments, so no
 Secret has to be copied into the workload namespaces (a 256-bit random token's hash gives
-nothing away). `scrapers`: a NetworkPolicy peer (namespaceSelector and/or podSelector) that
-the engines' and routers' policies admit to the HTTP port, where /metrics is served. The
+nothing away). `scrapers`: NetworkPolicy peers (each a namespaceSelector and/or podSelector)
+that the engines' and routers' policies admit to the HTTP port, where /metrics is served. The
 platform team chooses both (chart values); none of it is in the revision hash."""
 
 from dataclasses import dataclass, field
@@ -17,7 +17,7 @@ from kvfence_operator.meta import HTTP_PORT
 @dataclass(frozen=True, slots=True)
 class MetricsAccess:
     token_sha256: str | None = None
-    scrapers: dict[str, Any] | None = field(default=None, hash=False)
+    scrapers: list[dict[str, Any]] = field(default_factory=list, hash=False)
 
     def args(self) -> list[str]:
         """The engines' and routers' flag, after any extraArgs (so the operator's wins)."""
@@ -25,9 +25,10 @@ class MetricsAccess:
 
     def ingress(self) -> list[dict[str, Any]]:
         """The scrapers' NetworkPolicy rule, or none."""
-        if self.scrapers is None:
+        if not self.scrapers:
             return []
-        return [{"from": [dict(self.scrapers)], "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}]
+        peers = [dict(peer) for peer in self.scrapers]
+        return [{"from": peers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}]
 
 
 NO_METRICS_ACCESS = MetricsAccess()

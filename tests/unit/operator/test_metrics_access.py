@@ -12,10 +12,13 @@ from kvfence_operator.crd.types import Role
 from kvfence_operator.meta import HTTP_PORT, TRANSFER_PORT
 from kvfence_operator.revision import revision_of
 
-SCRAPERS = {
-    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
-    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
-}
+SCRAPERS = [
+    {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    },
+    {"podSelector": {"matchLabels": {"app": "vmagent"}}},
+]
 DIGEST = hashlib.sha256(b"the metrics token").hexdigest()
 ACCESS = MetricsAccess(token_sha256=DIGEST, scrapers=SCRAPERS)
 
@@ -35,7 +38,7 @@ def children(metrics: MetricsAccess, serving: bool = False) -> dict[tuple[str, s
 
 
 def scraper_ports(policy: dict) -> list[list[dict]]:
-    return [r["ports"] for r in policy["spec"]["ingress"] if r.get("from") == [SCRAPERS]]
+    return [r["ports"] for r in policy["spec"]["ingress"] if r.get("from") == SCRAPERS]
 
 
 def test_the_scrapers_reach_the_http_port_of_every_engine_and_router_and_nothing_else():
@@ -46,7 +49,7 @@ def test_the_scrapers_reach_the_http_port_of_every_engine_and_router_and_nothing
             assert ports == [[{"protocol": "TCP", "port": HTTP_PORT}]], (role, serving)
         decode = built[("NetworkPolicy", str(Role.DECODE))]["spec"]["ingress"]
         transfer = [r for r in decode if {"protocol": "TCP", "port": TRANSFER_PORT} in r["ports"]]
-        assert all(SCRAPERS not in r["from"] for r in transfer)
+        assert all(peer not in r["from"] for r in transfer for peer in SCRAPERS)
 
 
 def test_engines_and_routers_accept_the_metrics_token_by_its_digest_after_extra_args():

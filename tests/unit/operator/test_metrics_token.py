@@ -53,20 +53,21 @@ def test_a_token_secret_without_a_token_is_an_error_that_says_what_to_do():
 def test_without_settings_there_is_no_token_and_no_scraper_rule():
     kube = MemoryKube()
     access = metrics_access(kube, NS, {})
-    assert access.token_sha256 is None and access.scrapers is None and kube.writes == []
-    env = {TOKEN_SECRET_ENV: NAME, SCRAPERS_ENV: '{"namespaceSelector": {}}'}
+    assert access.token_sha256 is None and access.scrapers == [] and kube.writes == []
+    env = {TOKEN_SECRET_ENV: NAME, SCRAPERS_ENV: '[{"namespaceSelector": {}}]'}
     access = metrics_access(kube, NS, env)
-    assert access.token_sha256 and access.scrapers == {"namespaceSelector": {}}
+    assert access.token_sha256 and access.scrapers == [{"namespaceSelector": {}}]
 
 
 @pytest.mark.parametrize(
     ("text", "says"),
     [
         ("{nope", "is not JSON"),
-        ("{}", "must be an object with namespaceSelector and/or podSelector"),
-        ('{"ipBlock": {"cidr": "10.0.0.0/8"}}', "must be an object with namespaceSelector"),
-        ('{"podSelector": {"app": "prometheus"}}', "podSelector must be a label selector"),
-        ('{"namespaceSelector": "monitoring"}', "namespaceSelector must be a label selector"),
+        ('{"podSelector": {}}', "must be a list of NetworkPolicy peers"),
+        ("[{}]", "each peer must be an object with namespaceSelector and/or podSelector"),
+        ('[{"ipBlock": {"cidr": "10.0.0.0/8"}}]', "each peer must be an object with namespace"),
+        ('[{"podSelector": {"app": "prometheus"}}]', "podSelector must be a label selector"),
+        ('[{"namespaceSelector": "monitoring"}]', "namespaceSelector must be a label selector"),
     ],
 )
 def test_bad_scrapers_are_refused_saying_what_is_wrong(text: str, says: str):

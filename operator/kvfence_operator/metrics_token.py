@@ -9,25 +9,19 @@ regenerated. Then the operator reads it, by name, in its own namespace only, and
 pods its SHA-256. Rotating it: replace the Secret's `token` and restart the operator; every
 engine and router pod then restarts with the new digest (their Deployments change)."""
 
-import base64
 import hashlib
 import json
-import secrets
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from kvfence_operator.builders.metrics import MetricsAccess
+from kvfence_operator.own_secrets import SecretStore, own_secret_value
 
 TOKEN_SECRET_ENV = "KVFENCE_METRICS_TOKEN_SECRET"  # unset or empty: no metrics token
 SCRAPERS_ENV = "KVFENCE_METRICS_SCRAPERS"  # NetworkPolicy peers, a JSON list; unset: no rule
 TOKEN_KEY = "token"
 SELECTORS = ("namespaceSelector", "podSelector")
 SELECTOR_FIELDS = ("matchLabels", "matchExpressions")
-
-
-class SecretStore(Protocol):
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any: ...
-    def create(self, obj: dict[str, Any]) -> bool: ...
 
 
 def scrapers_from(text: str | None) -> list[dict[str, Any]]:
@@ -57,33 +51,10 @@ def scrapers_from(text: str | None) -> list[dict[str, Any]]:
     return peers
 
 
-def metrics_token_secret(namespace: str, name: str) -> dict[str, Any]:
-    token = base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {"app.kubernetes.io/managed-by": "kvfence-operator"},
-        },
-        "type": "Opaque",
-        "data": {TOKEN_KEY: token},
-    }
-
-
 def metrics_token_sha256(kube: SecretStore, namespace: str, name: str) -> str:
     """Create the metrics token Secret if it is missing (create-and-409: one that exists is
     kept), read it, and return the token's SHA-256 in hex."""
-    kube.create(metrics_token_secret(namespace, name))
-    found = kube.get("v1", "Secret", namespace, name)
-    data = (found or {}).get("data") or {}
-    token = base64.b64decode(data.get(TOKEN_KEY) or "").decode().strip()
-    if not token:
-        raise ValueError(
-            f"Secret {namespace}/{name} has no {TOKEN_KEY!r}: put the metrics "
-            "token there, or delete the Secret and the operator makes one"
-        )
+    token = own_secret_value(kube, namespace, name, TOKEN_KEY, "metrics token")
     return hashlib.sha256(token.encode()).hexdigest()
 
 

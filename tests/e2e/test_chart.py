@@ -495,11 +495,13 @@ class RecordingKube:
             and labels.items() <= (obj["metadata"].get("labels") or {}).items()
         ]
 
-    def create(self, obj: Mapping[str, Any]) -> bool:
+    def create(self, obj: Mapping[str, Any], dry_run: bool = False) -> bool:
         self.calls.add(("create", obj["apiVersion"], obj["kind"], ""))
         self.admit_owner_references(obj["metadata"].get("ownerReferences") or [])
         if self.key(obj) in self.objects:
             return False
+        if dry_run:
+            return True
         stored = copy.deepcopy(dict(obj))
         stored["metadata"]["uid"] = f"uid-{len(self.objects)}-{obj['metadata']['name']}"
         self.objects[self.key(obj)] = stored

@@ -1,13 +1,21 @@
 """The per-revision Secret: the internal token engines require on reserve, prefill and transfer,
-and the two canary tenants' API keys."""
+and the two canary tenants' API keys.
+
+With the operator's credentials key (kvfence_operator/own_secrets.py) they are derived, HMACs
+of the key over the revision's identity, so the operator knows them without reading the Secret
+(no Secret `get` in the workload namespaces): it creates the Secret, and a 409 says it exists.
+The revision's router ConfigMap records which key made them (CREDENTIALS_MARK); a revision
+without the mark (made by an older operator: random credentials) is read from its Secret."""
 
 import base64
+import hashlib
+import hmac
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from kvfence_operator.builders.pod_template import CREDENTIALS_DIR
-from kvfence_operator.meta import Instance, child_name, labels, object_meta
+from kvfence_operator.meta import API_GROUP, Instance, child_name, labels, object_meta
 
 INTERNAL_TOKEN_KEY = "internal-token"
 CANARY_TENANT_A_KEY = "canary-tenant-a-key"
@@ -15,6 +23,7 @@ CANARY_TENANT_B_KEY = "canary-tenant-b-key"
 CANARY_API_KEYS_KEY = "canary-api-keys"  # the same two keys in the router's keys-file format
 CANARY_TENANTS = ("kvfence-canary-a", "kvfence-canary-b")
 USER_API_KEYS_KEY = "api-keys"  # key inside spec.router.apiKeysSecret
+CREDENTIALS_MARK = f"{API_GROUP}/credentials"  # router ConfigMap annotation: derived_mark(key)
 
 
 def secret_name(instance: Instance, revision: str) -> str:
@@ -35,6 +44,19 @@ class RevisionCredentials:
     @classmethod
     def generate(cls) -> "RevisionCredentials":
         return cls(*(secrets.token_urlsafe(32) for _ in range(3)))
+
+    @classmethod
+    def derive(cls, key: bytes, instance: Instance, revision: str) -> "RevisionCredentials":
+        """HMAC-SHA256 of the credentials key over (purpose, namespace, name, uid, revision):
+        each revision, and each object of a recreated name (a new uid), gets its own."""
+
+        def one(purpose: str) -> str:
+            who = (instance.namespace, instance.name, instance.uid, revision)
+            parts = ("kvfence revision credentials v1", purpose, *who)
+            digest = hmac.new(key, "\0".join(parts).encode(), hashlib.sha256).digest()
+            return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+        return cls(one(INTERNAL_TOKEN_KEY), one(CANARY_TENANT_A_KEY), one(CANARY_TENANT_B_KEY))
 
     def api_keys_file(self) -> str:
         """One 'KEY TENANT' per line, as `kvfence router --api-keys` reads it."""
@@ -58,6 +80,12 @@ def internal_token_volume(
         },
     }
     return volume, {"name": "credentials", "mountPath": CREDENTIALS_DIR, "readOnly": True}
+
+
+def derived_mark(key: bytes) -> str:
+    """What CREDENTIALS_MARK says of a revision whose credentials `key` derived: the key's
+    fingerprint, so a replaced key is noticed (that revision is then read from its Secret)."""
+    return "hmac-sha256:" + hashlib.sha256(b"kvfence credentials key\0" + key).hexdigest()[:16]
 
 
 def internal_token_of(secret: dict[str, Any] | None) -> str | None:

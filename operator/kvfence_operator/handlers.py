@@ -26,6 +26,7 @@ from kvfence_operator.finalizer_free import (
 from kvfence_operator.health import InvalidSpec, read_status
 from kvfence_operator.kube import Kube, load_cluster_config
 from kvfence_operator.metrics_token import metrics_access
+from kvfence_operator.own_secrets import credentials_key
 from kvfence_operator.reconcile import Reconciler
 
 RECONCILE_INTERVAL_ENV = "KVFENCE_RECONCILE_INTERVAL"
@@ -66,6 +67,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         namespace,
         unsafe_faults_allowed=unsafe_faults_allowed,
         metrics=metrics_access(kube, namespace, os.environ),
+        credentials_key=credentials_key(kube, namespace, os.environ),
     )
 
 

@@ -33,6 +33,7 @@ from kvfence_operator.metrics_token import (
     metrics_access,
     scrapers_from,
 )
+from kvfence_operator.own_secrets import CREDENTIALS_KEY_SECRET_ENV, credentials_key
 from kvfence_operator.pool_gate import PodPool
 from kvfence_operator.reconcile import Reconciler
 from kvfence_operator.revision import revision_of
@@ -203,7 +204,7 @@ def test_default_render_is_valid_kubernetes_and_watches_every_namespace(
         "ClusterRole",  # the users' edit role (aggregated)
         "ClusterRoleBinding",
         "Deployment",
-        "Role",  # the metrics token's, in the release namespace (templates/metrics.yaml)
+        "Role",  # the operator's own Secrets', in the release namespace (own-secrets.yaml)
         "RoleBinding",
         "ServiceAccount",
     ]
@@ -224,7 +225,7 @@ def test_custom_render_is_valid_kubernetes_with_a_role_per_watched_namespace(
     assert all(aggregated_to(r) for r in of_kind(custom_docs, "ClusterRole"))
     roles, bindings = of_kind(custom_docs, "Role"), of_kind(custom_docs, "RoleBinding")
     (metrics_role,) = [r for r in roles if r["metadata"]["namespace"] == NAMESPACE]
-    assert metrics_role == metrics_token_role(custom_docs)  # its own test: below
+    assert metrics_role == own_secrets_role(custom_docs)  # its own test: below
     roles = [r for r in roles if r is not metrics_role]
     bindings = [b for b in bindings if b["roleRef"]["name"] != metrics_role["metadata"]["name"]]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
@@ -360,7 +361,7 @@ APPLICATION_RULES = [
         "resources": ["services", "configmaps"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     {
@@ -452,7 +453,7 @@ def test_rbac_grants_no_wildcards_no_secret_listing_and_no_privilege_verbs(
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
             assert "nonResourceURLs" not in rule, rule
             if "resourceNames" in rule:  # only to narrow: the one Secret the operator reads
-                assert rule == METRICS_TOKEN_GET, rule
+                assert rule == OWN_SECRETS_GET, rule
             if "secrets" in rule["resources"]:
                 assert not {"list", "watch"} & set(rule["verbs"]), rule
 
@@ -611,7 +612,8 @@ def operator_cluster_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return role
 
 
-def recorded_rollout_and_update() -> RecordingKube:
+def recorded_rollout_and_update(legacy: bool = False) -> RecordingKube:
+    """legacy: an operator without a credentials key (random credentials, read back)."""
     manifest = yaml.safe_load((ROOT / "examples" / "smollm2-local.yaml").read_text())
     body = {
         **manifest,
@@ -623,7 +625,12 @@ def recorded_rollout_and_update() -> RecordingKube:
         },
     }
     kube = RecordingKube()
-    reconciler = Reconciler(kube, NAMESPACE, read_pool=sufficient_pool)  # type: ignore[arg-type]
+    reconciler = Reconciler(  # as the chart runs it: with a credentials key
+        kube,  # type: ignore[arg-type]
+        NAMESPACE,
+        read_pool=sufficient_pool,
+        credentials_key=None if legacy else b"the credentials key",
+    )
     roll_out(reconciler, kube, body)
     # A spec change: a second revision rolls out and the first one is retired (at once: no
     # drain delay, so that this pass makes the deletes).
@@ -668,12 +675,34 @@ def test_rbac_grants_no_secret_verb_the_operator_does_not_use(
     default_docs: list[dict[str, Any]],
 ) -> None:
     """Secrets hold credentials: the rule grants exactly the calls a rollout and an update
-    make (the revision Secrets are immutable, so never patched), and no list or watch."""
+    make (the revision Secrets are immutable, so never patched), and no list or watch; no
+    get either: the revisions' credentials are derived, so no Secret is read back."""
     role = operator_cluster_role(default_docs)
     (rule,) = [r for r in role["rules"] if "secrets" in r["resources"]]
     assert rule["resources"] == ["secrets"]
     used = {verb for verb, _, kind, sub in recorded_rollout_and_update().calls if kind == "Secret"}
-    assert sorted(rule["verbs"]) == sorted(used)
+    assert sorted(rule["verbs"]) == sorted(used) == ["create", "delete"]
+
+
+@pytest.mark.parametrize("values", [{}, CUSTOM_VALUES], ids=["default", "custom"])
+def test_secret_get_is_granted_only_for_revisions_of_an_older_operator(
+    helm: Any, values: dict[str, Any]
+) -> None:
+    """rbac.legacyRevisionSecrets adds get where InferenceDeployments are: what an operator
+    without a credentials key (an older one's revisions) reads."""
+    on = merged(values, {"rbac": {"legacyRevisionSecrets": True}})
+    docs = manifests(render(helm, on))
+    own = own_secrets_role(docs)
+    roles = [r for r in [*of_kind(docs, "ClusterRole"), *of_kind(docs, "Role")]
+             if not aggregated_to(r) and r != own]  # fmt: skip
+    assert len(roles) == len(values.get("watchNamespaces") or [None])
+    assert roles
+    used = {verb for verb, _, kind, _ in recorded_rollout_and_update(legacy=True).calls
+            if kind == "Secret"}  # fmt: skip
+    assert "get" in used
+    for role in roles:
+        (rule,) = [r for r in role["rules"] if "secrets" in r["resources"]]
+        assert sorted(rule["verbs"]) == sorted(used)
 
 
 # ---- the users' aggregated roles -------------------------------------------------------------
@@ -730,16 +759,17 @@ def test_the_aggregated_user_roles_can_be_left_out(helm: Any) -> None:
 # ---- metrics for Prometheus ------------------------------------------------------------------
 
 METRICS_TOKEN_SECRET = "kvfence-metrics-token"
-METRICS_TOKEN_GET = {
+CREDENTIALS_KEY_SECRET = "kvfence-credentials-key"
+OWN_SECRETS_GET = {
     "apiGroups": [""],
     "resources": ["secrets"],
-    "resourceNames": [METRICS_TOKEN_SECRET],
+    "resourceNames": [CREDENTIALS_KEY_SECRET, METRICS_TOKEN_SECRET],
     "verbs": ["get"],
 }
 
 
-def metrics_token_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    (role,) = [r for r in of_kind(docs, "Role") if r["metadata"]["name"].endswith("-metrics-token")]
+def own_secrets_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (role,) = [r for r in of_kind(docs, "Role") if r["metadata"]["name"].endswith("-own-secrets")]
     return role
 
 
@@ -748,17 +778,18 @@ def operator_env(docs: list[dict[str, Any]]) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("values", [None, CUSTOM_VALUES], ids=["default", "custom"])
-def test_the_operator_may_create_and_read_its_metrics_token_secret_and_no_other(
+def test_the_operator_may_create_and_read_its_own_secrets_and_no_other(
     helm: Any, values: dict[str, Any] | None
 ) -> None:
     """In the release namespace only: create (a 409 keeps an existing one) and get by name.
-    What metrics_access really calls at start-up is granted; reading another Secret is not."""
+    What metrics_access and credentials_key really call at start-up is granted; reading
+    another Secret is not."""
     docs = manifests(render(helm, values))
-    role = metrics_token_role(docs)
+    role = own_secrets_role(docs)
     assert role["metadata"]["namespace"] == NAMESPACE
     assert role["rules"] == [
         {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
-        METRICS_TOKEN_GET,
+        OWN_SECRETS_GET,
     ]
     (binding,) = [
         b for b in of_kind(docs, "RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]
@@ -770,13 +801,17 @@ def test_the_operator_may_create_and_read_its_metrics_token_secret_and_no_other(
     ]
     env = operator_env(docs)
     assert env[TOKEN_SECRET_ENV] == METRICS_TOKEN_SECRET
+    assert env[CREDENTIALS_KEY_SECRET_ENV] == CREDENTIALS_KEY_SECRET
     kube = RecordingKube()
     access = metrics_access(kube, NAMESPACE, env)  # type: ignore[arg-type]
+    assert credentials_key(kube, NAMESPACE, env)  # type: ignore[arg-type]
     assert access.token_sha256 and kube.calls == {
         ("create", "v1", "Secret", ""),
         ("get", "v1", "Secret", ""),
     }
-    assert set(kube.objects) == {("v1", "Secret", NAMESPACE, METRICS_TOKEN_SECRET)}
+    assert set(kube.objects) == {
+        ("v1", "Secret", NAMESPACE, name) for name in OWN_SECRETS_GET["resourceNames"]
+    }
 
 
 def test_the_scrapers_the_values_name_are_what_the_operator_admits(helm: Any) -> None:
@@ -791,7 +826,7 @@ def test_the_scrapers_the_values_name_are_what_the_operator_admits(helm: Any) ->
     off = {"metrics": {"scrapers": [], "tokenSecret": ""}}
     docs = manifests(render(helm, off))
     assert not {SCRAPERS_ENV, TOKEN_SECRET_ENV} & set(operator_env(docs))
-    assert not of_kind(docs, "Role")
+    assert own_secrets_role(docs)["rules"][1]["resourceNames"] == [CREDENTIALS_KEY_SECRET]
 
 
 def test_no_pod_monitor_by_default(default_docs: list[dict[str, Any]]) -> None:

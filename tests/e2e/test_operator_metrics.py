@@ -1,19 +1,23 @@
-"""Prometheus's view on the emulated cluster: the operator, given the metrics settings the chart
-passes, keeps the metrics token Secret it finds in its namespace, and every engine and router
-pod it starts answers /metrics, and nothing else, to that token; the NetworkPolicies admit the
-scrapers to the HTTP port."""
+"""The operator with the chart's settings on the emulated cluster. Prometheus's view: it keeps
+the metrics token Secret it finds in its namespace, and every engine and router pod it starts
+answers /metrics, and nothing else, to that token; the NetworkPolicies admit the scrapers to
+the HTTP port. Derived credentials: it makes the credentials key Secret in its namespace, the
+revision's Secret holds what that key derives, and the revision serves (its pools were read
+with the derived token)."""
 
 import base64
 import json
 from typing import Any
 
 import httpx
-from test_operator import NAME, api_keys_secret, manifest  # the operator e2e's
+from test_operator import NAME, api_keys_secret, manifest, wait_condition  # the operator e2e's
 
 from kvfence_devcluster.fixtures import Cluster
+from kvfence_operator.builders.secret import INTERNAL_TOKEN_KEY, RevisionCredentials, secret_name
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import LABEL_REVISION, Instance, child_name
 from kvfence_operator.metrics_token import SCRAPERS_ENV, TOKEN_SECRET_ENV
+from kvfence_operator.own_secrets import CREDENTIALS_KEY_SECRET_ENV
 from kvfence_operator.revision import revision_of
 
 OPERATOR_NS, SECRET = "kvfence-system", "kvfence-metrics-token"
@@ -42,6 +46,7 @@ def test_engine_and_router_pods_answer_metrics_to_the_token_in_the_operators_sec
         "OPERATOR_NAMESPACE": OPERATOR_NS,
         TOKEN_SECRET_ENV: SECRET,
         SCRAPERS_ENV: json.dumps(SCRAPERS),
+        CREDENTIALS_KEY_SECRET_ENV: "kvfence-credentials-key",
     }
     operator = cluster.start_operator(["--standalone", "--namespace", "default"], env=env)
     created = cluster.create(manifest(canary={"enabled": False}))
@@ -73,4 +78,12 @@ def test_engine_and_router_pods_answer_metrics_to_the_token_in_the_operators_sec
         assert {"from": SCRAPERS, "ports": [{"protocol": "TCP", "port": 8000}]} in policy["spec"][
             "ingress"
         ], role
+    wait_condition(cluster, "Ready", "True", timeout=240)
+    key_secret = cluster.get("Secret", "kvfence-credentials-key", OPERATOR_NS)
+    assert key_secret is not None, "made at start-up"
+    key = base64.b64decode(key_secret["data"]["key"])
+    revision_secret = cluster.get("Secret", secret_name(instance, revision))
+    assert revision_secret is not None
+    derived = RevisionCredentials.derive(key, instance, revision).internal_token
+    assert base64.b64decode(revision_secret["data"][INTERNAL_TOKEN_KEY]).decode() == derived
     operator.stop()

@@ -405,7 +405,10 @@ class ApiServer(kmock.KubernetesScaffold):
             rt, namespace = self._target(request)
             if request.name is not None:
                 raise ApiError(405, "MethodNotAllowed", f"POST to {request.url.path} is not served")
-            created = self._created(rt, self.store.create(rt, namespace, self._body(request)))
+            body = self._body(request)
+            if request.params.get("dryRun") == "All":
+                return _reply(self.store.create(rt, namespace, body, dry_run=True), 201)
+            created = self._created(rt, self.store.create(rt, namespace, body))
         except ApiError as exc:
             return self._failure(exc)
         return _reply(created, 201)

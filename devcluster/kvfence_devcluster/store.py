@@ -219,7 +219,11 @@ class Store:
                 f"{'label' if dns_label else 'subdomain'} of at most {limit} characters",
             )
 
-    def create(self, rt: ResourceType, namespace: str | None, body: Any) -> dict[str, Any]:
+    def create(
+        self, rt: ResourceType, namespace: str | None, body: Any, dry_run: bool = False
+    ) -> dict[str, Any]:
+        """dry_run (`?dryRun=All`): every check and default, a 409 for a taken name, and
+        nothing stored or announced."""
         if not isinstance(body, dict) or not isinstance(body.get("metadata", {}), dict):
             raise bad_request(f"a {rt.kind} must be a JSON object with metadata")
         obj = copy.deepcopy(body)
@@ -256,6 +260,8 @@ class Store:
         apply_defaults(rt.group, rt.plural, obj, creating=True)
         if self.admit is not None:
             self.admit(rt, obj)
+        if dry_run:
+            return obj
         return copy.deepcopy(self._commit(rt, key, None, obj, "ADDED"))
 
     def _allocate_cluster_ip(self, rt: ResourceType, service: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import re
 import signal
 import socket
 import sys
@@ -153,6 +154,35 @@ def read_token(path: str | None) -> str | None:
     if not token:
         raise ValueError(f"internal token file {path} is empty")
     return token
+
+
+def sha256_hex(text: str) -> bytes:
+    """A SHA-256 digest written as 64 hex digits, as bytes."""
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", text):
+        raise argparse.ArgumentTypeError(f"must be 64 hex digits (a SHA-256), got {text!r}")
+    return bytes.fromhex(text)
+
+
+def add_metrics_token(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-token-sha256",
+        type=sha256_hex,
+        default=None,
+        metavar="HEX",
+        help="also accept on /metrics, and only there, the bearer token with this SHA-256 "
+        "(Prometheus's: `printf %%s TOKEN | sha256sum`); needs --internal-token-file",
+    )
+
+
+def check_metrics_token(digest: bytes | None, internal_token: str | None) -> bytes | None:
+    """The metrics token only narrows who may read a /metrics that the internal token already
+    closes: without one, /metrics is open and a metrics token would mean nothing."""
+    if digest is not None and internal_token is None:
+        raise ValueError(
+            "--metrics-token-sha256 needs --internal-token-file "
+            "(without an internal token /metrics is open to everyone)"
+        )
+    return digest
 
 
 PROBE_PATHS = ("/healthz", "/readyz")

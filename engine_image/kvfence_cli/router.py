@@ -9,6 +9,8 @@ from kvfence_cli.common import (
     Subparsers,
     add_drain_seconds,
     add_max_request_bytes,
+    add_metrics_token,
+    check_metrics_token,
     non_negative,
     positive,
     read_token,
@@ -120,6 +122,7 @@ def add_parser(sub: Subparsers) -> None:
         "(default 64)",
     )
     add_max_request_bytes(p)
+    add_metrics_token(p)
     add_drain_seconds(p)
     p.set_defaults(func=run)
 
@@ -160,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             if args.routing_secret_file
             else None
         )
+        metrics_token = check_metrics_token(args.metrics_token_sha256, token)
         keys = ApiKeys.load(args.api_keys)
         backends = Backends.create(args.prefill, args.decode, args.backends_file)
         engines = [b.url for pool in (backends.prefill, backends.decode) for b in pool.backends]
@@ -188,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer_from_engines=args.tokenizer_from_engines,
         tokenizer_source=args.model,
         routing=routing,
+        metrics_token_sha256=metrics_token,
     )
     app = create_router_app(state)
     set_max_request_bytes(app, args.max_request_bytes)

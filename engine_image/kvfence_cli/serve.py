@@ -11,6 +11,8 @@ from kvfence_cli.common import (
     Subparsers,
     add_drain_seconds,
     add_max_request_bytes,
+    add_metrics_token,
+    check_metrics_token,
     http_server,
     listen,
     positive,
@@ -173,6 +175,7 @@ def add_parser(sub: Subparsers) -> None:
         "(default 1.0: no cap). The combined role serves one tenant, 'default'",
     )
     add_max_request_bytes(p)
+    add_metrics_token(p)
     add_drain_seconds(p)
     p.add_argument("--scrub-on-free", action="store_true", help="zero pages when released")
     p.add_argument(
@@ -245,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         faults = Faults.from_names(args.unsafe_fault)
         token = read_token(args.internal_token_file)
+        metrics_token = check_metrics_token(args.metrics_token_sha256, token)
         resolve_device(args.device)
         check_prefix_cache(args)
         sock = listen(args.host, args.port)
@@ -283,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
     def build(metrics: EngineMetrics) -> AsyncEngine:
         return AsyncEngine(LLMEngine(load_model(args.model), engine_args, metrics))
 
-    state = ServerState(role=role, internal_token=token)
+    state = ServerState(role=role, internal_token=token, metrics_token_sha256=metrics_token)
     app = create_app(state)
     set_max_request_bytes(app, args.max_request_bytes)
     if role in (Role.PREFILL, Role.DECODE):

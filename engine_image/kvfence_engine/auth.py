@@ -1,7 +1,8 @@
 """Checking a secret a caller presents: the router's API keys, the internal token on
 /internal/* calls, on the operational endpoints (/metrics, /v1/kvpool) and on a KV transfer's
-HELLO."""
+HELLO, and the metrics token on /metrics."""
 
+import hashlib
 import hmac
 from collections.abc import Mapping
 
@@ -33,3 +34,14 @@ def presents_internal_token(headers: Mapping[str, str], expected: str) -> bool:
     return secret_matches(headers.get(TOKEN_HEADER), expected) or secret_matches(
         bearer_of(headers), expected
     )
+
+
+def presents_metrics_token(headers: Mapping[str, str], sha256: bytes | None) -> bool:
+    """Whether a scrape carries the metrics token, known here by its SHA-256 only (so it can sit
+    in a pod's arguments), as a bearer token: Prometheus's way. It opens /metrics and nothing
+    else, so it is never accepted in X-Kvfence-Internal-Token."""
+    presented = bearer_of(headers)
+    if sha256 is None or not presented:
+        return False
+    digest = hashlib.sha256(presented.encode("utf-8", "surrogatepass")).digest()
+    return hmac.compare_digest(digest, sha256)

@@ -14,10 +14,12 @@ def run_operator(args: argparse.Namespace) -> int:
     from kvfence_operator.handlers import OPERATOR_NAMESPACE_ENV
     from kvfence_operator.kube import NoClusterAccess, load_cluster_config
     from kvfence_operator.leader import Election, Leadership, Stopped, default_identity
+    from kvfence_operator.metrics_token import SCRAPERS_ENV, scrapers_from
 
     try:  # before kopf, whose startup handler would retry it every 60 s with a traceback
         load_cluster_config()
-    except NoClusterAccess as exc:
+        scrapers_from(os.environ.get(SCRAPERS_ENV))
+    except (NoClusterAccess, ValueError) as exc:
         print(f"kvfence operator: {exc}", file=sys.stderr)
         return 2
     if args.verbose:

@@ -25,6 +25,8 @@ from kvfence_operator.finalizer_free import (
 )
 from kvfence_operator.health import InvalidSpec, read_status
 from kvfence_operator.kube import Kube, load_cluster_config
+from kvfence_operator.metrics_token import metrics_access
+from kvfence_operator.own_secrets import credentials_key
 from kvfence_operator.reconcile import Reconciler
 
 RECONCILE_INTERVAL_ENV = "KVFENCE_RECONCILE_INTERVAL"
@@ -58,10 +60,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         logging.warning(
             "%s=1: engine pods with unsafe faults pass the pool gate (tests only)", ALLOW_ENV
         )
+    kube = Kube(api_client())
+    namespace = os.environ.get(OPERATOR_NAMESPACE_ENV, "kvfence-system")
     memo.reconciler = Reconciler(
-        Kube(api_client()),
-        os.environ.get(OPERATOR_NAMESPACE_ENV, "kvfence-system"),
+        kube,
+        namespace,
         unsafe_faults_allowed=unsafe_faults_allowed,
+        metrics=metrics_access(kube, namespace, os.environ),
+        credentials_key=credentials_key(kube, namespace, os.environ),
     )
 
 

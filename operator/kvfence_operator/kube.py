@@ -129,11 +129,13 @@ class Kube:
             if all((item["metadata"].get("labels") or {}).get(k) == v for k, v in labels.items())
         ]
 
-    def create(self, obj: Mapping[str, Any]) -> bool:
-        """True if created, False if it already existed (a restart, or a concurrent create)."""
+    def create(self, obj: Mapping[str, Any], dry_run: bool = False) -> bool:
+        """True if created, False if it already existed (a restart, or a concurrent create).
+        dry_run: nothing is stored; True means the name is free (whether a Secret exists,
+        asked without the right to read it)."""
         path = collection_path(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"])
         try:
-            self._call("POST", path, obj)
+            self._call("POST", path, obj, query={"dryRun": "All"} if dry_run else None)
         except KubeError as exc:
             if exc.status == 409:
                 return False

@@ -17,6 +17,7 @@ from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.canary_job import CONTAINER as CANARY_CONTAINER
 from kvfence_operator.builders.canary_job import EXIT_FINDING, build_canary_job, canary_job_name
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
+from kvfence_operator.builders.metrics import NO_METRICS_ACCESS, MetricsAccess
 from kvfence_operator.builders.network_policy import build_router_network_policy
 from kvfence_operator.builders.router_deployment import (
     BACKENDS_FILE_NAME,
@@ -24,7 +25,13 @@ from kvfence_operator.builders.router_deployment import (
     build_stable_service,
     router_backends,
 )
-from kvfence_operator.builders.secret import RevisionCredentials, internal_token_of, secret_name
+from kvfence_operator.builders.secret import (
+    CREDENTIALS_MARK,
+    RevisionCredentials,
+    derived_mark,
+    internal_token_of,
+    secret_name,
+)
 from kvfence_operator.canary_rerun import ANNOTATION_RERUN_CANARY, rerun_requested, rerun_value
 from kvfence_operator.crd.types import (
     ConditionType,
@@ -231,6 +238,9 @@ class Reconciler:
     read_pool: PoolReader = read_pool
     unsafe_faults_allowed: bool = False  # tests only: a pod's unsafe faults pass the pool gate
     push_backends: BackendsPusher = push_backends  # router_push: to the revision's routers
+    metrics: MetricsAccess = NO_METRICS_ACCESS  # how Prometheus reaches the pods (metrics_token)
+    # own_secrets.credentials_key: revision credentials derived, revision Secrets never read
+    credentials_key: bytes | None = None
     # names this pass found taken by objects it does not control (reset every pass)
     _conflicts: list[Conflict] = field(default_factory=list, init=False, repr=False)
     # errors the API answered this pass, for Degraded and Events (reset every pass)
@@ -250,7 +260,7 @@ class Reconciler:
         self._conflicts, self._problems = [], []
 
         keys = spec.router.api_keys_secret
-        if self.kube.get("v1", "Secret", instance.namespace, keys) is None:
+        if not self._secret_exists(instance.namespace, keys):
             self._problems.append(keys_secret_problem(keys, instance.namespace))
         stable = self.kube.get("v1", "Service", instance.namespace, instance.name)
         now = datetime.now(UTC)
@@ -368,18 +378,36 @@ class Reconciler:
         someone else has stops the creation there: the pods come last, so they never start
         on credentials, a backends file or a fence that are not the operator's."""
         ns = instance.namespace
-        secret = self.kube.get("v1", "Secret", ns, secret_name(instance, revision))
-        if secret is not None and not controlled_by(secret, instance.uid):
-            self._conflicts.append(Conflict.of({**secret, "kind": "Secret"}))
-            return
-        credentials = RevisionCredentials.generate()
+        key = self.credentials_key
+        secret = None
+        if key is not None:  # derived: the Secret is created, never read (a 409: it exists)
+            credentials = RevisionCredentials.derive(key, instance, revision)
+        else:
+            secret = self.kube.get("v1", "Secret", ns, secret_name(instance, revision))
+            if secret is not None and not controlled_by(secret, instance.uid):
+                self._conflicts.append(Conflict.of({**secret, "kind": "Secret"}))
+                return
+            credentials = RevisionCredentials.generate()
         for built in build_revision_children(
-            spec, instance, revision, credentials, self.operator_namespace, serving=serving
+            spec,
+            instance,
+            revision,
+            credentials,
+            self.operator_namespace,
+            serving=serving,
+            metrics=self.metrics,
         ):
             child = with_replicas(built, replicas)
             kind, name = child["kind"], child["metadata"]["name"]
             if kind == "Secret" and secret is not None:
                 continue
+            if kind == "Secret" and key is not None:
+                self._create_unread(child)
+                continue
+            if kind == "ConfigMap" and key is not None:  # the credentials' record (not drift)
+                child["metadata"].setdefault("annotations", {})[CREDENTIALS_MARK] = derived_mark(
+                    key
+                )
             conflicts = len(self._conflicts)
             existing = self._claim(instance, child)
             if len(self._conflicts) > conflicts:
@@ -397,7 +425,7 @@ class Reconciler:
         ns = instance.namespace
         for revision in keep:
             policy = build_router_network_policy(
-                instance, revision, self.operator_namespace, serving=revision in open_
+                instance, revision, self.operator_namespace, revision in open_, self.metrics
             )
             name = policy["metadata"]["name"]
             existing = self._ours(
@@ -437,8 +465,48 @@ class Reconciler:
             self.kube.patch("v1", "Service", instance.namespace, instance.name, patch)
         return True
 
+    def _secret_exists(self, namespace: str, name: str) -> bool:
+        """Whether a Secret exists, without reading it: a dry-run create answers 409 when the
+        name is taken and stores nothing when not. Another refusal (a quota's 403) leaves the
+        question open: not reported missing."""
+        probe = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "namespace": namespace},
+        }
+        try:
+            return not self.kube.create(probe, dry_run=True)
+        except KubeError:
+            return True
+
+    def _create_unread(self, secret: dict[str, Any]) -> None:
+        """A derived revision Secret: created; a 409 says it exists (its content is the same
+        derivation). A name someone else took is not detected here: that Secret's token is
+        not the derived one, so the engines answer the operator's pool probe with 401 and no
+        pod passes the gate (fail closed, PoolUnknown)."""
+        try:
+            self.kube.create(secret)
+        except KubeError as exc:  # forbidden (quota), rejected: said, and the pass goes on
+            self._problems.append(create_problem("Secret", secret["metadata"]["name"], exc))
+
+    def _internal_token(self, instance: Instance, revision: str) -> str | None:
+        """The revision's internal token: derived when its router ConfigMap records this
+        operator's credentials key; read from its Secret otherwise (a revision made by an
+        older operator, or under another key: RBAC `get`, chart rbac.legacyRevisionSecrets)."""
+        ns = instance.namespace
+        if self.credentials_key is not None:
+            name = child_name(instance, revision, Role.ROUTER)
+            configmap = self._ours(instance, self.kube.get("v1", "ConfigMap", ns, name))
+            annotations = ((configmap or {}).get("metadata") or {}).get("annotations") or {}
+            if annotations.get(CREDENTIALS_MARK) == derived_mark(self.credentials_key):
+                key = self.credentials_key
+                return RevisionCredentials.derive(key, instance, revision).internal_token
+        secret = self.kube.get("v1", "Secret", ns, secret_name(instance, revision))
+        return internal_token_of(self._ours(instance, secret))
+
     def _retire(self, instance: Instance, keep: set[str]) -> None:
         retired: set[str] = set()
+        derived: set[str] = set()  # their Secrets were created, never read, by this operator
         for api_version, kind in REVISION_KINDS:
             for obj in self.kube.list(api_version, kind, instance.namespace, selector(instance)):
                 if not controlled_by(obj, instance.uid):
@@ -446,10 +514,24 @@ class Reconciler:
                 revision = (obj["metadata"].get("labels") or {}).get(LABEL_REVISION)
                 if revision is not None and revision not in keep:
                     retired.add(revision)
+                    annotations = obj["metadata"].get("annotations") or {}
+                    if self.credentials_key is not None and annotations.get(
+                        CREDENTIALS_MARK
+                    ) == derived_mark(self.credentials_key):
+                        derived.add(revision)
                     self.kube.delete(api_version, kind, instance.namespace, obj["metadata"]["name"])
         for revision in retired:
             name = secret_name(instance, revision)
-            if self._ours(instance, self.kube.get("v1", "Secret", instance.namespace, name)):
+            if revision in derived:
+                self.kube.delete("v1", "Secret", instance.namespace, name)
+                continue
+            try:  # an older operator's: deleted only if ours, which takes reading it
+                secret = self.kube.get("v1", "Secret", instance.namespace, name)
+            except KubeError as exc:
+                if exc.status != 403:
+                    raise
+                continue  # no `get`: it goes with the InferenceDeployment (ownerReference)
+            if self._ours(instance, secret):
                 self.kube.delete("v1", "Secret", instance.namespace, name)
 
     # ---- observation ---------------------------------------------------------------------
@@ -469,9 +551,7 @@ class Reconciler:
         pods: list[dict[str, Any]] = []
         pools: list[PodPool] = []
         # the engines require the revision's token on /v1/kvpool
-        token = internal_token_of(
-            self._ours(instance, self.kube.get("v1", "Secret", ns, secret_name(instance, revision)))
-        )
+        token = self._internal_token(instance, revision)
         deployments = {
             role: self._ours(
                 instance,

@@ -19,6 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from helpers.builders import everything_built
 from kvfence_cli.main import build_parser
 from kvfence_engine.contracts import PoolGateReport
 from kvfence_operator.builders.pod_template import RUN_AS_ID
@@ -27,6 +28,14 @@ from kvfence_operator.crd.types import API_GROUP, API_VERSION, KIND, PLURAL, Inf
 from kvfence_operator.handlers import OPERATOR_NAMESPACE_ENV
 from kvfence_operator.leader import POD_NAME_ENV
 from kvfence_operator.meta import OPERATOR_POD_LABELS
+from kvfence_operator.metrics_token import (
+    SCRAPERS_ENV,
+    TOKEN_KEY,
+    TOKEN_SECRET_ENV,
+    metrics_access,
+    scrapers_from,
+)
+from kvfence_operator.own_secrets import CREDENTIALS_KEY_SECRET_ENV, credentials_key
 from kvfence_operator.pool_gate import PodPool
 from kvfence_operator.reconcile import Reconciler
 from kvfence_operator.revision import revision_of
@@ -68,6 +77,15 @@ BAD_VALUES: dict[str, dict[str, Any]] = {
     "resources that are no quantity": {"resources": {"requests": {"cpu": "lots"}}},
     "existing ServiceAccount without a name": {"serviceAccount": {"create": False}},
     "verbose as a string": {"verbose": "yes"},
+    "a PodMonitor without a metrics token": {
+        "metrics": {"tokenSecret": "", "podMonitor": {"enabled": True}}
+    },
+    "a scraper without a selector": {"metrics": {"scrapers": [{}]}},
+    "a scraper that is no NetworkPolicy peer": {"metrics": {"scrapers": [{"ipBlock": {}}]}},
+    "a scrapers selector that is no label selector": {
+        "metrics": {"scrapers": [{"podSelector": {"app": "prometheus"}}]}
+    },
+    "a scrape interval that is no duration": {"metrics": {"podMonitor": {"interval": "often"}}},
 }
 
 
@@ -199,6 +217,7 @@ def test_default_render_is_valid_kubernetes_and_watches_every_namespace(
         "Deployment",
         "PodDisruptionBudget",
         "Role",  # the leader Lease's
+        "Role",  # the operator's own Secrets', in the release namespace (own-secrets.yaml)
         "RoleBinding",
         "ServiceAccount",
     ]
@@ -217,11 +236,16 @@ def test_custom_render_is_valid_kubernetes_with_a_role_per_watched_namespace(
     # ones, bound to nobody by the chart.
     assert not of_kind(custom_docs, "ClusterRoleBinding")
     assert all(aggregated_to(r) for r in of_kind(custom_docs, "ClusterRole"))
-    # Each watched namespace's Role, beside the leader Lease's in the release namespace.
+    # Each watched namespace's Role, beside the leader Lease's and the operator's own Secrets'
+    # in the release namespace.
     roles, bindings = [
         [d for d in of_kind(custom_docs, kind) if not d["metadata"]["name"].endswith("-election")]
         for kind in ("Role", "RoleBinding")
     ]
+    (metrics_role,) = [r for r in roles if r["metadata"]["namespace"] == NAMESPACE]
+    assert metrics_role == own_secrets_role(custom_docs)  # its own test: below
+    roles = [r for r in roles if r is not metrics_role]
+    bindings = [b for b in bindings if b["roleRef"]["name"] != metrics_role["metadata"]["name"]]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     (account,) = of_kind(custom_docs, "ServiceAccount")
@@ -454,7 +478,7 @@ APPLICATION_RULES = [
         "resources": ["services", "configmaps"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "delete"]},
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
     {
@@ -544,7 +568,9 @@ def test_rbac_grants_no_wildcards_no_secret_listing_and_no_privilege_verbs(
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field], rule
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"]), rule
-            assert "nonResourceURLs" not in rule and "resourceNames" not in rule, rule
+            assert "nonResourceURLs" not in rule, rule
+            if "resourceNames" in rule:  # only to narrow: the one Secret the operator reads
+                assert rule == OWN_SECRETS_GET, rule
             if "secrets" in rule["resources"]:
                 assert not {"list", "watch"} & set(rule["verbs"]), rule
 
@@ -587,11 +613,13 @@ class RecordingKube:
             and labels.items() <= (obj["metadata"].get("labels") or {}).items()
         ]
 
-    def create(self, obj: Mapping[str, Any]) -> bool:
+    def create(self, obj: Mapping[str, Any], dry_run: bool = False) -> bool:
         self.calls.add(("create", obj["apiVersion"], obj["kind"], ""))
         self.admit_owner_references(obj["metadata"].get("ownerReferences") or [])
         if self.key(obj) in self.objects:
             return False
+        if dry_run:
+            return True
         stored = copy.deepcopy(dict(obj))
         stored["metadata"]["uid"] = f"uid-{len(self.objects)}-{obj['metadata']['name']}"
         self.objects[self.key(obj)] = stored
@@ -701,7 +729,8 @@ def operator_cluster_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return role
 
 
-def recorded_rollout_and_update() -> RecordingKube:
+def recorded_rollout_and_update(legacy: bool = False) -> RecordingKube:
+    """legacy: an operator without a credentials key (random credentials, read back)."""
     manifest = yaml.safe_load((ROOT / "examples" / "smollm2-local.yaml").read_text())
     body = {
         **manifest,
@@ -713,7 +742,12 @@ def recorded_rollout_and_update() -> RecordingKube:
         },
     }
     kube = RecordingKube()
-    reconciler = Reconciler(kube, NAMESPACE, read_pool=sufficient_pool)  # type: ignore[arg-type]
+    reconciler = Reconciler(  # as the chart runs it: with a credentials key
+        kube,  # type: ignore[arg-type]
+        NAMESPACE,
+        read_pool=sufficient_pool,
+        credentials_key=None if legacy else b"the credentials key",
+    )
     roll_out(reconciler, kube, body)
     # A spec change: a second revision rolls out and the first one is retired (at once: no
     # drain delay, so that this pass makes the deletes).
@@ -758,12 +792,34 @@ def test_rbac_grants_no_secret_verb_the_operator_does_not_use(
     default_docs: list[dict[str, Any]],
 ) -> None:
     """Secrets hold credentials: the rule grants exactly the calls a rollout and an update
-    make (the revision Secrets are immutable, so never patched), and no list or watch."""
+    make (the revision Secrets are immutable, so never patched), and no list or watch; no
+    get either: the revisions' credentials are derived, so no Secret is read back."""
     role = operator_cluster_role(default_docs)
     (rule,) = [r for r in role["rules"] if "secrets" in r["resources"]]
     assert rule["resources"] == ["secrets"]
     used = {verb for verb, _, kind, sub in recorded_rollout_and_update().calls if kind == "Secret"}
-    assert sorted(rule["verbs"]) == sorted(used)
+    assert sorted(rule["verbs"]) == sorted(used) == ["create", "delete"]
+
+
+@pytest.mark.parametrize("values", [{}, CUSTOM_VALUES], ids=["default", "custom"])
+def test_secret_get_is_granted_only_for_revisions_of_an_older_operator(
+    helm: Any, values: dict[str, Any]
+) -> None:
+    """rbac.legacyRevisionSecrets adds get where InferenceDeployments are: what an operator
+    without a credentials key (an older one's revisions) reads."""
+    on = merged(values, {"rbac": {"legacyRevisionSecrets": True}})
+    docs = manifests(render(helm, on))
+    own = own_secrets_role(docs)
+    roles = [r for r in [*of_kind(docs, "ClusterRole"), *of_kind(docs, "Role")]
+             if not aggregated_to(r) and r != own]  # fmt: skip
+    assert len(roles) == len(values.get("watchNamespaces") or [None])
+    assert roles
+    used = {verb for verb, _, kind, _ in recorded_rollout_and_update(legacy=True).calls
+            if kind == "Secret"}  # fmt: skip
+    assert "get" in used
+    for role in roles:
+        (rule,) = [r for r in role["rules"] if "secrets" in r["resources"]]
+        assert sorted(rule["verbs"]) == sorted(used)
 
 
 # ---- the users' aggregated roles -------------------------------------------------------------
@@ -815,3 +871,123 @@ def test_the_aggregated_user_roles_can_be_left_out(helm: Any) -> None:
     docs = manifests(render(helm, {"aggregateUserRoles": False}))
     assert [r for r in of_kind(docs, "ClusterRole") if aggregated_to(r)] == []
     assert len(of_kind(docs, "ClusterRole")) == 1  # the operator's
+
+
+# ---- metrics for Prometheus ------------------------------------------------------------------
+
+METRICS_TOKEN_SECRET = "kvfence-metrics-token"
+CREDENTIALS_KEY_SECRET = "kvfence-credentials-key"
+OWN_SECRETS_GET = {
+    "apiGroups": [""],
+    "resources": ["secrets"],
+    "resourceNames": [CREDENTIALS_KEY_SECRET, METRICS_TOKEN_SECRET],
+    "verbs": ["get"],
+}
+
+
+def own_secrets_role(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (role,) = [r for r in of_kind(docs, "Role") if r["metadata"]["name"].endswith("-own-secrets")]
+    return role
+
+
+def operator_env(docs: list[dict[str, Any]]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in operator_container(docs)["env"]}
+
+
+@pytest.mark.parametrize("values", [None, CUSTOM_VALUES], ids=["default", "custom"])
+def test_the_operator_may_create_and_read_its_own_secrets_and_no_other(
+    helm: Any, values: dict[str, Any] | None
+) -> None:
+    """In the release namespace only: create (a 409 keeps an existing one) and get by name.
+    What metrics_access and credentials_key really call at start-up is granted; reading
+    another Secret is not."""
+    docs = manifests(render(helm, values))
+    role = own_secrets_role(docs)
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        OWN_SECRETS_GET,
+    ]
+    (binding,) = [
+        b for b in of_kind(docs, "RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]
+    ]
+    (account,) = of_kind(docs, "ServiceAccount")
+    assert binding["metadata"]["namespace"] == NAMESPACE
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+    env = operator_env(docs)
+    assert env[TOKEN_SECRET_ENV] == METRICS_TOKEN_SECRET
+    assert env[CREDENTIALS_KEY_SECRET_ENV] == CREDENTIALS_KEY_SECRET
+    kube = RecordingKube()
+    access = metrics_access(kube, NAMESPACE, env)  # type: ignore[arg-type]
+    assert credentials_key(kube, NAMESPACE, env)  # type: ignore[arg-type]
+    assert access.token_sha256 and kube.calls == {
+        ("create", "v1", "Secret", ""),
+        ("get", "v1", "Secret", ""),
+    }
+    assert set(kube.objects) == {
+        ("v1", "Secret", NAMESPACE, name) for name in OWN_SECRETS_GET["resourceNames"]
+    }
+
+
+def test_the_scrapers_the_values_name_are_what_the_operator_admits(helm: Any) -> None:
+    default = scrapers_from(operator_env(manifests(render(helm)))[SCRAPERS_ENV])
+    assert default == default_values()["metrics"]["scrapers"]
+    (prometheus,) = default
+    assert prometheus["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+    # A list: what a user sets replaces the default (Helm would merge a map's labels into it).
+    chosen = [{"namespaceSelector": {"matchLabels": {"team": "observability"}}}]
+    values = {"metrics": {"scrapers": chosen}}
+    assert scrapers_from(operator_env(manifests(render(helm, values)))[SCRAPERS_ENV]) == chosen
+    off = {"metrics": {"scrapers": [], "tokenSecret": ""}}
+    docs = manifests(render(helm, off))
+    assert not {SCRAPERS_ENV, TOKEN_SECRET_ENV} & set(operator_env(docs))
+    assert own_secrets_role(docs)["rules"][1]["resourceNames"] == [CREDENTIALS_KEY_SECRET]
+
+
+def test_no_pod_monitor_by_default(default_docs: list[dict[str, Any]]) -> None:
+    assert not of_kind(default_docs, "PodMonitor")
+
+
+@pytest.mark.parametrize("values", [{}, CUSTOM_VALUES], ids=["default", "custom"])
+def test_the_pod_monitor_scrapes_engines_and_routers_with_the_metrics_token(
+    helm: Any, values: dict[str, Any]
+) -> None:
+    on = merged(
+        values, {"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}}}}
+    )
+    (monitor,) = of_kind(manifests(render(helm, on)), "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == NAMESPACE  # where the token's Secret is
+    assert monitor["metadata"]["labels"]["release"] == "kps"
+    watched = values.get("watchNamespaces")
+    expected = {"matchNames": watched} if watched else {"any": True}
+    assert monitor["spec"]["namespaceSelector"] == expected
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": METRICS_TOKEN_SECRET, "key": TOKEN_KEY},
+    }
+    # It selects exactly the engine and router pods the operator builds, by a port they have.
+    selected = set()
+    for built in everything_built("full"):
+        if built["kind"] not in ("Deployment", "Job"):
+            continue
+        template = built["spec"]["template"]
+        if selects(monitor["spec"]["selector"], template["metadata"]["labels"]):
+            (container,) = template["spec"]["containers"]
+            assert endpoint["port"] in {p["name"] for p in container["ports"]}
+            selected.add(template["metadata"]["labels"]["kvfence.dev/role"])
+    assert selected == {"prefill", "decode", "router"}
+
+
+def selects(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    if not selector["matchLabels"].items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        assert expression["operator"] == "In"
+        if labels.get(expression["key"]) not in expression["values"]:
+            return False
+    return True

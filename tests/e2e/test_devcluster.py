@@ -110,6 +110,19 @@ def test_duplicate_create_is_409_and_a_missing_object_is_404(cluster: Cluster):
     assert cluster.delete("ConfigMap", "never") is False
 
 
+def test_a_dry_run_create_answers_like_a_create_and_stores_nothing(cluster: Cluster):
+    """How the operator asks whether a Secret exists without the right to read it."""
+    core = client.CoreV1Api(cluster.api_client)
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys"}}
+    made = core.create_namespaced_secret("default", secret, dry_run="All")
+    assert made.metadata.name == "keys"
+    assert cluster.get("Secret", "keys") is None
+    cluster.create(secret)
+    with pytest.raises(client.ApiException) as taken:
+        core.create_namespaced_secret("default", secret, dry_run="All")
+    assert taken.value.status == 409
+
+
 def test_spec_changes_bump_generation_status_and_metadata_changes_do_not(cluster: Cluster):
     created = cluster.create(inference_deployment("gen"))
     respec = cluster.patch("InferenceDeployment", "gen", {"spec": {"contextLength": 1024}})

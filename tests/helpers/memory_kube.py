@@ -4,7 +4,8 @@ kvfence_operator.kube.Kube, on plain dicts.
 Objects are kept by (kind, name) in one namespace; create answers False on a taken name (the
 API's 409) and gives the object a UID (`u-<name>`); patches are JSON merge patches, applied as
 the API server applies them (to the status too, for a status subresource patch); every write
-is recorded as (verb, kind, name), so a test can say what a pass wrote."""
+is recorded as (verb, kind, name), so a test can say what a pass wrote, and every read as
+(kind, name). A dry-run create answers like a create and stores nothing."""
 
 import copy
 import json
@@ -17,8 +18,10 @@ class MemoryKube:
     def __init__(self, *objects: dict[str, Any]) -> None:
         self.objects = {(o["kind"], o["metadata"]["name"]): copy.deepcopy(o) for o in objects}
         self.writes: list[tuple[str, str, str]] = []
+        self.reads: list[tuple[str, str]] = []
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
+        self.reads.append((kind, name))
         return copy.deepcopy(self.objects.get((kind, name)))
 
     def list(self, api_version: str, kind: str, namespace: str, labels: dict[str, str]) -> Any:
@@ -28,10 +31,12 @@ class MemoryKube:
             if k == kind and labels.items() <= (o["metadata"].get("labels") or {}).items()
         ]
 
-    def create(self, obj: dict[str, Any]) -> bool:
+    def create(self, obj: dict[str, Any], dry_run: bool = False) -> bool:
         key = (obj["kind"], obj["metadata"]["name"])
         if key in self.objects:
             return False
+        if dry_run:
+            return True
         self.writes.append(("create", *key))
         self.objects[key] = {
             **copy.deepcopy(obj),

@@ -103,13 +103,15 @@ InferenceDeployment resource from API discovery, which every authenticated clien
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # application: Secrets, by name only (no list or watch: the operator cannot enumerate
 # them), and only in the watched namespaces when watchNamespaces is set (a Role in each).
-# create: each revision's Secret (its internal token and canary keys); delete: a retired
-# revision's; get: the internal token, which the operator sends to read the engines'
-# /v1/kvpool, and whether the user's apiKeysSecret exists (ApiKeysSecretMissing). No patch
-# or update: a revision's Secret is immutable, the user's is never written.
+# create: each revision's Secret (its credentials, derived from the credentials key, so never
+# read back), and a dry run of the user's apiKeysSecret (a 409 says it exists:
+# ApiKeysSecretMissing otherwise); delete: a retired revision's. No get: the operator reads
+# no Secret here. get only with rbac.legacyRevisionSecrets, for revisions an older operator
+# made with random credentials. No patch or update: a revision's Secret is immutable, the
+# user's is never written.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create", "delete"]
+  verbs: [{{ if .Values.rbac.legacyRevisionSecrets }}"get", {{ end }}"create", "delete"]
 # application: engine pods are found to read their /v1/kvpool; canary pods for the verdict.
 - apiGroups: [""]
   resources: ["pods"]

@@ -10,10 +10,10 @@ The engines sit behind a NetworkPolicy, so the router also shows what a canary m
 GET /v1/kvpool summarises the backends' pools and /metrics re-exports their isolation counters.
 
 What a tenant sees (issue 12, finding 4): its own answers, the served context, each engine's
-role and pool size. Not other tenants' names or counts (/metrics needs the internal token),
-not where the engines are (the tenant's /v1/kvpool names no URL or port, and a backend's
-server-side error reaches the client as a generic message; the detail goes to the log under
-the request id), not how full the pools are.
+role and pool size. Not other tenants' names or counts (/metrics needs the internal token or
+Prometheus's metrics token), not where the engines are (the tenant's /v1/kvpool names no URL
+or port, and a backend's server-side error reaches the client as a generic message; the detail
+goes to the log under the request id), not how full the pools are.
 """
 
 import asyncio
@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ValidationError
 
-from kvfence_engine.auth import bearer_of, presents_internal_token
+from kvfence_engine.auth import bearer_of, presents_internal_token, presents_metrics_token
 from kvfence_engine.contracts import (
     DEFAULT_TENANT,
     TOKEN_HEADER,
@@ -145,6 +145,7 @@ class RouterState:
     tokenizer_from_engines: bool = False
     tokenizer_source: str | None = None
     tokenizer_problem: str = "not read yet"
+    metrics_token_sha256: bytes | None = None  # Prometheus's token: opens /metrics only
     _tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # --routing-secret-file: prefill by prefix within a tenant (the prefix cache's hits)
     routing: PrefixRouting | None = None
@@ -294,7 +295,8 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     @app.get("/metrics", responses=METRICS_RESPONSES | error_responses(401, 403))
     async def metrics(request: Request) -> Response:
-        state.require_operator(request)
+        if not presents_metrics_token(request.headers, state.metrics_token_sha256):
+            state.require_operator(request)
         scraped = await _read_backends(state, "/metrics", lambda r: r.text)
         backends = CollectorRegistry(auto_describe=False)
         backends.register(BackendCounters(scraped))

@@ -3,7 +3,8 @@ The disaggregated roles add the internal endpoints (kvfence_engine.disagg.intern
 
 With an internal token (--internal-token-file) the pool report and the metrics are for the
 operator, the router and Prometheus only: they show pool occupancy and every request's
-counts. /healthz and /readyz stay open for the kubelet's probes."""
+counts. Prometheus presents the metrics token (--metrics-token-sha256), which opens /metrics and
+nothing else. /healthz and /readyz stay open for the kubelet's probes."""
 
 import asyncio
 import logging
@@ -13,7 +14,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvfence_engine.auth import presents_internal_token
+from kvfence_engine.auth import presents_internal_token, presents_metrics_token
 from kvfence_engine.contracts import EngineReadiness, KvPoolReport, Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.request import SamplingParams, is_terminal
@@ -54,6 +55,11 @@ def create_app(state: ServerState) -> FastAPI:
         if token is not None and not presents_internal_token(request.headers, token):
             raise errors.internal_token_required(request.url.path)
 
+    def scraper(request: Request) -> None:
+        """The metrics token (Prometheus's), or whatever `operational` accepts."""
+        if not presents_metrics_token(request.headers, state.metrics_token_sha256):
+            operational(request)
+
     @app.get("/readyz", responses=READYZ_RESPONSES)
     async def readyz() -> JSONResponse:
         if state.engine is not None:
@@ -85,7 +91,7 @@ def create_app(state: ServerState) -> FastAPI:
             "tokenizer": tokenizer_data(engine.tokenizer),
         }
 
-    @app.get("/metrics", dependencies=[Depends(operational)], responses=METRICS_RESPONSES)
+    @app.get("/metrics", dependencies=[Depends(scraper)], responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

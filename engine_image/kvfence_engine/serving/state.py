@@ -22,6 +22,7 @@ class ServerState:
 
     role: Role = Role.COMBINED
     internal_token: str | None = None
+    metrics_token_sha256: bytes | None = None  # Prometheus's token: opens /metrics only
     metrics: EngineMetrics = field(default_factory=EngineMetrics)
     engine: AsyncEngine | None = None
     load_error: str | None = None

@@ -14,6 +14,7 @@ from kvfence_operator.builders.engine_deployment import (
     build_engine_deployment,
     build_engine_service,
 )
+from kvfence_operator.builders.metrics import NO_METRICS_ACCESS, MetricsAccess
 from kvfence_operator.builders.network_policy import (
     build_network_policies,
     build_router_network_policy,
@@ -36,16 +37,21 @@ def build_revision_children(
     operator_namespace: str,
     context_length: int | None = None,
     serving: bool = False,
+    metrics: MetricsAccess = NO_METRICS_ACCESS,
 ) -> list[dict[str, Any]]:
-    """serving: whether the stable Service selects this revision (its routers are public)."""
+    """serving: whether the stable Service selects this revision (its routers are public);
+    metrics: how Prometheus reaches the pods (builders/metrics.py)."""
     return [
         build_revision_secret(instance, revision, credentials),
         build_router_configmap(spec, instance, revision, context_length),
-        *build_network_policies(instance, revision, operator_namespace),
-        build_router_network_policy(instance, revision, operator_namespace, serving),
+        *build_network_policies(instance, revision, operator_namespace, metrics),
+        build_router_network_policy(instance, revision, operator_namespace, serving, metrics),
         *(build_engine_service(instance, revision, role) for role in ENGINE_ROLES),
         build_router_service(instance, revision),
         *build_disruption_budgets(instance, revision),
-        *(build_engine_deployment(spec, instance, revision, role) for role in ENGINE_ROLES),
-        build_router_deployment(spec, instance, revision),
+        *(
+            build_engine_deployment(spec, instance, revision, role, metrics)
+            for role in ENGINE_ROLES
+        ),
+        build_router_deployment(spec, instance, revision, metrics),
     ]

@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from kvfence_operator.builders.metrics import NO_METRICS_ACCESS, MetricsAccess
 from kvfence_operator.builders.pod_template import (
     INTERNAL_TOKEN_FILE,
     TERMINATION_LOG,
@@ -46,7 +47,13 @@ def _check_role(role: Role) -> None:
         raise ValueError(f"engine role must be prefill or decode, got {role!r}")
 
 
-def engine_args(spec: InferenceDeploymentSpec, role: Role, revision: str, device: str) -> list[str]:
+def engine_args(
+    spec: InferenceDeploymentSpec,
+    role: Role,
+    revision: str,
+    device: str,
+    metrics: MetricsAccess = NO_METRICS_ACCESS,
+) -> list[str]:
     """`kvfence serve` arguments. extraArgs come first so that the operator's flags, which the
     pool check and the isolation defences depend on, win (argparse keeps the last value)."""
     _check_role(role)
@@ -77,6 +84,7 @@ def engine_args(spec: InferenceDeploymentSpec, role: Role, revision: str, device
         "--device", device,
         "--internal-token-file", INTERNAL_TOKEN_FILE,
         "--termination-log", TERMINATION_LOG,
+        *metrics.args(),
     ]  # fmt: skip
     # Non-default settings only, so a default spec needs no flag beyond the ones above.
     if engine.kv_cache_dtype is not KvCacheDtype.AUTO:
@@ -100,7 +108,11 @@ def caches_prefixes(spec: InferenceDeploymentSpec, role: Role) -> bool:
 
 
 def build_engine_deployment(
-    spec: InferenceDeploymentSpec, instance: Instance, revision: str, role: Role
+    spec: InferenceDeploymentSpec,
+    instance: Instance,
+    revision: str,
+    role: Role,
+    metrics: MetricsAccess = NO_METRICS_ACCESS,
 ) -> dict[str, Any]:
     """Engine pods stay out of Service endpoints until the operator has read their real pool
     size and set the kvfence.dev/kv-pool readiness gate."""
@@ -120,7 +132,7 @@ def build_engine_deployment(
         "name": "engine",
         "image": spec.engine.image,
         "command": ["kvfence"],
-        "args": engine_args(spec, role, revision, device),
+        "args": engine_args(spec, role, revision, device, metrics),
         "ports": ports,
         "env": [home_in_tmp(), no_weights_cache(), *override_env(role_spec.pod)],
         "resources": with_default_requests(resources),

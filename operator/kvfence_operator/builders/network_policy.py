@@ -2,10 +2,13 @@
 reads /v1/kvpool) reach the engines' HTTP port, and only that revision's prefill pods reach
 decode's transfer port. The routers' HTTP port is the public endpoint only once the revision
 serves (the stable Service selects it); before, only its canary Job and the operator reach it,
-so a candidate that has not passed its canary cannot be used with real tenant keys."""
+so a candidate that has not passed its canary cannot be used with real tenant keys. The
+metrics scrapers the platform team names (builders/metrics.py) reach the HTTP port of every
+engine and router, where only /metrics answers their token."""
 
 from typing import Any
 
+from kvfence_operator.builders.metrics import NO_METRICS_ACCESS, MetricsAccess
 from kvfence_operator.crd.types import Role
 from kvfence_operator.meta import (
     HTTP_PORT,
@@ -56,7 +59,11 @@ def _http_rule(instance: Instance, revision: str, operator_namespace: str) -> di
 
 
 def build_router_network_policy(
-    instance: Instance, revision: str, operator_namespace: str, serving: bool
+    instance: Instance,
+    revision: str,
+    operator_namespace: str,
+    serving: bool,
+    metrics: MetricsAccess = NO_METRICS_ACCESS,
 ) -> dict[str, Any]:
     """The routers' policy: while the revision does not serve, its HTTP port admits only the
     revision's canary Job pods and the operator's pods; once it serves, everyone (no `from`).
@@ -67,11 +74,14 @@ def build_router_network_policy(
             "from": [_peers(instance, revision, Role.CANARY), _operator_peer(operator_namespace)],
             **rule,
         }
-    return _policy(instance, revision, Role.ROUTER, [rule])
+    return _policy(instance, revision, Role.ROUTER, [rule, *metrics.ingress()])
 
 
 def build_network_policies(
-    instance: Instance, revision: str, operator_namespace: str
+    instance: Instance,
+    revision: str,
+    operator_namespace: str,
+    metrics: MetricsAccess = NO_METRICS_ACCESS,
 ) -> list[dict[str, Any]]:
     transfer_rule = {
         "from": [_peers(instance, revision, Role.PREFILL)],
@@ -79,12 +89,15 @@ def build_network_policies(
     }
     return [
         _policy(
-            instance, revision, Role.PREFILL, [_http_rule(instance, revision, operator_namespace)]
+            instance,
+            revision,
+            Role.PREFILL,
+            [_http_rule(instance, revision, operator_namespace), *metrics.ingress()],
         ),
         _policy(
             instance,
             revision,
             Role.DECODE,
-            [_http_rule(instance, revision, operator_namespace), transfer_rule],
+            [_http_rule(instance, revision, operator_namespace), transfer_rule, *metrics.ingress()],
         ),
     ]

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvfence_engine.contracts import BackendsFile, ServedModel
+from kvfence_operator.builders.metrics import NO_METRICS_ACCESS, MetricsAccess
 from kvfence_operator.builders.pod_template import (
     CREDENTIALS_DIR,
     INTERNAL_TOKEN_FILE,
@@ -93,7 +94,9 @@ def build_router_configmap(
     }
 
 
-def router_args(spec: InferenceDeploymentSpec) -> list[str]:
+def router_args(
+    spec: InferenceDeploymentSpec, metrics: MetricsAccess = NO_METRICS_ACCESS
+) -> list[str]:
     concurrent = spec.tenant_limits.max_concurrent_requests
     limits = ["--max-concurrent-per-tenant", str(concurrent)] if concurrent else []
     # with the prefill engines' prefix cache: a tenant's alike prompts to the same instance
@@ -120,11 +123,15 @@ def router_args(spec: InferenceDeploymentSpec) -> list[str]:
         "--drain-seconds", str(drain_seconds(spec.rollout)),
         *limits,
         *routing,
+        *metrics.args(),
     ]  # fmt: skip
 
 
 def build_router_deployment(
-    spec: InferenceDeploymentSpec, instance: Instance, revision: str
+    spec: InferenceDeploymentSpec,
+    instance: Instance,
+    revision: str,
+    metrics: MetricsAccess = NO_METRICS_ACCESS,
 ) -> dict[str, Any]:
     name = child_name(instance, revision, Role.ROUTER)
     tmp, tmp_mount = tmp_volume()
@@ -160,7 +167,7 @@ def build_router_deployment(
         "name": "router",
         "image": spec.engine.image,
         "command": ["kvfence"],
-        "args": router_args(spec),
+        "args": router_args(spec, metrics),
         "ports": [http_port()],
         "env": [home_in_tmp(), *override_env(spec.router.pod)],
         "resources": {k: dict(v) for k, v in ROUTER_RESOURCES.items()},

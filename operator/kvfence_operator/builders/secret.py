@@ -1,14 +1,22 @@
 """The per-revision Secret: the internal token engines require on reserve, prefill and transfer,
 the two canary tenants' API keys, and the prefix cache's two secrets (the prefill engines' page
-keys, the routers' placement; mounted only where spec.engine.prefixCache is on)."""
+keys, the routers' placement; mounted only where spec.engine.prefixCache is on).
+
+With the operator's credentials key (kvfence_operator/own_secrets.py) they are derived, HMACs
+of the key over the revision's identity, so the operator knows them without reading the Secret
+(no Secret `get` in the workload namespaces): it creates the Secret, and a 409 says it exists.
+The revision's router ConfigMap records which key made them (CREDENTIALS_MARK); a revision
+without the mark (made by an older operator: random credentials) is read from its Secret."""
 
 import base64
+import hashlib
+import hmac
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence_operator.builders.pod_template import CREDENTIALS_DIR
-from kvfence_operator.meta import Instance, child_name, labels, object_meta
+from kvfence_operator.meta import API_GROUP, Instance, child_name, labels, object_meta
 
 INTERNAL_TOKEN_KEY = "internal-token"
 CANARY_TENANT_A_KEY = "canary-tenant-a-key"
@@ -20,6 +28,7 @@ PREFIX_CACHE_SECRET_KEY = "prefix-cache-secret"
 ROUTING_SECRET_KEY = "routing-secret"
 PREFIX_CACHE_SECRET_FILE = f"{CREDENTIALS_DIR}/{PREFIX_CACHE_SECRET_KEY}"
 ROUTING_SECRET_FILE = f"{CREDENTIALS_DIR}/{ROUTING_SECRET_KEY}"
+CREDENTIALS_MARK = f"{API_GROUP}/credentials"  # router ConfigMap annotation: derived_mark(key)
 
 
 def _new_secret() -> str:
@@ -48,6 +57,30 @@ class RevisionCredentials:
     @classmethod
     def generate(cls) -> "RevisionCredentials":
         return cls(*(_new_secret() for _ in range(5)))
+
+    @classmethod
+    def derive(cls, key: bytes, instance: Instance, revision: str) -> "RevisionCredentials":
+        """HMAC-SHA256 of the credentials key over (purpose, namespace, name, uid, revision):
+        each revision, and each object of a recreated name (a new uid), gets its own."""
+
+        def one(purpose: str) -> str:
+            who = (instance.namespace, instance.name, instance.uid, revision)
+            parts = ("kvfence revision credentials v1", purpose, *who)
+            digest = hmac.new(key, "\0".join(parts).encode(), hashlib.sha256).digest()
+            return base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+        return cls(
+            *(
+                one(purpose)
+                for purpose in (
+                    INTERNAL_TOKEN_KEY,
+                    CANARY_TENANT_A_KEY,
+                    CANARY_TENANT_B_KEY,
+                    PREFIX_CACHE_SECRET_KEY,
+                    ROUTING_SECRET_KEY,
+                )
+            )
+        )
 
     def api_keys_file(self) -> str:
         """One 'KEY TENANT' per line, as `kvfence router --api-keys` reads it."""
@@ -81,6 +114,12 @@ def prefix_cache_secret_item() -> dict[str, str]:
 def routing_secret_item() -> dict[str, str]:
     """The routers' placement secret, as one more item of the credentials volume."""
     return {"key": ROUTING_SECRET_KEY, "path": ROUTING_SECRET_KEY}
+
+
+def derived_mark(key: bytes) -> str:
+    """What CREDENTIALS_MARK says of a revision whose credentials `key` derived: the key's
+    fingerprint, so a replaced key is noticed (that revision is then read from its Secret)."""
+    return "hmac-sha256:" + hashlib.sha256(b"kvfence credentials key\0" + key).hexdigest()[:16]
 
 
 def internal_token_of(secret: dict[str, Any] | None) -> str | None:

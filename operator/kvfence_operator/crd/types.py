@@ -86,6 +86,7 @@ SPEC_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
             "--transfer-port",
             "--revision",
             "--internal-token-file",
+            "--metrics-token-sha256",
             "--termination-log",
         ),
         "the operator sets them for each pod",

@@ -232,11 +232,11 @@ class RefusingKube(MemoryKube):
         super().__init__(*objects)
         self.refused, self.status, self.message = kind, status, message
 
-    def create(self, obj: dict[str, Any]) -> bool:
+    def create(self, obj: dict[str, Any], dry_run: bool = False) -> bool:
         if obj["kind"] == self.refused:
             answer = {"kind": "Status", "status": "Failure", "message": self.message}
             raise KubeError(self.status, "POST", "/apis/apps/v1/...", json.dumps(answer))
-        return super().create(obj)
+        return super().create(obj, dry_run)
 
 
 KEYS = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys"}, "data": {}}

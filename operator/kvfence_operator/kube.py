@@ -131,14 +131,17 @@ class Kube:
 
     def create(self, obj: Mapping[str, Any]) -> bool:
         """True if created, False if it already existed (a restart, or a concurrent create)."""
+        return self.create_object(obj) is not None
+
+    def create_object(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The created object as the API answered it; None if the name was taken (409)."""
         path = collection_path(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"])
         try:
-            self._call("POST", path, obj)
+            return self._call("POST", path, obj)
         except KubeError as exc:
             if exc.status == 409:
-                return False
+                return None
             raise
-        return True
 
     def patch(
         self,
@@ -148,11 +151,12 @@ class Kube:
         name: str,
         patch: Mapping[str, Any],
         subresource: str = "",
-    ) -> None:
+    ) -> dict[str, Any]:
+        """The patched object as the API answered it."""
         path = f"{collection_path(api_version, kind, namespace)}/{name}"
         if subresource:
             path += f"/{subresource}"
-        self._call("PATCH", path, patch, content_type=MERGE_PATCH)
+        return self._call("PATCH", path, patch, content_type=MERGE_PATCH)
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         path = f"{collection_path(api_version, kind, namespace)}/{name}"

@@ -170,6 +170,9 @@ class CachedKube:
         default_factory=dict, init=False
     )
     _secrets_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    # names a create found taken by an object the cache does not hold (not labelled as the
+    # operator's children are: someone else's): read from the API until it is gone
+    _taken: set[tuple[str, str, str]] = field(default_factory=set, init=False)
 
     def _cached(self, kind: str, namespace: str) -> bool:
         if not self.store.covers(kind, namespace):
@@ -181,7 +184,13 @@ class CachedKube:
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
         if self._cached(kind, namespace):
-            return self.store.get(kind, namespace, name)
+            held = self.store.get(kind, namespace, name)
+            if held is not None or (kind, namespace, name) not in self._taken:
+                return held
+            found = self.kube.get(api_version, kind, namespace, name)
+            if found is None:
+                self._taken.discard((kind, namespace, name))
+            return found
         if kind != "Secret":
             return self.kube.get(api_version, kind, namespace, name)
         key = (namespace, name)
@@ -199,14 +208,20 @@ class CachedKube:
         return self.kube.list(api_version, kind, namespace, labels)
 
     def create(self, obj: Mapping[str, Any]) -> bool:
-        """Get-before-create: False, without a request, for a name the cache holds; a 409
-        (the cache behind) is False too, and the next pass finds the object in the cache."""
+        """Get-before-create: False, without a request, for a name the cache holds or one a
+        409 showed taken by an object the cache does not hold (someone else's, which `get`
+        then reads from the API); a 409 for a child of ours is the cache behind, once."""
         meta = obj["metadata"]
-        kind, namespace = obj["kind"], meta["namespace"]
-        if self._cached(kind, namespace) and self.store.get(kind, namespace, meta["name"]):
+        kind, namespace, name = obj["kind"], meta["namespace"], meta["name"]
+        cached = self._cached(kind, namespace)
+        if cached and (
+            self.store.get(kind, namespace, name) or (kind, namespace, name) in self._taken
+        ):
             return False
         created = self.kube.create_object(obj)
         if created is None:
+            if cached:
+                self._taken.add((kind, namespace, name))
             return False
         answer = created if (created.get("metadata") or {}).get("name") else dict(obj)
         answer = {**answer, "kind": kind, "apiVersion": obj["apiVersion"]}

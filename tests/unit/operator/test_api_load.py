@@ -10,7 +10,7 @@ from test_backends_push_pass import sufficient
 from test_ownership import body
 
 from helpers.memory_kube import MemoryKube
-from kvfence_operator.cache import WATCHED, CachedKube, Store
+from kvfence_operator.cache import CACHE_LABELS, WATCHED, CachedKube, Store
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import Instance, selector
 from kvfence_operator.pool_gate import PodPool
@@ -248,3 +248,26 @@ def test_an_unchanged_status_is_not_patched_and_a_changed_one_is():
     assert not run(obj)  # nothing changed since: nothing to write, pass after pass
     assert status_changes(obj["status"], {"observedGeneration": 2})
     assert not status_changes(obj["status"], {"observedGeneration": 1, "gone": None})
+
+
+def test_a_name_taken_by_someone_elses_object_is_read_from_the_api_and_posted_once():
+    """The caches hold only objects labelled as the operator's children: a user's Service
+    named like the deployment is not among them, and must still be seen (a NameConflict)."""
+    meta = {"name": "tiny", "namespace": "default", "labels": {"team": "web"}}
+    theirs = {"apiVersion": "v1", "kind": "Service", "metadata": meta}
+    ours = {**theirs, "metadata": {**theirs["metadata"], "labels": dict(CACHE_LABELS)}}
+    kube = MemoryKube(theirs)
+    cached = CachedKube(kube, filled_store(kube))  # type: ignore[arg-type]
+    assert cached.get("v1", "Service", "default", "tiny") is None  # not a child: not cached
+    for _ in range(3):
+        assert cached.create(ours) is False
+        assert cached.get("v1", "Service", "default", "tiny")["metadata"]["labels"] == {
+            "team": "web"
+        }
+    assert [r for r in kube.requests if r[0] == "create"] == [("create", "Service", "tiny")]
+    del kube.objects[("Service", "tiny")]  # the user deletes theirs: the name is free again
+    assert cached.get("v1", "Service", "default", "tiny") is None
+    assert cached.create(ours) is True
+    kube.requests.clear()
+    assert cached.get("v1", "Service", "default", "tiny") is not None
+    assert kube.requests == []

@@ -195,12 +195,12 @@ class CachedKube:
             return self.kube.get(api_version, kind, namespace, name)
         key = (namespace, name)
         with self._secrets_lock:
-            held = self._secrets.get(key)
-        if held is not None and held[0] > self.clock():
-            return copy.deepcopy(held[1])
-        found = self.kube.get(api_version, kind, namespace, name)
-        self._remember_secret(key, found)
-        return copy.deepcopy(found)
+            remembered = self._secrets.get(key)
+        if remembered is not None and remembered[0] > self.clock():
+            return copy.deepcopy(remembered[1])
+        secret = self.kube.get(api_version, kind, namespace, name)
+        self._remember_secret(key, secret)
+        return copy.deepcopy(secret)
 
     def list(self, api_version: str, kind: str, namespace: str, labels: Mapping[str, str]) -> Any:
         if CACHE_LABELS.items() <= dict(labels).items() and self._cached(kind, namespace):

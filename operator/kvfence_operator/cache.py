@@ -170,16 +170,25 @@ class CachedKube:
         default_factory=dict, init=False
     )
     _secrets_lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    # reads wait for a kind's first LIST until then; after it, an unfilled kind is read from
+    # the API without waiting (a Role missing list/watch must not stall every pass)
+    _fill_deadline: float = field(default=0.0, init=False)
+    _unfilled_said: set[str] = field(default_factory=set, init=False)
     # names a create found taken by an object the cache does not hold (not labelled as the
     # operator's children are: someone else's): read from the API until it is gone
     _taken: set[tuple[str, str, str]] = field(default_factory=set, init=False)
 
+    def __post_init__(self) -> None:
+        self._fill_deadline = time.monotonic() + self.sync_timeout
+
     def _cached(self, kind: str, namespace: str) -> bool:
         if not self.store.covers(kind, namespace):
             return False
-        if self.store.wait_synced(kind, self.sync_timeout):
+        if self.store.wait_synced(kind, max(0.0, self._fill_deadline - time.monotonic())):
             return True
-        LOG.warning("the %s cache has not been filled yet: reading from the API", kind)
+        if kind not in self._unfilled_said:
+            self._unfilled_said.add(kind)
+            LOG.warning("the %s cache has not been filled: reading %ss from the API", kind, kind)
         return False
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:

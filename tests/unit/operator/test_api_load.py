@@ -271,3 +271,21 @@ def test_a_name_taken_by_someone_elses_object_is_read_from_the_api_and_posted_on
     kube.requests.clear()
     assert cached.get("v1", "Service", "default", "tiny") is not None
     assert kube.requests == []
+
+
+def test_reads_wait_for_a_kinds_first_list_then_go_to_the_api_without_waiting():
+    kube = MemoryKube(KEYS)
+    store = Store(["default"])  # no LIST has come in
+    cached = CachedKube(kube, store, sync_timeout=0.3)  # type: ignore[arg-type]
+    started = time.monotonic()
+    assert cached.get("apps/v1", "Deployment", "default", "x") is None
+    assert 0.25 < time.monotonic() - started < 2  # waited for the first LIST, then the API
+    started = time.monotonic()
+    for _ in range(5):
+        cached.get("apps/v1", "Deployment", "default", "x")
+    assert time.monotonic() - started < 0.2  # past the deadline: no more waiting
+    assert kube.requests == [("get", "Deployment", "x")] * 6
+    store.replace("Deployment", "default", [])
+    kube.requests.clear()
+    assert cached.get("apps/v1", "Deployment", "default", "x") is None
+    assert kube.requests == []  # filled: from the cache

@@ -10,7 +10,7 @@ LIST is in (never a partially filled cache). The operator's own writes go throug
 cache with the API's answer, so the next pass sees them even before the watch event arrives:
 a child the cache holds is never POSTed again (get-before-create). Secrets are not watched
 (the operator has no list/watch on Secrets): their GETs go through a TTL cache that the
-operator's own creates and deletes update.
+operator's own creates and deletes update; a missing Secret is not remembered.
 
 Informer threads rather than kopf indexes: the reconciler is synchronous code that kopf runs
 in a thread, the same `Kube` interface serves the unit tests' in-memory API, and the cache
@@ -208,7 +208,8 @@ class CachedKube:
         if remembered is not None and remembered[0] > self.clock():
             return copy.deepcopy(remembered[1])
         secret = self.kube.get(api_version, kind, namespace, name)
-        self._remember_secret(key, secret)
+        if secret is not None:  # a missing one is asked for again: the user may create it now
+            self._remember_secret(key, secret)
         return copy.deepcopy(secret)
 
     def list(self, api_version: str, kind: str, namespace: str, labels: Mapping[str, str]) -> Any:
@@ -262,7 +263,7 @@ class CachedKube:
         elif self.store.covers(kind, namespace):
             self.store.forget(kind, namespace, name)
 
-    def _remember_secret(self, key: tuple[str, str], secret: dict[str, Any] | None) -> None:
+    def _remember_secret(self, key: tuple[str, str], secret: dict[str, Any]) -> None:
         with self._secrets_lock:
             self._secrets[key] = (self.clock() + self.secret_ttl, copy.deepcopy(secret))
 

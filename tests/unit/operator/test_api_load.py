@@ -289,3 +289,20 @@ def test_reads_wait_for_a_kinds_first_list_then_go_to_the_api_without_waiting():
     kube.requests.clear()
     assert cached.get("apps/v1", "Deployment", "default", "x") is None
     assert kube.requests == []  # filled: from the cache
+
+
+def test_a_missing_secret_is_asked_for_again_and_a_present_one_is_kept_for_the_ttl():
+    """A missing apiKeysSecret is an error the user fixes by creating it: the next pass must
+    see it (Degraded must not outlive the cause by a TTL). A present one is kept 60 s."""
+    kube, clock = MemoryKube(), Clock()
+    cached = CachedKube(kube, filled_store(kube), clock=clock)  # type: ignore[arg-type]
+    assert cached.get("v1", "Secret", "default", "keys") is None
+    kube.objects[("Secret", "keys")] = KEYS
+    assert cached.get("v1", "Secret", "default", "keys") is not None
+    kube.requests.clear()
+    clock.now += 59
+    assert cached.get("v1", "Secret", "default", "keys") is not None
+    assert kube.requests == []
+    clock.now += 2
+    cached.get("v1", "Secret", "default", "keys")
+    assert kube.requests == [("get", "Secret", "keys")]

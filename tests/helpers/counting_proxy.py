@@ -59,6 +59,11 @@ class CountingProxy:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        # the watches' handlers still stream: end them here, not with the loop
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
     async def _forward(self, request: aiohttp.web.Request) -> Any:
         assert self._session is not None

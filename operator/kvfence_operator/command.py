@@ -43,6 +43,7 @@ def run_operator(args: argparse.Namespace) -> int:
             liveness_endpoint=args.liveness,
             clusterwide=not args.namespace,
             namespaces=args.namespace,
+            memo=kopf.Memo(namespaces=args.namespace),  # the child caches watch the same
         )
     except KeyboardInterrupt:
         return 0

@@ -9,6 +9,7 @@ import kopf
 from kubernetes import client
 
 from kvfence_engine.core.faults import ALLOW_ENV
+from kvfence_operator.cache import SYNC_TIMEOUT_SECONDS, CachedKube, start_informers, wait_filled
 from kvfence_operator.conditions import set_condition
 from kvfence_operator.crd.types import (
     API_GROUP,
@@ -27,11 +28,20 @@ from kvfence_operator.health import InvalidSpec, read_status
 from kvfence_operator.kube import Kube, load_cluster_config
 from kvfence_operator.metrics_token import metrics_access
 from kvfence_operator.own_secrets import credentials_key
+from kvfence_operator.prober import PoolProber
 from kvfence_operator.reconcile import Reconciler
+from kvfence_operator.status_write import status_changes
 
 RECONCILE_INTERVAL_ENV = "KVFENCE_RECONCILE_INTERVAL"
 OPERATOR_NAMESPACE_ENV = "OPERATOR_NAMESPACE"
 RECONCILE_INTERVAL = float(os.environ.get(RECONCILE_INTERVAL_ENV, "5"))
+
+
+def exact_namespaces(patterns: list[str] | None) -> list[str] | None:
+    """The namespaces to cache; None (all) when kopf watches all or any by a glob."""
+    if not patterns or any(c in p for p in patterns for c in "*?[]!,"):
+        return None
+    return list(patterns)
 
 
 def api_client() -> client.ApiClient:
@@ -60,12 +70,18 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         logging.warning(
             "%s=1: engine pods with unsafe faults pass the pool gate (tests only)", ALLOW_ENV
         )
-    kube = Kube(api_client())
+    api = api_client()
+    # watch-fed caches for the children (cache.py), filled before the first pass runs
+    store, _informers = start_informers(api.configuration, exact_namespaces(memo.get("namespaces")))
+    if not wait_filled(store, SYNC_TIMEOUT_SECONDS):
+        logging.warning("the child caches are not filled yet: passes read from the API until then")
+    kube = Kube(api)
     namespace = os.environ.get(OPERATOR_NAMESPACE_ENV, "kvfence-system")
     memo.reconciler = Reconciler(
-        kube,
+        CachedKube(kube, store),
         namespace,
         unsafe_faults_allowed=unsafe_faults_allowed,
+        prober=PoolProber(),
         metrics=metrics_access(kube, namespace, os.environ),
         credentials_key=credentials_key(kube, namespace, os.environ),
     )
@@ -93,7 +109,9 @@ def reconcile(
         # (an older CRD, or a cluster without CEL): say so and stop retrying it.
         _report_invalid(body, patch, str(exc))
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
-    patch.status.update(outcome.status.model_dump(mode="json", by_alias=True))
+    status = outcome.status.model_dump(mode="json", by_alias=True)
+    if status_changes(body.get("status"), status):  # an unchanged status is not written
+        patch.status.update(status)
     for event in outcome.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
         logger.info("%s: %s", event.reason, event.message)

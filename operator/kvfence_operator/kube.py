@@ -133,14 +133,26 @@ class Kube:
         """True if created, False if it already existed (a restart, or a concurrent create).
         dry_run: nothing is stored; True means the name is free (whether a Secret exists,
         asked without the right to read it)."""
+        if not dry_run:
+            return self.create_object(obj) is not None
         path = collection_path(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"])
         try:
-            self._call("POST", path, obj, query={"dryRun": "All"} if dry_run else None)
+            self._call("POST", path, obj, query={"dryRun": "All"})
         except KubeError as exc:
             if exc.status == 409:
                 return False
             raise
         return True
+
+    def create_object(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The created object as the API answered it; None if the name was taken (409)."""
+        path = collection_path(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"])
+        try:
+            return self._call("POST", path, obj)
+        except KubeError as exc:
+            if exc.status == 409:
+                return None
+            raise
 
     def patch(
         self,
@@ -150,11 +162,12 @@ class Kube:
         name: str,
         patch: Mapping[str, Any],
         subresource: str = "",
-    ) -> None:
+    ) -> dict[str, Any]:
+        """The patched object as the API answered it."""
         path = f"{collection_path(api_version, kind, namespace)}/{name}"
         if subresource:
             path += f"/{subresource}"
-        self._call("PATCH", path, patch, content_type=MERGE_PATCH)
+        return self._call("PATCH", path, patch, content_type=MERGE_PATCH)
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         path = f"{collection_path(api_version, kind, namespace)}/{name}"

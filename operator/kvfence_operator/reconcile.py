@@ -32,6 +32,7 @@ from kvfence_operator.builders.secret import (
     internal_token_of,
     secret_name,
 )
+from kvfence_operator.cache import CachedKube
 from kvfence_operator.canary_rerun import ANNOTATION_RERUN_CANARY, rerun_requested, rerun_value
 from kvfence_operator.crd.types import (
     ConditionType,
@@ -67,6 +68,7 @@ from kvfence_operator.ownership import (
     stable_service_patch,
 )
 from kvfence_operator.pool_gate import PodGate, PodPool, judge_pools, read_pool
+from kvfence_operator.prober import PoolProber, Probe, container_instance
 from kvfence_operator.replicas import replica_counts, with_replicas
 from kvfence_operator.revision import judged_spec, revision_of
 from kvfence_operator.rollout import (
@@ -233,7 +235,7 @@ def _last_words(pod: Mapping[str, Any]) -> str:
 
 @dataclass
 class Reconciler:
-    kube: Kube
+    kube: Kube | CachedKube
     operator_namespace: str
     read_pool: PoolReader = read_pool
     unsafe_faults_allowed: bool = False  # tests only: a pod's unsafe faults pass the pool gate
@@ -241,6 +243,9 @@ class Reconciler:
     metrics: MetricsAccess = NO_METRICS_ACCESS  # how Prometheus reaches the pods (metrics_token)
     # own_secrets.credentials_key: revision credentials derived, revision Secrets never read
     credentials_key: bytes | None = None
+    # the operator's: pools read once per container instance, off the pass (prober.py);
+    # None: read_pool is called in the pass (unit tests, callers with a fake reader)
+    prober: PoolProber | None = None
     # names this pass found taken by objects it does not control (reset every pass)
     _conflicts: list[Conflict] = field(default_factory=list, init=False, repr=False)
     # errors the API answered this pass, for Degraded and Events (reset every pass)
@@ -549,7 +554,6 @@ class Reconciler:
         """`spec`: the one this revision is judged by (revision.judged_spec)."""
         ns = instance.namespace
         pods: list[dict[str, Any]] = []
-        pools: list[PodPool] = []
         # the engines require the revision's token on /v1/kvpool
         token = self._internal_token(instance, revision)
         deployments = {
@@ -559,6 +563,7 @@ class Reconciler:
             )
             for role in (*ENGINE_ROLES, Role.ROUTER)
         }
+        probes: list[Probe] = []
         for role in ENGINE_ROLES:
             for pod in self._revision_pods(
                 ns, deployments[role], selector(instance, revision, role)
@@ -566,11 +571,17 @@ class Reconciler:
                 if not may_serve(pod):  # deleted, evicted or finished
                     continue
                 pods.append(pod)
-                pools.append(
-                    self.read_pool(
-                        pod["metadata"]["name"], str(role), revision, pod_url(pod), token
+                probes.append(
+                    Probe(
+                        pod["metadata"]["name"],
+                        str(role),
+                        revision,
+                        pod_url(pod),
+                        token,
+                        container_instance(pod),
                     )
                 )
+        pools = self._pools(probes)
         decision = judge_pools(
             pools,
             spec.pool_policy,
@@ -618,6 +629,13 @@ class Reconciler:
             canary = canary_outcome(job, job_pods)
         observation = RevisionObservation(revision, replicas, decision, canary)
         return observation, pools, events
+
+    def _pools(self, probes: Sequence[Probe]) -> list[PodPool]:
+        """Each pod's pool: from the prober (read once per container instance, off the pass)
+        when there is one, else read now."""
+        if self.prober is not None:
+            return self.prober.pools(probes)
+        return [self.read_pool(p.pod, p.role, p.revision, p.url, p.token) for p in probes]
 
     def _revision_pods(
         self, namespace: str, deployment: Mapping[str, Any] | None, labels: dict[str, str]

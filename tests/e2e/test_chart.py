@@ -23,6 +23,7 @@ from helpers.builders import everything_built
 from kvfence_cli.main import build_parser
 from kvfence_engine.contracts import PoolGateReport
 from kvfence_operator.builders.pod_template import RUN_AS_ID
+from kvfence_operator.cache import WATCHED, CachedKube, Store
 from kvfence_operator.crd.schema import render_crd_yaml
 from kvfence_operator.crd.types import API_GROUP, API_VERSION, KIND, PLURAL, InferenceDeployment
 from kvfence_operator.handlers import OPERATOR_NAMESPACE_ENV
@@ -478,7 +479,7 @@ APPLICATION_RULES = [
         "resources": ["deployments"],
         "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
-    {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["get"]},
+    {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["get", "list", "watch"]},
     {
         "apiGroups": [""],
         "resources": ["services", "configmaps"],
@@ -500,7 +501,7 @@ APPLICATION_RULES = [
     {
         "apiGroups": ["policy"],
         "resources": ["poddisruptionbudgets"],
-        "verbs": ["get", "list", "create", "delete"],
+        "verbs": ["get", "list", "watch", "create", "delete"],
     },
 ]
 
@@ -591,6 +592,20 @@ class RecordingKube:
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str, str, str], dict[str, Any]] = {}
         self.calls: set[tuple[str, str, str, str]] = set()
+        self.store: Store | None = None
+
+    def watch_into(self, store: Store, namespace: str) -> None:
+        """The operator's informers (cache.py): a LIST, then a WATCH, of each cached kind."""
+        for api_version, kind in WATCHED:
+            self.calls.add(("list", api_version, kind, ""))
+            self.calls.add(("watch", api_version, kind, ""))
+            store.replace(kind, namespace, self.list(api_version, kind, namespace, {}))
+        self.store = store
+
+    def send_watch_events(self) -> None:
+        for obj in self.objects.values():
+            if self.store is not None and obj["kind"] in dict((k, v) for v, k in WATCHED):
+                self.store.apply("MODIFIED", obj)
 
     def admit_owner_references(self, references: list[Mapping[str, Any]]) -> None:
         """The OwnerReferencesPermissionEnforcement admission plugin (on by default on
@@ -620,16 +635,20 @@ class RecordingKube:
         ]
 
     def create(self, obj: Mapping[str, Any], dry_run: bool = False) -> bool:
+        if dry_run:
+            self.calls.add(("create", obj["apiVersion"], obj["kind"], ""))
+            return self.key(obj) not in self.objects
+        return self.create_object(obj) is not None
+
+    def create_object(self, obj: Mapping[str, Any]) -> Any:
         self.calls.add(("create", obj["apiVersion"], obj["kind"], ""))
         self.admit_owner_references(obj["metadata"].get("ownerReferences") or [])
         if self.key(obj) in self.objects:
-            return False
-        if dry_run:
-            return True
+            return None
         stored = copy.deepcopy(dict(obj))
         stored["metadata"]["uid"] = f"uid-{len(self.objects)}-{obj['metadata']['name']}"
         self.objects[self.key(obj)] = stored
-        return True
+        return copy.deepcopy(stored)
 
     def patch(
         self,
@@ -639,11 +658,12 @@ class RecordingKube:
         name: str,
         patch: Mapping[str, Any],
         subresource: str = "",
-    ) -> None:
+    ) -> Any:
         self.calls.add(("patch", api_version, kind, subresource))
         self.admit_owner_references((patch.get("metadata") or {}).get("ownerReferences") or [])
         key = (api_version, kind, namespace, name)
         self.objects[key] = merged(self.objects[key], patch)
+        return copy.deepcopy(self.objects[key])
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self.calls.add(("delete", api_version, kind, ""))
@@ -661,6 +681,7 @@ class RecordingKube:
                     "metadata": {
                         "name": f"{name}-5d8f9",
                         "namespace": namespace,
+                        "labels": template["metadata"]["labels"],
                         "uid": f"rs-{obj['metadata']['uid']}",
                         "ownerReferences": [controller_ref(obj)],
                     },
@@ -684,6 +705,7 @@ class RecordingKube:
                 obj["status"] = {"readyReplicas": obj["spec"]["replicas"]}
             elif kind == "Job":
                 obj["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+        self.send_watch_events()
 
 
 def controller_ref(owner: Mapping[str, Any]) -> dict[str, Any]:
@@ -748,8 +770,10 @@ def recorded_rollout_and_update(legacy: bool = False) -> RecordingKube:
         },
     }
     kube = RecordingKube()
+    store = Store(["inference"])
+    kube.watch_into(store, "inference")  # the reads go through the operator's caches
     reconciler = Reconciler(  # as the chart runs it: with a credentials key
-        kube,  # type: ignore[arg-type]
+        CachedKube(kube, store),  # type: ignore[arg-type]
         NAMESPACE,
         read_pool=sufficient_pool,
         credentials_key=None if legacy else b"the credentials key",
@@ -775,6 +799,7 @@ def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
     assert {verb for verb, *_ in kube.calls} == {
         "get",
         "list",
+        "watch",  # the caches' informers
         "create",
         "patch",
         "delete",

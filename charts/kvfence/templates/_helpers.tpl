@@ -92,10 +92,11 @@ InferenceDeployment resource from API discovery, which every authenticated clien
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # application: a pod's ReplicaSet, read by name to check that the revision's Deployment
-# controls the pod (pod -> ReplicaSet -> Deployment) before it gets the internal token.
+# controls the pod (pod -> ReplicaSet -> Deployment) before it gets the internal token;
+# listed and watched (by the kvfence label) to fill the operator's cache.
 - apiGroups: ["apps"]
   resources: ["replicasets"]
-  verbs: ["get"]
+  verbs: ["get", "list", "watch"]
 # application: engine headless Services, the revision and stable router Services, and the
 # routers' backend ConfigMaps.
 - apiGroups: [""]
@@ -134,5 +135,5 @@ InferenceDeployment resource from API discovery, which every authenticated clien
 # revision's role at a time; retired with the revision.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 {{- end -}}

@@ -71,15 +71,16 @@ def play_kubelet(kube: MemoryKube, store: Store, revision: str) -> None:
 INSTANCE = Instance("tiny", "default", "uid-infd")
 
 
-def test_a_steady_pass_makes_no_api_request_and_secrets_cost_two_gets_a_minute():
+def test_a_steady_pass_makes_no_api_request_and_secrets_cost_two_creates_a_minute():
     kube = MemoryKube(KEYS)
     clock = Clock()
     store = filled_store(kube)
-    reconciler = Reconciler(
+    reconciler = Reconciler(  # as the chart runs it: with a credentials key
         CachedKube(kube, store, clock=clock),  # type: ignore[arg-type]
         "kvfence-system",
         read_pool=sufficient,
         push_backends=lambda *_: None,
+        credentials_key=b"the credentials key",
     )
     obj = body()
     revision = revision_of(InferenceDeploymentSpec.model_validate(obj["spec"]))
@@ -100,12 +101,13 @@ def test_a_steady_pass_makes_no_api_request_and_secrets_cost_two_gets_a_minute()
         clock.now += 5
     assert kube.requests == []
 
-    clock.now += 60  # the Secret TTL ran out: one GET each, and nothing else
+    clock.now += 60  # the Secret TTL ran out: one create each (409: exists), nothing else
     reconciler.reconcile(obj)
     assert sorted(kube.requests) == [
-        ("get", "Secret", "keys"),
-        ("get", "Secret", f"tiny-{revision}-credentials"),
+        ("create", "Secret", "keys"),  # a dry run: does the API keys Secret exist?
+        ("create", "Secret", f"tiny-{revision}-credentials"),
     ]
+    assert not any(kind == "Secret" for kind, _ in kube.reads)  # never read: derived
 
 
 # ---- pool probes: once per container instance, off the pass -------------------------------

@@ -162,6 +162,23 @@ def check_first_rollout(cluster: Cluster, created: dict[str, Any], revision: str
     assert answer.usage.completion_tokens == 4
 
 
+def wait_promoted(cluster: Cluster, revision: str, what: str) -> dict[str, Any]:
+    """Wait until `revision` serves and is Ready: its canary passed, the stable Service
+    selects it."""
+    promoted = cluster.wait_for(
+        lambda: infd(cluster),
+        what,
+        timeout=240,
+        until=lambda o: (
+            o["status"]["revision"].get("current") == revision
+            and condition(o, "Ready").get("status") == "True"
+        ),
+    )
+    assert promoted["status"]["canary"]["revision"] == revision
+    assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == revision
+    return promoted
+
+
 def selector_for(revision: str, role: Role) -> dict[str, str]:
     return selector(Instance(NAME, "default", "uid-unused-in-selectors"), revision, role)
 
@@ -274,17 +291,7 @@ def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on
         )
         operator.kill()
         operator = cluster.start_operator(args, env=env)
-        promoted = cluster.wait_for(
-            lambda: infd(cluster),
-            "promotion of the new revision after the restart",
-            timeout=240,
-            until=lambda o: (
-                o["status"]["revision"].get("current") == r2
-                and condition(o, "Ready").get("status") == "True"
-            ),
-        )
-        assert promoted["status"]["canary"]["revision"] == r2
-        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
+        wait_promoted(cluster, r2, "promotion of the new revision after the restart")
         cluster.wait_for(
             lambda: cluster.list("Deployment", "default", {LABEL_REVISION: r1}),
             "the old revision's Deployments to be removed",

@@ -16,17 +16,16 @@ from test_operator import (  # the operator e2e module's manifest and waits
     NAME,
     api_keys_secret,
     check_first_rollout,
-    condition,
     engine_pods,
     infd,
     manifest,
+    wait_promoted,
 )
 
 from kvfence_devcluster.fixtures import Cluster
 from kvfence_devcluster.processes import ManagedProcess
 from kvfence_operator.crd.types import InferenceDeploymentSpec
 from kvfence_operator.leader import LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD
-from kvfence_operator.meta import LABEL_REVISION
 from kvfence_operator.revision import revision_of
 
 LEASE = "kvfence-operator"
@@ -105,17 +104,7 @@ def test_killing_the_leader_mid_rollout_hands_over_within_the_lease_and_the_stan
     # retry period once the Lease has stood still for its duration (+1 s for a loaded test).
     assert LEASE_DURATION - RETRY_PERIOD - 1 < handover < LEASE_DURATION + RETRY_PERIOD + 1
 
-    promoted = cluster.wait_for(
-        lambda: infd(cluster),
-        "the standby to promote the new revision",
-        timeout=240,
-        until=lambda o: (
-            o["status"]["revision"].get("current") == r2
-            and condition(o, "Ready").get("status") == "True"
-        ),
-    )
-    assert promoted["status"]["canary"]["revision"] == r2
-    assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
+    wait_promoted(cluster, r2, "the standby to promote the new revision")
     assert len(engine_pods(cluster, r2)) == 2
     assert RECONCILED in b.log()
     assert b.poll() is None

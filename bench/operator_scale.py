@@ -40,7 +40,7 @@ from typing import Any
 
 from kvfence_devcluster.counting import RequestCounts
 from kvfence_devcluster.fixtures import Cluster, start_cluster
-from kvfence_devcluster.hollow import HOLLOW_MODULE
+from kvfence_devcluster.hollow import HOLLOW_SCRIPT
 from kvfence_devcluster.kubelet import KubeletOptions
 
 NAMESPACE = "default"
@@ -185,7 +185,7 @@ def measure(
             raise NotReady("the test cluster failed: " + "; ".join(problems)[:2000])
         assert cluster.kubelet is not None
         started_argvs = [p.argv for p in cluster.kubelet.processes]
-        real = [a for a in started_argvs if HOLLOW_MODULE not in a]
+        real = [a for a in started_argvs if HOLLOW_SCRIPT not in a]
         if real:
             raise NotReady(f"{len(real)} containers were not hollow, e.g. {' '.join(real[0])}")
         return Result(objects, ready_seconds, window, counted, len(started_argvs))

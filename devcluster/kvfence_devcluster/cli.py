@@ -165,7 +165,8 @@ def _serve(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
             waiting = args.operator and operator is None
             print(
                 f"{PROG}: cluster at {cluster.url}, logs in {cluster.logs_dir}; "
-                f"use it with: export KUBECONFIG={kubeconfig.resolve()}"
+                + ("hollow pods (stand-ins, no engines); " if args.hollow else "")
+                + f"use it with: export KUBECONFIG={kubeconfig.resolve()}"
                 + (
                     "; the operator starts once `kubectl apply -f crds/` is done" if waiting else ""
                 ),

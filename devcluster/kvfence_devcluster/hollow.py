@@ -4,7 +4,11 @@ that a test cluster can hold a hundred InferenceDeployments on a laptop. It is N
 it answers what the operator and the kubelet ask of a container and nothing else, so a
 measurement on hollow pods measures the operator and the API server, never the engines.
 
-    python -m kvfence_devcluster.hollow serve|router|canary ARGS   (the container's own args)
+    python -P .../kvfence_devcluster/hollow.py serve|router|canary ARGS   (the container's args)
+
+Run as a file, not with -m: `-m` would import the package (kmock, the kubernetes client,
+pytest), three times the memory a hollow server needs; -P keeps this folder off sys.path (its
+selectors.py would shadow the standard library's).
 
 It reads the container's real command line and answers with the typed contracts the real
 processes use (kvfence_engine.contracts):
@@ -22,7 +26,8 @@ processes use (kvfence_engine.contracts):
 - `canary`: writes a passing canary summary line (CanaryReport.summary) that says it checked
   nothing to --termination-log and exits 0.
 
-Plain http.server and pydantic, no torch: about 20 MB per process.
+Plain http.server and pydantic, no torch: about 25 MB per process (the canary, which exits at
+once, loads more).
 """
 
 import argparse
@@ -38,7 +43,6 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from kvfence_engine.auth import presents_internal_token
-from kvfence_engine.canary.report import CanaryReport
 from kvfence_engine.contracts import (
     BackendsFile,
     BackendsInForce,
@@ -55,7 +59,7 @@ HOLLOW = "hollow pod of the test kubelet (no engine)"
 HOLLOW_DEVICE_BYTES = 1 << 30  # what --memory-fraction takes a share of
 DTYPE_BYTES = 4  # float32 KV, as the real engine on a CPU
 BACKENDS_PATH = "/internal/v1/backends"
-HOLLOW_MODULE = "kvfence_devcluster.hollow"
+HOLLOW_SCRIPT = str(Path(__file__).resolve())
 
 
 class HttpError(Exception):
@@ -202,9 +206,9 @@ class HollowRouter(HollowServer):
 
 def hollow_argv(argv: list[str]) -> list[str]:
     """What the kubelet runs instead of a `kvfence ...` container under KubeletOptions.hollow:
-    this module with the same arguments. Other commands run as they are."""
+    this file with the same arguments. Other commands run as they are."""
     if argv and Path(argv[0]).name == "kvfence":
-        return [sys.executable, "-m", HOLLOW_MODULE, *argv[1:]]
+        return [sys.executable, "-P", HOLLOW_SCRIPT, *argv[1:]]
     return argv
 
 
@@ -271,10 +275,10 @@ def _write(path: str | None, text: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvfence (hollow)", add_help=False)
+    parser = argparse.ArgumentParser(prog="kvfence (hollow)", add_help=False, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("serve", "router", "canary"):
-        command = sub.add_parser(name, add_help=False)
+        command = sub.add_parser(name, add_help=False, allow_abbrev=False)
         command.add_argument("--host", default="127.0.0.1")
         command.add_argument("--port", type=int, default=8000)
         command.add_argument("--internal-token-file")
@@ -300,6 +304,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args, _ = _parser().parse_known_args(argv)
     if args.command == "canary":
+        # here only: the canary package is most of what a long-lived hollow server would load
+        from kvfence_engine.canary.report import CanaryReport
+
         report = CanaryReport(
             target=args.target,
             outcome="pass",

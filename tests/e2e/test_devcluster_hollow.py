@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvfence_devcluster.hollow import HOLLOW_SCRIPT
 from kvfence_devcluster.processes import ManagedProcess
 from kvfence_engine.contracts import TOKEN_HEADER, BackendsFile, BackendsInForce, EngineReadiness
 from kvfence_engine.tools.localproc import free_port
@@ -24,7 +25,7 @@ from kvfence_operator.router_push import BACKENDS_PATH, push_backends
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "internal-token-0123456789"
-HOLLOW = [sys.executable, "-m", "kvfence_devcluster.hollow"]
+HOLLOW = [sys.executable, "-P", HOLLOW_SCRIPT]
 
 
 @pytest.fixture
@@ -185,7 +186,8 @@ def test_the_devcluster_command_runs_hollow_pods_with_hollow(tmp_path: Path) -> 
     stdout = command.stdout
     threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
     try:
-        assert "export KUBECONFIG=" in lines.get(timeout=120)  # the operator runs by then
+        first = lines.get(timeout=120)  # the operator runs by then
+        assert "; hollow pods (stand-ins, no engines); use it with: export KUBECONFIG=" in first
 
         def kubectl(*args: str, stdin: str | None = None) -> str:
             done = subprocess.run(
@@ -206,7 +208,7 @@ def test_the_devcluster_command_runs_hollow_pods_with_hollow(tmp_path: Path) -> 
         (decode,) = kubectl("get", "pods", "-l", "kvfence.dev/role=decode", "-o", "name").split()
         log = kubectl("logs", decode)
         assert "hollow pod of the test kubelet (no engine)" in log
-        assert "kvfence_devcluster.hollow serve" in log
+        assert f"{HOLLOW_SCRIPT} serve --threads 1 --role decode" in log
     finally:
         command.terminate()
         assert command.wait(60) == 0

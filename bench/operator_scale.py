@@ -11,7 +11,9 @@ measures:
 - requests_per_object_per_minute: every request the API server answered over a steady window
   (--window seconds, after --settle seconds), divided by N and by the window in minutes. The
   bench asks nothing during the window, and the test kubelet works on the store directly, so
-  what is counted is the operator's load.
+  what is counted is the operator's load (and any kubectl someone points at the cluster then).
+  An operator that cannot keep up with N objects passes over each less often, which lowers
+  this figure too: the breakdown's last line gives the API server's whole rate.
 
 What it measures is the operator and the API server, NOT the engines: the pods are hollow. Above
 each result line, the same requests by verb and resource (per object per minute), so a change
@@ -117,6 +119,13 @@ class Result:
         agents = sorted(self.requests.by("user_agent").items(), key=lambda kv: -kv[1])
         named = [f"{a or '(none)'} {self.per_object_per_minute(n):.1f}" for (a,), n in agents]
         lines.append("  by user agent: " + (", ".join(named) or "none"))
+        # An operator that cannot keep up makes fewer passes per object, so its per-object
+        # rate falls as N grows: the server's whole rate says whether that is what happened.
+        total = self.requests.total
+        lines.append(
+            f"  in all: {total} requests in {self.window_seconds:.0f} s, "
+            f"{total / self.window_seconds:.1f} per second at the API server"
+        )
         return lines
 
 

@@ -170,7 +170,8 @@ def test_the_scale_bench_takes_hollow_deployments_to_ready_and_counts_the_operat
     assert "containers started, all hollow; API requests per object per minute over 5 s" in lines[0]
     assert any(line.split()[1:3] == ["patch", "inferencedeployments.kvfence.dev/status"]
                or line.split()[1:] == ["list", "pods"] for line in lines[1:-1])  # fmt: skip
-    assert "kopf/" in lines[-2]  # the user agents, the operator's among them
+    assert "kopf/" in lines[-3]  # the user agents, the operator's among them
+    assert lines[-2].startswith("  in all: ") and " requests in 5 s, " in lines[-2]
 
 
 def test_the_devcluster_command_runs_hollow_pods_with_hollow(tmp_path: Path) -> None:

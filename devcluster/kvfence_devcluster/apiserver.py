@@ -25,6 +25,7 @@ from kmock._internal import parsing, rendering
 
 from . import discovery, openapi, protobuf, tables
 from .admission import CrdAdmission, refuse
+from .counting import RequestCounter, classify
 from .protobuf import ProtobufError
 from .resources import ApiError, ResourceType, bad_request, not_found
 from .selectors import SelectorError, parse_field_selector, parse_label_selector
@@ -84,6 +85,7 @@ def _not_served() -> ApiError:
 class ApiServer(kmock.KubernetesScaffold):
     store: Store = attrs.field(factory=Store)
     pod_logs: PodLogs | None = None
+    counter: RequestCounter = attrs.field(factory=RequestCounter)  # counting.py
     _custom: set[tuple[str, str, str]] = attrs.field(factory=set, init=False)
     _printer_columns: dict[tuple[str, str, str], list[dict[str, Any]]] = attrs.field(
         factory=dict, init=False
@@ -253,6 +255,9 @@ class ApiServer(kmock.KubernetesScaffold):
     # ---- request handling -----------------------------------------------------------------
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        self.counter.count(
+            classify(raw_request.method, raw_request.path, raw_request.query, raw_request.headers)
+        )
         try:
             return await super().__call__(raw_request)
         finally:

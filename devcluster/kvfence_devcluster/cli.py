@@ -91,6 +91,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"install {INFERENCE_DEPLOYMENT_CRD.name} at start instead of waiting for kubectl",
     )
+    parser.add_argument(
+        "--hollow",
+        action="store_true",
+        help="hollow pods: each kvfence container runs a small stand-in that answers the "
+        "operator's and the kubelet's calls and serves no model (for load tests of the "
+        "operator and the API server, not of the engines)",
+    )
     return parser
 
 
@@ -137,7 +144,7 @@ def _crd_established(cluster: Cluster) -> bool:
 
 def _serve(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
     crds = (INFERENCE_DEPLOYMENT_CRD,) if args.install_crds else ()
-    kubelet = KubeletOptions(grace_cap=args.grace_cap)
+    kubelet = KubeletOptions(grace_cap=args.grace_cap, hollow=args.hollow)
     with start_cluster(state / "cluster", crds=crds, kubelet=kubelet) as cluster:
         # The operator watches no CRDs (it finds its resource once, at start, as kopf does
         # with scanning off), so it starts once its CRD is established, as after a chart's crds/.
@@ -158,7 +165,8 @@ def _serve(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
             waiting = args.operator and operator is None
             print(
                 f"{PROG}: cluster at {cluster.url}, logs in {cluster.logs_dir}; "
-                f"use it with: export KUBECONFIG={kubeconfig.resolve()}"
+                + ("hollow pods (stand-ins, no engines); " if args.hollow else "")
+                + f"use it with: export KUBECONFIG={kubeconfig.resolve()}"
                 + (
                     "; the operator starts once `kubectl apply -f crds/` is done" if waiting else ""
                 ),

@@ -25,6 +25,7 @@ from kubernetes import client, config
 
 from .apiserver import INFERENCE_DEPLOYMENT_CRD, ApiServer, write_kubeconfig
 from .controllers import condition
+from .counting import RequestCounts
 from .kubelet import Kubelet, KubeletOptions
 from .loop import BackgroundLoop
 from .processes import ManagedProcess
@@ -329,6 +330,13 @@ class Cluster:
         """`kvfence operator ARGS` against this cluster. `.kill()` simulates a crash, `.stop()`
         a graceful shutdown; call again to start a fresh one."""
         return self.start_process([str(VENV_BIN / "kvfence"), "operator", *args], "operator", env)
+
+    # ---- API load ---------------------------------------------------------------------------
+
+    def requests(self, reset: bool = False) -> RequestCounts:
+        """The requests the API server has answered so far, by verb, resource and user agent
+        (counting.py); `reset` starts the count again from zero."""
+        return self.server.counter.snapshot(reset)
 
     # ---- diagnostics ------------------------------------------------------------------------
 

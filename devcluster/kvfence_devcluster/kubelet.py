@@ -63,6 +63,11 @@ class KubeletOptions:
     # real kubelet refreshes these volumes on its sync period and cache TTL, about a minute
     # after the change; 0 (the default) rewrites the files on the pod's next pass.
     configmap_volume_lag: float = 0.0
+    # Hollow pods (hollow.py): every `kvfence` container runs a small stand-in that answers
+    # what the operator and the kubelet ask (health, readiness, /v1/kvpool, the router's
+    # backends, a canary verdict) and serves no model: for benches of the operator and the
+    # API server at a scale real engines cannot reach on one machine (bench/operator_scale.py).
+    hollow: bool = False
 
 
 class Kubelet:

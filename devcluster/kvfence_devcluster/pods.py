@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .controllers import set_condition
+from .hollow import HOLLOW, hollow_argv
 from .processes import ManagedProcess
 from .resources import now_rfc3339
 from .sandbox import (
@@ -184,10 +185,14 @@ class PodRuntime:
             return
         amend = self.kubelet.options.amend_argv
         argv = amend(pod, launch.argv) if amend is not None else launch.argv
+        notes = list(launch.notes)
+        if self.kubelet.options.hollow and hollow_argv(argv) != argv:
+            argv = hollow_argv(argv)
+            notes.append(f"a {HOLLOW}: {' '.join(argv[:3])} runs instead of kvfence")
         log_path = self.log_path(container.name)
-        if launch.notes:
+        if notes:
             with open(log_path, "a") as log:
-                log.writelines(f"[kubelet] {note}\n" for note in launch.notes)
+                log.writelines(f"[kubelet] {note}\n" for note in notes)
         self.sandbox.termination_log(container.name).write_bytes(b"")
         container.process = ManagedProcess(argv, log_path, launch.env, launch.cwd)
         self.kubelet.processes.append(container.process)

@@ -1,0 +1,215 @@
+"""Hollow pods (kvfence_devcluster/hollow.py, `KubeletOptions(hollow=True)`): small stand-ins
+for `kvfence serve|router|canary` that answer what the operator and the kubelet ask, read by
+the operator's own clients (pool_gate.read_pool, router_push.push_backends), and the operator
+taking a hollow InferenceDeployment to Ready through bench/operator_scale.py."""
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvfence_devcluster.hollow import HOLLOW_SCRIPT
+from kvfence_devcluster.processes import ManagedProcess
+from kvfence_engine.contracts import TOKEN_HEADER, BackendsFile, BackendsInForce, EngineReadiness
+from kvfence_engine.tools.localproc import free_port
+from kvfence_operator.pool_gate import read_pool
+from kvfence_operator.router_push import BACKENDS_PATH, push_backends
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "internal-token-0123456789"
+HOLLOW = [sys.executable, "-P", HOLLOW_SCRIPT]
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+def serving(tmp_path: Path, name: str, args: list[str]) -> Iterator[str]:
+    port = free_port()
+    process = ManagedProcess([*HOLLOW, *args, "--port", str(port)], tmp_path / f"{name}.log")
+    with process:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(url + "/healthz", timeout=1).raise_for_status()
+                break
+            except httpx.HTTPError:
+                assert process.poll() is None, process.log()
+                assert time.monotonic() < deadline, process.log()
+                time.sleep(0.1)
+        yield url
+
+
+@pytest.fixture
+def decode(tmp_path: Path, token_file: Path) -> Iterator[str]:
+    # the operator's flags for a decode pod (engine_deployment.engine_args), kvfence's name
+    # swapped for the hollow module's
+    args = [
+        "serve", "--threads", "1", "--role", "decode", "--model", "builtin:tiny-random",
+        "--host", "127.0.0.1", "--transfer-port", "9100", "--context-length", "1024",
+        "--context-policy", "refuse", "--drain-seconds", "5",
+        "--kv-cache-memory", str(96 * 16 * 768), "--page-size", "16", "--revision", "r1",
+        "--device", "cpu", "--internal-token-file", str(token_file),
+        "--termination-log", str(tmp_path / "engine-termination"),
+    ]  # fmt: skip
+    yield from serving(tmp_path, "decode", args)
+
+
+def test_a_hollow_engine_reports_its_role_revision_and_pool_to_the_operators_probe(
+    decode: str,
+) -> None:
+    ready = httpx.get(decode + "/readyz")
+    assert ready.status_code == 200
+    assert EngineReadiness.model_validate_json(ready.content).status == "ready"
+
+    pool = read_pool("pod-a", "decode", "r1", decode, TOKEN)
+    assert pool.error is None and pool.report is not None
+    # 96 pages of 16 tokens at tiny-random's 768 bytes per token, as a real engine's pool
+    assert (pool.report.pool_tokens, pool.report.num_pages) == (1536, 96)
+    assert pool.report.context_length_effective == 1024
+    assert pool.report.tag_check and pool.report.deferred_release
+    assert pool.report.unsafe_faults == []
+
+    assert read_pool("pod-a", "decode", "r2", decode, TOKEN).error == (
+        "/v1/kvpool reports role 'decode' revision 'r1', expected 'decode' 'r2'"
+    )
+    assert read_pool("pod-a", "decode", "r1", decode, None).error == "/v1/kvpool answered 401"
+    assert read_pool("pod-a", "decode", "r1", decode, "wrong").error == "/v1/kvpool answered 401"
+
+
+def test_a_hollow_engine_whose_budget_holds_no_page_exits_1_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "termination"
+    done = subprocess.run(
+        [*HOLLOW, "serve", "--role", "prefill", "--revision", "r1", "--kv-cache-memory", "100",
+         "--termination-log", str(log)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "KV budget of 100 bytes holds no page" in log.read_text()
+
+
+def test_a_hollow_router_takes_the_operators_pushes_newest_first(
+    tmp_path: Path, token_file: Path
+) -> None:
+    written = BackendsFile(version=5, revision="r1", decode=["http://127.0.0.1:1"])
+    backends = tmp_path / "backends.json"
+    backends.write_text(written.file_text())
+    args = [
+        "router", "--host", "127.0.0.1", "--backends-file", str(backends),
+        "--api-keys", "/nonexistent", "--internal-token-file", str(token_file),
+    ]  # fmt: skip
+    for url in serving(tmp_path, "router", args):
+        assert httpx.get(url + "/readyz").status_code == 200
+        assert httpx.get(url + BACKENDS_PATH).status_code == 401
+        held = httpx.get(url + BACKENDS_PATH, headers={TOKEN_HEADER: TOKEN})
+        assert BackendsInForce.model_validate_json(held.content) == BackendsInForce(
+            source="file", digest=written.digest(), backends=written
+        )
+
+        newer = written.model_copy(update={"version": 6, "prefill": ["http://127.0.0.1:2"]})
+        push_backends([url], newer, TOKEN)
+        held = httpx.get(url + BACKENDS_PATH, headers={TOKEN_HEADER: TOKEN})
+        in_force = BackendsInForce.model_validate_json(held.content)
+        assert (in_force.source, in_force.digest) == ("push", newer.digest())
+
+        stale = httpx.put(
+            url + BACKENDS_PATH,
+            headers={TOKEN_HEADER: TOKEN},
+            json=written.model_dump(mode="json", by_alias=True),
+        )
+        assert stale.status_code == 409
+        assert stale.json()["error"]["code"] == "stale_backends"
+        garbage = httpx.put(url + BACKENDS_PATH, headers={TOKEN_HEADER: TOKEN}, json={"x": 1})
+        assert garbage.status_code == 422
+
+
+def test_a_hollow_canary_passes_and_says_it_checked_nothing(tmp_path: Path) -> None:
+    log = tmp_path / "termination"
+    done = subprocess.run(
+        [*HOLLOW, "canary", "--target", "http://router:8000", "--termination-log", str(log)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0
+    summary = log.read_text()
+    assert summary.startswith("kvfence canary PASS: hollow pod of the test kubelet (no engine)")
+    assert "nothing checked" in summary
+
+
+def test_the_scale_bench_takes_hollow_deployments_to_ready_and_counts_the_operators_requests(
+    tmp_path: Path,
+) -> None:
+    """bench/operator_scale.py's machinery at N=2 with a short window, so it cannot rot."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "operator_scale.py"), "--objects", "2",
+         "--window", "5", "--settle", "1"],
+        capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    last = dict(field.split("=") for field in lines[-1].split())
+    assert last["objects"] == "2"
+    assert 0 < float(last["ready_seconds"]) < 400
+    assert float(last["requests_per_object_per_minute"]) > 0
+    # the operator's 2 x (prefill, decode, router, canary) at least, none of them a real engine
+    head = lines[0].split()
+    assert head[0] == "objects=2:" and int(head[1]) >= 8, lines[0]
+    assert "containers started, all hollow; API requests per object per minute over 5 s" in lines[0]
+    assert any(line.split()[1:3] == ["patch", "inferencedeployments.kvfence.dev/status"]
+               or line.split()[1:] == ["list", "pods"] for line in lines[1:-1])  # fmt: skip
+    assert "kopf/" in lines[-3]  # the user agents, the operator's among them
+    assert lines[-2].startswith("  in all: ") and " requests in 5 s, " in lines[-2]
+
+
+def test_the_devcluster_command_runs_hollow_pods_with_hollow(tmp_path: Path) -> None:
+    """`kvfence-devcluster --hollow`: what the bench does, for a person with kubectl."""
+    kubeconfig = tmp_path / "kubeconfig"
+    command = subprocess.Popen(
+        [sys.executable, "-m", "kvfence_devcluster", "--kubeconfig", str(kubeconfig),
+         "--state-dir", str(tmp_path / "state"), "--operator", "--install-crds", "--hollow"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    assert command.stdout is not None
+    stdout = command.stdout
+    threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+    try:
+        first = lines.get(timeout=120)  # the operator runs by then
+        assert "; hollow pods (stand-ins, no engines); use it with: export KUBECONFIG=" in first
+
+        def kubectl(*args: str, stdin: str | None = None) -> str:
+            done = subprocess.run(
+                ["kubectl", "--kubeconfig", str(kubeconfig), *args],
+                input=stdin, capture_output=True, text=True, timeout=180,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        sys.path.insert(0, str(ROOT / "bench"))
+        try:
+            from operator_scale import keys_secret, manifest
+        finally:
+            sys.path.remove(str(ROOT / "bench"))
+        kubectl("apply", "-f", "-", stdin=json.dumps(keys_secret("hollow")))
+        kubectl("apply", "-f", "-", stdin=json.dumps(manifest("hollow")))
+        kubectl("wait", "--for=condition=Ready", "infd/hollow", "--timeout=150s")
+        (decode,) = kubectl("get", "pods", "-l", "kvfence.dev/role=decode", "-o", "name").split()
+        log = kubectl("logs", decode)
+        assert "hollow pod of the test kubelet (no engine)" in log
+        assert f"{HOLLOW_SCRIPT} serve --threads 1 --role decode" in log
+    finally:
+        command.terminate()
+        assert command.wait(60) == 0

@@ -1,0 +1,66 @@
+"""spec.engine.prefixCache through the operator (issue 17), end to end: `kvfence operator`
+against the test cluster, every pod a real engine, router or canary process with
+builtin:tiny-random. With the field on, the prefill engines cache (their page-key secret and
+the routers' placement secret come from the revision's Secret), the canary's prefix-cache
+check passes with the cache on (a tenant's repeat hits, another tenant's copy does not), and a
+user's repeated prompt is reported as cached."""
+
+import pytest
+from test_operator import (  # the operator e2e module's manifest, waits and operator fixture
+    ENOUGH,
+    NAME,
+    check_first_rollout,
+    manifest,
+    operator,  # noqa: F401 (the fixture the tests use)
+    router_client,
+)
+
+from kvfence_devcluster.fixtures import Cluster
+from kvfence_operator.builders.secret import (
+    PREFIX_CACHE_SECRET_FILE,
+    PREFIX_CACHE_SECRET_KEY,
+    ROUTING_SECRET_FILE,
+    ROUTING_SECRET_KEY,
+    secret_name,
+)
+from kvfence_operator.crd.types import InferenceDeploymentSpec
+from kvfence_operator.meta import LABEL_REVISION, LABEL_ROLE, Instance
+from kvfence_operator.revision import revision_of
+
+PROMPT = [11 + i % 50 for i in range(70)]  # 4 full pages of 16 tokens, and 6 more
+
+
+def container_args(cluster: Cluster, revision: str, role: str) -> list[str]:
+    labels = {"app.kubernetes.io/instance": NAME, LABEL_REVISION: revision, LABEL_ROLE: role}
+    (pod,) = cluster.list("Pod", "default", labels)
+    (container,) = pod["spec"]["containers"]
+    return [*container.get("command", []), *container.get("args", [])]
+
+
+@pytest.mark.usefixtures("operator")
+def test_the_prefix_cache_field_caches_per_tenant_and_the_canary_passes_with_it(cluster):
+    engine = {"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1"]}
+    created = cluster.create(manifest(engine={**engine, "prefixCache": {"enabled": True}}))
+    revision = revision_of(InferenceDeploymentSpec.model_validate(created["spec"]))
+    check_first_rollout(cluster, created, revision)  # the canary's prefix-cache check included
+
+    prefill = container_args(cluster, revision, "prefill")
+    assert "--prefix-cache" in prefill
+    assert prefill[prefill.index("--prefix-cache-secret-file") + 1] == PREFIX_CACHE_SECRET_FILE
+    assert "--prefix-cache" not in container_args(cluster, revision, "decode")
+    router = container_args(cluster, revision, "router")
+    assert router[router.index("--routing-secret-file") + 1] == ROUTING_SECRET_FILE
+    instance = Instance(NAME, "default", created["metadata"]["uid"])
+    secret = cluster.get("Secret", secret_name(instance, revision))
+    assert {PREFIX_CACHE_SECRET_KEY, ROUTING_SECRET_KEY} <= set(secret["data"])
+
+    client = router_client(cluster, revision)
+    first = client.completions.create(
+        model="tiny-random", prompt=PROMPT, max_tokens=2, temperature=0
+    )
+    again = client.completions.create(
+        model="tiny-random", prompt=PROMPT, max_tokens=2, temperature=0
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 64  # every full page
+    assert again.choices[0].text == first.choices[0].text

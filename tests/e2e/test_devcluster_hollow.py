@@ -163,14 +163,19 @@ def test_the_scale_bench_takes_hollow_deployments_to_ready_and_counts_the_operat
     last = dict(field.split("=") for field in lines[-1].split())
     assert last["objects"] == "2"
     assert 0 < float(last["ready_seconds"]) < 400
-    assert float(last["requests_per_object_per_minute"]) > 0
+    # a steady operator asks almost nothing (docs/operator.md, API load): at most the target
+    assert 0 <= float(last["requests_per_object_per_minute"]) <= 12
     # the operator's 2 x (prefill, decode, router, canary) at least, none of them a real engine
     head = lines[0].split()
     assert head[0] == "objects=2:" and int(head[1]) >= 8, lines[0]
     assert "containers started, all hollow; API requests per object per minute over 5 s" in lines[0]
-    assert any(line.split()[1:3] == ["patch", "inferencedeployments.kvfence.dev/status"]
-               or line.split()[1:] == ["list", "pods"] for line in lines[1:-1])  # fmt: skip
-    assert "kopf/" in lines[-3]  # the user agents, the operator's among them
+    # the breakdown by verb and resource adds up to the figure (a steady operator may ask
+    # nothing at all in 5 s: then there is no row, and the user agents are "none")
+    rows = [line.split() for line in lines[1:-3]]
+    assert sum(float(row[0]) for row in rows) == pytest.approx(
+        float(last["requests_per_object_per_minute"]), abs=0.1 * max(1, len(rows))
+    )
+    assert lines[-3].startswith("  by user agent: ")
     assert lines[-2].startswith("  in all: ") and " requests in 5 s, " in lines[-2]
 
 

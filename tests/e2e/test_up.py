@@ -167,10 +167,11 @@ def test_the_canary_says_each_step_once_and_its_verdict_on_stdout(tmp_path):
 
 
 def test_a_manifest_with_the_prefix_cache_on_passes_the_canary_and_serves_hits(tmp_path):
-    """engine.extraArgs --prefix-cache reaches both engines: prefill caches, decode takes it as
-    a no-op. The canary's prefix_cache check passes, which with the cache reported on needs
-    tenant A's repeat to hit; a repeated prompt through the router reports its cached tokens."""
-    engine = {"kvCacheMemory": "1Mi", "extraArgs": ["--prefix-cache"]}
+    """engine.prefixCache.enabled reaches the prefill engine (with the page-key secret `up`
+    writes) and the router (prefix-aware routing). The canary's prefix_cache check passes,
+    which with the cache reported on needs tenant A's repeat to hit; a repeated prompt through
+    the router reports its cached tokens."""
+    engine = {"kvCacheMemory": "1Mi", "prefixCache": {"enabled": True}}
     up = Up(manifest(tmp_path, engine=engine, canary={"enabled": True}), tmp_path)
     try:
         up.wait_for("serving: http", timeout=300)

@@ -24,7 +24,7 @@ from kvfence_operator.finalizer_free import (
     remember_deletions,
     without_finalizer,
 )
-from kvfence_operator.health import InvalidSpec, read_status
+from kvfence_operator.health import CredentialsUnreadable, InvalidSpec, read_status
 from kvfence_operator.kube import Kube, load_cluster_config
 from kvfence_operator.metrics_token import metrics_access
 from kvfence_operator.own_secrets import credentials_key
@@ -109,12 +109,40 @@ def reconcile(
         # (an older CRD, or a cluster without CEL): say so and stop retrying it.
         _report_invalid(body, patch, str(exc))
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+    except CredentialsUnreadable as exc:
+        # Said on Degraded (once, not every pass) and tried again next pass; Ready and the
+        # rest of the status stay as the last full pass left them.
+        if _report_degraded(body, patch, "CredentialsUnreadable", str(exc)):
+            kopf.event(body, type="Warning", reason="CredentialsUnreadable", message=str(exc))
+        logger.warning("%s", exc)
+        return
     status = outcome.status.model_dump(mode="json", by_alias=True)
     if status_changes(body.get("status"), status):  # an unchanged status is not written
         patch.status.update(status)
     for event in outcome.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
         logger.info("%s: %s", event.reason, event.message)
+
+
+def _report_degraded(body: kopf.Body, patch: kopf.Patch, reason: str, message: str) -> bool:
+    """Set Degraded True with `reason` and `message`, nothing else; False (and nothing
+    written) when it already says so."""
+    meta = body["metadata"]
+    status = read_status(body.get("status"), f"{meta.get('namespace')}/{meta.get('name')}")
+    generation = int(meta.get("generation") or 1)
+    conditions = set_condition(
+        status.conditions,
+        ConditionType.DEGRADED,
+        ConditionStatus.TRUE,
+        reason,
+        message[:1000],
+        generation,
+    )
+    written = [c.model_dump(mode="json", by_alias=True) for c in conditions]
+    if not status_changes(body.get("status"), {"conditions": written}):
+        return False
+    patch.status["conditions"] = written
+    return True
 
 
 def _report_invalid(body: kopf.Body, patch: kopf.Patch, message: str) -> None:

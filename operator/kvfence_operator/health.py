@@ -51,6 +51,23 @@ class InvalidSpec(ValueError):
     the only ValidationError reported as InvalidSpec."""
 
 
+class CredentialsUnreadable(RuntimeError):
+    """A revision an older operator made keeps random credentials in its Secret, and this
+    operator may not read it (no Secret `get`: the chart's rbac.legacyRevisionSecrets is
+    off). The pass stops before it probes or gates anything, so the revision's pods keep the
+    gates they have (a probe without the token would close them all); Degraded says why."""
+
+    def __init__(self, revision: str, secret: str) -> None:
+        super().__init__(
+            f"revision {revision} was made by an older operator: its credentials are in Secret "
+            f"{secret}, which this operator may not read (403); set the chart's "
+            "rbac.legacyRevisionSecrets=true until every InferenceDeployment has rolled. "
+            "Nothing is changed meanwhile: its pods keep their gates and its routers their "
+            "backends"
+        )
+        self.revision = revision
+
+
 def may_serve(pod: Mapping[str, Any]) -> bool:
     """A pod that can serve: not being deleted, not finished. An evicted pod (phase Failed,
     no IP) stays until pod GC, but is no engine of its revision: not probed, gated or counted;

@@ -43,6 +43,7 @@ from kvfence_operator.crd.types import (
 )
 from kvfence_operator.drift import declaring_spec, drift_patch
 from kvfence_operator.health import (
+    CredentialsUnreadable,
     InvalidSpec,
     Problem,
     create_problem,
@@ -506,7 +507,13 @@ class Reconciler:
             if annotations.get(CREDENTIALS_MARK) == derived_mark(self.credentials_key):
                 key = self.credentials_key
                 return RevisionCredentials.derive(key, instance, revision).internal_token
-        secret = self.kube.get("v1", "Secret", ns, secret_name(instance, revision))
+        name = secret_name(instance, revision)
+        try:
+            secret = self.kube.get("v1", "Secret", ns, name)
+        except KubeError as exc:
+            if exc.status == 403:
+                raise CredentialsUnreadable(revision, name) from exc
+            raise
         return internal_token_of(self._ours(instance, secret))
 
     def _retire(self, instance: Instance, keep: set[str]) -> None:

@@ -4,7 +4,10 @@ the API keys Secret's existence is asked with a dry-run create. A revision made 
 operator (random credentials, no mark on its router ConfigMap) is still read from its Secret."""
 
 import base64
+from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from helpers.memory_kube import MemoryKube
 from kvfence_engine.contracts import PoolGateReport
@@ -16,6 +19,9 @@ from kvfence_operator.builders.secret import (
     secret_name,
 )
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
+from kvfence_operator.handlers import _report_degraded
+from kvfence_operator.health import CredentialsUnreadable
+from kvfence_operator.kube import KubeError
 from kvfence_operator.meta import Instance, child_name, selector
 from kvfence_operator.pool_gate import PodPool
 from kvfence_operator.reconcile import Reconciler
@@ -136,3 +142,49 @@ def test_a_revision_made_by_an_older_operator_is_probed_with_the_token_in_its_se
     upgraded.reconcile(body())
     assert seen == [random_token] * 2
     assert legacy.objects[("Secret", secret_name(INSTANCE, REVISION))] == secret  # untouched
+
+
+class NoSecretReads(MemoryKube):
+    """The API as the chart's default RBAC answers: Secret `get` is forbidden."""
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
+        if kind == "Secret":
+            raise KubeError(403, "GET", f"/api/v1/namespaces/{namespace}/secrets/{name}", "")
+        return super().get(api_version, kind, namespace, name)
+
+
+def test_an_older_operators_revision_without_secret_get_stops_the_pass_before_any_gate():
+    kube = MemoryKube(KEYS)
+    Reconciler(kube, "kvfence-system", read_pool=pool_reader([])).reconcile(body())  # type: ignore[arg-type]
+    with_engine_pods(kube)
+    forbidden = NoSecretReads()
+    forbidden.objects = kube.objects
+    seen: list[str | None] = []
+    upgraded = Reconciler(
+        forbidden,  # type: ignore[arg-type]
+        "kvfence-system",
+        read_pool=pool_reader(seen),
+        push_backends=lambda *_: None,
+        credentials_key=KEY,
+    )
+    with pytest.raises(CredentialsUnreadable, match=r"rbac\.legacyRevisionSecrets=true"):
+        upgraded.reconcile(body())
+    assert seen == []  # never probed without its token: no gate was closed
+    assert not [w for w in forbidden.writes if w[1] == "Pod"]
+
+
+def test_unreadable_credentials_are_said_on_degraded_once_and_leave_ready_alone():
+    ready = {"type": "Ready", "status": "True", "reason": "Serving", "message": "serving",
+             "lastTransitionTime": "2026-12-01T00:00:00Z", "observedGeneration": 1}  # fmt: skip
+    obj = {**body(), "status": {"conditions": [ready]}}
+    patch: dict[str, Any] = {"status": {}}
+    message = str(CredentialsUnreadable(REVISION, secret_name(INSTANCE, REVISION)))
+    assert _report_degraded(obj, SimpleNamespace(**patch), "CredentialsUnreadable", message)  # type: ignore[arg-type]
+    conditions = {c["type"]: c for c in patch["status"]["conditions"]}
+    assert conditions["Ready"] == ready
+    assert conditions["Degraded"]["status"] == "True"
+    assert conditions["Degraded"]["reason"] == "CredentialsUnreadable"
+    again: dict[str, Any] = {"status": {}}
+    written = {**obj, "status": patch["status"]}
+    assert not _report_degraded(written, SimpleNamespace(**again), "CredentialsUnreadable", message)  # type: ignore[arg-type]
+    assert again["status"] == {}

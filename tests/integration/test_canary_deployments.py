@@ -345,10 +345,18 @@ def test_answers_served_from_a_shared_cache_come_faster_than_prefill_and_fail(
     with serving(wrong_front(healthy.router.url, "cache")) as url:
         report = canary(url, rounds=BROKEN_ROUNDS)
     assert report.exit_code == 1
-    # B's probes, and B sending A's exact prompt (the prefix-cache check), come back too fast
-    assert failed(report).keys() == {"latency_floor", "prefix_cache"}
+    # B's probes come back too fast; so does B sending A's exact prompt (the prefix-cache
+    # check), which judges timing only where a cold prefill here takes long enough to tell
+    # (its inputs say whether it did: on a busy machine the same prompt may fall either side)
+    (prefix,) = [c for c in report.checks if c.name == "prefix_cache"]
+    timed = prefix.inputs["timed"] > 0
+    expected = {"latency_floor", "prefix_cache"} if timed else {"latency_floor"}
+    assert failed(report).keys() == expected, failed(report)
     assert "nothing that really read the prompt answers before" in failed(report)["latency_floor"]
-    assert "sooner than a cold prefill of" in failed(report)["prefix_cache"]
+    if timed:
+        assert "sooner than a cold prefill of" in failed(report)["prefix_cache"]
+    else:
+        assert "its timing not judged" in prefix.reason
 
 
 def test_a_front_that_leaks_a_tenants_text_into_another_answer_fails_the_marker(

@@ -35,12 +35,10 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import platform
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,7 +58,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from _common import CONVERSATIONS
 from engine_throughput import EngineClient, Timing
 from kvfence_engine.loading.config import load_config
-from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed, die_with_parent
+from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed
 
 # How `kvfence serve` starts without installing the project (PYTHONPATH holds engine_image and
 # operator; bench/gpu_check.sh sets it). The one line to change when the CLI module moves.
@@ -243,18 +241,7 @@ def write_model(
 class EngineProcess(LocalProcess):
     """`kvfence serve`, started through KVFENCE_CMD, its output in log_path."""
 
-    def start(self) -> "EngineProcess":
-        assert self.log_path is not None
-        command = [*KVFENCE_CMD, *self.args, "--port", str(self.port)]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                command,
-                env={**os.environ, **(self.env or {})},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
-            )
-        return self
+    launcher = KVFENCE_CMD
 
     def wait_loaded(self, timeout: float) -> None:
         """Until /readyz says ready; fails at once if the process exits or its load failed."""

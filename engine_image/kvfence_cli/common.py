@@ -197,10 +197,30 @@ class QuietProbes(logging.Filter):
         return not (isinstance(args, tuple) and len(args) > 2 and args[2] in PROBE_PATHS)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The HTTP port, bound before anything else starts (weights, threads): a port in use is
-    then one line and an exit, not uvicorn's bind error while a loader thread runs. Bound,
-    not listening: `run_http` closes it just before uvicorn binds the port."""
+def add_listen(parser: argparse.ArgumentParser, port_help: str) -> None:
+    """--host and --port, or --listen-fd: a socket a parent bound for this process."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP)")
+    parser.add_argument("--port", type=int, default=8000, help=port_help)
+    parser.add_argument(
+        "--listen-fd",
+        type=non_negative,
+        metavar="FD",
+        help="serve on this inherited TCP socket, already bound (its address replaces --host "
+        "and --port): how a parent that chose a free port hands it over with no moment in "
+        "which another process could take it (kvfence up does)",
+    )
+
+
+def listen(args: argparse.Namespace) -> socket.socket:
+    """The HTTP socket, bound before anything else starts (weights, threads): a port in use
+    is then one line and an exit, not uvicorn's bind error while a loader thread runs. Bound,
+    not listening: connections are refused until `run_http` serves on it. From --listen-fd,
+    the parent's socket; its address becomes args.host and args.port."""
+    if args.listen_fd is not None:
+        sock = inherited_socket(args.listen_fd)
+        args.host, args.port = sock.getsockname()[:2]
+        return sock
+    host, port = args.host, args.port
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -210,6 +230,19 @@ def listen(host: str, port: int) -> socket.socket:
         reason = exc.strerror or str(exc)
         message = f"cannot listen on {host}:{port}: {reason.lower()} (choose another --port)"
         raise OSError(message) from None
+    return sock
+
+
+def inherited_socket(fd: int) -> socket.socket:
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        raise OSError(f"--listen-fd {fd}: not an open socket ({reason})") from None
+    tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+    if not tcp or sock.getsockname()[1] == 0:
+        sock.detach()  # not ours to close
+        raise OSError(f"--listen-fd {fd}: not a bound TCP socket")
     return sock
 
 
@@ -253,14 +286,14 @@ def http_server(app: "ASGIApp", args: argparse.Namespace) -> "uvicorn.Server":
 
 
 def run_http(server: "uvicorn.Server", sock: socket.socket) -> int:
-    """0 once stopped, by SIGTERM too (after draining: `http_server`); 130 for Ctrl-C, which
-    uvicorn re-raises after its graceful shutdown (a traceback otherwise).
-
-    `sock` (from `listen`) proved the port free before anything started; it is closed here and
-    uvicorn binds the port itself, as `uvicorn.run` does."""
-    sock.close()
+    """Serve on `sock` (from `listen`) until stopped: 0 once stopped, by SIGTERM too (after
+    draining: `http_server`); 130 for Ctrl-C, which uvicorn re-raises after its graceful
+    shutdown (a traceback otherwise). uvicorn serves on the socket itself, never binding the
+    port a second time, so there is no moment in which another process could take it."""
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("kvfence").info("listening on http://%s:%d", host, port)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         return 130
     return 0
@@ -269,7 +302,7 @@ def run_http(server: "uvicorn.Server", sock: socket.socket) -> int:
 def serve_http(app: "ASGIApp", args: argparse.Namespace) -> int:
     """0 once stopped; 2 when the port cannot be had (one line on stderr)."""
     try:
-        sock = listen(args.host, args.port)
+        sock = listen(args)
     except OSError as exc:
         print(f"kvfence {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from pathlib import Path
 from kvfence_cli.common import (
     Subparsers,
     add_drain_seconds,
+    add_listen,
     add_max_request_bytes,
     add_metrics_token,
     check_metrics_token,
@@ -40,8 +41,7 @@ def add_parser(sub: Subparsers) -> None:
         "run it in front of their engines.",
         epilog=EPILOG,
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API)")
+    add_listen(p, "HTTP port (OpenAI API)")
     p.add_argument(
         "--prefill",
         action="append",

@@ -10,6 +10,7 @@ from kvfence_cli.common import (
     SIZES_HELP,
     Subparsers,
     add_drain_seconds,
+    add_listen,
     add_max_request_bytes,
     add_metrics_token,
     check_metrics_token,
@@ -64,8 +65,7 @@ def add_parser(sub: Subparsers) -> None:
         required=True,
         help="builtin:smollm2-135m-instruct, builtin:tiny-random, FILE.gguf or a folder",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (OpenAI API, probes)")
+    add_listen(p, "HTTP port (OpenAI API, probes)")
     p.add_argument(
         "--transfer-port",
         type=int,
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_token = check_metrics_token(args.metrics_token_sha256, token)
         resolve_device(args.device)
         check_prefix_cache(args)
-        sock = listen(args.host, args.port)
+        sock = listen(args)
     except (UnsafeFaultRefused, OSError, ValueError) as exc:
         print(f"kvfence serve: {exc}", file=sys.stderr)
         return 2

@@ -35,7 +35,12 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument(
         "manifest", type=Path, metavar="FILE.yaml", help="an InferenceDeployment (examples/*.yaml)"
     )
-    p.add_argument("--port", type=int, default=8000, help="the router's (OpenAI API) port")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="the router's (OpenAI API) port (0: any free port, said in the serving line)",
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get("KVFENCE_API_KEY", DEFAULT_LOCAL_KEY),

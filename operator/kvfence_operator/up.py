@@ -37,8 +37,8 @@ from kvfence_engine.tools.cache_dir import cache_root
 from kvfence_engine.tools.localproc import (
     LocalProcess,
     ProcessFailed,
-    free_port,
     last_line,
+    loopback_socket,
     wait_all_ready,
 )
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES, caches_prefixes, engine_args
@@ -170,19 +170,16 @@ def state_lock(workdir: Path, name: str) -> Iterator[None]:
 
 
 def reserve_port(port: int) -> socket.socket:
-    """Hold the router's port from before the engines load until the router starts: a port
-    in use is found in a second, not after minutes of loading. Bound without SO_REUSEADDR, so
-    nothing else can bind it meanwhile."""
-    sock = socket.socket()
+    """Hold the router's port from before the engines load until the router starts, which is
+    handed this socket itself: a port in use is found in a second, not after minutes of
+    loading, and nothing else can bind it meanwhile. Port 0: any free port."""
     try:
-        sock.bind(("127.0.0.1", port))
+        return loopback_socket(port)
     except OSError as exc:
-        sock.close()
         reason = (exc.strerror or str(exc)).lower()
         raise UpError(
             f"the router's port {port} is not free ({reason}): choose another with --port"
         ) from None
-    return sock
 
 
 def _write_private(path: Path, text: str) -> Path:
@@ -234,8 +231,8 @@ def start_engines(
                 engine_args(spec, role, revision, device),
                 {
                     "--host": ["127.0.0.1"],
-                    "--port": [],  # LocalProcess adds its own
-                    "--transfer-port": [str(free_port())],
+                    "--port": [],  # LocalProcess hands over its bound socket (--listen-fd)
+                    "--transfer-port": ["0"],  # any free port: decode reports the one it got
                     "--internal-token-file": [str(token_file)],
                     "--termination-log": [],  # the reason is the log's last line here
                     **({"--threads": [str(threads)]} if threads else {}),
@@ -338,7 +335,6 @@ def start_router(
     secrets: PrefixCacheFiles,
 ) -> None:
     spec = manifest.spec
-    port = reserved_port.getsockname()[1]
     urls: dict[Role, list[str]] = {role: [] for role in ENGINE_ROLES}
     for name, (role, proc) in local.engines.items():
         if decision.gates[name].sufficient:
@@ -359,9 +355,8 @@ def start_router(
             **secrets.overrides(spec, Role.ROUTER),
         },
     )
-    local.router = LocalProcess(args, port=port, log_path=local.workdir / "router.log")
-    reserved_port.close()  # the router binds it next
-    local.router.start()
+    local.router = LocalProcess(args, reserved_port, log_path=local.workdir / "router.log")
+    local.router.start()  # hands the held port to the router
     wait_ready({"router": local.router}, say)
 
 

@@ -17,7 +17,6 @@ import torch
 import yaml
 
 import kvfence_engine
-from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.up import (
     UpError,
     canary_cache_file,
@@ -61,12 +60,12 @@ class Up:
         split_stderr: bool = False,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.port = port or free_port()
+        self.asked_port = port or 0  # 0: any free port; `up` says which in its serving line
         self.log = tmp_path / log
         self.err_log = tmp_path / f"{log}.err"  # stderr, when split_stderr
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvfence_cli", "up", str(path), "--port",
-             str(self.port), "--state-dir", str(tmp_path / "state"), *extra],
+             str(self.asked_port), "--state-dir", str(tmp_path / "state"), *extra],
             stdout=open(self.log, "wb"),  # noqa: SIM115
             stderr=open(self.err_log, "wb") if split_stderr else subprocess.STDOUT,  # noqa: SIM115
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
@@ -75,6 +74,13 @@ class Up:
     @property
     def output(self) -> str:
         return self.log.read_text()
+
+    @property
+    def port(self) -> int:
+        """The router's port, from the serving line (so only once serving)."""
+        found = re.search(r"serving: http://127\.0\.0\.1:(\d+)/v1", self.output)
+        assert found, f"not serving:\n{self.output}"
+        return int(found[1])
 
     @property
     def errors(self) -> str:
@@ -408,6 +414,16 @@ def engines_of(parent: int) -> dict[int, list[str]]:
     return found
 
 
+def wait_for_engines(parent: int, count: int, timeout: float = 30.0) -> dict[int, list[str]]:
+    """The engines once `count` of them run: `up` says "starting N engine processes" just
+    before it starts them, one after another."""
+    deadline = time.monotonic() + timeout
+    while len(engines := engines_of(parent)) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(engines) == count, engines
+    return engines
+
+
 def running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -445,8 +461,7 @@ def test_ctrl_c_while_loading_or_in_the_canary_stops_everything_and_exits_130(
     up = Up(manifest(tmp_path, **spec), tmp_path)
     try:
         up.wait_for(phase)
-        engines = engines_of(up.proc.pid)
-        assert len(engines) == 2, engines
+        engines = wait_for_engines(up.proc.pid, 2)
         assert up.interrupt() == 130, up.output
     finally:
         up.kill()

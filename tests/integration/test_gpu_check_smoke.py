@@ -113,4 +113,4 @@ def test_cpu_smoke_run(tmp_path: Path) -> None:
         assert 0 < share["check_seconds"] < share["step_seconds"]
     assert summary["engine"]["weight_dtype"] == "float32"
     assert "greedy agreement (token ids): c=1 8/8" in result.stdout
-    assert "Uvicorn running" in (tmp_path / "gpu_check.engine.log").read_text()
+    assert "listening on http://127.0.0.1:" in (tmp_path / "gpu_check.engine.log").read_text()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 
@@ -29,9 +30,25 @@ def die_with_parent() -> None:
 
 
 def free_port() -> int:
+    """A port free a moment ago, for something that is not started here (a URL nothing
+    answers on, a server in this process). A child that must listen on a free port gets a
+    bound socket instead (`LocalProcess`): between this call and its bind, another process
+    may take the port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def loopback_socket(port: int = 0) -> socket.socket:
+    """A TCP socket bound to 127.0.0.1:port (0: any free port), not listening: held, it keeps
+    the port from anyone else; connections to it are refused until its server listens."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 class ProcessFailed(RuntimeError):
@@ -63,29 +80,45 @@ def last_line(path: Path | None) -> str:
 
 @dataclass
 class LocalProcess:
-    """A `kvfence <command>` child process serving HTTP on 127.0.0.1:port."""
+    """A `kvfence <command>` child process serving HTTP on 127.0.0.1:port.
+
+    Its socket is bound here, before the child starts, and handed to it (`--listen-fd`): the
+    port is the child's from the moment it is chosen, with no window in which another
+    process (a parallel test, another engine) could take it."""
 
     args: Sequence[str]
-    port: int = field(default_factory=free_port)
+    listener: socket.socket = field(default_factory=loopback_socket)
     env: Mapping[str, str] | None = None
     log_path: Path | None = None
     proc: subprocess.Popen[bytes] | None = None
+    port: int = field(init=False)
+    launcher: ClassVar[Sequence[str]] = (sys.executable, "-m", "kvfence_cli")
+
+    def __post_init__(self) -> None:
+        self.port = int(self.listener.getsockname()[1])
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "LocalProcess":
-        command = [sys.executable, "-m", "kvfence_cli", *self.args, "--port", str(self.port)]
+        fd = self.listener.fileno()
+        command = [*self.launcher, *self.args, "--listen-fd", str(fd)]
         env = {**os.environ, **(self.env or {})}
-        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            command,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent if sys.platform == "linux" else None,
-        )
+        log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                command,
+                env=env,
+                stdout=log or subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                pass_fds=(fd,),
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
+            )
+        finally:
+            self.listener.close()  # the child has its own copy: the port is its now
+            if log is not None:
+                log.close()  # and its own copy of this
         return self
 
     def probe(self, path: str = "/readyz") -> Probe:
@@ -114,6 +147,7 @@ class LocalProcess:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.listener.close()  # never started: free the port
         if self.proc is None or self.proc.poll() is not None:
             return
         self.proc.send_signal(signal.SIGTERM)

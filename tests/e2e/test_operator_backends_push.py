@@ -41,6 +41,14 @@ def pods(cluster: Cluster, revision: str, role: str) -> list[dict[str, Any]]:
     ]
 
 
+COUNTS = {"router": 1, "prefill": 1, "decode": 2}
+
+
+def has_ip(pod: dict[str, Any]) -> bool:
+    """Scheduled and given its IP: a pod just created has neither yet."""
+    return bool((pod.get("status") or {}).get("podIP"))
+
+
 def in_force(router_url: str, token: str) -> dict[str, Any]:
     r = httpx.get(router_url + "/internal/v1/backends", headers={"X-Kvfence-Internal-Token": token})
     assert r.status_code == 200, r.text
@@ -68,13 +76,19 @@ def test_a_deleted_engine_pod_leaves_the_routers_backends_without_the_configmap_
         assert secret is not None
         token = base64.b64decode(secret["data"][INTERNAL_TOKEN_KEY]).decode()
 
-        (router,) = cluster.wait_for(
-            lambda: pods(cluster, revision, "router"), "the router pod", 60, until=bool
+        placed = cluster.wait_for(
+            lambda: {role: pods(cluster, revision, role) for role in COUNTS},
+            "the router pod, one prefill pod and two decode pods, each with its IP",
+            60,
+            until=lambda found: all(
+                len(found[role]) == n and all(has_ip(p) for p in found[role])
+                for role, n in COUNTS.items()
+            ),
         )
+        (router,) = placed["router"]
         router_url = cluster.pod_url(router)
         wanted = {
-            role: sorted(cluster.pod_url(p) for p in pods(cluster, revision, role))
-            for role in ("prefill", "decode")
+            role: sorted(cluster.pod_url(p) for p in placed[role]) for role in ("prefill", "decode")
         }
 
         held = cluster.wait_for(

@@ -191,7 +191,11 @@ def test_an_engine_the_router_cannot_read_is_reported_down_not_zero(
 
 
 def test_an_unreachable_backends_503_names_no_address(deployment: Deployment) -> None:
-    """(after the prefill instance was killed) decode reserves, prefill does not answer."""
+    """With the prefill instance killed, decode reserves and prefill does not answer.
+
+    It kills the prefill itself (again, if the test above did): xdist's worksteal may run it
+    on another worker, with that worker's own copy of the module's deployment."""
+    deployment.prefills[0].kill()
     r = httpx.post(
         deployment.router.url + "/v1/completions",
         json={"model": "tiny-random", "prompt": "hello", "max_tokens": 2},

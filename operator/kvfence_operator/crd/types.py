@@ -91,6 +91,7 @@ SPEC_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
         ),
         "the operator sets them for each pod",
     ),
+    (("--listen-fd",), "the operator sets --host and --port, which it would replace"),
 )
 
 

@@ -62,7 +62,9 @@ def test_every_flag_engine_args_derives_from_the_spec_is_refused_in_extra_args()
     emitted -= {"--threads"}
     assert emitted <= DERIVED, f"engine_args sets {emitted - DERIVED}, which extraArgs could flip"
     assert "--prefix-cache" in emitted  # the prefill role's, with prefixCache on
-    for flag in sorted(emitted | {"--kv-checksum", "--no-scrub-on-free", "--no-prefix-cache"}):
+    # --listen-fd replaces the --host and --port the operator sets
+    also = {"--kv-checksum", "--no-scrub-on-free", "--no-prefix-cache", "--listen-fd"}
+    for flag in sorted(emitted | also):
         assert _refused(flag), flag
         assert _refused(f"{flag}=1"), flag
 

@@ -3,7 +3,6 @@ the Lease's holder reconciles; killed mid-rollout, the standby takes the Lease o
 expired and finishes the rollout; a leader that cannot renew stops at once; a stopped leader
 hands the Lease over without the wait."""
 
-import socket
 import time
 from typing import Any
 
@@ -24,6 +23,7 @@ from test_operator import (  # the operator e2e module's manifest and waits
 
 from kvfence_devcluster.fixtures import Cluster
 from kvfence_devcluster.processes import ManagedProcess
+from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.crd.types import InferenceDeploymentSpec
 from kvfence_operator.leader import LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD
 from kvfence_operator.revision import revision_of
@@ -60,12 +60,6 @@ def wait_standing_by(cluster: Cluster, replica: ManagedProcess) -> None:
     cluster.wait_for(
         replica.log, "the second replica to stand by", 60, until=lambda log: "stands by" in log
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow

@@ -4,14 +4,17 @@ Used by `kvfence up`, the benchmarks and the tests: one way to start a server an
 answers, instead of one per caller.
 """
 
+import contextlib
 import ctypes
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -29,19 +32,69 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+# A port free_port handed out stays off-limits to the next free_port or loopback_socket, in
+# any process on this machine, for this long: time for whatever it was for to bind it. The
+# kernel's bind(0) knows nothing of a port that was just let go, and may give it to the next
+# caller (a parallel test's engine) before its first owner has bound it.
+HANDED_OUT_SECONDS = 120.0
+
+
+@contextlib.contextmanager
+def _handed_out() -> Iterator[dict[int, float]]:
+    """The ports free_port handed out lately (port -> until when), under a lock on a file
+    shared by every process of this user; what the caller adds is kept."""
+    book = Path(tempfile.gettempdir()) / f"kvfence-free-ports-{os.getuid()}"
+    with open(book, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed
+        f.seek(0)
+        now, recent = time.time(), {}
+        for entry in f.read().split():
+            port, _, until = entry.partition("@")
+            with contextlib.suppress(ValueError):
+                if float(until) > now:
+                    recent[int(port)] = float(until)
+        yield recent
+        f.seek(0)
+        f.truncate()
+        f.write("".join(f"{port}@{until:.1f}\n" for port, until in recent.items()))
+
+
 def free_port() -> int:
-    """A port free a moment ago, for something that is not started here (a URL nothing
-    answers on, a server in this process). A child that must listen on a free port gets a
-    bound socket instead (`LocalProcess`): between this call and its bind, another process
-    may take the port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, for something not started here (a URL nothing answers on, a pod's
+    port in the devcluster). It is not bound: a child that must listen on a free port should
+    get a bound socket instead (`LocalProcess`). Until then, no other free_port or
+    loopback_socket hands it out (`HANDED_OUT_SECONDS`)."""
+    with _handed_out() as recent:
+        for _ in range(100):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+            if port not in recent:
+                break
+        recent[port] = time.time() + HANDED_OUT_SECONDS
+        return port
 
 
 def loopback_socket(port: int = 0) -> socket.socket:
-    """A TCP socket bound to 127.0.0.1:port (0: any free port), not listening: held, it keeps
-    the port from anyone else; connections to it are refused until its server listens."""
+    """A TCP socket bound to 127.0.0.1:port (0: any free port free_port did not just hand
+    out), not listening: held, it keeps the port from anyone else; connections to it are
+    refused until its server listens."""
+    if port:
+        return _bound(port)
+    rejected: list[socket.socket] = []  # held until a good one is found: bind(0) moves on
+    try:
+        with _handed_out() as recent:
+            while True:
+                sock = _bound(0)
+                if sock.getsockname()[1] not in recent or len(rejected) >= 100:
+                    return sock
+                rejected.append(sock)
+    finally:
+        for sock in rejected:
+            sock.close()
+
+
+def _bound(port: int) -> socket.socket:
     sock = socket.socket()
     try:
         sock.bind(("127.0.0.1", port))

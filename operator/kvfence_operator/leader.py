@@ -8,8 +8,9 @@ record has stayed unchanged for leaseDurationSeconds on this replica's own clock
 keeps acquireTime and moves renewTime). What is ours is the loop around it, because the
 library's `run()` does not fit an operator: it runs the payload in a daemon thread and, once
 the lease is lost, only calls a callback while that thread goes on writing; its renew calls
-have no timeout, so a hung request would let the renew deadline pass unnoticed; and it cannot
-be stopped by SIGTERM while standing by. Here:
+have no timeout, so a hung request would let the renew deadline pass unnoticed (and hold a
+standby forever); and it cannot be stopped by SIGTERM while standing by. Every Lease request
+here ends within half the renew deadline (`TimedApiClient`). Here:
 
 - `campaign()` blocks, trying every retryPeriod, until this replica holds the lease (or
   SIGTERM: `Stopped`). Meanwhile the liveness URL answers, so the kubelet keeps a standby.
@@ -40,8 +41,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
+from typing import Any
 from urllib.parse import urlsplit
 
+from kubernetes.client import ApiClient, Configuration, CoordinationV1Api
 from kubernetes.leaderelection.electionconfig import Config
 from kubernetes.leaderelection.leaderelection import LeaderElection
 from kubernetes.leaderelection.leaderelectionrecord import LeaderElectionRecord
@@ -67,6 +70,23 @@ def default_identity() -> str:
     return os.environ.get(POD_NAME_ENV) or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
 
+class TimedApiClient(ApiClient):
+    """An ApiClient whose every request ends within `seconds` (connect and read), where the
+    caller gave no `_request_timeout` of its own: one try, no urllib3 retries (three by
+    default, each with the whole timeout). The election's own loop is the retry."""
+
+    def __init__(self, seconds: float) -> None:
+        configuration = Configuration.get_default_copy()
+        configuration.retries = False
+        super().__init__(configuration)
+        self.seconds = seconds
+
+    def call_api(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("_request_timeout") is None:
+            kwargs["_request_timeout"] = self.seconds
+        return super().call_api(*args, **kwargs)
+
+
 @dataclass
 class Election:
     lease: str
@@ -79,6 +99,10 @@ class Election:
 
     def __post_init__(self) -> None:
         lock = LeaseLock(self.lease, self.namespace, self.identity)
+        # The library's calls pass no timeout: a request that hangs (a partition that drops
+        # packets) would hold a standby forever, deaf to SIGTERM. Half the renew deadline
+        # leaves a leader time for one more try before its watchdog gives up.
+        lock.api_instance = CoordinationV1Api(TimedApiClient(self.renew_deadline / 2))
         # The library's Config checks the durations (lease > deadline > 1.2 x retry) itself.
         config = Config(
             lock,

@@ -3,6 +3,7 @@ the Lease's holder reconciles; killed mid-rollout, the standby takes the Lease o
 expired and finishes the rollout; a leader that cannot renew stops at once; a stopped leader
 hands the Lease over without the wait."""
 
+import asyncio
 import time
 from typing import Any
 
@@ -175,3 +176,23 @@ def test_a_standby_stops_on_sigterm(cluster: Cluster) -> None:
     assert b.stop(grace=10) == 0
     assert holder(cluster) == "operator-a"
     assert a.poll() is None
+
+
+def test_a_standby_whose_lease_reads_hang_still_stops_on_sigterm(cluster: Cluster) -> None:
+    """A Lease GET that never answers (a partition that drops packets) ends within half the
+    renew deadline: the standby then sees SIGTERM, instead of waiting on it forever."""
+    a = start_replica(cluster, "operator-a")
+    wait_holder(cluster, "operator-a")
+    b = start_replica(cluster, "operator-b")
+    wait_standing_by(cluster, b)
+
+    async def hang_lease_reads() -> None:
+        cluster.server["get", LEASES] << (lambda: asyncio.sleep(3600))
+
+    cluster.loop.run(hang_lease_reads())
+    time.sleep(RETRY_PERIOD + 1)  # the standby's next try is under way, and hangs
+    stopping = time.monotonic()
+    assert b.stop(grace=RENEW_DEADLINE) == 0, b.log()
+    assert time.monotonic() - stopping < RENEW_DEADLINE / 2 + 3
+    assert "Traceback" not in b.log()
+    a.kill()  # its renewals hang too: its watchdog would stop it, not what this is about

@@ -600,7 +600,11 @@ ReplyT = TypeVar("ReplyT", bound=BaseModel)
 
 
 class Unreachable(EngineError):
-    """An instance did not answer at all (refused, reset, timed out): a clean 503."""
+    """An instance did not answer at all (refused, reset, timed out), or answered as no
+    instance of this deployment would: a clean 503."""
+
+
+ErrorT = TypeVar("ErrorT", bound=EngineError)
 
 
 # What a client reads instead of a backend's server-side error message, by error code. The
@@ -616,7 +620,7 @@ CLIENT_MESSAGES = {
 }
 
 
-def client_facing(error: EngineError, request_id: str) -> EngineError:
+def client_facing(error: ErrorT, request_id: str) -> ErrorT:
     """A backend's error as the client may see it: a 4xx is about the request and passes on
     whole; a 5xx keeps its status, type, code and Retry-After, gets a generic message, and its
     detail is logged under the request id (which the client's message names)."""
@@ -644,23 +648,38 @@ async def _call(
             backend.url + path, json=body.model_dump(mode="json"), headers=state.headers()
         )
     except httpx.HTTPError as exc:
-        state.metrics.backend_errors.labels(role=role).inc()
-        pool = state.backends.prefill if role is Role.PREFILL else state.backends.decode
-        pool.mark_down(backend)
-        unreachable = Unreachable(
-            503,
-            f"{role} instance {backend.url} is unreachable: {exc!r}",
-            "server_error",
-            "backend_unreachable",
-            None,
-            1,
-        )
-        raise client_facing(unreachable, request_id) from exc
+        why = f"is unreachable: {exc!r}"
+        raise _out_of_rotation(state, backend, role, why, request_id) from exc
     finally:
         backend.outstanding -= 1
     if r.status_code >= 400:
-        raise client_facing(_error_from(r), request_id)
+        error = _error_from(r)
+        if error.code in NOT_AN_INSTANCE_OF_OURS:
+            why = f"is not one of this deployment's: it answered {r.status_code} {error.message}"
+            raise _out_of_rotation(state, backend, role, why, request_id)
+        raise client_facing(error, request_id)
     return reply.model_validate_json(r.content)
+
+
+# What an instance answers the router's internal calls when it is not an instance of this
+# deployment: a pod IP another revision's engine (another internal token) now has, or a decode
+# listed as prefill. Such an instance is out of rotation, as one that does not answer is; its
+# answer never reaches the client as the client's own error (a 401 about a token the client
+# never sent reads, to an OpenAI client, as a bad API key).
+NOT_AN_INSTANCE_OF_OURS = frozenset({"unauthorized", "wrong_role"})
+
+
+def _out_of_rotation(
+    state: RouterState, backend: Backend, role: Role, why: str, request_id: str
+) -> Unreachable:
+    """Take `backend` out of rotation; the client's 503 (names no address)."""
+    state.metrics.backend_errors.labels(role=role).inc()
+    pool = state.backends.prefill if role is Role.PREFILL else state.backends.decode
+    pool.mark_down(backend)
+    unreachable = Unreachable(
+        503, f"{role} instance {backend.url} {why}", "server_error", "backend_unreachable", None, 1
+    )
+    return client_facing(unreachable, request_id)
 
 
 def _error_from(r: httpx.Response) -> EngineError:

@@ -1,8 +1,9 @@
 """A kubelet for tests: every Pod in the store becomes local processes.
 
 It runs on the API server's event loop, so its writes never race with a request. Each pass
-runs the Deployment and Job controllers, then starts a PodRuntime (pods.py) for every new pod
-and terminates the runtimes of deleted ones. It also serves what pods need from the cluster:
+runs the garbage collector's sweep for dependents of gone owners, the Deployment and Job
+controllers, then starts a PodRuntime (pods.py) for every new pod and terminates the runtimes
+of deleted ones. It also serves what pods need from the cluster:
 ConfigMap and Secret data, Service resolution, readiness probes and logs.
 """
 
@@ -121,6 +122,7 @@ class Kubelet:
             await asyncio.sleep(0.01)  # let a burst of writes settle into one pass
 
     def reconcile(self) -> None:
+        self.store.collect_dangling()
         self.controllers.reconcile()
         pods = {p["metadata"]["uid"]: p for p in self.store.list_objects(self.pods)}
         for uid, runtime in list(self.runtimes.items()):

@@ -549,6 +549,24 @@ class Store:
             ):
                 self.delete(rt, namespace, name, propagation="Background")
 
+    def collect_dangling(self) -> list[ObjectKey]:
+        """The garbage collector's other half: a dependent written after its every owner was
+        deleted (a controller's write racing the owner's deletion) names only gone uids. A
+        real garbage collector looks each owner up, finds none, and deletes the dependent;
+        so does this (the test kubelet calls it on every pass). Returns what it deleted."""
+        dangling = [
+            key
+            for key, obj in self._objects.items()
+            if (refs := obj["metadata"].get("ownerReferences"))
+            and not obj["metadata"].get("deletionTimestamp")
+            and not any(self.exists_uid(r.get("uid", "")) for r in refs)
+        ]
+        for key in dangling:
+            if key in self._objects:  # not gone with an earlier one
+                rt = self._kinds[(key[0], key[1])]
+                self.delete(rt, key[2] or None, key[3], propagation="Background")
+        return dangling
+
     # ---- watching -------------------------------------------------------------------------
 
     def watch(

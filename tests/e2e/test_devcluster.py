@@ -309,6 +309,24 @@ def test_deleting_an_owner_collects_its_dependents_transitively(cluster: Cluster
     assert cluster.get("ConfigMap", "orphan")["metadata"]["ownerReferences"] == []
 
 
+def test_a_dependent_written_after_its_owner_was_deleted_is_collected(cluster: Cluster):
+    """A controller's write that races the owner's deletion (a reconcile in flight when the
+    owner goes) names a gone uid; a real garbage collector deletes it, so does the test one."""
+    owner = cluster.create(inference_deployment("gone"))
+    late = owned_by(config_map("late"), owner)
+    assert cluster.delete("InferenceDeployment", "gone")
+    cluster.create(late)
+    living = cluster.create(inference_deployment("living"))
+    both = owned_by(config_map("shared"), living)
+    both["metadata"]["ownerReferences"].append(late["metadata"]["ownerReferences"][0])
+    cluster.create(both)
+    cluster.create(config_map("unowned"))
+    cluster.wait_for(lambda: cluster.get("ConfigMap", "late"), "the late dependent to go",
+                     until=lambda found: found is None)  # fmt: skip
+    assert cluster.get("ConfigMap", "shared") is not None, "one owner still exists"
+    assert cluster.get("ConfigMap", "unowned") is not None
+
+
 # ---- kubelet --------------------------------------------------------------------------------
 
 # A web server whose port comes from a --port flag, as `kvfence serve` takes it.

@@ -8,9 +8,11 @@ timer runs for (`@kopf.timer` registers its handler with requires_finalizer=True
 is no setting for it) only to learn of the deletion and stop the timer. Here the timer is
 registered without it, and the watch tells of the deletion instead: a DELETED event marks the
 object's uid, the timer's `when` filter stops matching it, and kopf stops a timer whose
-filter no longer matches (daemons.match_daemons) in that same event's processing. Objects
-that still carry the finalizer from an older operator lose it on their next event: kopf
-removes its finalizer when no handler requires it.
+filter no longer matches (daemons.match_daemons) in that same event's processing. A pass
+already running creates nothing more (the reconciler asks `deletion_reported` before each
+create); what it created just before names a gone owner, and the garbage collector removes
+it. Objects that still carry the finalizer from an older operator lose it on their next
+event: kopf removes its finalizer when no handler requires it.
 
 Left open: a deletion the watch never reports (the stream expired with 410 Gone across it and
 kopf listed afresh) leaves that object's timer running until the operator restarts; what it
@@ -35,6 +37,12 @@ def remember_deletions(memo: kopf.Memo) -> None:
 def not_deleted(uid: str, memo: kopf.Memo, **_: Any) -> bool:
     """The timer's `when` filter."""
     return uid not in getattr(memo, DELETED_UIDS, ())
+
+
+def deletion_reported(memo: kopf.Memo) -> Callable[[str], bool]:
+    """Whether the watch has reported this uid DELETED: for code that runs outside a kopf
+    handler (the reconciler asks it before each create)."""
+    return getattr(memo, DELETED_UIDS).__contains__
 
 
 def mark_deleted(type: str, uid: str, memo: kopf.Memo, **_: Any) -> None:

@@ -19,6 +19,7 @@ from kvfence_operator.crd.types import (
     ConditionType,
 )
 from kvfence_operator.finalizer_free import (
+    deletion_reported,
     mark_deleted,
     not_deleted,
     remember_deletions,
@@ -84,6 +85,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         prober=PoolProber(),
         metrics=metrics_access(kube, namespace, os.environ),
         credentials_key=credentials_key(kube, namespace, os.environ),
+        owner_deleted=deletion_reported(memo),
     )
 
 

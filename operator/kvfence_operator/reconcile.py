@@ -249,6 +249,10 @@ class Reconciler:
     prober: PoolProber | None = None
     # names this pass found taken by objects it does not control (reset every pass)
     _conflicts: list[Conflict] = field(default_factory=list, init=False, repr=False)
+    # whether the watch reported this InferenceDeployment uid DELETED (finalizer_free): a
+    # pass in flight when it goes creates nothing more (what it did create before, names a
+    # gone owner and the garbage collector deletes it)
+    owner_deleted: Callable[[str], bool] = lambda _uid: False
     # errors the API answered this pass, for Degraded and Events (reset every pass)
     _problems: list[Problem] = field(default_factory=list, init=False, repr=False)
 
@@ -346,7 +350,10 @@ class Reconciler:
     def _claim(self, instance: Instance, obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
         """Create `obj`. If its name is taken: the existing object when this
         InferenceDeployment controls it; otherwise None, the object left untouched and a
-        NameConflict recorded. (None too if it vanished in between: the next pass sees.)"""
+        NameConflict recorded. (None too if it vanished in between: the next pass sees.)
+        Nothing is created once the InferenceDeployment is reported deleted: None."""
+        if self.owner_deleted(instance.uid):
+            return None
         try:
             if self.kube.create(obj):
                 return obj
@@ -408,7 +415,7 @@ class Reconciler:
             if kind == "Secret" and secret is not None:
                 continue
             if kind == "Secret" and key is not None:
-                self._create_unread(child)
+                self._create_unread(instance, child)
                 continue
             if kind == "ConfigMap" and key is not None:  # the credentials' record (not drift)
                 child["metadata"].setdefault("annotations", {})[CREDENTIALS_MARK] = derived_mark(
@@ -485,11 +492,13 @@ class Reconciler:
         except KubeError:
             return True
 
-    def _create_unread(self, secret: dict[str, Any]) -> None:
+    def _create_unread(self, instance: Instance, secret: dict[str, Any]) -> None:
         """A derived revision Secret: created; a 409 says it exists (its content is the same
         derivation). A name someone else took is not detected here: that Secret's token is
         not the derived one, so the engines answer the operator's pool probe with 401 and no
         pod passes the gate (fail closed, PoolUnknown)."""
+        if self.owner_deleted(instance.uid):
+            return
         try:
             self.kube.create(secret)
         except KubeError as exc:  # forbidden (quota), rejected: said, and the pass goes on

@@ -218,3 +218,19 @@ def test_retirement_never_deletes_an_object_labelled_like_a_child_that_is_not_ou
     Reconciler(kube, "kvfence-system", read_pool=never_probed).reconcile(body())  # type: ignore[arg-type]
     assert ("ConfigMap", "theirs") in kube.objects
     assert ("delete", "ConfigMap", "ours-old") in kube.writes
+
+
+def test_a_pass_running_when_its_owner_is_reported_deleted_creates_nothing():
+    """The timer's pass in flight when the watch reports the InferenceDeployment DELETED: what
+    it would create names a gone owner (GPU pods scheduled only to be collected)."""
+    keys = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys"}, "data": {}}
+    for deleted, creates in ((False, True), (True, False)):
+        kube = MemoryKube(keys)
+        Reconciler(
+            kube,  # type: ignore[arg-type]
+            "kvfence-system",
+            read_pool=never_probed,
+            owner_deleted=lambda uid, deleted=deleted: deleted and uid == "uid-infd",
+        ).reconcile(body())
+        created = [w for w in kube.writes if w[0] == "create"]
+        assert bool(created) is creates, created

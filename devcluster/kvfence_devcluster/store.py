@@ -527,33 +527,27 @@ class Store:
         self._collect_garbage(final["metadata"]["uid"], propagation)
 
     def _collect_garbage(self, owner_uid: str, propagation: str) -> None:
-        """Dependents whose every owner is gone are deleted (or, with Orphan, released)."""
+        """After `owner_uid` is gone: with Orphan, its dependents are released (the reference
+        removed); otherwise every dependent whose every owner is gone is deleted."""
+        if propagation != "Orphan":
+            self.collect_dangling()
+            return
+
+        def release(obj: dict[str, Any]) -> None:
+            obj["metadata"]["ownerReferences"] = [
+                r for r in obj["metadata"].get("ownerReferences") or [] if r.get("uid") != owner_uid
+            ]
+
         for key, dependent in list(self._objects.items()):
             refs = dependent["metadata"].get("ownerReferences") or []
-            if key not in self._objects or not any(r.get("uid") == owner_uid for r in refs):
-                continue
-            rt = self._kinds[(key[0], key[1])]
-            namespace, name = key[2] or None, key[3]
-            if propagation == "Orphan":
-
-                def release(obj: dict[str, Any]) -> None:
-                    obj["metadata"]["ownerReferences"] = [
-                        r
-                        for r in obj["metadata"].get("ownerReferences") or []
-                        if r.get("uid") != owner_uid
-                    ]
-
-                self.update(rt, namespace, name, release)
-            elif not any(
-                self.exists_uid(r.get("uid", "")) for r in refs if r.get("uid") != owner_uid
-            ):
-                self.delete(rt, namespace, name, propagation="Background")
+            if key in self._objects and any(r.get("uid") == owner_uid for r in refs):
+                self.update(self._kinds[(key[0], key[1])], key[2] or None, key[3], release)
 
     def collect_dangling(self) -> list[ObjectKey]:
-        """The garbage collector's other half: a dependent written after its every owner was
-        deleted (a controller's write racing the owner's deletion) names only gone uids. A
-        real garbage collector looks each owner up, finds none, and deletes the dependent;
-        so does this (the test kubelet calls it on every pass). Returns what it deleted."""
+        """Delete every dependent whose every owner is gone, as a real garbage collector does
+        (it looks each owner up by uid and finds none): at an owner's deletion, and on every
+        pass of the test kubelet for one written after its owner was deleted (a controller's
+        write racing the deletion). Returns what it deleted."""
         dangling = [
             key
             for key, obj in self._objects.items()

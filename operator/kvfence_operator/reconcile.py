@@ -247,12 +247,12 @@ class Reconciler:
     # the operator's: pools read once per container instance, off the pass (prober.py);
     # None: read_pool is called in the pass (unit tests, callers with a fake reader)
     prober: PoolProber | None = None
+    # whether the watch reported this InferenceDeployment uid DELETED (finalizer_free): a
+    # pass in flight when it goes creates nothing more (what it created before names a gone
+    # owner, and the garbage collector deletes it)
+    owner_deleted: Callable[[str], bool] = lambda _uid: False
     # names this pass found taken by objects it does not control (reset every pass)
     _conflicts: list[Conflict] = field(default_factory=list, init=False, repr=False)
-    # whether the watch reported this InferenceDeployment uid DELETED (finalizer_free): a
-    # pass in flight when it goes creates nothing more (what it did create before, names a
-    # gone owner and the garbage collector deletes it)
-    owner_deleted: Callable[[str], bool] = lambda _uid: False
     # errors the API answered this pass, for Degraded and Events (reset every pass)
     _problems: list[Problem] = field(default_factory=list, init=False, repr=False)
 

@@ -37,7 +37,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	PYTHONPATH=engine_image:operator $(VENV)/bin/lint-imports --no-logo
+	PYTHONPATH=cli:engine:operator:devcluster $(VENV)/bin/lint-imports --no-logo
 
 # The tests that start no process (tests/unit, less the few marked slow): well under a minute.
 test-fast: setup

@@ -60,7 +60,7 @@ from engine_throughput import EngineClient, Timing
 from kvfence_engine.loading.config import load_config
 from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed
 
-# How `kvfence serve` starts without installing the project (PYTHONPATH holds engine_image and
+# How `kvfence serve` starts without installing the project (PYTHONPATH holds cli, engine and
 # operator; bench/gpu_check.sh sets it). The one line to change when the CLI module moves.
 KVFENCE_CMD = [
     sys.executable,

@@ -3,7 +3,7 @@
 # Llama-3.2-1B's shape, no network, under 8 minutes. Arguments go to bench/gpu_check.py, e.g.
 #   bash bench/gpu_check.sh --out "$OUT/gpu_check.json"
 #   bash bench/gpu_check.sh --device cpu --shape tiny --new-tokens 8      (CPU smoke test)
-# Runs from a checkout, nothing installed: PYTHONPATH holds engine_image and operator.
+# Runs from a checkout, nothing installed: PYTHONPATH holds cli, engine and operator.
 #
 # Wheels a machine with only torch + transformers may lack: what `kvfence serve` imports
 # (carry them in .whl/ at the repository root; they are installed into /tmp/site):
@@ -20,7 +20,7 @@ PYTHON=${PYTHON:-python3}
 SITE=/tmp/site
 HARD_LIMIT_S=480 # gpu_check.py stops itself before (--deadline); this catches a hang in C code
 
-export PYTHONPATH="$PWD/engine_image:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/cli:$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}"
 # Carried wheels only where the serving stack is missing (a dev machine has it in its venv).
 if compgen -G ".whl/*.whl" >/dev/null && ! "$PYTHON" -c "import fastapi, pydantic, uvicorn" 2>/dev/null; then
   if "$PYTHON" -m pip --version >/dev/null 2>&1; then

@@ -23,7 +23,7 @@ from kvfence_operator.meta import Instance
 from kvfence_operator.revision import revision_of
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_DOCKERFILE = ROOT / "engine_image" / "Dockerfile"
+ENGINE_DOCKERFILE = ROOT / "engine" / "Dockerfile"
 OPERATOR_DOCKERFILE = ROOT / "operator" / "Dockerfile"
 DOCKERFILES = {"engine": ENGINE_DOCKERFILE, "operator": OPERATOR_DOCKERFILE}
 CHART_DEPLOYMENT = ROOT / "charts" / "kvfence" / "templates" / "deployment.yaml"
@@ -119,13 +119,13 @@ def test_every_copy_source_exists_and_reaches_the_build_context(image: str) -> N
 
 
 def test_dockerignore_sends_the_sources_but_not_caches_or_the_venv() -> None:
-    assert in_build_context("engine_image/kvfence_cli/main.py")
+    assert in_build_context("cli/kvfence_cli/main.py")
     assert in_build_context("operator/kvfence_operator/crd/types.py")
     for kept_out in (
         ".venv/bin/python",
         ".git/config",
         "tests/conftest.py",
-        "engine_image/kvfence_cli/__pycache__/main.cpython-311.pyc",
+        "cli/kvfence_cli/__pycache__/main.cpython-311.pyc",
         "kvfence.egg-info/PKG-INFO",
     ):
         assert not in_build_context(kept_out), kept_out

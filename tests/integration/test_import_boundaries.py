@@ -16,7 +16,7 @@ import pytest
 from helpers.commands import kvfence_subcommands, run_without_torch
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine_image/kvfence_cli", "engine_image/kvfence_engine", "operator/kvfence_operator")
+PACKAGES = ("cli/kvfence_cli", "engine/kvfence_engine", "operator/kvfence_operator")
 
 
 @pytest.mark.parametrize("command", sorted(kvfence_subcommands()))
@@ -59,7 +59,10 @@ def lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
         cwd=tree,
-        env={**os.environ, "PYTHONPATH": f"{tree / 'engine_image'}{os.pathsep}{tree / 'operator'}"},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(str(tree / d) for d in ("cli", "engine", "operator")),
+        },
     )
 
 
@@ -72,7 +75,7 @@ def test_the_packages_keep_every_import_contract(tmp_path: Path) -> None:
 # (module that gains the import, the import, what import-linter must say)
 WRONG_WAY_IMPORTS = {
     "the engine imports the operator": (
-        "engine_image/kvfence_engine/core/__init__.py",
+        "engine/kvfence_engine/core/__init__.py",
         "import kvfence_operator.crd.types",
         "kvfence_engine is not allowed to import kvfence_operator",
     ),
@@ -87,22 +90,22 @@ WRONG_WAY_IMPORTS = {
         "kvfence_operator is not allowed to import numpy",
     ),
     "the router imports torch, even lazily": (
-        "engine_image/kvfence_engine/router/__init__.py",
+        "engine/kvfence_engine/router/__init__.py",
         "def _load():\n    import torch",
         "kvfence_engine.router is not allowed to import torch",
     ),
     "the core imports the serving layer": (
-        "engine_image/kvfence_engine/core/__init__.py",
+        "engine/kvfence_engine/core/__init__.py",
         "from kvfence_engine.serving import app",
         "kvfence_engine.core is not allowed to import kvfence_engine.serving",
     ),
     "serving imports the router": (
-        "engine_image/kvfence_engine/serving/__init__.py",
+        "engine/kvfence_engine/serving/__init__.py",
         "from kvfence_engine.router import app",
         "kvfence_engine.serving is not allowed to import kvfence_engine.router",
     ),
     "the router imports the engine": (
-        "engine_image/kvfence_engine/router/__init__.py",
+        "engine/kvfence_engine/router/__init__.py",
         "from kvfence_engine.core import engine",
         "kvfence_engine.router is not allowed to import kvfence_engine.core.engine",
     ),

@@ -104,6 +104,17 @@ REVISION_KINDS = (
 GATE_WRITE_ATTEMPTS = 3
 
 
+@dataclass(slots=True)
+class Findings:
+    """What one pass met besides the cluster's state, for its status and events: names taken
+    by objects this InferenceDeployment does not control, and errors the API answered. A value
+    of the pass, handed to what may add to it: kopf runs the timers of different
+    InferenceDeployments at once on one Reconciler, so nothing of a pass lives on it."""
+
+    conflicts: list[Conflict] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     status: InferenceDeploymentStatus
@@ -251,10 +262,6 @@ class Reconciler:
     # pass in flight when it goes creates nothing more (what it created before names a gone
     # owner, and the garbage collector deletes it)
     owner_deleted: Callable[[str], bool] = lambda _uid: False
-    # names this pass found taken by objects it does not control (reset every pass)
-    _conflicts: list[Conflict] = field(default_factory=list, init=False, repr=False)
-    # errors the API answered this pass, for Degraded and Events (reset every pass)
-    _problems: list[Problem] = field(default_factory=list, init=False, repr=False)
 
     def reconcile(self, body: Mapping[str, Any]) -> Outcome:
         meta = body["metadata"]
@@ -267,11 +274,11 @@ class Reconciler:
         previous = read_status(body.get("status"), f"{meta['namespace']}/{meta['name']}")
         desired = revision_of(spec)
         events: list[Event] = []
-        self._conflicts, self._problems = [], []
+        found = Findings()  # this pass's own: kopf runs passes of other objects at once
 
         keys = spec.router.api_keys_secret
         if not self._secret_exists(instance.namespace, keys):
-            self._problems.append(keys_secret_problem(keys, instance.namespace))
+            found.problems.append(keys_secret_problem(keys, instance.namespace))
         stable = self.kube.get("v1", "Service", instance.namespace, instance.name)
         now = datetime.now(UTC)
         revision_status = serving_revision(
@@ -283,7 +290,7 @@ class Reconciler:
             declaring = declaring_spec(revision, desired, spec, record)
             if declaring is not None:
                 self._ensure_revision(
-                    declaring, instance, revision, replica_counts(spec), revision == current
+                    found, declaring, instance, revision, replica_counts(spec), revision == current
                 )
         rerun = rerun_value(body)
         if desired != current:  # a candidate's canary only: the serving one's is never re-run
@@ -297,7 +304,7 @@ class Reconciler:
         for revision in {r for r in (current, desired, *retiring) if r is not None}:
             judged = judged_spec(revision, desired, spec, self._spec_record(instance, revision))
             observed[revision], pools_of[revision], gate_events = self._observe(
-                judged, instance, revision
+                found, judged, instance, revision
             )
             events += gate_events
 
@@ -314,14 +321,14 @@ class Reconciler:
         if plan.start_canary is not None:
             context = observed[plan.start_canary].pools.effective_context
             self._claim(
-                instance, build_canary_job(spec, instance, plan.start_canary, context, rerun)
+                found, instance, build_canary_job(spec, instance, plan.start_canary, context, rerun)
             )
         endpoint = None
         if plan.serve is not None:
             # open: the revision about to serve, and those draining (their clients finish there)
             draining = [r.revision for r in plan.revision.retiring or []]
             self._fence_routers(instance, plan.keep, {plan.serve, *draining})
-        if plan.serve is not None and self._serve(spec, instance, plan.serve):
+        if plan.serve is not None and self._serve(found, spec, instance, plan.serve):
             endpoint = service_url(instance, instance.name, spec.router.service.port)
         self._retire(instance, keep=set(plan.keep))
         status = compute_status(
@@ -333,11 +340,11 @@ class Reconciler:
             pools_of.get(plan.judged, []),
             endpoint,
             now=datetime.now(UTC),
-            problems=self._problems,
+            problems=found.problems,
         )
-        if self._problems and _degraded(previous) != _degraded(status):
-            events += [Event("Warning", p.reason, p.message) for p in self._problems]
-        conflicts = list(dict.fromkeys(self._conflicts))
+        if found.problems and _degraded(previous) != _degraded(status):
+            events += [Event("Warning", p.reason, p.message) for p in found.problems]
+        conflicts = list(dict.fromkeys(found.conflicts))
         status = with_conflicts(status, conflicts, generation, now=datetime.now(UTC))
         if conflicts and _condition_message(previous, NAME_CONFLICT) != _condition_message(
             status, NAME_CONFLICT
@@ -347,7 +354,9 @@ class Reconciler:
 
     # ---- ownership -----------------------------------------------------------------------
 
-    def _claim(self, instance: Instance, obj: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    def _claim(
+        self, found: Findings, instance: Instance, obj: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None:
         """Create `obj`. If its name is taken: the existing object when this
         InferenceDeployment controls it; otherwise None, the object left untouched and a
         NameConflict recorded. (None too if it vanished in between: the next pass sees.)
@@ -358,14 +367,14 @@ class Reconciler:
             if self.kube.create(obj):
                 return obj
         except KubeError as exc:  # forbidden (quota), rejected (422): said, and the pass goes on
-            self._problems.append(create_problem(obj["kind"], obj["metadata"]["name"], exc))
+            found.problems.append(create_problem(obj["kind"], obj["metadata"]["name"], exc))
             return None
         meta = obj["metadata"]
         existing = self.kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         if existing is None:
             return None
         if not controlled_by(existing, instance.uid):
-            self._conflicts.append(Conflict.of({**existing, "kind": obj["kind"]}))
+            found.conflicts.append(Conflict.of({**existing, "kind": obj["kind"]}))
             return None
         return existing
 
@@ -377,6 +386,7 @@ class Reconciler:
 
     def _ensure_revision(
         self,
+        found: Findings,
         spec: InferenceDeploymentSpec,
         instance: Instance,
         revision: str,
@@ -398,7 +408,7 @@ class Reconciler:
         else:
             secret = self.kube.get("v1", "Secret", ns, secret_name(instance, revision))
             if secret is not None and not controlled_by(secret, instance.uid):
-                self._conflicts.append(Conflict.of({**secret, "kind": "Secret"}))
+                found.conflicts.append(Conflict.of({**secret, "kind": "Secret"}))
                 return
             credentials = RevisionCredentials.generate()
         for built in build_revision_children(
@@ -415,15 +425,15 @@ class Reconciler:
             if kind == "Secret" and secret is not None:
                 continue
             if kind == "Secret" and key is not None:
-                self._create_unread(instance, child)
+                self._create_unread(found, instance, child)
                 continue
             if kind == "ConfigMap" and key is not None:  # the credentials' record (not drift)
                 child["metadata"].setdefault("annotations", {})[CREDENTIALS_MARK] = derived_mark(
                     key
                 )
-            conflicts = len(self._conflicts)
-            existing = self._claim(instance, child)
-            if len(self._conflicts) > conflicts:
+            conflicts = len(found.conflicts)
+            existing = self._claim(found, instance, child)
+            if len(found.conflicts) > conflicts:
                 return
             if existing is None or kind == "Secret":
                 continue
@@ -466,11 +476,13 @@ class Reconciler:
             )
         ]
 
-    def _serve(self, spec: InferenceDeploymentSpec, instance: Instance, revision: str) -> bool:
+    def _serve(
+        self, found: Findings, spec: InferenceDeploymentSpec, instance: Instance, revision: str
+    ) -> bool:
         """Make the stable Service what the spec declares, pointed at `revision`. False when
         the name is someone else's Service (left untouched; a NameConflict)."""
         service = build_stable_service(spec, instance, revision)
-        existing = self._claim(instance, service)
+        existing = self._claim(found, instance, service)
         if existing is None:
             return False
         patch = stable_service_patch(existing, service)
@@ -492,7 +504,7 @@ class Reconciler:
         except KubeError:
             return True
 
-    def _create_unread(self, instance: Instance, secret: dict[str, Any]) -> None:
+    def _create_unread(self, found: Findings, instance: Instance, secret: dict[str, Any]) -> None:
         """A derived revision Secret: created; a 409 says it exists (its content is the same
         derivation). A name someone else took is not detected here: that Secret's token is
         not the derived one, so the engines answer the operator's pool probe with 401 and no
@@ -502,7 +514,7 @@ class Reconciler:
         try:
             self.kube.create(secret)
         except KubeError as exc:  # forbidden (quota), rejected: said, and the pass goes on
-            self._problems.append(create_problem("Secret", secret["metadata"]["name"], exc))
+            found.problems.append(create_problem("Secret", secret["metadata"]["name"], exc))
 
     def _internal_token(self, instance: Instance, revision: str) -> str | None:
         """The revision's internal token: derived when its router ConfigMap records this
@@ -565,7 +577,7 @@ class Reconciler:
         return annotations.get(ANNOTATION_SPEC)
 
     def _observe(
-        self, spec: InferenceDeploymentSpec, instance: Instance, revision: str
+        self, found: Findings, spec: InferenceDeploymentSpec, instance: Instance, revision: str
     ) -> tuple[RevisionObservation, list[PodPool], list[Event]]:
         """`spec`: the one this revision is judged by (revision.judged_spec)."""
         ns = instance.namespace
@@ -616,7 +628,9 @@ class Reconciler:
             url = pod_url(pod)
             if decision.gates[pool.pod].sufficient and url is not None:  # pods: may_serve
                 urls[pool.role].append(url)
-        backends = self._write_backends(spec, instance, revision, decision.effective_context, urls)
+        backends = self._write_backends(
+            found, spec, instance, revision, decision.effective_context, urls
+        )
         routers = self._revision_pods(
             ns, deployments[Role.ROUTER], selector(instance, revision, Role.ROUTER)
         )
@@ -702,6 +716,7 @@ class Reconciler:
 
     def _write_backends(
         self,
+        found: Findings,
         spec: InferenceDeploymentSpec,
         instance: Instance,
         revision: str,
@@ -726,7 +741,7 @@ class Reconciler:
             decode_urls=decode,
             version=backends.version,
         )
-        existing = self._claim(instance, configmap)
+        existing = self._claim(found, instance, configmap)
         wanted = {
             "metadata": {"annotations": configmap["metadata"]["annotations"]},
             "data": configmap["data"],

@@ -15,7 +15,7 @@ from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.health import may_serve
 from kvfence_operator.meta import Instance, child_name, selector
 from kvfence_operator.pool_gate import PodPool
-from kvfence_operator.reconcile import Reconciler
+from kvfence_operator.reconcile import Findings, Reconciler
 from kvfence_operator.revision import revision_of
 from kvfence_operator.router_push import push_backends, versioned, written_backends
 
@@ -128,7 +128,7 @@ def test_each_pass_pushes_its_set_to_the_revisions_live_routers_only() -> None:
         read_pool=sufficient,
         push_backends=lambda urls, file, token: pushes.append((list(urls), file, token)),
     )
-    reconciler._observe(SPEC, INSTANCE, REVISION)
+    reconciler._observe(Findings(), SPEC, INSTANCE, REVISION)
     [(urls, pushed, token)] = pushes
     assert urls == ["http://10.0.0.10:8000", "http://10.0.0.11:8000"]
     assert token == "tok"
@@ -136,8 +136,8 @@ def test_each_pass_pushes_its_set_to_the_revisions_live_routers_only() -> None:
     configmap = cluster.objects[("ConfigMap", child_name(INSTANCE, REVISION, Role.ROUTER))]
     assert configmap["data"]["backends.json"] == pushed.file_text()  # the same, same version
 
-    reconciler._observe(SPEC, INSTANCE, REVISION)  # nothing changed: the same version
+    reconciler._observe(Findings(), SPEC, INSTANCE, REVISION)  # nothing changed: the same version
     assert pushes[1][1] == pushed
     del cluster.objects[("Pod", "decode-0")]
-    reconciler._observe(SPEC, INSTANCE, REVISION)
+    reconciler._observe(Findings(), SPEC, INSTANCE, REVISION)
     assert pushes[2][1].decode == [] and pushes[2][1].version > pushed.version

@@ -71,6 +71,6 @@ def add_parser(sub: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfence_operator.command import run_operator
+    from kvfence_operator.app.command import run_operator
 
     return run_operator(args)

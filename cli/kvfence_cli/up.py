@@ -65,7 +65,7 @@ def add_parser(sub: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfence_operator.up import run_up
+    from kvfence_operator.local.up import run_up
 
     return run_up(args, check_engines=engine_start_problem)
 

@@ -22,24 +22,24 @@ import yaml
 from helpers.builders import everything_built
 from kvfence_cli.main import build_parser
 from kvfence_engine.contracts import PoolGateReport
+from kvfence_operator.app.handlers import OPERATOR_NAMESPACE_ENV
 from kvfence_operator.builders.pod_template import RUN_AS_ID
-from kvfence_operator.cache import WATCHED, CachedKube, Store
-from kvfence_operator.crd.schema import render_crd_yaml
-from kvfence_operator.crd.types import API_GROUP, API_VERSION, KIND, PLURAL, InferenceDeployment
-from kvfence_operator.handlers import OPERATOR_NAMESPACE_ENV
-from kvfence_operator.leader import POD_NAME_ENV
-from kvfence_operator.meta import OPERATOR_POD_LABELS
-from kvfence_operator.metrics_token import (
+from kvfence_operator.cluster.cache import WATCHED, CachedKube, Store
+from kvfence_operator.cluster.leader import POD_NAME_ENV
+from kvfence_operator.cluster.metrics_token import (
     SCRAPERS_ENV,
     TOKEN_KEY,
     TOKEN_SECRET_ENV,
     metrics_access,
     scrapers_from,
 )
-from kvfence_operator.own_secrets import CREDENTIALS_KEY_SECRET_ENV, credentials_key
-from kvfence_operator.pool_gate import PodPool
-from kvfence_operator.reconcile import Reconciler
-from kvfence_operator.revision import revision_of
+from kvfence_operator.cluster.own_secrets import CREDENTIALS_KEY_SECRET_ENV, credentials_key
+from kvfence_operator.crd.schema import render_crd_yaml
+from kvfence_operator.crd.types import API_GROUP, API_VERSION, KIND, PLURAL, InferenceDeployment
+from kvfence_operator.decisions.pool_gate import PodPool
+from kvfence_operator.decisions.revision import revision_of
+from kvfence_operator.meta import OPERATOR_POD_LABELS
+from kvfence_operator.reconcile.reconciler import Reconciler
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvfence"

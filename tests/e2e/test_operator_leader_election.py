@@ -25,13 +25,13 @@ from test_operator import (  # the operator e2e module's manifest and waits
 from kvfence_devcluster.fixtures import Cluster
 from kvfence_devcluster.processes import ManagedProcess
 from kvfence_engine.tools.localproc import free_port
+from kvfence_operator.cluster.leader import LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD
 from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.leader import LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD
-from kvfence_operator.revision import revision_of
+from kvfence_operator.decisions.revision import revision_of
 
 LEASE = "kvfence-operator"
 LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
-# kopf's log line for each pass of the reconcile timer (kvfence_operator/handlers.py).
+# kopf's log line for each pass of the reconcile timer (kvfence_operator/app/handlers.py).
 RECONCILED = "Timer 'reconcile' succeeded"
 
 

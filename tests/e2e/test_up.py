@@ -17,7 +17,7 @@ import torch
 import yaml
 
 import kvfence_engine
-from kvfence_operator.up import (
+from kvfence_operator.local.up import (
     UpError,
     canary_cache_file,
     engine_code_identity,

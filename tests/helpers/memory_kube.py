@@ -1,5 +1,5 @@
 """An in-memory API server for unit tests that run the real reconcile code: just the verbs of
-kvfence_operator.kube.Kube, on plain dicts.
+kvfence_operator.cluster.kube.Kube, on plain dicts.
 
 Objects are kept by (kind, name) in one namespace; create answers False on a taken name (the
 API's 409) and gives the object a UID (`u-<name>`); patches are JSON merge patches, applied as

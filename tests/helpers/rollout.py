@@ -1,8 +1,8 @@
 """A revision as the rollout plan observes it: its replicas, one decode pool, its canary."""
 
 from kvfence_operator.crd.types import PoolPolicy, RoleReplicas
-from kvfence_operator.pool_gate import PodPool, judge_pools, parse_pool
-from kvfence_operator.rollout import CanaryOutcome, RevisionObservation
+from kvfence_operator.decisions.pool_gate import PodPool, judge_pools, parse_pool
+from kvfence_operator.decisions.rollout import CanaryOutcome, RevisionObservation
 
 
 def decode_pools(revision: str, pool_tokens: int = 1024) -> list[PodPool]:

@@ -17,8 +17,8 @@ from kvfence_operator.builders.secret import (
     internal_token_volume,
     secret_name,
 )
-from kvfence_operator.canary_rerun import ANNOTATION_RERUN_CANARY
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
+from kvfence_operator.decisions.canary_rerun import ANNOTATION_RERUN_CANARY
 from kvfence_operator.meta import Instance, child_name, labels, object_meta, service_url
 
 TENANT_A_ENV = "KVFENCE_CANARY_TENANT_A_KEY"

@@ -1,12 +1,13 @@
 """How Prometheus reaches the engines' and routers' /metrics, as the builders declare it.
 
 `token_sha256`: the SHA-256 of the metrics token (kept in a Secret in the operator's namespace,
-kvfence_operator/metrics_token.py); engines and routers get it as `--metrics-token-sha256`, and
-accept that token on /metrics and nowhere else. Only its hash is in the pods' arguments, so no
-Secret has to be copied into the workload namespaces (a 256-bit random token's hash gives
-nothing away). `scrapers`: NetworkPolicy peers (each a namespaceSelector and/or podSelector)
-that the engines' and routers' policies admit to the HTTP port, where /metrics is served. The
-platform team chooses both (chart values); none of it is in the revision hash."""
+kvfence_operator/cluster/metrics_token.py); engines and routers get it as
+`--metrics-token-sha256`, and accept that token on /metrics and nowhere else. Only its hash is
+in the pods' arguments, so no Secret has to be copied into the workload namespaces (a 256-bit
+random token's hash gives nothing away). `scrapers`: NetworkPolicy peers (each a
+namespaceSelector and/or podSelector) that the engines' and routers' policies admit to the HTTP
+port, where /metrics is served. The platform team chooses both (chart values); none of it is in
+the revision hash."""
 
 from dataclasses import dataclass, field
 from typing import Any

@@ -28,6 +28,7 @@ from kvfence_operator.builders.secret import (
     secret_name,
 )
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
+from kvfence_operator.decisions.revision import spec_record
 from kvfence_operator.meta import (
     ANNOTATION_SPEC,
     HTTP_PORT,
@@ -38,7 +39,6 @@ from kvfence_operator.meta import (
     object_meta,
     selector,
 )
-from kvfence_operator.revision import spec_record
 
 CONFIG_DIR = "/etc/kvfence"
 BACKENDS_FILE_NAME = "backends.json"

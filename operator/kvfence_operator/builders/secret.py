@@ -2,8 +2,8 @@
 the two canary tenants' API keys, and the prefix cache's two secrets (the prefill engines' page
 keys, the routers' placement; mounted only where spec.engine.prefixCache is on).
 
-With the operator's credentials key (kvfence_operator/own_secrets.py) they are derived, HMACs
-of the key over the revision's identity, so the operator knows them without reading the Secret
+With the operator's credentials key (kvfence_operator/cluster/own_secrets.py) they are derived,
+HMACs of the key over the revision's identity, so the operator knows them without reading the Secret
 (no Secret `get` in the workload namespaces): it creates the Secret, and a 409 says it exists.
 The revision's router ConfigMap records which key made them (CREDENTIALS_MARK); a revision
 without the mark (made by an older operator: random credentials) is read from its Secret."""

@@ -117,7 +117,8 @@ def spec_flag_message(flags: tuple[str, ...], instead: str) -> str:
 # On an object-valued field whose model has defaults: `default: {}` in the CRD, so that the API
 # server writes the object, with its fields' defaults, into a spec that omits it. Defaults then
 # live in the stored object from its creation, not in the code that reads it (a later release
-# that changes one changes no existing object, and no revision: kvfence_operator/revision.py).
+# that changes one changes no existing object, and no revision:
+# kvfence_operator/decisions/revision.py).
 OBJECT_DEFAULT: dict[str, Any] = {"json_schema_extra": {"default": {}}}
 
 

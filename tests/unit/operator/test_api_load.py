@@ -10,14 +10,14 @@ from test_backends_push_pass import sufficient
 from test_ownership import body
 
 from helpers.memory_kube import MemoryKube
-from kvfence_operator.cache import CACHE_LABELS, WATCHED, CachedKube, Store
+from kvfence_operator.cluster.cache import CACHE_LABELS, WATCHED, CachedKube, Store
+from kvfence_operator.cluster.prober import PROBING, PoolProber, Probe
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
+from kvfence_operator.decisions.pool_gate import PodPool
+from kvfence_operator.decisions.revision import revision_of
+from kvfence_operator.decisions.status_write import merged, status_changes
 from kvfence_operator.meta import Instance, selector
-from kvfence_operator.pool_gate import PodPool
-from kvfence_operator.prober import PROBING, PoolProber, Probe
-from kvfence_operator.reconcile import Reconciler
-from kvfence_operator.revision import revision_of
-from kvfence_operator.status_write import merged, status_changes
+from kvfence_operator.reconcile.reconciler import Reconciler
 
 KEYS = {"apiVersion": "v1", "kind": "Secret",
         "metadata": {"name": "keys", "namespace": "default"}, "data": {}}  # fmt: skip
@@ -222,7 +222,7 @@ def test_a_pass_with_a_hanging_probe_returns_and_judges_the_pod_unknown():
 def test_an_unchanged_status_is_not_patched_and_a_changed_one_is():
     import kopf
 
-    from kvfence_operator import handlers
+    from kvfence_operator.app import handlers
 
     kube = MemoryKube(KEYS)
     reconciler = Reconciler(

@@ -11,13 +11,13 @@ from helpers.memory_kube import MemoryKube
 from kvfence_engine.contracts import BackendsFile, PoolGateReport
 from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.builders.secret import secret_name
+from kvfence_operator.cluster.router_push import push_backends, versioned, written_backends
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
-from kvfence_operator.health import may_serve
+from kvfence_operator.decisions.health import may_serve
+from kvfence_operator.decisions.pool_gate import PodPool
+from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import Instance, child_name, selector
-from kvfence_operator.pool_gate import PodPool
-from kvfence_operator.reconcile import Findings, Reconciler
-from kvfence_operator.revision import revision_of
-from kvfence_operator.router_push import push_backends, versioned, written_backends
+from kvfence_operator.reconcile.reconciler import Findings, Reconciler
 
 WANTED = BackendsFile(revision="r1", context_length=1024, prefill=["http://p"], decode=["http://d"])
 NOW_MS = 1_800_000_000_000
@@ -58,7 +58,7 @@ def test_a_router_that_cannot_be_reached_is_logged_and_the_pass_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    with caplog.at_level(logging.WARNING, "kvfence_operator.router_push"):
+    with caplog.at_level(logging.WARNING, "kvfence_operator.cluster.router_push"):
         push_backends([dead], WANTED, "token")
         push_backends([dead], WANTED, None)
     assert f"backends not pushed to router {dead}" in caplog.text

@@ -9,16 +9,20 @@ from helpers.builders import instance_for, sample_spec
 from helpers.rollout import observation
 from kvfence_engine.canary import EXIT_CANNOT_RUN, EXIT_FAIL
 from kvfence_operator.builders.canary_job import build_canary_job
-from kvfence_operator.canary_rerun import ANNOTATION_RERUN_CANARY, rerun_requested, rerun_value
 from kvfence_operator.crd.types import (
     CanaryResult,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
     RevisionStatus,
 )
-from kvfence_operator.reconcile import canary_outcome
-from kvfence_operator.rollout import CanaryOutcome, JobPhase, plan_rollout
-from kvfence_operator.status import compute_status
+from kvfence_operator.decisions.canary_rerun import (
+    ANNOTATION_RERUN_CANARY,
+    rerun_requested,
+    rerun_value,
+)
+from kvfence_operator.decisions.rollout import CanaryOutcome, JobPhase, plan_rollout
+from kvfence_operator.decisions.status import compute_status
+from kvfence_operator.reconcile.reconciler import canary_outcome
 
 JOB = "tiny-r2-canary"
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

@@ -5,13 +5,13 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 
 from helpers.crd_admission import crd_admission
-from kvfence_operator.conditions import find_condition, set_condition
 from kvfence_operator.crd.types import (
     ConditionStatus,
     ConditionType,
     InferenceDeploymentStatus,
     RoleReplicas,
 )
+from kvfence_operator.decisions.conditions import find_condition, set_condition
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 T1 = T0 + timedelta(minutes=5)

@@ -11,6 +11,7 @@ import pytest
 
 from helpers.memory_kube import MemoryKube
 from kvfence_engine.contracts import PoolGateReport
+from kvfence_operator.app.handlers import _report_degraded
 from kvfence_operator.builders.secret import (
     CREDENTIALS_MARK,
     INTERNAL_TOKEN_KEY,
@@ -18,14 +19,13 @@ from kvfence_operator.builders.secret import (
     derived_mark,
     secret_name,
 )
+from kvfence_operator.cluster.kube import KubeError
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
-from kvfence_operator.handlers import _report_degraded
-from kvfence_operator.health import CredentialsUnreadable
-from kvfence_operator.kube import KubeError
+from kvfence_operator.decisions.health import CredentialsUnreadable
+from kvfence_operator.decisions.pool_gate import PodPool
+from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import Instance, child_name, selector
-from kvfence_operator.pool_gate import PodPool
-from kvfence_operator.reconcile import Reconciler
-from kvfence_operator.revision import revision_of
+from kvfence_operator.reconcile.reconciler import Reconciler
 
 KEY = b"the operator's credentials key, 43 characters"
 INSTANCE = Instance("tiny", "default", "uid-infd")

@@ -20,10 +20,10 @@ from kvfence_devcluster.patching import merge_patch
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.network_policy import build_router_network_policy
 from kvfence_operator.crd.types import InferenceDeployment, Role
-from kvfence_operator.drift import declaring_spec, drift_patch, holds
+from kvfence_operator.decisions.drift import declaring_spec, drift_patch, holds
+from kvfence_operator.decisions.replicas import replica_counts, with_replicas
+from kvfence_operator.decisions.revision import revision_of, spec_record
 from kvfence_operator.meta import OPERATOR_POD_LABELS, child_name, selector
-from kvfence_operator.replicas import replica_counts, with_replicas
-from kvfence_operator.revision import revision_of, spec_record
 
 SPEC = sample_spec("full")
 INSTANCE = instance_for("full")

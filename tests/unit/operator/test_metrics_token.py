@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers.memory_kube import MemoryKube
-from kvfence_operator.metrics_token import (
+from kvfence_operator.cluster.metrics_token import (
     SCRAPERS_ENV,
     TOKEN_SECRET_ENV,
     metrics_access,

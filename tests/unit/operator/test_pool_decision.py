@@ -5,7 +5,7 @@ import pytest
 
 from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_operator.crd.types import PoolPolicy
-from kvfence_operator.pool_gate import PodPool, judge_pools, parse_pool, read_pool
+from kvfence_operator.decisions.pool_gate import PodPool, judge_pools, parse_pool, read_pool
 
 
 def report(pool_tokens: int, role: str = "decode", revision: str = "r1", **extra) -> dict:

@@ -19,7 +19,7 @@ from kvfence_operator.builders.secret import (
     build_revision_secret,
 )
 from kvfence_operator.crd.types import InferenceDeployment, InferenceDeploymentSpec, Role
-from kvfence_operator.up import PrefixCacheFiles, override_flags
+from kvfence_operator.local.up import PrefixCacheFiles, override_flags
 
 REVISION = "0123456789"
 

@@ -9,7 +9,7 @@ from kvfence_operator.crd.types import (
     RetiringRevision,
     RevisionStatus,
 )
-from kvfence_operator.rollout import (
+from kvfence_operator.decisions.rollout import (
     CanaryOutcome,
     JobPhase,
     RolloutPlan,

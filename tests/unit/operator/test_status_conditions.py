@@ -9,8 +9,8 @@ from kvfence_operator.crd.types import (
     InferenceDeploymentStatus,
     RevisionStatus,
 )
-from kvfence_operator.rollout import CanaryOutcome, JobPhase, plan_rollout
-from kvfence_operator.status import compute_status
+from kvfence_operator.decisions.rollout import CanaryOutcome, JobPhase, plan_rollout
+from kvfence_operator.decisions.status import compute_status
 
 SPEC = InferenceDeploymentSpec.model_validate(
     {"model": {"source": "builtin:tiny-random"}, "contextLength": 512,

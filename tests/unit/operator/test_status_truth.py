@@ -12,6 +12,7 @@ from test_ownership import body
 
 from helpers.memory_kube import MemoryKube
 from helpers.rollout import decode_pools, observation
+from kvfence_operator.cluster.kube import KubeError
 from kvfence_operator.crd.schema import printer_columns
 from kvfence_operator.crd.types import (
     CanaryResult,
@@ -21,11 +22,15 @@ from kvfence_operator.crd.types import (
     RevisionStatus,
     RoleReplicas,
 )
-from kvfence_operator.health import InvalidSpec, may_serve
-from kvfence_operator.kube import KubeError
-from kvfence_operator.reconcile import Reconciler
-from kvfence_operator.rollout import CanaryOutcome, JobPhase, RevisionObservation, plan_rollout
-from kvfence_operator.status import compute_status
+from kvfence_operator.decisions.health import InvalidSpec, may_serve
+from kvfence_operator.decisions.rollout import (
+    CanaryOutcome,
+    JobPhase,
+    RevisionObservation,
+    plan_rollout,
+)
+from kvfence_operator.decisions.status import compute_status
+from kvfence_operator.reconcile.reconciler import Reconciler
 
 BASE = {"model": {"source": "builtin:tiny-random"}, "contextLength": 512,
         "router": {"apiKeysSecret": "k"}}  # fmt: skip

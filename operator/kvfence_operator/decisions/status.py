@@ -7,7 +7,6 @@ unless their status flips (conditions.set_condition).
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
-from kvfence_operator.conditions import find_condition, set_condition
 from kvfence_operator.crd.types import (
     CanaryResult,
     CanaryStatus,
@@ -22,7 +21,8 @@ from kvfence_operator.crd.types import (
     ProgressStatus,
     Role,
 )
-from kvfence_operator.health import (
+from kvfence_operator.decisions.conditions import find_condition, set_condition
+from kvfence_operator.decisions.health import (
     DEADLINE_EXCEEDED,
     TERMINAL,
     Problem,
@@ -31,9 +31,9 @@ from kvfence_operator.health import (
     serving_canary,
     summary,
 )
-from kvfence_operator.ownership import NAME_CONFLICT, Conflict
-from kvfence_operator.pool_gate import PodPool
-from kvfence_operator.rollout import STOPPED, RevisionObservation, RolloutPlan
+from kvfence_operator.decisions.ownership import NAME_CONFLICT, Conflict
+from kvfence_operator.decisions.pool_gate import PodPool
+from kvfence_operator.decisions.rollout import STOPPED, RevisionObservation, RolloutPlan
 
 T, F, U = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
 SCALED_TO_ZERO = "ScaledToZero"

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvfence_operator.builders.metrics import MetricsAccess
-from kvfence_operator.own_secrets import SecretStore, own_secret_value
+from kvfence_operator.cluster.own_secrets import SecretStore, own_secret_value
 
 TOKEN_SECRET_ENV = "KVFENCE_METRICS_TOKEN_SECRET"  # unset or empty: no metrics token
 SCRAPERS_ENV = "KVFENCE_METRICS_SCRAPERS"  # NetworkPolicy peers, a JSON list; unset: no rule

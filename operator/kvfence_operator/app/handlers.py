@@ -9,8 +9,23 @@ import kopf
 from kubernetes import client
 
 from kvfence_engine.core.faults import ALLOW_ENV
-from kvfence_operator.cache import SYNC_TIMEOUT_SECONDS, CachedKube, start_informers, wait_filled
-from kvfence_operator.conditions import set_condition
+from kvfence_operator.app.finalizer_free import (
+    deletion_reported,
+    mark_deleted,
+    not_deleted,
+    remember_deletions,
+    without_finalizer,
+)
+from kvfence_operator.cluster.cache import (
+    SYNC_TIMEOUT_SECONDS,
+    CachedKube,
+    start_informers,
+    wait_filled,
+)
+from kvfence_operator.cluster.kube import Kube, load_cluster_config
+from kvfence_operator.cluster.metrics_token import metrics_access
+from kvfence_operator.cluster.own_secrets import credentials_key
+from kvfence_operator.cluster.prober import PoolProber
 from kvfence_operator.crd.types import (
     API_GROUP,
     API_VERSION,
@@ -18,20 +33,10 @@ from kvfence_operator.crd.types import (
     ConditionStatus,
     ConditionType,
 )
-from kvfence_operator.finalizer_free import (
-    deletion_reported,
-    mark_deleted,
-    not_deleted,
-    remember_deletions,
-    without_finalizer,
-)
-from kvfence_operator.health import CredentialsUnreadable, InvalidSpec, read_status
-from kvfence_operator.kube import Kube, load_cluster_config
-from kvfence_operator.metrics_token import metrics_access
-from kvfence_operator.own_secrets import credentials_key
-from kvfence_operator.prober import PoolProber
-from kvfence_operator.reconcile import Reconciler
-from kvfence_operator.status_write import status_changes
+from kvfence_operator.decisions.conditions import set_condition
+from kvfence_operator.decisions.health import CredentialsUnreadable, InvalidSpec, read_status
+from kvfence_operator.decisions.status_write import status_changes
+from kvfence_operator.reconcile.reconciler import Reconciler
 
 RECONCILE_INTERVAL_ENV = "KVFENCE_RECONCILE_INTERVAL"
 OPERATOR_NAMESPACE_ENV = "OPERATOR_NAMESPACE"

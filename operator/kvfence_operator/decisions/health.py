@@ -15,14 +15,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvfence_operator.cluster.kube import KubeError
 from kvfence_operator.crd.types import (
     CanaryResult,
     CanaryStatus,
     InferenceDeploymentStatus,
     ProgressStatus,
 )
-from kvfence_operator.kube import KubeError
-from kvfence_operator.rollout import DISABLED, JobPhase, RevisionObservation
+from kvfence_operator.decisions.rollout import DISABLED, JobPhase, RevisionObservation
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.revision import judged_spec, revision_of
+from kvfence_operator.decisions.revision import judged_spec, revision_of
 
 # label selectors, and a NetworkPolicy's rules (a `from` added to a rule narrows who is admitted)
 EXACT_KEYS = frozenset({"selector", "podSelector", "namespaceSelector", "ingress", "egress"})

@@ -3,7 +3,7 @@ when missing (create-and-409: one that exists, put there by a restart, another r
 GitOps tool or the platform team, is kept and never regenerated), then read by name. The chart
 grants `create` on Secrets and `get` on these names, in that namespace only.
 
-- the metrics token (kvfence_operator/metrics_token.py);
+- the metrics token (kvfence_operator/cluster/metrics_token.py);
 - the credentials key (`KVFENCE_CREDENTIALS_KEY_SECRET`, default `kvfence-credentials-key`,
   key `key`; empty: none, and every revision is read from its Secret), from which every
   revision's credentials are derived (builders/secret.py::RevisionCredentials.derive), so the

@@ -32,8 +32,16 @@ from kvfence_operator.builders.secret import (
     internal_token_of,
     secret_name,
 )
-from kvfence_operator.cache import CachedKube
-from kvfence_operator.canary_rerun import ANNOTATION_RERUN_CANARY, rerun_requested, rerun_value
+from kvfence_operator.cluster.cache import CachedKube
+from kvfence_operator.cluster.kube import Kube, KubeError, is_subset
+from kvfence_operator.cluster.prober import PoolProber, Probe, container_instance
+from kvfence_operator.cluster.router_push import (
+    BackendsPusher,
+    now_ms,
+    push_backends,
+    versioned,
+    written_backends,
+)
 from kvfence_operator.crd.types import (
     ConditionType,
     InferenceDeploymentSpec,
@@ -41,8 +49,13 @@ from kvfence_operator.crd.types import (
     Role,
     RoleReplicas,
 )
-from kvfence_operator.drift import declaring_spec, drift_patch
-from kvfence_operator.health import (
+from kvfence_operator.decisions.canary_rerun import (
+    ANNOTATION_RERUN_CANARY,
+    rerun_requested,
+    rerun_value,
+)
+from kvfence_operator.decisions.drift import declaring_spec, drift_patch
+from kvfence_operator.decisions.health import (
     CredentialsUnreadable,
     InvalidSpec,
     Problem,
@@ -51,7 +64,24 @@ from kvfence_operator.health import (
     may_serve,
     read_status,
 )
-from kvfence_operator.kube import Kube, KubeError, is_subset
+from kvfence_operator.decisions.ownership import (
+    NAME_CONFLICT,
+    Conflict,
+    pod_controlled_by_deployment,
+    stable_service_patch,
+)
+from kvfence_operator.decisions.pool_gate import PodGate, PodPool, judge_pools, read_pool
+from kvfence_operator.decisions.replicas import replica_counts, with_replicas
+from kvfence_operator.decisions.revision import judged_spec, revision_of
+from kvfence_operator.decisions.rollout import (
+    CanaryOutcome,
+    Event,
+    JobPhase,
+    RevisionObservation,
+    plan_rollout,
+    serving_revision,
+)
+from kvfence_operator.decisions.status import compute_status, with_conflicts
 from kvfence_operator.meta import (
     ANNOTATION_SPEC,
     KV_POOL_GATE,
@@ -62,32 +92,6 @@ from kvfence_operator.meta import (
     selector,
     service_url,
 )
-from kvfence_operator.ownership import (
-    NAME_CONFLICT,
-    Conflict,
-    pod_controlled_by_deployment,
-    stable_service_patch,
-)
-from kvfence_operator.pool_gate import PodGate, PodPool, judge_pools, read_pool
-from kvfence_operator.prober import PoolProber, Probe, container_instance
-from kvfence_operator.replicas import replica_counts, with_replicas
-from kvfence_operator.revision import judged_spec, revision_of
-from kvfence_operator.rollout import (
-    CanaryOutcome,
-    Event,
-    JobPhase,
-    RevisionObservation,
-    plan_rollout,
-    serving_revision,
-)
-from kvfence_operator.router_push import (
-    BackendsPusher,
-    now_ms,
-    push_backends,
-    versioned,
-    written_backends,
-)
-from kvfence_operator.status import compute_status, with_conflicts
 
 PoolReader = Callable[[str, str, str, str | None, str | None], PodPool]
 

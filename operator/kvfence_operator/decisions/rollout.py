@@ -17,8 +17,8 @@ from kvfence_operator.crd.types import (
     RevisionStatus,
     RoleReplicas,
 )
-from kvfence_operator.pool_gate import PoolDecision
-from kvfence_operator.retirement import drain
+from kvfence_operator.decisions.pool_gate import PoolDecision
+from kvfence_operator.decisions.retirement import drain
 
 DISABLED = "canary disabled in spec"
 REFUSED = "not run: the pool check refused this revision"

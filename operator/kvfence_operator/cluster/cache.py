@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from kubernetes import client
 
-from kvfence_operator.kube import KubeError, collection_path, label_selector
+from kvfence_operator.cluster.kube import KubeError, collection_path, label_selector
 from kvfence_operator.meta import APP_NAME, LABEL_NAME
 
 LOG = logging.getLogger(__name__)

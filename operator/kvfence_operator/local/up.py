@@ -51,11 +51,16 @@ from kvfence_operator.crd.types import (
     Role,
     RoleReplicas,
 )
-from kvfence_operator.pool_gate import PodPool, PoolDecision, judge_pools, read_pool
-from kvfence_operator.printer import table
-from kvfence_operator.revision import revision_of
-from kvfence_operator.rollout import CanaryOutcome, JobPhase, RevisionObservation, plan_rollout
-from kvfence_operator.status import compute_status
+from kvfence_operator.decisions.pool_gate import PodPool, PoolDecision, judge_pools, read_pool
+from kvfence_operator.decisions.revision import revision_of
+from kvfence_operator.decisions.rollout import (
+    CanaryOutcome,
+    JobPhase,
+    RevisionObservation,
+    plan_rollout,
+)
+from kvfence_operator.decisions.status import compute_status
+from kvfence_operator.local.printer import table
 
 LOCAL_TENANT = "local"
 START_TIMEOUT_SECONDS = 900.0

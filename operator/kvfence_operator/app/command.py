@@ -10,11 +10,11 @@ def run_operator(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from kvfence_operator import handlers  # noqa: F401  (registers the handlers)
-    from kvfence_operator.handlers import OPERATOR_NAMESPACE_ENV
-    from kvfence_operator.kube import NoClusterAccess, load_cluster_config
-    from kvfence_operator.leader import Election, Leadership, Stopped, default_identity
-    from kvfence_operator.metrics_token import SCRAPERS_ENV, scrapers_from
+    from kvfence_operator.app import handlers  # noqa: F401  (registers the handlers)
+    from kvfence_operator.app.handlers import OPERATOR_NAMESPACE_ENV
+    from kvfence_operator.cluster.kube import NoClusterAccess, load_cluster_config
+    from kvfence_operator.cluster.leader import Election, Leadership, Stopped, default_identity
+    from kvfence_operator.cluster.metrics_token import SCRAPERS_ENV, scrapers_from
 
     try:  # before kopf, whose startup handler would retry it every 60 s with a traceback
         load_cluster_config()

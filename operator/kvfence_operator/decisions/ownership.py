@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvfence_operator.kube import is_subset
+from kvfence_operator.cluster.kube import is_subset
 from kvfence_operator.meta import (
     MANAGED_ANNOTATIONS,
     controlled_by,

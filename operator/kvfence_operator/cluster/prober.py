@@ -17,7 +17,7 @@ from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfence_operator.pool_gate import PodPool, read_pool
+from kvfence_operator.decisions.pool_gate import PodPool, read_pool
 
 PoolReader = Callable[[str, str, str, str | None, str | None], PodPool]
 WORKERS = 8

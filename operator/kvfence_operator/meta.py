@@ -29,6 +29,9 @@ KV_POOL_GATE = f"{API_GROUP}/kv-pool"
 MANAGED_ANNOTATIONS = f"{API_GROUP}/managed-annotations"
 # On a revision's router ConfigMap: the spec that revision is judged by (revision.spec_record).
 ANNOTATION_SPEC = f"{API_GROUP}/spec"
+# On the InferenceDeployment, and recorded on its canary Job: a new value asks for a new run of
+# a candidate's canary (decisions/canary.py).
+ANNOTATION_RERUN_CANARY = f"{API_GROUP}/rerun-canary"
 
 HTTP_PORT = 8000
 TRANSFER_PORT = 8001

@@ -37,9 +37,9 @@ from kvfence_operator.cluster.own_secrets import CREDENTIALS_KEY_SECRET_ENV, cre
 from kvfence_operator.crd.schema import render_crd_yaml
 from kvfence_operator.crd.types import API_GROUP, API_VERSION, KIND, PLURAL, InferenceDeployment
 from kvfence_operator.decisions.pool_gate import PodPool
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import OPERATOR_POD_LABELS
 from kvfence_operator.reconcile.reconciler import Reconciler
+from kvfence_operator.revision import revision_of
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "kvfence"

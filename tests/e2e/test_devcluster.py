@@ -26,8 +26,8 @@ from kvfence_operator.builders.engine_deployment import (
 )
 from kvfence_operator.builders.secret import RevisionCredentials, build_revision_secret
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import KV_POOL_GATE, Instance, selector
+from kvfence_operator.revision import revision_of
 
 GROUP, VERSION, PLURAL = "kvfence.dev", "v1alpha1", "inferencedeployments"
 PYTHON = sys.executable

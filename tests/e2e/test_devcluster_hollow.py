@@ -20,8 +20,8 @@ from kvfence_devcluster.hollow import HOLLOW_SCRIPT
 from kvfence_devcluster.processes import ManagedProcess
 from kvfence_engine.contracts import TOKEN_HEADER, BackendsFile, BackendsInForce, EngineReadiness
 from kvfence_engine.tools.localproc import free_port
+from kvfence_operator.cluster.prober import read_pool
 from kvfence_operator.cluster.router_push import BACKENDS_PATH, push_backends
-from kvfence_operator.decisions.pool_gate import read_pool
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "internal-token-0123456789"

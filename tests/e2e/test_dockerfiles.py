@@ -19,8 +19,8 @@ from kvfence_operator.builders.canary_job import build_canary_job
 from kvfence_operator.builders.pod_template import RUN_AS_ID
 from kvfence_operator.builders.secret import RevisionCredentials
 from kvfence_operator.crd.types import InferenceDeployment
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import Instance
+from kvfence_operator.revision import revision_of
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_DOCKERFILE = ROOT / "engine" / "Dockerfile"

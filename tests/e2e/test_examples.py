@@ -33,8 +33,8 @@ from kvfence_operator.crd.types import (
     InferenceDeploymentSpec,
     PoolPolicy,
 )
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import Instance
+from kvfence_operator.revision import revision_of
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

@@ -13,8 +13,8 @@ import yaml
 
 from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import LABEL_REVISION
+from kvfence_operator.revision import revision_of
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "tiny"

@@ -16,8 +16,8 @@ from helpers import fake_pool_server
 from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_devcluster.kubelet import KubeletOptions
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION, Instance, selector
+from kvfence_operator.revision import revision_of
 
 NAME = "tiny"
 USER_KEY = "sk-user-a-0123456789"

@@ -17,8 +17,8 @@ from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_devcluster.kubelet import KubeletOptions
 from kvfence_operator.builders.secret import INTERNAL_TOKEN_KEY, secret_name
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import LABEL_REVISION, Instance, child_name
+from kvfence_operator.revision import revision_of
 
 LAG = 3600.0  # seconds before a running pod's configMap volume shows a change
 PASSES = 15.0  # the operator runs a pass every second; a loaded machine is slow

@@ -27,7 +27,7 @@ from kvfence_devcluster.processes import ManagedProcess
 from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.cluster.leader import LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD
 from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.decisions.revision import revision_of
+from kvfence_operator.revision import revision_of
 
 LEASE = "kvfence-operator"
 LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")

@@ -17,8 +17,8 @@ from kvfence_operator.builders.secret import INTERNAL_TOKEN_KEY, RevisionCredent
 from kvfence_operator.cluster.metrics_token import SCRAPERS_ENV, TOKEN_SECRET_ENV
 from kvfence_operator.cluster.own_secrets import CREDENTIALS_KEY_SECRET_ENV
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import LABEL_REVISION, Instance, child_name
+from kvfence_operator.revision import revision_of
 
 OPERATOR_NS, SECRET = "kvfence-system", "kvfence-metrics-token"
 TOKEN = "chosen-by-the-platform-team-0123456789"

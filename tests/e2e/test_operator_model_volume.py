@@ -14,8 +14,8 @@ from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_devcluster.kubelet import KubeletOptions
 from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
 from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import LABEL_REVISION
+from kvfence_operator.revision import revision_of
 
 NAME = "onclaim"
 USER_KEY = "sk-user-claim-0123456789"

@@ -18,8 +18,8 @@ from test_operator import (  # the operator e2e module's manifest, waits and ope
 
 from kvfence_devcluster.fixtures import Cluster
 from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import LABEL_REVISION, LABEL_ROLE, OPERATOR_POD_LABELS
+from kvfence_operator.revision import revision_of
 
 NEW_KEY = "sk-user-b-9876543210"
 HTTP_RULE_PORTS = [{"protocol": "TCP", "port": 8000}]

@@ -24,8 +24,8 @@ from kvfence_operator.builders.secret import (
     secret_name,
 )
 from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import LABEL_REVISION, LABEL_ROLE, Instance
+from kvfence_operator.revision import revision_of
 
 PROMPT = [11 + i % 50 for i in range(70)]  # 4 full pages of 16 tokens, and 6 more
 

@@ -7,8 +7,8 @@ from kvfence_operator.builders.canary_job import build_canary_job
 from kvfence_operator.builders.router_deployment import build_stable_service
 from kvfence_operator.builders.secret import RevisionCredentials
 from kvfence_operator.crd.types import InferenceDeployment, InferenceDeploymentSpec
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import Instance
+from kvfence_operator.revision import revision_of
 
 from .crd_admission import load_sample
 

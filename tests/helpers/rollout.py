@@ -1,8 +1,9 @@
 """A revision as the rollout plan observes it: its replicas, one decode pool, its canary."""
 
 from kvfence_operator.crd.types import PoolPolicy, RoleReplicas
+from kvfence_operator.decisions.canary import CanaryOutcome
 from kvfence_operator.decisions.pool_gate import PodPool, judge_pools, parse_pool
-from kvfence_operator.decisions.rollout import CanaryOutcome, RevisionObservation
+from kvfence_operator.decisions.rollout import RevisionObservation
 
 
 def decode_pools(revision: str, pool_tokens: int = 1024) -> list[PodPool]:

@@ -30,12 +30,16 @@ from kvfence_operator.crd.types import (
     API_GROUP,
     API_VERSION,
     PLURAL,
-    ConditionStatus,
-    ConditionType,
+    ConditionReason,
+    InferenceDeploymentStatus,
 )
-from kvfence_operator.decisions.conditions import set_condition
-from kvfence_operator.decisions.health import CredentialsUnreadable, InvalidSpec, read_status
-from kvfence_operator.decisions.status_write import status_changes
+from kvfence_operator.decisions.findings import CredentialsUnreadable, InvalidSpec
+from kvfence_operator.decisions.status import (
+    degraded_conditions,
+    invalid_spec_conditions,
+    read_status,
+    status_changes,
+)
 from kvfence_operator.reconcile.reconciler import Reconciler
 
 RECONCILE_INTERVAL_ENV = "KVFENCE_RECONCILE_INTERVAL"
@@ -119,8 +123,9 @@ def reconcile(
     except CredentialsUnreadable as exc:
         # Said on Degraded (once, not every pass) and tried again next pass; Ready and the
         # rest of the status stay as the last full pass left them.
-        if _report_degraded(body, patch, "CredentialsUnreadable", str(exc)):
-            kopf.event(body, type="Warning", reason="CredentialsUnreadable", message=str(exc))
+        reason = ConditionReason.CREDENTIALS_UNREADABLE
+        if _report_degraded(body, patch, reason, str(exc)):
+            kopf.event(body, type="Warning", reason=reason, message=str(exc))
         logger.warning("%s", exc)
         return
     status = outcome.status.model_dump(mode="json", by_alias=True)
@@ -131,20 +136,13 @@ def reconcile(
         logger.info("%s: %s", event.reason, event.message)
 
 
-def _report_degraded(body: kopf.Body, patch: kopf.Patch, reason: str, message: str) -> bool:
+def _report_degraded(
+    body: kopf.Body, patch: kopf.Patch, reason: ConditionReason, message: str
+) -> bool:
     """Set Degraded True with `reason` and `message`, nothing else; False (and nothing
     written) when it already says so."""
-    meta = body["metadata"]
-    status = read_status(body.get("status"), f"{meta.get('namespace')}/{meta.get('name')}")
-    generation = int(meta.get("generation") or 1)
-    conditions = set_condition(
-        status.conditions,
-        ConditionType.DEGRADED,
-        ConditionStatus.TRUE,
-        reason,
-        message[:1000],
-        generation,
-    )
+    previous, generation = _stored(body)
+    conditions = degraded_conditions(previous, reason, message, generation)
     written = [c.model_dump(mode="json", by_alias=True) for c in conditions]
     if not status_changes(body.get("status"), {"conditions": written}):
         return False
@@ -153,17 +151,13 @@ def _report_degraded(body: kopf.Body, patch: kopf.Patch, reason: str, message: s
 
 
 def _report_invalid(body: kopf.Body, patch: kopf.Patch, message: str) -> None:
-    meta = body["metadata"]
-    status = read_status(body.get("status"), f"{meta.get('namespace')}/{meta.get('name')}")
-    generation = int(meta.get("generation") or 1)
-    conditions = status.conditions
-    for kind, value in (
-        (ConditionType.READY, ConditionStatus.FALSE),
-        (ConditionType.DEGRADED, ConditionStatus.TRUE),
-        (ConditionType.STALLED, ConditionStatus.TRUE),
-    ):
-        conditions = set_condition(
-            conditions, kind, value, "InvalidSpec", message[:1000], generation
-        )
+    previous, generation = _stored(body)
+    conditions = invalid_spec_conditions(previous, message, generation)
     patch.status["conditions"] = [c.model_dump(mode="json", by_alias=True) for c in conditions]
     patch.status["observedGeneration"] = generation
+
+
+def _stored(body: kopf.Body) -> tuple[InferenceDeploymentStatus, int]:
+    meta = body["metadata"]
+    status = read_status(body.get("status"), f"{meta.get('namespace')}/{meta.get('name')}")
+    return status, int(meta.get("generation") or 1)

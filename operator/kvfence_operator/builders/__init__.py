@@ -38,20 +38,26 @@ def build_revision_children(
     context_length: int | None = None,
     serving: bool = False,
     metrics: MetricsAccess = NO_METRICS_ACCESS,
+    deployments_spec: InferenceDeploymentSpec | None = None,
+    credentials_mark: str | None = None,
 ) -> list[dict[str, Any]]:
     """serving: whether the stable Service selects this revision (its routers are public);
-    metrics: how Prometheus reaches the pods (builders/metrics.py)."""
+    metrics: how Prometheus reaches the pods (builders/metrics.py); deployments_spec: what the
+    Deployments are built from, when not `spec` (its replica counts: decisions/replicas.py);
+    credentials_mark: what the router ConfigMap records of the key that derived the
+    credentials (secret.derived_mark), None for generated ones."""
+    scaled = deployments_spec or spec
     return [
         build_revision_secret(instance, revision, credentials),
-        build_router_configmap(spec, instance, revision, context_length),
+        build_router_configmap(spec, instance, revision, context_length, mark=credentials_mark),
         *build_network_policies(instance, revision, operator_namespace, metrics),
         build_router_network_policy(instance, revision, operator_namespace, serving, metrics),
         *(build_engine_service(instance, revision, role) for role in ENGINE_ROLES),
         build_router_service(instance, revision),
         *build_disruption_budgets(instance, revision),
         *(
-            build_engine_deployment(spec, instance, revision, role, metrics)
+            build_engine_deployment(scaled, instance, revision, role, metrics)
             for role in ENGINE_ROLES
         ),
-        build_router_deployment(spec, instance, revision, metrics),
+        build_router_deployment(scaled, instance, revision, metrics),
     ]

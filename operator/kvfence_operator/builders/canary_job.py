@@ -18,8 +18,14 @@ from kvfence_operator.builders.secret import (
     secret_name,
 )
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
-from kvfence_operator.decisions.canary_rerun import ANNOTATION_RERUN_CANARY
-from kvfence_operator.meta import Instance, child_name, labels, object_meta, service_url
+from kvfence_operator.meta import (
+    ANNOTATION_RERUN_CANARY,
+    Instance,
+    child_name,
+    labels,
+    object_meta,
+    service_url,
+)
 
 TENANT_A_ENV = "KVFENCE_CANARY_TENANT_A_KEY"
 TENANT_B_ENV = "KVFENCE_CANARY_TENANT_B_KEY"
@@ -90,7 +96,7 @@ def build_canary_job(
 ) -> dict[str, Any]:
     """context_length: the context the revision serves (effective, under LowerContext).
     rerun: the InferenceDeployment's kvfence.dev/rerun-canary value, recorded on the Job
-    (canary_rerun)."""
+    (decisions/canary.py)."""
     secret = secret_name(instance, revision)
     tmp, tmp_mount = tmp_volume()
     token, token_mount = internal_token_volume(instance, revision)

@@ -21,6 +21,7 @@ from kvfence_operator.builders.pod_template import (
 )
 from kvfence_operator.builders.secret import (
     CANARY_API_KEYS_KEY,
+    CREDENTIALS_MARK,
     INTERNAL_TOKEN_KEY,
     ROUTING_SECRET_FILE,
     USER_API_KEYS_KEY,
@@ -28,7 +29,6 @@ from kvfence_operator.builders.secret import (
     secret_name,
 )
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
-from kvfence_operator.decisions.revision import spec_record
 from kvfence_operator.meta import (
     ANNOTATION_SPEC,
     HTTP_PORT,
@@ -39,6 +39,7 @@ from kvfence_operator.meta import (
     object_meta,
     selector,
 )
+from kvfence_operator.revision import spec_record
 
 CONFIG_DIR = "/etc/kvfence"
 BACKENDS_FILE_NAME = "backends.json"
@@ -79,13 +80,18 @@ def build_router_configmap(
     prefill_urls: Sequence[str] = (),
     decode_urls: Sequence[str] = (),
     version: int = 0,
+    *,
+    mark: str | None = None,
 ) -> dict[str, Any]:
     """The backends file, and the spec it was computed from (`spec`: the revision's own, see
-    revision.judged_spec), recorded for the passes to come. `version`: see router_push."""
+    revision.judged_spec), recorded for the passes to come. `version`: see router_push.
+    `mark`: the key that derived the revision's credentials (secret.CREDENTIALS_MARK)."""
     backends = router_backends(spec, revision, context_length, prefill_urls, decode_urls, version)
     name = child_name(instance, revision, Role.ROUTER)
     metadata = object_meta(instance, name, labels(instance, revision, Role.ROUTER))
     metadata["annotations"] = {ANNOTATION_SPEC: spec_record(spec)}
+    if mark is not None:
+        metadata["annotations"][CREDENTIALS_MARK] = mark
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

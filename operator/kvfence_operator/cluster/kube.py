@@ -178,17 +178,11 @@ class Kube:
                 raise
 
 
-def is_subset(wanted: Any, actual: Any) -> bool:
-    """Does `actual` already hold everything in `wanted`? Servers add defaults, so equality
-    would report a difference on every pass; a subset test does not."""
-    if isinstance(wanted, Mapping):
-        return isinstance(actual, Mapping) and all(
-            k in actual and is_subset(v, actual[k]) for k, v in wanted.items()
-        )
-    if isinstance(wanted, list):
-        return (
-            isinstance(actual, list)
-            and len(wanted) == len(actual)
-            and all(is_subset(w, a) for w, a in zip(wanted, actual, strict=True))
-        )
-    return bool(wanted == actual)
+def api_message(exc: KubeError) -> str:
+    """The API server's own message from a Status body, else the error's text."""
+    try:
+        body = json.loads(exc.body)
+    except ValueError:
+        return str(exc)
+    message = body.get("message") if isinstance(body, dict) else None
+    return str(message) if message else str(exc)

@@ -6,18 +6,20 @@ restarts (a new containerID or restartCount): it is never read again, and a slow
 can never turn a judged pod's gate False. A failed read (the engine still loading, a pod
 without an IP) is retried on later passes with back-off. The pass waits briefly for the probes
 it starts (`wait_seconds`), so a pod that answers at once is judged in the same pass; one that
-does not is `PoolUnknown` ("probing") until it does. `pool_gate.read_pool` stays the I/O.
+does not is `PoolUnknown` ("probing") until it does. `read_pool` is the one read.
 """
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvfence_operator.decisions.pool_gate import PodPool, read_pool
+import httpx
+
+from kvfence_engine.contracts import TOKEN_HEADER
+from kvfence_operator.decisions.pool_gate import PodPool, parse_pool
 
 PoolReader = Callable[[str, str, str, str | None, str | None], PodPool]
 WORKERS = 8
@@ -26,16 +28,28 @@ FIRST_RETRY_SECONDS = 1.0
 MAX_RETRY_SECONDS = 10.0
 FORGET_SECONDS = 600.0  # an instance no pass asked about for this long is dropped
 PROBING = "probing"
-ENGINE_CONTAINER = "engine"
+PROBE_TIMEOUT_SECONDS = 3.0
 
 
-def container_instance(pod: Mapping[str, Any], container: str = ENGINE_CONTAINER) -> str:
-    """One running instance of the pod's engine container: the pod UID with the container's
-    ID and restart count (a restart changes both; an emulator may only give the count)."""
-    statuses = (pod.get("status") or {}).get("containerStatuses") or []
-    engine: Mapping[str, Any] = next((s for s in statuses if s.get("name") == container), {})
-    uid = (pod.get("metadata") or {}).get("uid") or (pod.get("metadata") or {}).get("name")
-    return f"{uid}/{engine.get('containerID') or ''}/{int(engine.get('restartCount') or 0)}"
+def read_pool(
+    pod: str, role: str, revision: str, url: str | None, internal_token: str | None = None
+) -> PodPool:
+    """GET <url>/v1/kvpool, with the revision's internal token (an engine that has one
+    requires it there). Never raises: an unreachable pod is a PodPool with an error."""
+    if url is None:
+        return PodPool(pod, role, revision, error="no pod IP yet")
+    headers = {TOKEN_HEADER: internal_token} if internal_token else {}
+    try:
+        response = httpx.get(url + "/v1/kvpool", headers=headers, timeout=PROBE_TIMEOUT_SECONDS)
+        response.raise_for_status()
+        payload = response.json()
+    except httpx.HTTPStatusError as exc:
+        return PodPool(pod, role, revision, error=f"/v1/kvpool answered {exc.response.status_code}")
+    except httpx.HTTPError as exc:
+        return PodPool(pod, role, revision, error=f"unreachable at {url} ({type(exc).__name__})")
+    except ValueError:
+        return PodPool(pod, role, revision, error="/v1/kvpool answered non-JSON")
+    return parse_pool(pod, role, revision, payload)
 
 
 @dataclass(frozen=True, slots=True)

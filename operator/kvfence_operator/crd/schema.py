@@ -156,7 +156,7 @@ def printer_columns() -> list[dict[str, Any]]:
 
 def spec_schema() -> dict[str, Any]:
     """The structural schema of `spec`: its `default`s are what the API server writes into an
-    object that omits them (kvfence_operator/decisions/revision.py applies the same ones)."""
+    object that omits them (kvfence_operator/revision.py applies the same ones)."""
     return _model_schema(InferenceDeploymentSpec, "validation")
 
 

@@ -118,7 +118,7 @@ def spec_flag_message(flags: tuple[str, ...], instead: str) -> str:
 # server writes the object, with its fields' defaults, into a spec that omits it. Defaults then
 # live in the stored object from its creation, not in the code that reads it (a later release
 # that changes one changes no existing object, and no revision:
-# kvfence_operator/decisions/revision.py).
+# kvfence_operator/revision.py).
 OBJECT_DEFAULT: dict[str, Any] = {"json_schema_extra": {"default": {}}}
 
 
@@ -548,6 +548,57 @@ class ConditionStatus(StrEnum):
     TRUE = "True"
     FALSE = "False"
     UNKNOWN = "Unknown"
+
+
+class ConditionReason(StrEnum):
+    """Every reason a condition carries: the InferenceDeployment's conditions and its engine
+    pods' kvfence.dev/kv-pool readiness gate. An Event about the same finding carries the same
+    reason."""
+
+    # Ready
+    SERVING = "Serving"
+    ROLLOUT_IN_PROGRESS = "RolloutInProgress"
+    SERVING_REVISION_UNREADY = "ServingRevisionUnready"
+    SCALED_TO_ZERO = "ScaledToZero"
+    # Progressing (Reconciling mirrors it)
+    ROLLOUT_COMPLETE = "RolloutComplete"
+    # Degraded (Stalled mirrors the terminal ones)
+    AS_EXPECTED = "AsExpected"
+    POOL_INSUFFICIENT = "PoolInsufficient"
+    NAME_CONFLICT = "NameConflict"
+    INVALID_SPEC = "InvalidSpec"
+    CREDENTIALS_UNREADABLE = "CredentialsUnreadable"
+    CREATE_FAILED = "CreateFailed"  # the API refused to create a child (quota 403, webhook)
+    CREATE_REJECTED = "CreateRejected"  # 422: the spec makes children the API server rejects
+    API_KEYS_SECRET_MISSING = "ApiKeysSecretMissing"
+    # Stalled
+    PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
+    # CanaryPassed
+    CANARY_PENDING = "CanaryPending"
+    CANARY_PASSED = "CanaryPassed"
+    CANARY_DISABLED = "CanaryDisabled"
+    CANARY_NOT_RUN = "CanaryNotRun"
+    CANARY_FAILED = "CanaryFailed"
+    CANARY_COULD_NOT_RUN = "CanaryCouldNotRun"
+    # PoolSufficient, and a pod's kv-pool gate
+    WAITING_FOR_PODS = "WaitingForPods"
+    NO_ENGINE_PODS = "NoEnginePods"
+    POOLS_HOLD_CONTEXT = "PoolsHoldContext"
+    POOL_HOLDS_CONTEXT = "PoolHoldsContext"
+    POOL_TOO_SMALL = "PoolTooSmall"
+    POOL_UNKNOWN = "PoolUnknown"
+    ISOLATION_DEFENCE_OFF = "IsolationDefenceOff"
+
+
+class EventReason(StrEnum):
+    """The reasons of the Events that report a step of a rollout rather than a condition."""
+
+    ROLLOUT_STARTED = "RolloutStarted"
+    CANARY_STARTED = "CanaryStarted"
+    CANARY_PASSED = "CanaryPassed"
+    CANARY_RERUN = "CanaryRerun"
+    PROMOTED = "Promoted"
+    RETIRED = "Retired"
 
 
 class Condition(_LenientModel):

@@ -29,7 +29,7 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.decisions.revision import judged_spec, revision_of
+from kvfence_operator.revision import judged_spec, revision_of
 
 # label selectors, and a NetworkPolicy's rules (a `from` added to a rule narrows who is admitted)
 EXACT_KEYS = frozenset({"selector", "podSelector", "namespaceSelector", "ingress", "egress"})
@@ -38,6 +38,22 @@ QUANTITY_KEYS = frozenset({"requests", "limits"})
 # ConfigMap's data and spec record) written from the pods' pools by the reconciler itself
 NOT_DECLARED = frozenset({"apiVersion", "kind", "metadata", "status"})
 OBSERVED_FIELDS = {"ConfigMap": frozenset({"data", "binaryData", "annotations"})}
+
+
+def is_subset(wanted: Any, actual: Any) -> bool:
+    """Does `actual` already hold everything in `wanted`? Servers add defaults, so equality
+    would report a difference on every pass; a subset test does not."""
+    if isinstance(wanted, Mapping):
+        return isinstance(actual, Mapping) and all(
+            k in actual and is_subset(v, actual[k]) for k, v in wanted.items()
+        )
+    if isinstance(wanted, list):
+        return (
+            isinstance(actual, list)
+            and len(wanted) == len(actual)
+            and all(is_subset(w, a) for w, a in zip(wanted, actual, strict=True))
+        )
+    return bool(wanted == actual)
 
 
 def _empty(value: Any) -> bool:

@@ -9,41 +9,16 @@ ReplicaSets). Pure functions; the reconciler does the reads.
 """
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from kvfence_operator.cluster.kube import is_subset
+from kvfence_operator.decisions.drift import is_subset
 from kvfence_operator.meta import (
     MANAGED_ANNOTATIONS,
     controlled_by,
     controller_reference,
-    owner_description,
 )
 
-NAME_CONFLICT = "NameConflict"
-
 ReplicaSetLookup = Callable[[str], Mapping[str, Any] | None]
-
-
-@dataclass(frozen=True, slots=True)
-class Conflict:
-    """A name the operator needs that an object it does not control already has."""
-
-    kind: str
-    name: str
-    owner: str  # owner_description of the existing object
-
-    @classmethod
-    def of(cls, existing: Mapping[str, Any]) -> "Conflict":
-        return cls(existing["kind"], existing["metadata"]["name"], owner_description(existing))
-
-    @property
-    def message(self) -> str:
-        return (
-            f"{self.kind} {self.name} exists and is not controlled by this "
-            f"InferenceDeployment (its controller: {self.owner}); it is left untouched: "
-            "rename or delete it"
-        )
 
 
 def pod_controlled_by_deployment(

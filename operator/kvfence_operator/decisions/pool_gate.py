@@ -1,25 +1,22 @@
-"""The pool check: read each engine pod's real KV pool and decide what it may serve.
+"""The pool check: what each engine pod's real KV pool (its /v1/kvpool report) lets it serve.
 
-`read_pool` is the only I/O here; `judge_pools` is a pure function the kopf handlers and
-`kvfence up` share, so both make the same decision from the same numbers.
+`judge_pools` is a pure function the kopf handlers and `kvfence up` share, so both make the
+same decision from the same numbers; the reading is cluster/prober.py::read_pool.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import httpx
 from pydantic import ValidationError
 
-from kvfence_engine.contracts import TOKEN_HEADER, PoolGateReport
+from kvfence_engine.contracts import PoolGateReport
 from kvfence_engine.core.pool_plan import (
     ContextPolicy,
     budget_raise_percent,
     effective_context,
     tenant_share_pages,
 )
-from kvfence_operator.crd.types import PoolPolicy
-
-PROBE_TIMEOUT_SECONDS = 3.0
+from kvfence_operator.crd.types import ConditionReason, PoolPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,27 +49,6 @@ def parse_pool(pod: str, role: str, revision: str, payload: object) -> PodPool:
     return PodPool(pod, role, revision, report=report)
 
 
-def read_pool(
-    pod: str, role: str, revision: str, url: str | None, internal_token: str | None = None
-) -> PodPool:
-    """GET <url>/v1/kvpool, with the revision's internal token (an engine that has one
-    requires it there). Never raises: an unreachable pod is a PodPool with an error."""
-    if url is None:
-        return PodPool(pod, role, revision, error="no pod IP yet")
-    headers = {TOKEN_HEADER: internal_token} if internal_token else {}
-    try:
-        response = httpx.get(url + "/v1/kvpool", headers=headers, timeout=PROBE_TIMEOUT_SECONDS)
-        response.raise_for_status()
-        payload = response.json()
-    except httpx.HTTPStatusError as exc:
-        return PodPool(pod, role, revision, error=f"/v1/kvpool answered {exc.response.status_code}")
-    except httpx.HTTPError as exc:
-        return PodPool(pod, role, revision, error=f"unreachable at {url} ({type(exc).__name__})")
-    except ValueError:
-        return PodPool(pod, role, revision, error="/v1/kvpool answered non-JSON")
-    return parse_pool(pod, role, revision, payload)
-
-
 @dataclass(frozen=True, slots=True)
 class Remedy:
     """What would let a pool serve what it refused: the same arithmetic as `kvfence preflight`
@@ -96,7 +72,7 @@ class PodGate:
 
     pod: str
     sufficient: bool
-    reason: str
+    reason: ConditionReason
     finding: str
     remedy: Remedy | None = None
 
@@ -111,7 +87,7 @@ class PoolDecision:
     sufficient: bool  # every pod may serve the effective context
     effective_context: int | None  # what the router serves; None when nothing can be served
     min_pool_tokens: int | None
-    reason: str
+    reason: ConditionReason
     message: str
 
     @property
@@ -120,7 +96,7 @@ class PoolDecision:
         return (
             not self.sufficient
             and bool(self.gates)
-            and all(g.reason != "PoolUnknown" for g in self.gates.values())
+            and all(g.reason != ConditionReason.POOL_UNKNOWN for g in self.gates.values())
         )
 
 
@@ -156,12 +132,17 @@ def judge_pools(
     for pool in pools:
         if pool.report is None:
             gates[pool.pod] = PodGate(
-                pool.pod, False, "PoolUnknown", f"pod {pool.pod}: {pool.error or 'no report'}"
+                pool.pod,
+                False,
+                ConditionReason.POOL_UNKNOWN,
+                f"pod {pool.pod}: {pool.error or 'no report'}",
             )
             continue
         weak = _defences_off(pool.report, unsafe_faults_allowed)
         if weak is not None:
-            gates[pool.pod] = PodGate(pool.pod, False, "IsolationDefenceOff", f"{pool.pod}: {weak}")
+            gates[pool.pod] = PodGate(
+                pool.pod, False, ConditionReason.ISOLATION_DEFENCE_OFF, f"{pool.pod}: {weak}"
+            )
             continue
         reports[pool.pod] = pool.report
     min_pool = min((r.pool_tokens for r in reports.values()), default=None)
@@ -177,12 +158,14 @@ def judge_pools(
         effective: int | None = context_length
         for pod, report in reports.items():
             if usable[pod] >= context_length:
-                gates[pod] = PodGate(pod, True, "PoolHoldsContext", _holds(pod, report))
+                gates[pod] = PodGate(
+                    pod, True, ConditionReason.POOL_HOLDS_CONTEXT, _holds(pod, report)
+                )
             else:
                 gates[pod] = PodGate(
                     pod,
                     False,
-                    "PoolTooSmall",
+                    ConditionReason.POOL_TOO_SMALL,
                     f"pod {pod} ({report.role}) has a KV pool of {report.pool_tokens} tokens"
                     f"{share_note(pod)}, smaller than contextLength {context_length}",
                     _remedy(usable[pod], context_length, report.page_size, "contextLength"),
@@ -204,18 +187,22 @@ def judge_pools(
                 gates[pod] = PodGate(
                     pod,
                     False,
-                    "PoolTooSmall",
+                    ConditionReason.POOL_TOO_SMALL,
                     f"the smallest KV pool (pod {smallest} ({reports[smallest].role}), "
                     f"{reports[smallest].pool_tokens} tokens{smallest_share}) is below "
                     f"minContextLength {floor}",
                     _remedy(min_usable, floor, page, "minContextLength"),
                 )
             else:
-                gates[pod] = PodGate(pod, True, "PoolHoldsContext", _holds(pod, report, effective))
+                gates[pod] = PodGate(
+                    pod, True, ConditionReason.POOL_HOLDS_CONTEXT, _holds(pod, report, effective)
+                )
 
     insufficient = [g for g in gates.values() if not g.sufficient]
     if not pools:
-        return PoolDecision(gates, False, None, None, "NoEnginePods", "no engine pods yet")
+        return PoolDecision(
+            gates, False, None, None, ConditionReason.NO_ENGINE_PODS, "no engine pods yet"
+        )
     if insufficient:
         return PoolDecision(
             gates,
@@ -235,7 +222,7 @@ def judge_pools(
         True,
         effective,
         min_pool,
-        "PoolsHoldContext",
+        ConditionReason.POOLS_HOLD_CONTEXT,
         f"every engine pool holds the served context {effective}{lowered_note}; "
         f"smallest pool {min_pool} tokens",
     )

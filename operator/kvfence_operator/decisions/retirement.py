@@ -10,10 +10,14 @@ out the same delay. A status lost meanwhile forgets it: the revision is then nei
 nor candidate nor retiring, and the next pass deletes it (a lost status shortens the drain).
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
+from kvfence_operator.builders.secret import CREDENTIALS_MARK
 from kvfence_operator.crd.types import RetiringRevision, RevisionStatus
+from kvfence_operator.meta import LABEL_REVISION, controlled_by
 
 
 def drain(
@@ -44,3 +48,61 @@ def drain(
         else:
             drained.append(entry)
     return draining, drained
+
+
+# The kinds a revision owns that the operator may list. Secrets are deleted by name: the
+# operator has no list/watch on Secrets (least privilege), so they are found from the others.
+REVISION_KINDS = (
+    ("apps/v1", "Deployment"),
+    ("batch/v1", "Job"),
+    ("v1", "Service"),
+    ("v1", "ConfigMap"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("policy/v1", "PodDisruptionBudget"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Retirement:
+    """What goes of the revisions a pass no longer keeps: their children, in REVISION_KINDS
+    order, and their Secrets by name (`derived`: made, never read, by this operator's key,
+    so deleted by name; `unread`: an older operator's, deleted only once read to be ours)."""
+
+    children: tuple[tuple[str, str, str], ...] = ()  # (apiVersion, kind, name)
+    derived: frozenset[str] = frozenset()  # revisions
+    unread: frozenset[str] = frozenset()
+
+    @property
+    def revisions(self) -> frozenset[str]:
+        return self.derived | self.unread
+
+
+def retirement(
+    children: Mapping[tuple[str, str], Sequence[Mapping[str, Any]]],
+    keep: Set[str],
+    uid: str,
+    credentials_mark: str | None,
+) -> Retirement:
+    """`children`: the objects labelled as this InferenceDeployment's children, by
+    (apiVersion, kind). One it does not control (labelled like ours, someone else's) is never
+    deleted; a child without a revision label is none of a revision's."""
+    gone: list[tuple[str, str, str]] = []
+    retired: dict[str, bool] = {}  # revision -> its credentials were derived
+    for api_version, kind in REVISION_KINDS:
+        for obj in children.get((api_version, kind), ()):
+            if not controlled_by(obj, uid):
+                continue
+            revision = (obj["metadata"].get("labels") or {}).get(LABEL_REVISION)
+            if revision is None or revision in keep:
+                continue
+            annotations = obj["metadata"].get("annotations") or {}
+            derived = credentials_mark is not None and (
+                annotations.get(CREDENTIALS_MARK) == credentials_mark
+            )
+            retired[revision] = retired.get(revision, False) or derived
+            gone.append((api_version, kind, obj["metadata"]["name"]))
+    return Retirement(
+        tuple(gone),
+        frozenset(r for r, d in retired.items() if d),
+        frozenset(r for r, d in retired.items() if not d),
+    )

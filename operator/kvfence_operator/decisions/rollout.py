@@ -8,46 +8,36 @@ kopf handlers and `kvfence up` both call `plan_rollout`; neither decides on its 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from enum import StrEnum
+from typing import Any
 
 from kvfence_operator.crd.types import (
     CanaryResult,
     CanaryStatus,
+    ConditionReason,
+    EventReason,
     RetiringRevision,
     RevisionStatus,
     RoleReplicas,
 )
+from kvfence_operator.decisions.canary import CanaryOutcome, JobPhase
 from kvfence_operator.decisions.pool_gate import PoolDecision
 from kvfence_operator.decisions.retirement import drain
+from kvfence_operator.meta import LABEL_REVISION
 
 DISABLED = "canary disabled in spec"
 REFUSED = "not run: the pool check refused this revision"
 
 
-class JobPhase(StrEnum):
-    RUNNING = "Running"
-    SUCCEEDED = "Succeeded"
-    FAILED = "Failed"  # a finding: the canary saw an isolation or status failure
-    COULD_NOT_RUN = "CouldNotRun"  # no verdict, after the Job's retries: not a finding
-
-
 # Canary results that stop a rollout: the reason its Event and conditions carry, and what
 # they say about the candidate (status.py words its conditions with the same)
 STOPPED = {
-    CanaryResult.FAILED: ("CanaryFailed", "failed its canary"),
-    CanaryResult.COULD_NOT_RUN: ("CanaryCouldNotRun", "could not run its canary"),
+    CanaryResult.FAILED: (ConditionReason.CANARY_FAILED, "failed its canary"),
+    CanaryResult.COULD_NOT_RUN: (ConditionReason.CANARY_COULD_NOT_RUN, "could not run its canary"),
 }
 STOPPED_BY = {
     JobPhase.FAILED: CanaryResult.FAILED,
     JobPhase.COULD_NOT_RUN: CanaryResult.COULD_NOT_RUN,
 }
-
-
-@dataclass(frozen=True, slots=True)
-class CanaryOutcome:
-    job: str
-    phase: JobPhase
-    message: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +62,7 @@ class RevisionObservation:
 @dataclass(frozen=True, slots=True)
 class Event:
     type: str  # Normal | Warning
-    reason: str
+    reason: ConditionReason | EventReason | str  # str: a pod gate's reason, as judge_pools says
     message: str
 
 
@@ -85,6 +75,17 @@ class RolloutPlan:
     serve: str | None  # revision the stable Service selects
     judged: str  # revision whose pools and readiness the conditions describe
     events: list[Event] = field(default_factory=list)
+
+
+def selected_revision(service: Mapping[str, Any] | None, uid: str) -> str | None:
+    """The revision a stable Service selects, if it is this InferenceDeployment's (controlled
+    by `uid`); None for no Service, someone else's, or one without a revision in its selector."""
+    if service is None:
+        return None
+    owners = (service.get("metadata") or {}).get("ownerReferences") or []
+    if not any(o.get("uid") == uid and o.get("controller") for o in owners):
+        return None
+    return ((service.get("spec") or {}).get("selector") or {}).get(LABEL_REVISION)
 
 
 def serving_revision(
@@ -131,7 +132,8 @@ def plan_rollout(
         previous, plan.revision, now=now, retire_after_seconds=retire_after_seconds
     )
     events = [
-        Event("Normal", "Retired", f"revision {r.revision} drained and is removed") for r in drained
+        Event("Normal", EventReason.RETIRED, f"revision {r.revision} drained and is removed")
+        for r in drained
     ]
     return replace(
         plan,
@@ -154,7 +156,7 @@ def _plan_serving(
     candidate = desired if desired != current else None
     events: list[Event] = []
     if previous is not None and candidate is not None and previous.candidate != candidate:
-        events.append(Event("Normal", "RolloutStarted", f"new revision {candidate}"))
+        events.append(Event("Normal", EventReason.ROLLOUT_STARTED, f"new revision {candidate}"))
     if candidate is None:
         assert current is not None
         return RolloutPlan(
@@ -193,7 +195,9 @@ def _plan_serving(
         return _promote(candidate, current, canary, events, retire_after_seconds)
     outcome = seen.canary
     if outcome is None:
-        events.append(Event("Normal", "CanaryStarted", f"canary job for revision {candidate}"))
+        events.append(
+            Event("Normal", EventReason.CANARY_STARTED, f"canary job for revision {candidate}")
+        )
         return stay(
             CanaryStatus(revision=candidate, result=CanaryResult.RUNNING, message="starting"),
             start=candidate,
@@ -229,7 +233,9 @@ def _plan_serving(
         result=CanaryResult.PASSED,
         message=outcome.message or "passed",
     )
-    events.append(Event("Normal", "CanaryPassed", f"revision {candidate} passed its canary"))
+    events.append(
+        Event("Normal", EventReason.CANARY_PASSED, f"revision {candidate} passed its canary")
+    )
     return _promote(candidate, current, passed, events, retire_after_seconds)
 
 
@@ -255,7 +261,9 @@ def _promote(
     if current is not None:
         later = f"drains for {retire_after_seconds} s, then " if retire_after_seconds else ""
         retired = f"; revision {current} {later}is removed"
-    events.append(Event("Normal", "Promoted", f"revision {candidate} now serves{retired}"))
+    events.append(
+        Event("Normal", EventReason.PROMOTED, f"revision {candidate} now serves{retired}")
+    )
     return RolloutPlan(
         RevisionStatus(current=candidate, candidate=None),
         canary,

@@ -1,17 +1,27 @@
-"""The InferenceDeployment's status, computed from a rollout plan and what was observed.
+"""The InferenceDeployment's status and conditions, decided in one place: from a rollout plan,
+what was observed and what the pass met (findings), and for the passes that stop early (an
+invalid spec, credentials the operator may not read).
 
-Pure: the same inputs give the same status, and conditions keep their lastTransitionTime
-unless their status flips (conditions.set_condition).
+Pure: the same inputs give the same status. Conditions are metav1.Conditions written whole as
+a merge patch (which replaces lists), keep their lastTransitionTime unless their status flips,
+and carry a reason from crd.types.ConditionReason. Stalled is True only when progress stopped:
+a terminal verdict (TERMINAL) or no progress for spec.rollout.progressDeadlineSeconds; a pod
+that restarts once is progress, not a stall. An unchanged status is not written.
 """
 
+import logging
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pydantic import ValidationError
 
 from kvfence_operator.crd.types import (
     CanaryResult,
     CanaryStatus,
     CandidateStatus,
     Condition,
+    ConditionReason,
     ConditionStatus,
     ConditionType,
     ContextLengthStatus,
@@ -21,22 +31,82 @@ from kvfence_operator.crd.types import (
     ProgressStatus,
     Role,
 )
-from kvfence_operator.decisions.conditions import find_condition, set_condition
-from kvfence_operator.decisions.health import (
-    DEADLINE_EXCEEDED,
-    TERMINAL,
-    Problem,
-    deadline_exceeded,
-    progress,
-    serving_canary,
-    summary,
-)
-from kvfence_operator.decisions.ownership import NAME_CONFLICT, Conflict
+from kvfence_operator.decisions.canary import JobPhase
+from kvfence_operator.decisions.findings import Conflict, Findings, Problem, summary
 from kvfence_operator.decisions.pool_gate import PodPool
-from kvfence_operator.decisions.rollout import STOPPED, RevisionObservation, RolloutPlan
+from kvfence_operator.decisions.rollout import (
+    DISABLED,
+    STOPPED,
+    Event,
+    RevisionObservation,
+    RolloutPlan,
+)
+
+log = logging.getLogger(__name__)
+
+R = ConditionReason
+# Degraded reasons that no amount of waiting clears: only a new spec (or the user's action on
+# another object) does, so Stalled=True at once. CanaryCouldNotRun: a canary that failed to run
+# every bounded retry.
+TERMINAL = frozenset(
+    {
+        R.CANARY_FAILED,
+        R.POOL_INSUFFICIENT,
+        R.NAME_CONFLICT,
+        R.INVALID_SPEC,
+        R.CREATE_REJECTED,
+        R.CANARY_COULD_NOT_RUN,
+    }
+)
+MESSAGE_LIMIT = 1000  # a condition message the operator writes from an error's text
+
+
+# ---- conditions (metav1.Condition bookkeeping) ---------------------------------------------
+
+
+def find_condition(conditions: Sequence[Condition], type_: ConditionType | str) -> Condition | None:
+    return next((c for c in conditions if c.type == type_), None)
+
+
+def set_condition(
+    conditions: Sequence[Condition],
+    type_: ConditionType | str,
+    status: ConditionStatus,
+    reason: ConditionReason | str,
+    message: str,
+    observed_generation: int,
+    now: datetime | None = None,
+) -> list[Condition]:
+    """Return the list with one condition added or replaced, in place of the old one.
+
+    lastTransitionTime moves only when status flips: a new reason or message for the same
+    status is an update, not a transition.
+    """
+    now = now or datetime.now(UTC)
+    if now.tzinfo is None:
+        raise ValueError("now must be timezone-aware (Kubernetes times are UTC)")
+    old = find_condition(conditions, type_)
+    if old is not None and old.status == status:
+        transitioned_at = old.last_transition_time
+    else:
+        transitioned_at = now.astimezone(UTC).replace(microsecond=0)  # metav1.Time: seconds
+    new = Condition(
+        type=str(type_),
+        status=status,
+        reason=reason,
+        message=message,
+        last_transition_time=transitioned_at,
+        observed_generation=observed_generation,
+    )
+    if old is None:
+        return [*conditions, new]
+    return [new if c is old else c for c in conditions]
+
+
+# ---- the status of a full pass -------------------------------------------------------------
+
 
 T, F, U = ConditionStatus.TRUE, ConditionStatus.FALSE, ConditionStatus.UNKNOWN
-SCALED_TO_ZERO = "ScaledToZero"
 
 
 def compute_status(
@@ -56,7 +126,9 @@ def compute_status(
     decision = judged.pools if judged else None
     conditions: list[Condition] = list(previous.conditions)
 
-    def put(kind: ConditionType, status: ConditionStatus, reason: str, message: str) -> None:
+    def put(
+        kind: ConditionType, status: ConditionStatus, reason: ConditionReason, message: str
+    ) -> None:
         nonlocal conditions
         conditions = set_condition(conditions, kind, status, reason, message, generation, now)
 
@@ -71,10 +143,10 @@ def compute_status(
     scaled = f"{' and '.join(zero)} {'is' if len(zero) == 1 else 'are'} 0: scaled to zero"
 
     # PoolSufficient: about the revision being rolled out (or the serving one).
-    if zero and (decision is None or decision.reason == "NoEnginePods"):
-        put(ConditionType.POOL_SUFFICIENT, U, SCALED_TO_ZERO, scaled)
-    elif decision is None or decision.reason == "NoEnginePods":
-        put(ConditionType.POOL_SUFFICIENT, U, "WaitingForPods", "no engine pool reported yet")
+    if zero and (decision is None or decision.reason == R.NO_ENGINE_PODS):
+        put(ConditionType.POOL_SUFFICIENT, U, R.SCALED_TO_ZERO, scaled)
+    elif decision is None or decision.reason == R.NO_ENGINE_PODS:
+        put(ConditionType.POOL_SUFFICIENT, U, R.WAITING_FOR_PODS, "no engine pool reported yet")
     elif decision.sufficient:
         put(ConditionType.POOL_SUFFICIENT, T, decision.reason, decision.message)
     else:
@@ -83,20 +155,24 @@ def compute_status(
     # the canary that stopped the rollout (failed, or could not run), or None (an object rather
     # than a flag, so branches read its message), and what stopped it
     stopped = canary if canary is not None and canary.result in STOPPED else None
-    stop_reason, stop_words = STOPPED[stopped.result] if stopped and stopped.result else ("", "")
+    # read only where `stopped` is (the placeholder never reaches a condition)
+    stop_reason, stop_words = (
+        STOPPED[stopped.result] if stopped and stopped.result else (R.CANARY_FAILED, "")
+    )
     if canary is None or canary.result in (None, CanaryResult.PENDING, CanaryResult.RUNNING):
         message = canary.message if canary and canary.message else "no canary has run"
-        put(ConditionType.CANARY_PASSED, U, "CanaryPending", _about(canary, message))
+        put(ConditionType.CANARY_PASSED, U, R.CANARY_PENDING, _about(canary, message))
     elif canary.result is CanaryResult.PASSED:
-        put(ConditionType.CANARY_PASSED, T, "CanaryPassed", _about(canary, canary.message or ""))
+        put(ConditionType.CANARY_PASSED, T, R.CANARY_PASSED, _about(canary, canary.message or ""))
     elif canary.result is CanaryResult.NOT_RUN and not spec.canary.enabled:
-        put(ConditionType.CANARY_PASSED, T, "CanaryDisabled", "spec.canary.enabled is false")
+        put(ConditionType.CANARY_PASSED, T, R.CANARY_DISABLED, "spec.canary.enabled is false")
     elif canary.result is CanaryResult.NOT_RUN:
-        put(ConditionType.CANARY_PASSED, U, "CanaryNotRun", _about(canary, canary.message or ""))
+        put(ConditionType.CANARY_PASSED, U, R.CANARY_NOT_RUN, _about(canary, canary.message or ""))
     elif canary.result is CanaryResult.COULD_NOT_RUN:  # no verdict: not a finding
-        put(ConditionType.CANARY_PASSED, U, stop_reason, _about(canary, canary.message or ""))
+        put(ConditionType.CANARY_PASSED, U, R.CANARY_COULD_NOT_RUN,
+            _about(canary, canary.message or ""))  # fmt: skip
     else:
-        put(ConditionType.CANARY_PASSED, F, "CanaryFailed", _about(canary, canary.message or ""))
+        put(ConditionType.CANARY_PASSED, F, R.CANARY_FAILED, _about(canary, canary.message or ""))
 
     refused = decision is not None and not decision.sufficient and _all_reported(pools)
     refusal = decision if refused else None  # the refusing decision, read by the branches
@@ -115,53 +191,61 @@ def compute_status(
         put(ConditionType.PROGRESSING, F, stop_reason,
             _about(candidate_stopped, candidate_stopped.message or ""))  # fmt: skip
     elif refusal is not None:
-        put(ConditionType.PROGRESSING, F, "PoolInsufficient", refusal.message)
+        put(ConditionType.PROGRESSING, F, R.POOL_INSUFFICIENT, refusal.message)
     elif zero:
-        put(ConditionType.PROGRESSING, F, SCALED_TO_ZERO, scaled)
+        put(ConditionType.PROGRESSING, F, R.SCALED_TO_ZERO, scaled)
     elif rolling:
-        put(ConditionType.PROGRESSING, T, "RolloutInProgress",
+        put(ConditionType.PROGRESSING, T, R.ROLLOUT_IN_PROGRESS,
             f"revision {plan.revision.candidate}: {waiting}")  # fmt: skip
     elif serving_down:
-        put(ConditionType.PROGRESSING, T, "ServingRevisionUnready",
+        put(ConditionType.PROGRESSING, T, R.SERVING_REVISION_UNREADY,
             f"revision {plan.serve}: {serving.waiting_for if serving else 'no pods'}")  # fmt: skip
     else:
-        put(ConditionType.PROGRESSING, F, "RolloutComplete",
+        put(ConditionType.PROGRESSING, F, R.ROLLOUT_COMPLETE,
             f"revision {plan.revision.current} serves")  # fmt: skip
 
     if candidate_stopped is not None:
         put(ConditionType.DEGRADED, T, stop_reason,
             _about(candidate_stopped, candidate_stopped.message or ""))  # fmt: skip
     elif refusal is not None:
-        put(ConditionType.DEGRADED, T, "PoolInsufficient", refusal.message)
+        put(ConditionType.DEGRADED, T, R.POOL_INSUFFICIENT, refusal.message)
     elif zero:
-        put(ConditionType.DEGRADED, F, SCALED_TO_ZERO, scaled)
+        put(ConditionType.DEGRADED, F, R.SCALED_TO_ZERO, scaled)
     elif serving_down:
-        put(ConditionType.DEGRADED, T, "ServingRevisionUnready",
+        put(ConditionType.DEGRADED, T, R.SERVING_REVISION_UNREADY,
             f"revision {plan.serve}: {serving.waiting_for if serving else 'no pods'}")  # fmt: skip
     else:
-        put(ConditionType.DEGRADED, F, "AsExpected", "no fault observed")
+        put(ConditionType.DEGRADED, F, R.AS_EXPECTED, "no fault observed")
     if (met := summary(problems)) is not None:
         put(ConditionType.DEGRADED, T, *met)
 
     if not rolling and serving_ready:
-        put(ConditionType.READY, T, "Serving", f"revision {plan.serve} serves at {endpoint}")
+        put(ConditionType.READY, T, R.SERVING, f"revision {plan.serve} serves at {endpoint}")
     elif zero:
-        put(ConditionType.READY, F, SCALED_TO_ZERO, f"{scaled}; nothing serves")
+        put(ConditionType.READY, F, R.SCALED_TO_ZERO, f"{scaled}; nothing serves")
     elif candidate_stopped is not None:
         keeps = f"revision {plan.serve} keeps serving" if plan.serve else "nothing is served"
         put(ConditionType.READY, F, stop_reason,
             f"revision {plan.revision.candidate} {stop_words}; {keeps}")  # fmt: skip
     elif refusal is not None:
-        put(ConditionType.READY, F, "PoolInsufficient", refusal.message)
+        put(ConditionType.READY, F, R.POOL_INSUFFICIENT, refusal.message)
     elif rolling:
-        put(ConditionType.READY, F, "RolloutInProgress",
+        put(ConditionType.READY, F, R.ROLLOUT_IN_PROGRESS,
             f"revision {plan.revision.candidate} is not promoted yet")  # fmt: skip
     else:
-        put(ConditionType.READY, F, "ServingRevisionUnready",
+        put(ConditionType.READY, F, R.SERVING_REVISION_UNREADY,
             f"revision {plan.serve} is not ready")  # fmt: skip
 
-    progressing = _condition(conditions, ConditionType.PROGRESSING)
-    put(ConditionType.RECONCILING, progressing.status, progressing.reason, progressing.message)
+    progressing = _condition(conditions, ConditionType.PROGRESSING)  # as put above: its mirror
+    conditions = set_condition(
+        conditions,
+        ConditionType.RECONCILING,
+        progressing.status,
+        progressing.reason,
+        progressing.message,
+        generation,
+        now,
+    )
     # progress: what the rollout waits for, while it waits for pods or pools
     mark = None
     if progressing.status is T and not canary_running:
@@ -212,7 +296,7 @@ def stalled(
     if degraded.status is T and degraded.reason in TERMINAL:
         verdict = (T, degraded.reason, degraded.message)
     elif progressed is not None and deadline_exceeded(progressed, deadline_s, now):
-        verdict = (T, DEADLINE_EXCEEDED,
+        verdict = (T, R.PROGRESS_DEADLINE_EXCEEDED,
                    f"no progress for {deadline_s}s (spec.rollout.progressDeadlineSeconds): "
                    f"{progressed.mark}")  # fmt: skip
     else:
@@ -268,5 +352,159 @@ def with_conflicts(
         (ConditionType.DEGRADED, T),
         (ConditionType.STALLED, T),
     ):
-        conditions = set_condition(conditions, kind, value, NAME_CONFLICT, message, generation, now)
+        conditions = set_condition(
+            conditions, kind, value, R.NAME_CONFLICT, message, generation, now
+        )
     return status.model_copy(update={"conditions": conditions})
+
+
+def problem_events(
+    previous: InferenceDeploymentStatus, status: InferenceDeploymentStatus, found: Findings
+) -> list[Event]:
+    """A Warning for each problem when Degraded (as compute_status said it, before any
+    conflict) first says it or its message changes, not on every pass."""
+    if found.problems and _degraded(previous) != _degraded(status):
+        return [Event("Warning", p.reason, p.message) for p in found.problems]
+    return []
+
+
+def conflict_events(
+    previous: InferenceDeploymentStatus, status: InferenceDeploymentStatus, found: Findings
+) -> list[Event]:
+    """A Warning for each conflict when a NameConflict first appears or changes."""
+    conflicts = found.unique_conflicts()
+    if conflicts and _degraded_message(previous, R.NAME_CONFLICT) != _degraded_message(
+        status, R.NAME_CONFLICT
+    ):
+        return [Event("Warning", R.NAME_CONFLICT, c.message) for c in conflicts]
+    return []
+
+
+def _degraded(status: InferenceDeploymentStatus) -> tuple[str, str] | None:
+    degraded = find_condition(status.conditions, ConditionType.DEGRADED)
+    return (degraded.reason, degraded.message) if degraded is not None else None
+
+
+def _degraded_message(status: InferenceDeploymentStatus, reason: ConditionReason) -> str | None:
+    degraded = find_condition(status.conditions, ConditionType.DEGRADED)
+    return degraded.message if degraded is not None and degraded.reason == reason else None
+
+
+# ---- the status of a pass that stops early ----------------------------------------------------
+
+
+def degraded_conditions(
+    previous: InferenceDeploymentStatus, reason: ConditionReason, message: str, generation: int
+) -> list[Condition]:
+    """Degraded True with `reason` and `message`, every other condition as it was: a pass that
+    stops before it decides anything else (the credentials it may not read) leaves Ready and
+    the rest as the last full pass left them."""
+    return set_condition(
+        previous.conditions, ConditionType.DEGRADED, T, reason, message[:MESSAGE_LIMIT], generation
+    )
+
+
+def invalid_spec_conditions(
+    previous: InferenceDeploymentStatus, message: str, generation: int
+) -> list[Condition]:
+    """A spec the CRD let through that does not validate: not Ready, Degraded and Stalled."""
+    conditions: list[Condition] = list(previous.conditions)
+    for kind, value in (
+        (ConditionType.READY, F),
+        (ConditionType.DEGRADED, T),
+        (ConditionType.STALLED, T),
+    ):
+        conditions = set_condition(
+            conditions, kind, value, R.INVALID_SPEC, message[:MESSAGE_LIMIT], generation
+        )
+    return conditions
+
+
+# ---- the parts the status is computed from --------------------------------------------------
+
+
+def serving_canary(
+    canary: CanaryStatus | None,
+    current: str,
+    observed: RevisionObservation | None,
+    canary_enabled: bool,
+) -> CanaryStatus | None:
+    """The canary status when nothing rolls: about `current`, the revision that serves. A
+    status about another revision (a candidate that failed its canary and was reverted) says
+    nothing about it; `current` passed its canary to be promoted (its Job is kept with it), or
+    canaries are disabled."""
+    if canary is not None and canary.revision == current:
+        return canary
+    if not canary_enabled:
+        return CanaryStatus(revision=current, result=CanaryResult.NOT_RUN, message=DISABLED)
+    outcome = observed.canary if observed is not None else None
+    if outcome is None:
+        return CanaryStatus(
+            revision=current,
+            result=CanaryResult.PASSED,
+            message="promoted after its canary (its Job is gone)",
+        )
+    result = {
+        JobPhase.SUCCEEDED: CanaryResult.PASSED,
+        JobPhase.FAILED: CanaryResult.FAILED,
+        JobPhase.RUNNING: CanaryResult.RUNNING,
+    }[outcome.phase]
+    return CanaryStatus(
+        revision=current, job=outcome.job, result=result, message=outcome.message or str(result)
+    )
+
+
+def progress(
+    previous: ProgressStatus | None, mark: str | None, now: datetime
+) -> ProgressStatus | None:
+    """None when nothing is under way; else when `mark` (what the rollout waits for) last
+    changed. Any change is progress: a pod becoming ready, or unready again."""
+    if mark is None:
+        return None
+    if previous is not None and previous.mark == mark:
+        return previous
+    return ProgressStatus(mark=mark, last_progress_time=now)
+
+
+def deadline_exceeded(progressed: ProgressStatus | None, deadline_s: int, now: datetime) -> bool:
+    return progressed is not None and now - progressed.last_progress_time > timedelta(
+        seconds=deadline_s
+    )
+
+
+def read_status(raw: Mapping[str, Any] | None, name: str) -> InferenceDeploymentStatus:
+    """The status as stored. One that does not parse (an older operator's, or edited by hand)
+    must not stop reconciliation: start from an empty one, and say so in the log."""
+    try:
+        return InferenceDeploymentStatus.model_validate(raw or {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        log.warning(
+            "%s: the stored status does not parse (status.%s: %s); starting from an empty status",
+            name,
+            ".".join(str(p) for p in first["loc"]),
+            first["msg"],
+        )
+        return InferenceDeploymentStatus()
+
+
+# ---- writing it -----------------------------------------------------------------------------
+
+
+def merged(target: Any, patch: Any) -> Any:
+    """`patch` applied to `target` as a JSON merge patch (RFC 7386) is applied."""
+    if not isinstance(patch, Mapping):
+        return patch
+    result = dict(target) if isinstance(target, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merged(result.get(key), value)
+    return result
+
+
+def status_changes(current: Mapping[str, Any] | None, new: Mapping[str, Any]) -> bool:
+    """Would merging `new` into the stored status change it?"""
+    held = dict(current or {})
+    return bool(merged(held, new) != held)

@@ -44,6 +44,7 @@ from kvfence_engine.tools.localproc import (
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES, caches_prefixes, engine_args
 from kvfence_operator.builders.router_deployment import router_args, router_backends
 from kvfence_operator.builders.secret import RevisionCredentials
+from kvfence_operator.cluster.prober import read_pool
 from kvfence_operator.crd.types import (
     InferenceDeployment,
     InferenceDeploymentSpec,
@@ -51,8 +52,7 @@ from kvfence_operator.crd.types import (
     Role,
     RoleReplicas,
 )
-from kvfence_operator.decisions.pool_gate import PodPool, PoolDecision, judge_pools, read_pool
-from kvfence_operator.decisions.revision import revision_of
+from kvfence_operator.decisions.pool_gate import PodPool, PoolDecision, judge_pools
 from kvfence_operator.decisions.rollout import (
     CanaryOutcome,
     JobPhase,
@@ -61,6 +61,7 @@ from kvfence_operator.decisions.rollout import (
 )
 from kvfence_operator.decisions.status import compute_status
 from kvfence_operator.local.printer import table
+from kvfence_operator.revision import revision_of
 
 LOCAL_TENANT = "local"
 START_TIMEOUT_SECONDS = 900.0

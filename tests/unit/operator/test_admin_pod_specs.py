@@ -22,7 +22,7 @@ from kvfence_operator.crd.types import (
     Resources,
     Role,
 )
-from kvfence_operator.decisions.revision import revision_of
+from kvfence_operator.revision import revision_of
 
 REVISION = "0123456789"
 ENGINE_ROLES = [Role.PREFILL, Role.DECODE]

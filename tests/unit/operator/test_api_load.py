@@ -14,10 +14,10 @@ from kvfence_operator.cluster.cache import CACHE_LABELS, WATCHED, CachedKube, St
 from kvfence_operator.cluster.prober import PROBING, PoolProber, Probe
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.decisions.pool_gate import PodPool
-from kvfence_operator.decisions.revision import revision_of
-from kvfence_operator.decisions.status_write import merged, status_changes
+from kvfence_operator.decisions.status import merged, status_changes
 from kvfence_operator.meta import Instance, selector
 from kvfence_operator.reconcile.reconciler import Reconciler
+from kvfence_operator.revision import revision_of
 
 KEYS = {"apiVersion": "v1", "kind": "Secret",
         "metadata": {"name": "keys", "namespace": "default"}, "data": {}}  # fmt: skip

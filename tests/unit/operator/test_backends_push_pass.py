@@ -13,11 +13,11 @@ from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.builders.secret import secret_name
 from kvfence_operator.cluster.router_push import push_backends, versioned, written_backends
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
-from kvfence_operator.decisions.health import may_serve
+from kvfence_operator.decisions.pods import may_serve
 from kvfence_operator.decisions.pool_gate import PodPool
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import Instance, child_name, selector
-from kvfence_operator.reconcile.reconciler import Findings, Reconciler
+from kvfence_operator.reconcile.reconciler import Reconciler
+from kvfence_operator.revision import revision_of
 
 WANTED = BackendsFile(revision="r1", context_length=1024, prefill=["http://p"], decode=["http://d"])
 NOW_MS = 1_800_000_000_000
@@ -65,7 +65,7 @@ def test_a_router_that_cannot_be_reached_is_logged_and_the_pass_goes_on(
     assert "backends of revision r1 not pushed: no internal token" in caplog.text
 
 
-# ---- one observation of a revision: what is written and pushed --------------------------
+# ---- a pass: what is written and pushed for its revision ---------------------------------
 
 INSTANCE = Instance("tiny", "default", "uid-infd")
 SPEC = InferenceDeploymentSpec.model_validate(
@@ -76,6 +76,10 @@ SPEC = InferenceDeploymentSpec.model_validate(
     }
 )
 REVISION = revision_of(SPEC)
+BODY = {
+    "metadata": {"name": "tiny", "namespace": "default", "uid": "uid-infd", "generation": 1},
+    "spec": SPEC.model_dump(mode="json", by_alias=True, exclude_none=True),
+}
 OWNER = {"kind": "InferenceDeployment", "name": "tiny", "uid": "uid-infd", "controller": True}
 
 
@@ -128,7 +132,7 @@ def test_each_pass_pushes_its_set_to_the_revisions_live_routers_only() -> None:
         read_pool=sufficient,
         push_backends=lambda urls, file, token: pushes.append((list(urls), file, token)),
     )
-    reconciler._observe(Findings(), SPEC, INSTANCE, REVISION)
+    reconciler.reconcile(BODY)
     [(urls, pushed, token)] = pushes
     assert urls == ["http://10.0.0.10:8000", "http://10.0.0.11:8000"]
     assert token == "tok"
@@ -136,8 +140,8 @@ def test_each_pass_pushes_its_set_to_the_revisions_live_routers_only() -> None:
     configmap = cluster.objects[("ConfigMap", child_name(INSTANCE, REVISION, Role.ROUTER))]
     assert configmap["data"]["backends.json"] == pushed.file_text()  # the same, same version
 
-    reconciler._observe(Findings(), SPEC, INSTANCE, REVISION)  # nothing changed: the same version
+    reconciler.reconcile(BODY)  # nothing changed: the same version
     assert pushes[1][1] == pushed
     del cluster.objects[("Pod", "decode-0")]
-    reconciler._observe(Findings(), SPEC, INSTANCE, REVISION)
+    reconciler.reconcile(BODY)
     assert pushes[2][1].decode == [] and pushes[2][1].version > pushed.version

@@ -15,14 +15,16 @@ from kvfence_operator.crd.types import (
     InferenceDeploymentStatus,
     RevisionStatus,
 )
-from kvfence_operator.decisions.canary_rerun import (
+from kvfence_operator.decisions.canary import (
     ANNOTATION_RERUN_CANARY,
+    CanaryOutcome,
+    JobPhase,
+    canary_outcome,
     rerun_requested,
     rerun_value,
 )
-from kvfence_operator.decisions.rollout import CanaryOutcome, JobPhase, plan_rollout
+from kvfence_operator.decisions.rollout import plan_rollout
 from kvfence_operator.decisions.status import compute_status
-from kvfence_operator.reconcile.reconciler import canary_outcome
 
 JOB = "tiny-r2-canary"
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

@@ -9,9 +9,9 @@ from typing import Any
 from helpers.memory_kube import MemoryKube
 from kvfence_operator.builders.secret import secret_name
 from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import Instance
 from kvfence_operator.reconcile.reconciler import Reconciler
+from kvfence_operator.revision import revision_of
 
 
 def spec(name: str) -> InferenceDeploymentSpec:

@@ -11,7 +11,7 @@ from kvfence_operator.crd.types import (
     InferenceDeploymentStatus,
     RoleReplicas,
 )
-from kvfence_operator.decisions.conditions import find_condition, set_condition
+from kvfence_operator.decisions.status import find_condition, set_condition
 
 T0 = datetime(2026, 11, 29, 12, 0, 0, tzinfo=UTC)
 T1 = T0 + timedelta(minutes=5)

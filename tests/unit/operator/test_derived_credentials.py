@@ -21,11 +21,11 @@ from kvfence_operator.builders.secret import (
 )
 from kvfence_operator.cluster.kube import KubeError
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
-from kvfence_operator.decisions.health import CredentialsUnreadable
+from kvfence_operator.decisions.findings import CredentialsUnreadable
 from kvfence_operator.decisions.pool_gate import PodPool
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import Instance, child_name, selector
 from kvfence_operator.reconcile.reconciler import Reconciler
+from kvfence_operator.revision import revision_of
 
 KEY = b"the operator's credentials key, 43 characters"
 INSTANCE = Instance("tiny", "default", "uid-infd")

@@ -21,9 +21,9 @@ from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.network_policy import build_router_network_policy
 from kvfence_operator.crd.types import InferenceDeployment, Role
 from kvfence_operator.decisions.drift import declaring_spec, drift_patch, holds
-from kvfence_operator.decisions.replicas import replica_counts, with_replicas
-from kvfence_operator.decisions.revision import revision_of, spec_record
+from kvfence_operator.decisions.replicas import with_replicas_of
 from kvfence_operator.meta import OPERATOR_POD_LABELS, child_name, selector
+from kvfence_operator.revision import revision_of, spec_record
 
 SPEC = sample_spec("full")
 INSTANCE = instance_for("full")
@@ -110,17 +110,26 @@ def test_any_change_to_what_a_deployment_declares_is_reverted(edit):
 
 
 def test_replicas_come_from_the_objects_spec_for_every_kept_revision():
-    counts = replica_counts(SPEC)
-    assert counts == {
-        "prefill": SPEC.prefill.replicas,
-        "decode": SPEC.decode.replicas,
-        "router": SPEC.router.replicas,
+    """A revision's Deployments take the object's counts, whatever spec they are declared from;
+    nothing else of the revision changes with them."""
+    scaled_spec = SPEC.model_copy(update={"decode": SPEC.decode.model_copy(update={"replicas": 5})})
+    counted = with_replicas_of(SPEC, scaled_spec)
+    assert (counted.prefill.replicas, counted.decode.replicas, counted.router.replicas) == (
+        SPEC.prefill.replicas,
+        5,
+        SPEC.router.replicas,
+    )
+    assert revision_of(counted) == REVISION  # replica counts are revision-neutral
+    built = build_revision_children(
+        SPEC, INSTANCE, REVISION, CREDENTIALS, OPERATOR_NAMESPACE, deployments_spec=counted
+    )
+    scaled = {f"{c['kind']}/{c['metadata']['name']}": c for c in built}
+    name = f"Deployment/{child_name(INSTANCE, REVISION, Role.DECODE)}"
+    assert scaled[name]["spec"]["replicas"] == 5
+    assert scaled[name]["spec"]["template"] == deployment(Role.DECODE)["spec"]["template"]
+    assert {k: v for k, v in scaled.items() if k != name} == {
+        k: v for k, v in children().items() if k != name
     }
-    scaled = with_replicas(deployment(Role.DECODE), {**counts, "decode": 5})
-    assert scaled["spec"]["replicas"] == 5
-    assert scaled["spec"]["template"] == deployment(Role.DECODE)["spec"]["template"]
-    service = children()[f"Service/{child_name(INSTANCE, REVISION, Role.ROUTER)}"]
-    assert with_replicas(service, counts) == service
 
 
 def test_a_service_selector_key_someone_added_is_removed():

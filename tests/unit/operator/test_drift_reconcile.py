@@ -10,9 +10,9 @@ from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.network_policy import build_router_network_policy
 from kvfence_operator.builders.router_deployment import build_stable_service
 from kvfence_operator.crd.types import InferenceDeployment, InferenceDeploymentSpec, Role
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import child_name
 from kvfence_operator.reconcile.reconciler import Reconciler
+from kvfence_operator.revision import revision_of
 
 INSTANCE = instance_for("full")
 

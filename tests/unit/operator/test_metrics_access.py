@@ -9,8 +9,8 @@ from helpers.builders import CREDENTIALS, OPERATOR_NAMESPACE, container, instanc
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.metrics import MetricsAccess
 from kvfence_operator.crd.types import Role
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import HTTP_PORT, TRANSFER_PORT
+from kvfence_operator.revision import revision_of
 
 SCRAPERS = [
     {

@@ -8,15 +8,15 @@ from helpers.memory_kube import MemoryKube
 from kvfence_operator.builders.router_deployment import build_stable_service
 from kvfence_operator.builders.secret import secret_name
 from kvfence_operator.crd.types import InferenceDeploymentSpec, InferenceDeploymentStatus
+from kvfence_operator.decisions.findings import Conflict
 from kvfence_operator.decisions.ownership import (
-    Conflict,
     pod_controlled_by_deployment,
     stable_service_patch,
 )
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.decisions.status import with_conflicts
 from kvfence_operator.meta import Instance, controlled_by, owner_description, selector
 from kvfence_operator.reconcile.reconciler import Reconciler
+from kvfence_operator.revision import revision_of
 
 INSTANCE = Instance("tiny", "default", "uid-infd")
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

@@ -4,8 +4,9 @@ import httpx
 import pytest
 
 from kvfence_engine.contracts import TOKEN_HEADER
+from kvfence_operator.cluster.prober import read_pool
 from kvfence_operator.crd.types import PoolPolicy
-from kvfence_operator.decisions.pool_gate import PodPool, judge_pools, parse_pool, read_pool
+from kvfence_operator.decisions.pool_gate import PodPool, judge_pools, parse_pool
 
 
 def report(pool_tokens: int, role: str = "decode", revision: str = "r1", **extra) -> dict:

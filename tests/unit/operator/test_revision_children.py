@@ -9,8 +9,8 @@ import pytest
 from helpers.builders import CREDENTIALS, everything_built, instance_for, pod_spec, sample_spec
 from helpers.crd_admission import SAMPLE_NAMES
 from kvfence_operator.builders import build_revision_children
-from kvfence_operator.decisions.revision import revision_of
 from kvfence_operator.meta import Instance
+from kvfence_operator.revision import revision_of
 
 ALL_BUILT = [(name, obj) for name in SAMPLE_NAMES for obj in everything_built(name)]
 IDS = [f"{name}-{obj['kind']}-{obj['metadata']['name']}" for name, obj in ALL_BUILT]

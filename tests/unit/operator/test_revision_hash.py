@@ -7,7 +7,7 @@ import pytest
 from helpers.builders import sample_spec
 from helpers.crd_admission import SAMPLE_NAMES, load_sample, stored_spec
 from kvfence_operator.crd.types import EngineSpec, InferenceDeployment, InferenceDeploymentSpec
-from kvfence_operator.decisions.revision import revision_of
+from kvfence_operator.revision import revision_of
 
 
 def _with(change: dict) -> InferenceDeploymentSpec:

@@ -7,10 +7,9 @@ from helpers.builders import instance_for, sample_spec
 from helpers.crd_admission import load_sample
 from helpers.rollout import observation
 from kvfence_operator.crd.types import InferenceDeployment, InferenceDeploymentSpec, RevisionStatus
-from kvfence_operator.decisions.revision import judged_spec, revision_of, spec_record
-from kvfence_operator.decisions.rollout import plan_rollout, serving_revision
+from kvfence_operator.decisions.rollout import plan_rollout, selected_revision, serving_revision
 from kvfence_operator.meta import LABEL_REVISION, owner_reference
-from kvfence_operator.reconcile.reconciler import selected_revision
+from kvfence_operator.revision import judged_spec, revision_of, spec_record
 
 
 def _with(change: dict) -> InferenceDeploymentSpec:

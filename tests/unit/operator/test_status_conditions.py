@@ -9,7 +9,8 @@ from kvfence_operator.crd.types import (
     InferenceDeploymentStatus,
     RevisionStatus,
 )
-from kvfence_operator.decisions.rollout import CanaryOutcome, JobPhase, plan_rollout
+from kvfence_operator.decisions.canary import CanaryOutcome, JobPhase
+from kvfence_operator.decisions.rollout import plan_rollout
 from kvfence_operator.decisions.status import compute_status
 
 SPEC = InferenceDeploymentSpec.model_validate(

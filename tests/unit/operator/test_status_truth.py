@@ -22,7 +22,8 @@ from kvfence_operator.crd.types import (
     RevisionStatus,
     RoleReplicas,
 )
-from kvfence_operator.decisions.health import InvalidSpec, may_serve
+from kvfence_operator.decisions.findings import InvalidSpec
+from kvfence_operator.decisions.pods import may_serve
 from kvfence_operator.decisions.rollout import (
     CanaryOutcome,
     JobPhase,

@@ -1,0 +1,114 @@
+"""The canary's part of a rollout that is read off its Job: the verdict of a finished Job, and
+whether the user asked for a new run.
+
+Only exit 1 is a finding (the Job's podFailurePolicy fails it at once); a Job that failed
+otherwise has no verdict (CouldNotRun). A canary that failed or could not run stops the rollout
+until the spec changes. When the cause was outside the revision (a node, the network, an image
+registry) the user asks for a new run by giving the InferenceDeployment's
+`kvfence.dev/rerun-canary` annotation a new value. The canary Job records the value it was
+created with; when the two differ, the operator deletes the candidate's Job (its pods with it)
+and starts a fresh one. Only a candidate's canary is re-run: the serving revision's passed
+canary never is.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from kvfence_operator.builders.canary_job import CONTAINER as CANARY_CONTAINER
+from kvfence_operator.builders.canary_job import EXIT_FINDING
+from kvfence_operator.meta import ANNOTATION_RERUN_CANARY
+
+
+class JobPhase(StrEnum):
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"  # a finding: the canary saw an isolation or status failure
+    COULD_NOT_RUN = "CouldNotRun"  # no verdict, after the Job's retries: not a finding
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryOutcome:
+    job: str
+    phase: JobPhase
+    message: str = ""
+
+
+def rerun_value(obj: Mapping[str, Any] | None) -> str:
+    """The annotation's value on an InferenceDeployment or a canary Job; "" when absent (so a
+    Job created before the annotation existed, or while it was unset, matches no value)."""
+    annotations = ((obj or {}).get("metadata") or {}).get("annotations") or {}
+    return str(annotations.get(ANNOTATION_RERUN_CANARY) or "")
+
+
+def rerun_requested(job: Mapping[str, Any], wanted: str) -> bool:
+    """Did the user ask for a new run since `job` was created? `wanted`: the
+    InferenceDeployment's value."""
+    return rerun_value(job) != wanted
+
+
+def canary_outcome(job: Mapping[str, Any], pods: list[dict[str, Any]]) -> CanaryOutcome:
+    """A Job's verdict, with the canary's one-line summary from its termination message.
+
+    Only exit 1 is a finding: the Job's podFailurePolicy fails it at once (reason
+    PodFailurePolicy). A Job that failed otherwise has no verdict (CouldNotRun): its tries
+    all could not run (BackoffLimitExceeded), or it ran out of time (DeadlineExceeded: a pod
+    stuck Pending on its image, a canary slower than its timeout). A Job from before the
+    podFailurePolicy (backoffLimit 0) is judged by its pod's exit code."""
+    name = job["metadata"]["name"]
+    conditions = {
+        c.get("type"): c
+        for c in (job.get("status") or {}).get("conditions") or []
+        if c.get("status") == "True"
+    }
+    tries = sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "")
+    message = next((m for pod in reversed(tries) if (m := _termination_message(pod))), "")
+    if "Complete" in conditions:
+        return CanaryOutcome(name, JobPhase.SUCCEEDED, message)
+    if "Failed" not in conditions:
+        return CanaryOutcome(name, JobPhase.RUNNING, message)
+    failed = conditions["Failed"]
+    reason = failed.get("reason") or ""
+    findings = [pod for pod in tries if _exit(pod) == EXIT_FINDING]
+    if reason == "PodFailurePolicy" or findings:
+        found = _termination_message(findings[-1]) if findings else message
+        return CanaryOutcome(name, JobPhase.FAILED, found or f"job failed: {failed.get('message')}")
+    attempts = sum((p.get("status") or {}).get("phase") == "Failed" for p in tries)
+    why = {
+        "BackoffLimitExceeded": f"no verdict in {attempts} tries",
+        "DeadlineExceeded": "the Job ran past its activeDeadlineSeconds (a pod that never "
+        "started, e.g. an image that does not pull, or a canary slower than its timeout)",
+    }.get(reason, failed.get("message") or "the Job failed")
+    last = _last_words(tries[-1]) if tries else ""
+    return CanaryOutcome(
+        name,
+        JobPhase.COULD_NOT_RUN,
+        f"could not run ({reason or 'Failed'}): {why}" + (f"; last try: {last}" if last else ""),
+    )
+
+
+def _canary_container(pod: Mapping[str, Any]) -> dict[str, Any]:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return next((s for s in statuses if s.get("name") == CANARY_CONTAINER), {})
+
+
+def _exit(pod: Mapping[str, Any]) -> int | None:
+    terminated = (_canary_container(pod).get("state") or {}).get("terminated") or {}
+    code = terminated.get("exitCode")
+    return int(code) if code is not None else None
+
+
+def _termination_message(pod: Mapping[str, Any]) -> str:
+    terminated = (_canary_container(pod).get("state") or {}).get("terminated") or {}
+    return str(terminated.get("message") or "").strip()
+
+
+def _last_words(pod: Mapping[str, Any]) -> str:
+    """What a try ended with: the canary's summary, else its exit code, else why its container
+    is waiting (ImagePullBackOff: ...)."""
+    state = _canary_container(pod).get("state") or {}
+    if (said := _termination_message(pod)) or "terminated" in state:
+        return said or f"exit code {state['terminated'].get('exitCode')}"
+    waiting = state.get("waiting") or {}
+    return ": ".join(str(w) for w in (waiting.get("reason"), waiting.get("message")) if w)

@@ -1,0 +1,221 @@
+"""What a pass does, decided from what it observed. Pure: the decisions (decisions/) applied to
+one pass's observations give the writes it must make (a PassPlan); reconcile/act.py makes them.
+
+Per revision the pass keeps: the spec it is judged by (revision.judged_spec), its pools' verdict
+(pool_gate.judge_pools) and with it each engine pod's gate and the routers' backends file. Then
+the rollout (rollout.plan_rollout): which revision serves, which canary starts, what is fenced
+and what retires. The children of the desired and the serving revision are declared from each
+one's own spec, with the object's replica counts (drift.declaring_spec, replicas).
+"""
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from kvfence_engine.contracts import BackendsFile
+from kvfence_operator.builders.canary_job import build_canary_job
+from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
+from kvfence_operator.builders.router_deployment import (
+    build_router_configmap,
+    build_stable_service,
+    router_backends,
+)
+from kvfence_operator.builders.secret import derived_mark
+from kvfence_operator.cluster.router_push import versioned
+from kvfence_operator.crd.types import (
+    EventReason,
+    InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
+    RevisionStatus,
+    RoleReplicas,
+)
+from kvfence_operator.decisions.canary import rerun_requested
+from kvfence_operator.decisions.drift import declaring_spec
+from kvfence_operator.decisions.pods import may_serve, pod_url
+from kvfence_operator.decisions.pool_gate import PodGate, PodPool, judge_pools
+from kvfence_operator.decisions.replicas import with_replicas_of
+from kvfence_operator.decisions.retirement import Retirement, retirement
+from kvfence_operator.decisions.rollout import Event, RevisionObservation, RolloutPlan, plan_rollout
+from kvfence_operator.meta import ANNOTATION_RERUN_CANARY, Instance
+from kvfence_operator.reconcile.observe import Frame, RevisionSeen
+from kvfence_operator.revision import judged_spec
+
+
+@dataclass(frozen=True, slots=True)
+class Ensure:
+    """A revision whose children must exist as declared."""
+
+    revision: str
+    spec: InferenceDeploymentSpec  # the revision's own (drift.declaring_spec)
+    deployments_spec: InferenceDeploymentSpec  # the same, with the object's replica counts
+    serving: bool  # the stable Service selects it: its routers are public
+
+
+@dataclass(frozen=True, slots=True)
+class RevisionWrites:
+    """What a pass writes for one revision it observed: its engine pods' gates, its routers'
+    backends file (in their ConfigMap, and pushed to each router)."""
+
+    revision: str
+    gates: tuple[tuple[dict[str, Any], PodGate], ...]  # (pod as read, its gate)
+    configmap: dict[str, Any]  # the router ConfigMap that holds `backends`
+    backends: BackendsFile
+    routers: tuple[str, ...]  # the URLs of its routers that may serve
+    token: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PassPlan:
+    ensure: tuple[Ensure, ...]
+    rerun: str | None  # the revision whose canary Job goes: the user asked for a new run
+    rerun_value: str
+    revisions: tuple[RevisionWrites, ...]
+    rollout: RolloutPlan
+    observed: Mapping[str, RevisionObservation]
+    pools: Sequence[PodPool]  # of the revision the conditions describe (rollout.judged)
+    canary_job: dict[str, Any] | None  # to create now
+    open_routers: frozenset[str]  # the kept revisions whose routers admit clients
+    stable_service: dict[str, Any] | None  # what the stable Service must be (None: untouched)
+    retirement: Retirement
+
+
+@dataclass(frozen=True, slots=True)
+class PassInputs:
+    """What a pass observed, and what it was asked for."""
+
+    spec: InferenceDeploymentSpec
+    instance: Instance
+    desired: str
+    revision_status: RevisionStatus | None  # rollout.serving_revision
+    previous: InferenceDeploymentStatus
+    frame: Frame
+    seen: Mapping[str, RevisionSeen]  # every revision the pass keeps, by revision
+    rerun_value: str  # the InferenceDeployment's kvfence.dev/rerun-canary
+
+
+def decide(
+    given: PassInputs,
+    *,
+    now: datetime,
+    now_ms: int,
+    unsafe_faults_allowed: bool,
+    credentials_key: bytes | None,
+) -> PassPlan:
+    spec, instance, desired = given.spec, given.instance, given.desired
+    current = given.revision_status.current if given.revision_status else None
+    ensure = []
+    for revision in dict.fromkeys(r for r in (desired, current) if r is not None):
+        record = None if revision == desired else given.seen[revision].record
+        declaring = declaring_spec(revision, desired, spec, record)
+        if declaring is not None:
+            scaled = with_replicas_of(declaring, spec)
+            ensure.append(Ensure(revision, declaring, scaled, revision == current))
+    # a candidate's canary only: the serving one's is never re-run
+    job = given.seen[desired].canary_job if desired != current else None
+    rerun = desired if job is not None and rerun_requested(job, given.rerun_value) else None
+
+    observed: dict[str, RevisionObservation] = {}
+    pools_of: dict[str, list[PodPool]] = {}
+    writes = []
+    for revision, seen in given.seen.items():
+        judged = judged_spec(revision, desired, spec, seen.record)
+        canary = None if revision == rerun else seen.canary
+        observed[revision], written = _revision(
+            judged, instance, seen, canary, now_ms, unsafe_faults_allowed
+        )
+        pools_of[revision] = list(seen.pools)
+        writes.append(written)
+
+    plan = plan_rollout(
+        desired,
+        given.revision_status,
+        given.previous.canary,
+        observed,
+        spec.canary.enabled,
+        now=now,
+        retire_after_seconds=spec.rollout.retire_after_seconds,
+    )
+    canary_job = None
+    if plan.start_canary is not None:
+        context = observed[plan.start_canary].pools.effective_context
+        canary_job = build_canary_job(spec, instance, plan.start_canary, context, given.rerun_value)
+    open_routers: frozenset[str] = frozenset()
+    stable = None
+    if plan.serve is not None:
+        # open: the revision about to serve, and those draining (their clients finish there)
+        open_routers = frozenset({plan.serve, *(r.revision for r in plan.revision.retiring or [])})
+        stable = build_stable_service(spec, instance, plan.serve)
+    mark = derived_mark(credentials_key) if credentials_key is not None else None
+    return PassPlan(
+        tuple(ensure),
+        rerun,
+        given.rerun_value,
+        tuple(writes),
+        plan,
+        observed,
+        pools_of.get(plan.judged, []),
+        canary_job,
+        open_routers,
+        stable,
+        retirement(given.frame.children, set(plan.keep), instance.uid, mark),
+    )
+
+
+def _revision(
+    spec: InferenceDeploymentSpec,
+    instance: Instance,
+    seen: RevisionSeen,
+    canary: Any,
+    now_ms: int,
+    unsafe_faults_allowed: bool,
+) -> tuple[RevisionObservation, RevisionWrites]:
+    """`spec`: the one this revision is judged by (revision.judged_spec)."""
+    decision = judge_pools(
+        seen.pools,
+        spec.pool_policy,
+        spec.context_length,
+        spec.min_context_length,
+        unsafe_faults_allowed=unsafe_faults_allowed,
+        pool_share=spec.tenant_limits.max_pool_share_per_tenant,
+    )
+    gates = tuple((pod, decision.gates[pod["metadata"]["name"]]) for pod in seen.engine_pods)
+    urls: dict[str, list[str]] = {str(role): [] for role in ENGINE_ROLES}
+    for pod, pool in zip(seen.engine_pods, seen.pools, strict=True):
+        url = pod_url(pod)
+        if decision.gates[pool.pod].sufficient and url is not None:
+            urls[pool.role].append(url)
+    prefill, decode = urls[str(ENGINE_ROLES[0])], urls[str(ENGINE_ROLES[1])]
+    context = decision.effective_context
+    backends = versioned(
+        router_backends(spec, seen.revision, context, prefill, decode), seen.backends, now_ms
+    )
+    configmap = build_router_configmap(
+        spec,
+        instance,
+        seen.revision,
+        context_length=context,
+        prefill_urls=prefill,
+        decode_urls=decode,
+        version=backends.version,
+    )
+    routers = tuple(url for pod in seen.router_pods if may_serve(pod) and (url := pod_url(pod)))
+    replicas = {
+        str(role): RoleReplicas(
+            ready=int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0),
+            desired=int(((deployment or {}).get("spec") or {}).get("replicas") or 0),
+        )
+        for role, deployment in seen.deployments.items()
+    }
+    observation = RevisionObservation(seen.revision, replicas, decision, canary)
+    return observation, RevisionWrites(
+        seen.revision, gates, configmap, backends, routers, seen.token
+    )
+
+
+def rerun_event(revision: str, wanted: str) -> Event:
+    return Event(
+        "Normal",
+        EventReason.CANARY_RERUN,
+        f"{ANNOTATION_RERUN_CANARY}={wanted!r}: the canary of revision {revision} runs again",
+    )

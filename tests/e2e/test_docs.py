@@ -1,5 +1,6 @@
 """The design is written down in docs/, and what it points at exists: every relative link and
-anchor resolves, every module and function the docs name is in the tree, and nothing cites the
+anchor resolves, every module and function the docs name is in the tree, every flag and engine
+metric docs/engine.md names is the real CLI's and the real registry's, and nothing cites the
 design file that preceded docs/."""
 
 import re
@@ -61,7 +62,8 @@ def github_anchors(markdown: str) -> set[str]:
 def test_docs_exist_and_the_index_links_every_page():
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
     expected = {"README.md", "architecture.md", "isolation.md", "transfer-protocol.md"}
-    assert expected | {"operator.md", "crd.md"} <= pages
+    expected |= {"operator.md", "crd.md", "canary.md", "cluster.md", "local.md", "engine.md"}
+    assert expected | {"benchmarks.md", "development.md"} <= pages
     index = (ROOT / "docs" / "README.md").read_text()
     unlinked = [page for page in sorted(pages - {"README.md"}) if f"]({page}" not in index]
     assert not unlinked, f"docs/README.md does not link {unlinked}"
@@ -138,3 +140,76 @@ def test_every_module_and_function_the_docs_name_exists():
             elif name and not any(defines((ROOT / f).read_text(), name) for f in files):
                 missing.append(f"{where}: {name} is not defined there")
     assert not missing, "\n".join(missing)
+
+
+ENGINE_PAGE = ROOT / "docs" / "engine.md"
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def section(markdown: str, heading: str) -> str:
+    """The text under `heading` (a whole heading line), up to the next heading of its level or
+    higher."""
+    level = heading.split(" ", 1)[0]
+    body = markdown.split(f"\n{heading}\n", 1)[1]
+    ends = [m.start() for m in re.finditer(rf"^#{{1,{len(level)}}} ", body, flags=re.M)]
+    return body[: ends[0]] if ends else body
+
+
+def cli_options(command: str) -> set[str]:
+    """Every option string of `kvfence COMMAND`, from the real parser."""
+    import argparse
+
+    from kvfence_cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {opt for action in sub.choices[command]._actions for opt in action.option_strings}
+
+
+def test_every_flag_the_engine_page_gives_is_a_flag_of_its_command():
+    """docs/engine.md's `kvfence serve` table and its disaggregated commands name only flags
+    that `kvfence serve` and `kvfence router` have."""
+    text = ENGINE_PAGE.read_text()
+    table = section(text, "## `kvfence serve`").split("\n### ", 1)[0]
+    rows = [line.split("|")[1] for line in table.splitlines() if line.startswith("| `--")]
+    assert len(rows) > 10, "docs/engine.md has no `kvfence serve` flag table"
+    unknown = [f"serve {flag}" for row in rows for flag in FLAG.findall(row)]
+    unknown = [u for u in unknown if u.split()[1] not in cli_options("serve")]
+    disagg = section(text, "## Disaggregated serving")
+    block = re.search(r"```bash\n(.*?)```", disagg, flags=re.S)
+    assert block, "docs/engine.md's Disaggregated serving shows no commands"
+    commands = block.group(1).replace("\\\n", " ").splitlines()
+    assert {c.split()[1] for c in commands} == {"serve", "router"}, commands
+    for command in commands:
+        name = command.split()[1]
+        unknown += [f"{name} {f}" for f in FLAG.findall(command) if f not in cli_options(name)]
+    assert not unknown, f"docs/engine.md names flags the CLI does not have: {unknown}"
+
+
+def metric_names(text: str) -> list[str]:
+    """The metric names in backticks: `a_{x,y}_total` is two names; a trailing `{label}` is
+    labels, not part of the name."""
+    names = []
+    for raw in re.findall(r"`(kvfence_[\w{},]+)`", text):
+        raw = re.sub(r"\{[^},]*\}$", "", raw)
+        alternation = re.search(r"\{([^}]*)\}", raw)
+        if alternation:
+            names += [raw.replace(alternation.group(0), part) for part in alternation[1].split(",")]
+        else:
+            names.append(raw)
+    return names
+
+
+def test_every_engine_metric_the_endpoints_list_is_exported():
+    """The `GET /metrics` item of docs/engine.md's Endpoints names only metrics an engine's
+    registry (what its /metrics serves) has: family names, or their samples' names."""
+    from kvfence_engine.core.metrics import EngineMetrics
+
+    endpoints = section(ENGINE_PAGE.read_text(), "### Endpoints")
+    item = next(i for i in endpoints.split("\n- ") if i.startswith("`GET /metrics`"))
+    listed = metric_names(item)
+    assert len(listed) > 10, item
+    exported = set()
+    for family in EngineMetrics().registry.collect():
+        exported |= {family.name, f"{family.name}_total"} | {s.name for s in family.samples}
+    missing = [name for name in listed if name not in exported]
+    assert not missing, f"docs/engine.md lists metrics an engine does not export: {missing}"

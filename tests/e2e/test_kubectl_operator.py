@@ -49,14 +49,23 @@ MANIFEST = textwrap.dedent(
 )
 
 
-def readme_cluster_steps() -> tuple[dict[str, object], str]:
-    """The manifest and the `kubectl get infd -o wide` output README's "Try the operator
-    locally" section shows."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### Try the operator locally", 1)[1].split("\n### ", 1)[0]
+def documented_cluster_steps() -> tuple[dict[str, object], str]:
+    """The manifest and the `kubectl get infd -o wide` output that docs/local.md's "Try the
+    operator locally" section shows."""
+    text = (ROOT / "docs" / "local.md").read_text()
+    section = text.split("\n## Try the operator locally", 1)[1].split("\n## ", 1)[0]
     manifest = section.split("kubectl apply -f - <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
     output = section.split("kubectl get infd -o wide\n", 1)[1].split("```\n", 2)[2]
     return yaml.safe_load(manifest), output.split("```", 1)[0]
+
+
+def test_the_documented_steps_apply_the_manifest_this_test_applies() -> None:
+    """Without a cluster: the page's manifest and table parse, and the manifest is this one (the
+    slow test below also compares the table with what kubectl prints)."""
+    manifest, output = documented_cluster_steps()
+    assert manifest == yaml.safe_load(MANIFEST), "docs/local.md's manifest is not the test's"
+    header, rows = table(output)
+    assert header == WIDE and len(rows) == 1 and rows[0][0] == NAME, output
 
 
 def table(output: str) -> tuple[list[str], list[list[str]]]:
@@ -137,16 +146,19 @@ def test_a_user_applies_waits_inspects_changes_and_deletes_with_kubectl(tmp_path
         wide_header, wide_rows = table(wide)
         assert wide_header == WIDE and wide_rows[0][:7] == rows[0][:7]
         assert wide_rows[0][8:] == ["Passed", "", "", "", ""]  # no candidate: empty cells
-        readme_manifest, readme_output = readme_cluster_steps()
-        assert readme_manifest == yaml.safe_load(MANIFEST), "README's manifest is not the test's"
-        readme_header, readme_rows = table(readme_output)
+        documented_manifest, documented_output = documented_cluster_steps()
+        assert documented_manifest == yaml.safe_load(MANIFEST), (
+            "docs/local.md's manifest is not the test's"
+        )
+        documented_header, documented_rows = table(documented_output)
 
         def without_age(row: list[str]) -> list[str]:
             return row[:7] + row[8:]
 
-        assert (readme_header, without_age(readme_rows[0])) == (WIDE, without_age(wide_rows[0])), (
-            f"README's `kubectl get infd -o wide` output is stale; this run printed:\n{wide}"
-        )
+        assert (documented_header, without_age(documented_rows[0])) == (
+            WIDE,
+            without_age(wide_rows[0]),
+        ), f"docs/local.md's `kubectl get infd -o wide` output is stale; this run printed:\n{wide}"
 
         described = cluster.kubectl("describe", "infd", NAME).stdout
         events = described.split("\nEvents:", 1)[1]

@@ -1,8 +1,11 @@
-"""The README's examples run as shown: the commands it gives print what it says they print.
+"""The README's and the docs' examples run as shown: the commands they give print what they
+say they print.
 
-Which examples are checked is written in the README itself, so that whoever edits an example
-sees that it is checked, and an edit elsewhere never starts or stops a check. A checked example
-is a fenced code block whose previous line is a marker, an HTML comment (invisible on GitHub):
+Which examples are checked is written in the page itself (README.md or a page under docs/), so
+that whoever edits an example sees that it is checked, and an edit elsewhere never starts or
+stops a check; a checked example keeps its check when it moves between pages. A checked
+example is a fenced code block whose previous line is a marker, an HTML comment (invisible on
+GitHub):
 
     <!-- checked: shell -->
         `$ kvfence ...` lines, each followed by what it prints. The test runs each command
@@ -17,7 +20,8 @@ is a fenced code block whose previous line is a marker, an HTML comment (invisib
         model id, the fields and the answer shown are the real ones. Every such snippet sets
         `max_tokens` (without it a chat runs to the end of the context).
 
-A marker of an unknown kind fails the test (a typo would otherwise silently check nothing).
+A marker of an unknown kind fails the test (a typo would otherwise silently check nothing), and
+so does a kind no page uses any more.
 """
 
 import re
@@ -31,10 +35,10 @@ import pytest
 from kvfence_engine.tools.localproc import LocalProcess
 
 ROOT = Path(__file__).parents[2]
-README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKED = re.compile(r"^<!-- checked: (.*?) -->\n```\w*\n(.*?)^```", re.M | re.S)
 KINDS = {"shell", "openai-python"}
-README_URL = "http://127.0.0.1:8000/v1"
+SNIPPET_URL = "http://127.0.0.1:8000/v1"
 
 
 @dataclass(frozen=True)
@@ -42,18 +46,22 @@ class Example:
     kind: str
     arg: str | None
     code: str
-    line: int  # in README.md, for the failure message
+    page: str  # "README.md" or a page under docs/, for the failure message
+    line: int
 
     def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.kind})"
+        return f"{self.page}:{self.line} ({self.kind})"
 
 
 def marked_examples() -> list[Example]:
     found = []
-    for match in MARKED.finditer(README):
-        kind, _, arg = match.group(1).strip().partition(" ")
-        line = README.count("\n", 0, match.start()) + 1
-        found.append(Example(kind, arg or None, match.group(2), line))
+    for path in PAGES:
+        text = path.read_text()
+        for match in MARKED.finditer(text):
+            kind, _, arg = match.group(1).strip().partition(" ")
+            line = text.count("\n", 0, match.start()) + 1
+            page = str(path.relative_to(ROOT))
+            found.append(Example(kind, arg or None, match.group(2), page, line))
     return found
 
 
@@ -64,12 +72,19 @@ def of_kind(kind: str) -> list[Example]:
     return [e for e in EXAMPLES if e.kind == kind]
 
 
-def test_the_readme_marks_its_runnable_examples_with_known_kinds() -> None:
+def test_the_pages_mark_their_runnable_examples_with_known_kinds() -> None:
     assert {e.kind for e in EXAMPLES} == KINDS, [str(e) for e in EXAMPLES]
 
 
+def test_the_readme_shows_a_checked_first_request() -> None:
+    """The Quickstart's first request is one of the checked snippets, not a copy of one."""
+    assert any(e.page == "README.md" and e.kind == "openai-python" for e in EXAMPLES), [
+        str(e) for e in EXAMPLES
+    ]
+
+
 @pytest.mark.parametrize("example", of_kind("shell"), ids=str)
-def test_a_shell_example_prints_what_the_readme_shows(example: Example) -> None:
+def test_a_shell_example_prints_what_its_page_shows(example: Example) -> None:
     commands: list[tuple[str, list[str]]] = []
     for text in example.code.splitlines():
         if text.startswith("$ "):
@@ -101,9 +116,9 @@ def printed_lines(code: str) -> list[str]:
 
 
 @pytest.mark.parametrize("example", of_kind("openai-python"), ids=str)
-def test_an_openai_snippet_prints_what_the_readme_shows(example: Example, tmp_path: Path) -> None:
+def test_an_openai_snippet_prints_what_its_page_shows(example: Example, tmp_path: Path) -> None:
     assert example.arg, f"{example}: the marker names no model source"
-    assert README_URL in example.code, f"{example}: the snippet does not use {README_URL}"
+    assert SNIPPET_URL in example.code, f"{example}: the snippet does not use {SNIPPET_URL}"
     assert "max_tokens=" in example.code, f"{example}: set max_tokens"
     shown = printed_lines(example.code)
     assert shown, f"{example}: the snippet prints nothing to compare"
@@ -112,7 +127,7 @@ def test_an_openai_snippet_prints_what_the_readme_shows(example: Example, tmp_pa
     try:
         server.wait_ready(timeout=300)  # the first start of a GGUF converts its weights
         ran = subprocess.run(
-            [sys.executable, "-c", example.code.replace(README_URL, server.url + "/v1")],
+            [sys.executable, "-c", example.code.replace(SNIPPET_URL, server.url + "/v1")],
             capture_output=True,
             text=True,
             timeout=300,

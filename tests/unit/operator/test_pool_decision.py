@@ -238,7 +238,7 @@ def test_lower_context_below_the_floor_names_the_smallest_pod_and_the_remedy():
 
 
 def test_the_remedy_is_the_arithmetic_preflight_shows():
-    """1456 tokens of pool for a context of 2048: preflight says 41% (README)."""
+    """1456 tokens of pool for a context of 2048: preflight says 41% (docs/engine.md)."""
     decision = judge_pools(
         [pod("d-0", 1456)], PoolPolicy.REFUSE, context_length=2048, min_context_length=None
     )

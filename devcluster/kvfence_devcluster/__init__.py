@@ -16,7 +16,8 @@ Or `with start_cluster(path, kubelet=KubeletOptions(...)) as cluster:` outside p
 
 from .apiserver import ApiServer, write_kubeconfig
 from .fixtures import Cluster, ClusterApiError, cluster_fixture, start_cluster
-from .kubelet import Kubelet, KubeletOptions
+from .kubelet import Kubelet
+from .options import KubeletOptions
 from .processes import ManagedProcess
 from .resources import ApiError, ResourceType
 from .store import Store

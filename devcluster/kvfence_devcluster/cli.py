@@ -27,7 +27,7 @@ from kvfence_engine.tools.localproc import free_port
 
 from .apiserver import INFERENCE_DEPLOYMENT_CRD, write_kubeconfig
 from .fixtures import Cluster, start_cluster
-from .kubelet import KubeletOptions
+from .options import KubeletOptions
 from .processes import ManagedProcess
 
 PROG = "kvfence-devcluster"

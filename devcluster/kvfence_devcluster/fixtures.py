@@ -26,8 +26,9 @@ from kubernetes import client, config
 from .apiserver import INFERENCE_DEPLOYMENT_CRD, ApiServer, write_kubeconfig
 from .controllers import condition
 from .counting import RequestCounts
-from .kubelet import Kubelet, KubeletOptions
+from .kubelet import Kubelet
 from .loop import BackgroundLoop
+from .options import KubeletOptions
 from .processes import ManagedProcess
 from .proxy import ServiceProxy
 from .resources import ResourceType

@@ -7,15 +7,17 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .controllers import set_condition
 from .hollow import HOLLOW, hollow_argv
+from .options import KubeletOptions
 from .processes import ManagedProcess
-from .resources import now_rfc3339
+from .resources import ResourceType, now_rfc3339
 from .sandbox import (
     POD_IP,
     NotReadyToStart,
+    ObjectLookup,
     PodSandbox,
     Unsupported,
     allocate_ports,
@@ -23,9 +25,6 @@ from .sandbox import (
 )
 from .store import FULL, Store
 from .volumes import materialize_volumes
-
-if TYPE_CHECKING:
-    from .kubelet import Kubelet
 
 TERMINATION_MESSAGE_LIMIT = 4096  # bytes, as in Kubernetes
 KUBELET_CONDITIONS = (
@@ -35,6 +34,27 @@ KUBELET_CONDITIONS = (
     "ContainersReady",
     "Ready",
 )
+
+
+class Node(ObjectLookup, Protocol):
+    """What a pod's runtime needs of the kubelet that runs it (kubelet.Kubelet)."""
+
+    options: KubeletOptions
+    store: Store
+    pods: ResourceType
+    pods_dir: Path
+    logs_dir: Path
+    errors: list[str]
+    ports_given: set[int]
+    processes: list[ManagedProcess]
+
+    def base_env(self) -> dict[str, str]: ...
+
+    def resolve_service(self, namespace: str, service: str, port: int | None) -> str | None: ...
+
+    def resync_volumes(self, runtime: "PodRuntime") -> bool | None: ...
+
+    async def probe(self, runtime: "PodRuntime", container: "Container") -> bool: ...
 
 
 @dataclass
@@ -84,7 +104,7 @@ def _exit_code(code: int) -> int:
 
 
 class PodRuntime:
-    def __init__(self, kubelet: "Kubelet", pod: dict[str, Any]) -> None:
+    def __init__(self, kubelet: Node, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         self.kubelet = kubelet
         self.uid, self.namespace, self.name = meta["uid"], meta["namespace"], meta["name"]

@@ -1,7 +1,7 @@
 """A kube-proxy on loopback: each ClusterIP Service's address answers.
 
 The API server gives every Service a loopback address 127.0.x.y as its `spec.clusterIP`
-(`allocate_cluster_ip`; headless Services keep None). `ServiceProxy` listens on that address
+(cluster_ips.py; headless Services keep None). `ServiceProxy` listens on that address
 and each of the Service's ports while the Service has a ready endpoint, and forwards each
 connection to one of them, round-robin: a pod the selector matches, Ready (readiness gates
 included: the kubelet's Ready condition reflects them) and not being deleted, at the local port
@@ -17,15 +17,13 @@ import contextlib
 import errno
 import ipaddress
 import logging
-import random
-import socket
 import traceback
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .resources import ResourceType
 
-if TYPE_CHECKING:  # the store allocates addresses with this module's help
+if TYPE_CHECKING:
     from .store import Change, Store
 
 logger = logging.getLogger(__name__)
@@ -34,36 +32,6 @@ logger = logging.getLogger(__name__)
 Endpoints = Callable[[dict[str, Any], dict[str, Any]], list[int]]
 ListenerKey = tuple[str, str, str, int]  # namespace, service, clusterIP, port
 _BUFFER = 64 * 1024
-
-
-def _bindable(address: str, ports: Iterable[int]) -> bool:
-    for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((address, port))
-            except OSError:
-                return False
-    return True
-
-
-def allocate_cluster_ip(taken: Collection[str], ports: Iterable[int]) -> str:
-    """A loopback address 127.0.x.y for a new Service: none another Service has, and if it can
-    be found, one nothing on this machine listens on at the Service's ports (another test
-    cluster's proxy, say). x >= 1 keeps clear of 127.0.0.1 and systemd-resolved's 127.0.0.53."""
-    wanted = [int(p) for p in ports]
-    fallback = None
-    for _ in range(100):
-        address = f"127.0.{random.randint(1, 255)}.{random.randint(1, 254)}"
-        if address in taken:
-            continue
-        if _bindable(address, wanted):
-            return address
-        fallback = fallback or address
-    if fallback is None:
-        raise RuntimeError("no free loopback address for a Service")
-    # A port taken on every address (a listener on 0.0.0.0): the proxy cannot serve it
-    # anywhere, and says so; the Service is still created, as a real one would be.
-    return fallback
 
 
 def served_address(spec: dict[str, Any]) -> str | None:

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .cluster_ips import allocate_cluster_ip
 from .defaults import apply_defaults
 from .patching import PatchError, json_patch, merge_patch, strategic_merge_patch
-from .proxy import allocate_cluster_ip
 from .resources import (
     ApiError,
     ResourceType,

@@ -17,7 +17,7 @@ import pytest
 from kubernetes import client, watch
 
 from kvfence_devcluster.fixtures import Cluster, ClusterApiError, start_cluster
-from kvfence_devcluster.kubelet import KubeletOptions
+from kvfence_devcluster.options import KubeletOptions
 from kvfence_devcluster.sandbox import VENV_BIN
 from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_operator.builders.engine_deployment import (

@@ -14,7 +14,7 @@ import pytest
 
 from helpers import fake_pool_server
 from kvfence_devcluster.fixtures import Cluster, start_cluster
-from kvfence_devcluster.kubelet import KubeletOptions
+from kvfence_devcluster.options import KubeletOptions
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION, Instance, selector
 from kvfence_operator.revision import revision_of

@@ -14,7 +14,7 @@ import openai
 from test_operator import NAME, USER_KEY, api_keys_secret, manifest  # the operator e2e's
 
 from kvfence_devcluster.fixtures import Cluster, start_cluster
-from kvfence_devcluster.kubelet import KubeletOptions
+from kvfence_devcluster.options import KubeletOptions
 from kvfence_operator.builders.secret import INTERNAL_TOKEN_KEY, secret_name
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import LABEL_REVISION, Instance, child_name

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from kvfence_devcluster.fixtures import Cluster, start_cluster
-from kvfence_devcluster.kubelet import KubeletOptions
+from kvfence_devcluster.options import KubeletOptions
 from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
 from kvfence_operator.crd.types import InferenceDeploymentSpec
 from kvfence_operator.meta import LABEL_REVISION

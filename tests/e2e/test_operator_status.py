@@ -19,7 +19,7 @@ from test_operator import (  # the operator e2e module's manifest and waits
 )
 
 from kvfence_devcluster.fixtures import Cluster, start_cluster
-from kvfence_devcluster.kubelet import KubeletOptions
+from kvfence_devcluster.options import KubeletOptions
 from kvfence_operator.crd.types import InferenceDeploymentSpec
 from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION
 from kvfence_operator.revision import revision_of

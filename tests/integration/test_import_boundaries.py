@@ -16,7 +16,12 @@ import pytest
 from helpers.commands import kvfence_subcommands, run_without_torch
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("cli/kvfence_cli", "engine/kvfence_engine", "operator/kvfence_operator")
+PACKAGES = (
+    "cli/kvfence_cli",
+    "engine/kvfence_engine",
+    "operator/kvfence_operator",
+    "devcluster/kvfence_devcluster",
+)
 
 
 @pytest.mark.parametrize("command", sorted(kvfence_subcommands()))
@@ -41,7 +46,7 @@ def test_a_subcommands_help_loads_neither_torch_nor_the_operators_kopf(command: 
 
 
 def copy_packages(tree: Path) -> Path:
-    """The three packages and pyproject.toml (which holds the contracts) under tree."""
+    """The four packages and pyproject.toml (which holds the contracts) under tree."""
     for package in PACKAGES:
         shutil.copytree(
             ROOT / package, tree / package, ignore=shutil.ignore_patterns("__pycache__")
@@ -61,7 +66,9 @@ def lint_imports(tree: Path) -> subprocess.CompletedProcess[str]:
         cwd=tree,
         env={
             **os.environ,
-            "PYTHONPATH": os.pathsep.join(str(tree / d) for d in ("cli", "engine", "operator")),
+            "PYTHONPATH": os.pathsep.join(
+                str(tree / d) for d in ("cli", "engine", "operator", "devcluster")
+            ),
         },
     )
 

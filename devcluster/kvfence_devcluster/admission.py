@@ -61,7 +61,8 @@ class CrdAdmission:
     def _openapi_message(error: jsonschema.ValidationError) -> str:
         """In the API server's words where they differ much from jsonschema's."""
         if error.validator == "enum":
-            allowed = ", ".join(_quoted(v) for v in error.validator_value)
+            values: list[Any] = list(error.validator_value)  # type: ignore[arg-type]  # set for enum
+            allowed = ", ".join(_quoted(v) for v in values)
             return f"Unsupported value: {_quoted(error.instance)}: supported values: {allowed}"
         if error.validator == "required":
             return f"Required value: {error.message}"

@@ -13,7 +13,7 @@ kubectl needs on top is here too: discovery documents it can read (discovery.py)
 import asyncio
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +70,15 @@ def _parse_path(path: str) -> parsing.ParsedPath:
 parsing.parse_path = _parse_path  # kmock's Request._parse looks it up in its module each time
 
 
-def _reply(payload: Any, status: int = 200, **headers: str) -> rendering.Response:
+def _reply(
+    payload: Any, status: int = 200, headers: Mapping[str, str] | None = None
+) -> rendering.Response:
     """Every answer carries its status explicitly: kmock copies the status (and merges the
     headers) of a returned Response into the reaction it came from, so an implicit 200 would
     inherit the last 404. Headers are therefore only set where they are always the same."""
-    return rendering.Response(status=status, headers=headers or None, payload=payload)
+    return rendering.Response(
+        status=status, headers=dict(headers) if headers else None, payload=payload
+    )
 
 
 def _not_served() -> ApiError:
@@ -264,7 +268,8 @@ class ApiServer(kmock.KubernetesScaffold):
             # kmock keeps every request (and its body) for assertions; an operator polling for
             # minutes would grow that without bound, and matching slows with it (REQUESTS_KEPT).
             for holder in (self, *self._payloads):
-                del holder._requests[:-REQUESTS_KEPT]
+                kept: list[Any] = holder._requests  # type: ignore[attr-defined]  # kmock's own
+                del kept[:-REQUESTS_KEPT]
 
     def _target(self, request: rendering.Request) -> tuple[ResourceType, str | None]:
         resource = request.resource
@@ -312,7 +317,7 @@ class ApiServer(kmock.KubernetesScaffold):
 
     @staticmethod
     def _failure(exc: ApiError) -> rendering.Response:
-        return _reply(exc.status(), exc.code, **{"Content-Type": "application/json"})
+        return _reply(exc.status(), exc.code, headers={"Content-Type": "application/json"})
 
     @staticmethod
     def _wants_table(request: rendering.Request) -> bool:
@@ -371,7 +376,7 @@ class ApiServer(kmock.KubernetesScaffold):
                 raise ApiError(400, "BadRequest", f"no log for container {container!r}")
         except ApiError as exc:
             return self._failure(exc)
-        return _reply(text.encode(), **{"Content-Type": "text/plain; charset=utf-8"})
+        return _reply(text.encode(), headers={"Content-Type": "text/plain; charset=utf-8"})
 
     def _created(self, rt: ResourceType, created: dict[str, Any]) -> dict[str, Any]:
         """What a kube-apiserver's own controllers do at once with a new object."""
@@ -545,10 +550,12 @@ class ApiServer(kmock.KubernetesScaffold):
                     },
                 },
             }
-        events = self._stream(first, watcher, float(timeout) if timeout else None, bookmark)
+        events: AsyncGenerator[Any, None] = self._stream(
+            first, watcher, float(timeout) if timeout else None, bookmark
+        )
         if self._wants_table(request):
             events = self._tabulated(rt, request, events)
-        return _reply(events, **{"Content-Type": "application/json"})
+        return _reply(events, headers={"Content-Type": "application/json"})
 
     async def _stream(
         self,
@@ -576,7 +583,7 @@ class ApiServer(kmock.KubernetesScaffold):
 
     async def _tabulated(
         self, rt: ResourceType, request: rendering.Request, events: AsyncGenerator[Any, None]
-    ) -> AsyncIterator[Any]:
+    ) -> AsyncGenerator[Any, None]:
         """Watch events whose objects are one-row Tables (`kubectl get -w`)."""
         try:
             async for event in events:

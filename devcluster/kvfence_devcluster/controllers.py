@@ -64,7 +64,9 @@ def set_condition(
     new: dict[str, Any] = {"type": kind, "status": status}
     new.update({k: v for k, v in (("reason", reason), ("message", message)) if v is not None})
     new.update(extra)
-    new["lastTransitionTime"] = now_rfc3339() if changed else old["lastTransitionTime"]
+    new["lastTransitionTime"] = (
+        old["lastTransitionTime"] if old is not None and not changed else now_rfc3339()
+    )
     return [new if c is old else c for c in conditions] if old is not None else [*conditions, new]
 
 

@@ -8,6 +8,7 @@ kubelet share one event loop in a background thread; the test talks to them over
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import os
@@ -341,14 +342,14 @@ class Cluster:
 
     # ---- diagnostics ------------------------------------------------------------------------
 
-    def problems(self) -> list[str]:
+    def problems(self) -> builtins.list[str]:
         """Failures of the test cluster itself (not API errors such as 404)."""
         server = [f"API server: {e!r}" for e in self.loop.run(self._server_errors())]
         kubelet = self.kubelet.errors if self.kubelet else []
         proxy = self.proxy.errors if self.proxy else []
         return server + [f"kubelet: {e}" for e in kubelet] + [f"kube-proxy: {e}" for e in proxy]
 
-    async def _server_errors(self) -> list[Exception]:
+    async def _server_errors(self) -> builtins.list[Exception]:
         return self.server.internal_errors()
 
     def describe(self, log_lines: int = 15) -> str:

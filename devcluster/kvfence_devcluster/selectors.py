@@ -45,7 +45,9 @@ _EXISTS = re.compile(r"^\s*(?P<neg>!?)\s*(?P<key>[^\s!=(),]+)\s*$")
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas outside parentheses: `a in (x,y),b` -> [`a in (x,y)`, `b`]."""
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for char in text:
         if char == "(":
             depth += 1

@@ -282,7 +282,7 @@ class Store:
         if not wanted:
             ports = [p.get("port") for p in spec.get("ports") or [] if isinstance(p, dict)]
             spec["clusterIP"] = allocate_cluster_ip(
-                {str(t) for t in taken if t}, [int(p) for p in ports if str(p).isdigit()]
+                {str(t) for t in taken if t}, [int(str(p)) for p in ports if str(p).isdigit()]
             )
 
     def _require(

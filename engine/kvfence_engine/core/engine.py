@@ -1,4 +1,5 @@
-"""The engine: admission, then a step loop of schedule -> check -> run -> postprocess."""
+"""The engine: admission, then a step loop of schedule -> prepare -> check reads -> run ->
+postprocess."""
 
 import itertools
 import logging
@@ -309,26 +310,23 @@ class LLMEngine:
             self.metrics.step_seconds.inc(time.perf_counter() - started)
 
     def _step(self) -> list[Request]:
-        finished = self.scheduler.remove_finished()
-        seqs, is_prefill = self.scheduler.schedule()
-        changed = list(finished)
+        changed = self.scheduler.remove_finished()  # aborted since the last step
+        seqs, is_prefill = self.scheduler.schedule()  # every one of them is in `running` now
         if seqs:
-            # A prefill batch has left `waiting` and not yet joined `running`: from here until
-            # remove_finished below, only this frame knows it, so a failure is handled here.
             if is_prefill:
-                self.metrics.prefill_batch.observe(len(seqs))
-                self._count_prefix_hits(seqs)
+                self._count_prefill(seqs)
             try:
                 step = self.runner.prepare(seqs, is_prefill)
-                safe = self._refuse_unsafe_reads(seqs, step, changed)
+                safe = self._refuse_unsafe_reads(seqs, step)
                 if safe:
                     # page tables only change between steps: the checked batch is the one that runs
-                    self._run(safe, is_prefill, step if len(safe) == len(seqs) else None)
-                    changed += safe
+                    if len(safe) < len(seqs):
+                        step = self.runner.prepare(safe, is_prefill)
+                    self._postprocess(safe, is_prefill, self.runner.run(step))
             except Exception:
                 self._fail_batch(seqs, is_prefill)
-                changed += seqs
-        changed += self.scheduler.remove_finished(seqs)
+            changed += seqs
+        changed += self.scheduler.remove_finished()  # finished, refused or failed: pages back
         m = self.metrics
         m.running.set(self.scheduler.num_running)
         m.waiting.set(self.scheduler.num_waiting)
@@ -336,9 +334,10 @@ class LLMEngine:
         m.stale_releases.inc(self.pool.take_stale_releases())
         return list(dict.fromkeys(changed))
 
-    def _count_prefix_hits(self, seqs: list[Request]) -> None:
-        """A request's first prefill decides its cached_tokens (a recompute after preemption
-        does not count again)."""
+    def _count_prefill(self, seqs: list[Request]) -> None:
+        """A prefill batch's size, and its prefix-cache hits: a request's first prefill decides
+        its cached_tokens (a recompute after preemption does not count again)."""
+        self.metrics.prefill_batch.observe(len(seqs))
         if self.prefix is None:
             return
         for seq in seqs:
@@ -347,28 +346,26 @@ class LLMEngine:
                 self.metrics.prefix_queried_tokens.inc(len(seq.prompt_ids))
                 self.metrics.prefix_hit_tokens.inc(seq.prefill_start)
 
-    def _publish_prefix(self, seqs: list[Request]) -> None:
-        """After a prefill: the full prompt pages each request computed become shared."""
-        if self.prefix is None:
+    def _publish_prefix(self, seq: Request) -> None:
+        """After a prefill: the full prompt pages the request computed become shared."""
+        full = len(seq.cache_keys)
+        if not full or seq.placeholder_rejection is not None or seq.error is not None:
             return
-        for seq in seqs:
-            full = len(seq.cache_keys)
-            if not full or seq.placeholder_rejection is not None or seq.error is not None:
-                continue
-            first = seq.prefill_start // self.pool.page_size
-            self.pool.publish(
-                seq.seq_id,
-                seq.pages[first:full],
-                seq.page_tags[first:full],
-                seq.cache_keys[first:full],
-                self.pool.tenant_id(seq.tenant),
-            )
+        first = seq.prefill_start // self.pool.page_size
+        self.pool.publish(
+            seq.seq_id,
+            seq.pages[first:full],
+            seq.page_tags[first:full],
+            seq.cache_keys[first:full],
+            self.pool.tenant_id(seq.tenant),
+        )
 
     def _fail_batch(self, seqs: list[Request], is_prefill: bool) -> None:
         """(inside an except) The step running `seqs` raised: each ends with a 500 naming an
-        incident id that the log line with the traceback carries too; their pages are released
-        by the step's remove_finished. A request this step already failed closed (an isolation
-        refusal) keeps that error; a finish this step decided did not complete and is void."""
+        incident id that the log line with the traceback carries too; they are in `running`,
+        so the step's remove_finished releases their pages. A request this step already failed
+        closed (an isolation refusal) keeps that error; a finish this step decided did not
+        complete and is void."""
         incident = errors.new_incident()
         error = errors.internal_error(f"incident {incident}")
         log.exception(
@@ -393,10 +390,9 @@ class LLMEngine:
         self.scheduler.remove_finished()
         return seqs
 
-    def _refuse_unsafe_reads(
-        self, seqs: list[Request], step: PreparedStep, changed: list[Request]
-    ) -> list[Request]:
-        """Fail closed every sequence whose page table does not cover what it will read."""
+    def _refuse_unsafe_reads(self, seqs: list[Request], step: PreparedStep) -> list[Request]:
+        """Fail closed every sequence whose page table does not cover what it will read;
+        returns the others."""
         if Fault.NO_TAG_CHECK in self.faults:
             return seqs
         started = time.perf_counter()
@@ -427,24 +423,21 @@ class LLMEngine:
             if tag_bad:
                 self.metrics.tag_mismatch.inc()
                 seq.finish("error", errors.isolation_violation("a KV page it held was reassigned"))
-                changed.append(seq)
             elif foreign:
                 self.metrics.foreign_tenant_read.inc()
                 seq.finish(
                     "error", errors.isolation_violation("a cached KV page of another tenant")
                 )
-                changed.append(seq)
             elif unwritten:
                 self.metrics.unwritten_read.inc()
                 seq.finish("error", errors.isolation_violation("KV slots never written for it"))
-                changed.append(seq)
             else:
                 safe.append(seq)
         return safe
 
-    def _run(self, seqs: list[Request], is_prefill: bool, step: PreparedStep | None) -> None:
-        step = step or self.runner.prepare(seqs, is_prefill)
-        logits = self.runner.run(step)
+    def _postprocess(self, seqs: list[Request], is_prefill: bool, logits: torch.Tensor) -> None:
+        """Sample each sequence's next token and finish those that are done; after a prefill,
+        publish its full pages, copy out the KV the prefill role sends."""
         if is_prefill:  # before the sampled token is appended: what this step really wrote
             written = [len(self.runner.prefill_tokens(seq)) for seq in seqs]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
@@ -459,12 +452,12 @@ class LLMEngine:
             self.metrics.generation_tokens.inc()
             self._finish_if_done(seq, token)
         if is_prefill:
-            self._publish_prefix(seqs)
             for seq, count in zip(seqs, written, strict=True):
+                if self.prefix is not None:
+                    self._publish_prefix(seq)
                 if seq.export_kv:  # prefill role: the KV leaves before the pages are freed
                     used = seq.pages[: self.pool.pages_for(count)]
                     seq.exported = (*self.pool.export(used), count)
-            self.scheduler.admit_prefilled(seqs)
             self._maybe_release_early(seqs)
 
     def _finish_if_done(self, seq: Request, token: int) -> None:

@@ -1,11 +1,13 @@
 """Continuous batching: each step is either a batch of prefills or a batch of decodes.
 
-Pages are allocated as sequences grow; when the pool runs dry the youngest running sequence is
-preempted (its pages released, its tokens recomputed later).
+A request is in exactly one queue: `waiting` until its prefill is scheduled, `running` from
+then on (the prefill's own step included) until it finishes or is preempted, so whatever
+happens to a step, the queues know every request and `remove_finished` releases it. Pages are
+allocated as sequences grow; when the pool runs dry the youngest running sequence is preempted
+(its pages released, its tokens recomputed later).
 """
 
 from collections import deque
-from collections.abc import Sequence
 
 from kvfence_engine.core.kv_pool import KVPool
 from kvfence_engine.core.request import Request, Status, is_terminal
@@ -41,7 +43,7 @@ class Scheduler:
         self.running.append(seq)
 
     def queued(self) -> list[Request]:
-        """Every request waiting or running (not a prefill batch between the two)."""
+        """Every request the scheduler holds: waiting or running."""
         return [*self.waiting, *self.running]
 
     def has_work(self) -> bool:
@@ -61,7 +63,7 @@ class Scheduler:
         return count
 
     def schedule(self) -> tuple[list[Request], bool]:
-        """Pick the next batch. Returns (sequences, is_prefill)."""
+        """Pick the next batch. Returns (sequences, is_prefill); each is in `running`."""
         prefills = self._schedule_prefills()
         if prefills:
             return prefills, True
@@ -70,7 +72,7 @@ class Scheduler:
     def _schedule_prefills(self) -> list[Request]:
         batch: list[Request] = []
         tokens = 0
-        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if is_terminal(seq):
                 self.waiting.popleft()
@@ -87,6 +89,7 @@ class Scheduler:
             seq.pages, seq.page_tags = hit_pages + pages, hit_tags + tags
             seq.prefill_start = len(hit_pages) * self.pool.page_size
             seq.status = Status.RUNNING
+            self.running.append(seq)
             batch.append(seq)
             tokens += seq.num_tokens
         return batch
@@ -129,10 +132,6 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def admit_prefilled(self, seqs: list[Request]) -> None:
-        """Prefilled sequences that are not finished join the running set."""
-        self.running.extend(s for s in seqs if not is_terminal(s))
-
     def release(self, seq: Request) -> None:
         """Return a request's pages. Every finished request passes here (and a preempted one,
         which keeps its tenant's reservation): the one place a reservation is given back."""
@@ -143,11 +142,9 @@ class Scheduler:
         if self.shares is not None and is_terminal(seq):
             self.shares.give_back(seq.seq_id)
 
-    def remove_finished(self, batch: Sequence = ()) -> list[Request]:
-        """Drop terminal sequences from both queues and from the step's batch (a prefill that
-        finished at once joined neither queue), releasing their pages."""
-        candidates = dict.fromkeys((*self.waiting, *self.running, *batch))
-        done = [s for s in candidates if is_terminal(s)]
+    def remove_finished(self) -> list[Request]:
+        """Drop terminal sequences from both queues, releasing their pages."""
+        done = [s for s in (*self.waiting, *self.running) if is_terminal(s)]
         for seq in done:
             self.release(seq)
         self.waiting = deque(s for s in self.waiting if not is_terminal(s))

@@ -171,7 +171,6 @@ def _teacher_forced_logits(
     step = engine.runner.prepare(batch, True)
     step.logits_rows = torch.arange(sum(len(p) for p in prompts))
     rows = [engine.runner.run(step)]
-    engine.scheduler.admit_prefilled(batch)
     for position in range(len(continuations[0])):
         for seq, continuation in zip(seqs, continuations, strict=True):
             seq.num_cached = seq.num_tokens

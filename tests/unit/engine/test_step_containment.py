@@ -7,9 +7,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from helpers.engines import make_tiny_engine, prompt_of, run_until_done, submit
+from kvfence_engine.core import errors
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.request import Request, SamplingParams, is_terminal
 from kvfence_engine.core.runner import PreparedStep
@@ -75,7 +77,7 @@ def test_a_failing_prefill_batch_fails_only_its_requests_and_returns_their_pages
     assert failed == [victims]
     assert all(_is_internal_error(seq) for seq in victims)
     assert set(victims) <= set(changed)  # reported, so their streams hear of it
-    # the victims had left `waiting` and had not joined `running`: their pages still came back
+    # the failed batch's pages came back with the step: only the bystanders hold any
     assert engine.pool.num_used == sum(len(seq.pages) for seq in running)
     run_until_done(engine)
     assert [seq.finish_reason for seq in running] == ["length", "length"]
@@ -114,16 +116,32 @@ def test_a_step_failure_names_no_internals_and_is_counted() -> None:
 
 def test_a_finish_decided_by_a_step_that_then_failed_is_void() -> None:
     """A one-token request finishes ("length") inside its prefill step; when that step fails
-    afterwards (say, copying its KV out), the request is failed too, not reported done."""
+    afterwards (here, copying its KV out), the request is failed too, not reported done."""
     engine = make_tiny_engine(pages=PAGES)
     seq = submit(engine, prompt_of(8), 1, ignore_eos=True)
+    seq.export_kv = True  # as the prefill role asks: its KV is copied out after sampling
 
-    def broken(_seqs: list[Request]) -> None:
+    def broken(_pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         raise InjectedFault("injected: after sampling")
 
-    engine.scheduler.admit_prefilled = broken  # type: ignore[method-assign]
+    engine.pool.export = broken  # type: ignore[method-assign]
     assert seq in engine.step()
     assert _is_internal_error(seq) and engine.pool.num_free == PAGES
+
+
+def test_a_scheduled_prefill_is_always_in_a_queue_so_a_failure_after_schedule_returns_its_pages():
+    """From the moment the scheduler picks a prefill batch it is in `running`: a failure outside
+    any batch right after scheduling (the engine loop then fails every queued request) still
+    finds the batch, answers it and returns its pages."""
+    engine = make_tiny_engine(pages=PAGES)
+    seqs = [submit(engine, prompt_of(30, seed=i), 4, ignore_eos=True) for i in range(3)]
+    batch, is_prefill = engine.scheduler.schedule()
+    assert is_prefill and batch == seqs
+    assert list(engine.scheduler.running) == seqs and not engine.scheduler.waiting
+    assert engine.pool.num_used == 3 * 2
+    failed = engine.fail_all(errors.internal_error("incident 0123456789abcdef"))
+    assert failed == seqs and all(_is_internal_error(seq) for seq in seqs)
+    assert engine.pool.num_free == PAGES and not engine.has_work()
 
 
 async def _collect(engine: AsyncEngine, seq: Request) -> Request:

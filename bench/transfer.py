@@ -63,8 +63,8 @@ def kv_transfer(book: DecodeReservations, tokens: int, verify: bool, round_no: i
     engine.args.kv_checksum = verify
     seq = engine.admit(list(range(100, 100 + tokens)), SamplingParams(max_tokens=1), max_tokens=1)
     handle = book.reserve(seq, f"bench-{round_no}-{verify}")
-    pages = engine.pool.pages_for(tokens)
-    layout = Layout.of(engine.pool)
+    pages = engine.pages.pages_for(tokens)
+    layout = Layout.of(engine.pages.kv)
     shape = (pages, layout.layers, layout.page_size, layout.kv_heads, layout.head_dim)
     k, v = torch.randn(shape), torch.randn(shape)
     start = time.perf_counter()
@@ -80,7 +80,7 @@ def part_transfer(tokens: int, rounds: int) -> None:
     receiver = KVReceiver(book, "127.0.0.1", 0, None)
     receiver.start()
     engine.args.transfer_port = receiver.port
-    nbytes = engine.pool.pages_for(tokens) * Layout.of(engine.pool).page_bytes
+    nbytes = engine.pages.pages_for(tokens) * Layout.of(engine.pages.kv).page_bytes
     times: dict[str, list[float]] = {"raw socket": [], "checksums on": [], "checksums off": []}
     for r in range(rounds):
         times["raw socket"].append(raw_copy(nbytes))

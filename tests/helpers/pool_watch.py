@@ -84,7 +84,7 @@ def _server_level(proc: LocalProcess) -> Level | None:
 
 
 def _engine_level(engine: LLMEngine) -> Level:
-    return Level(engine.pool.num_free, engine.pool.num_pages)
+    return Level(engine.pages.num_free, engine.pages.num_pages)
 
 
 def snapshot() -> Snapshot:

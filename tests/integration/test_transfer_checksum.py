@@ -71,7 +71,7 @@ def test_pages_with_matching_checksums_are_verified_and_the_request_decodes(
 ) -> None:
     seq, handle = reserve(decode, "intact")
     k, v = prompt_kv(handle)
-    send_kv(handle, k, v, len(PROMPT), Layout.of(decode.engine.pool), token=None)
+    send_kv(handle, k, v, len(PROMPT), Layout.of(decode.engine.pages.kv), token=None)
     wait_until_received(seq)
     assert checksum_counts(decode) == (2.0, 0.0)
     started = decode.start_decode("intact", TokenLogprob(1, 0.0))
@@ -88,11 +88,11 @@ def test_a_page_whose_bytes_do_not_match_its_checksum_is_refused_and_never_decod
     # imported its own reference to the real function, so only the sender is affected.
     monkeypatch.setattr(transfer, "checksum", lambda *parts: honest(*parts) ^ 1)
     with pytest.raises((TransferError, OSError)):
-        send_kv(handle, k, v, len(PROMPT), Layout.of(decode.engine.pool), token=None)
+        send_kv(handle, k, v, len(PROMPT), Layout.of(decode.engine.pages.kv), token=None)
     wait_until_received(seq)
     assert checksum_counts(decode) == (0.0, 1.0)
     with pytest.raises(EngineError) as refused:
         decode.start_decode("corrupted", TokenLogprob(1, 0.0))
     assert refused.value.code == "checksum_failed"
     assert seq.output_ids == []  # nothing was generated from the refused KV
-    assert decode.engine.pool.num_used == 0  # the reservation's pages went back to the pool
+    assert decode.engine.pages.num_used == 0  # the reservation's pages went back to the pool

@@ -155,7 +155,7 @@ def assert_refused_and_pages_back(
     with pytest.raises(EngineError) as refused:
         book.start_decode("r", TokenLogprob(1, 0.0))
     assert refused.value.code == code
-    assert book.engine.pool.num_used == others_hold
+    assert book.engine.pages.num_used == others_hold
 
 
 # --- page frames -----------------------------------------------------------------------------
@@ -206,8 +206,8 @@ def test_a_page_frame_outside_the_reservation_is_refused_before_any_write_and_th
     assert_refused_and_pages_back(book, seq, "bad_frame", others_hold=len(other.pages))
     # nothing reached the other reservation's pages, which it still holds untouched
     assert other_seq.inbound is not None and other_seq.inbound.written_tokens == 0
-    assert int(book.engine.pool.fill[other.pages[0]]) == 0
-    assert book.abort("other") is other_seq and book.engine.pool.num_used == 0
+    assert int(book.engine.pages.book.fill[other.pages[0]]) == 0
+    assert book.abort("other") is other_seq and book.engine.pages.num_used == 0
 
 
 def test_a_payload_of_the_wrong_length_is_refused_before_it_is_read(
@@ -268,7 +268,7 @@ def test_an_unexpected_error_while_writing_still_ends_the_transfer_and_returns_t
     def broken_write(*args: object, **kwargs: object) -> bool:
         raise RuntimeError("a bug in the page write")
 
-    monkeypatch.setattr(book.engine.pool, "write_page", broken_write)
+    monkeypatch.setattr(book.engine.pages, "write_transferred", broken_write)
     sock = connect(receiver)
     send_hello(sock, handle, receiver.layout)
     send_page(sock, 0, handle.pages[0], handle.tags[0], PAGE, page_payload(receiver.layout))
@@ -301,7 +301,7 @@ def test_a_hello_with_a_wrong_or_malformed_token_is_told_unauthorized(
     reply = reply_of(sock)
     assert reply == {"ok": False, "code": code, "message": "missing or wrong internal token"}
     assert seq.inbound is not None and not seq.inbound.in_flight  # the reservation is untouched
-    assert book.abort("r") is seq and book.engine.pool.num_used == 0
+    assert book.abort("r") is seq and book.engine.pages.num_used == 0
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The engine: admission, then a step loop of schedule -> check -> run -> postprocess."""
+"""The engine: admission, then a step loop of schedule -> prepare -> check reads -> run ->
+postprocess."""
 
 import itertools
 import logging
@@ -13,11 +14,12 @@ from kvfence_engine.contracts import DEFAULT_TENANT, KvPoolReport, Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.device import resolve_device
 from kvfence_engine.core.errors import EngineError
-from kvfence_engine.core.faults import Fault, Faults
+from kvfence_engine.core.faults import EarlyRelease, Fault, Faults
 from kvfence_engine.core.isolation import check_reads
-from kvfence_engine.core.kv_pool import KVPool, PoolExhausted
+from kvfence_engine.core.kv_cache import KVCache
 from kvfence_engine.core.metrics import EngineMetrics
 from kvfence_engine.core.model import LlamaModel
+from kvfence_engine.core.page_manager import PageManager
 from kvfence_engine.core.pool_plan import (
     ContextPolicy,
     PoolPlan,
@@ -133,7 +135,9 @@ class LLMEngine:
             dtype_bytes=torch.finfo(kv_dtype).bits // 8,
             budget_bytes=kv_budget(args, self.device),
         )
-        self.pool = KVPool(
+        # the early-release fault's hook, which the page book takes free pages through
+        self.early_release = EarlyRelease() if Fault.EARLY_RELEASE in self.faults else None
+        kv = KVCache(
             num_layers=loaded.config.num_layers,
             num_pages=self.plan.num_pages,
             page_size=args.page_size,
@@ -141,33 +145,35 @@ class LLMEngine:
             head_dim=loaded.config.head_dim,
             dtype=kv_dtype,
             device=self.device,
-            scrub_on_free=args.scrub_on_free,
+        )
+        self.pages = PageManager(
+            kv, scrub_on_free=args.scrub_on_free, early_release=self.early_release
         )
         self.kv_dtype = str(kv_dtype).removeprefix("torch.")
         self.context_requested = requested
         self.context_effective = effective_context(
-            requested, self.pool.pool_tokens, args.page_size, args.context_policy
+            requested, self.pages.pool_tokens, args.page_size, args.context_policy
         )
         if self.context_effective < 1:
             raise ValueError(
-                f"the KV pool ({self.pool.pool_tokens} tokens) holds less than one page of context"
+                f"the KV pool ({self.pages.pool_tokens} tokens) holds less than one page of context"
             )
-        self.limit = admission_limit(self.context_effective, self.pool.pool_tokens)
-        self.shares = TenantShares(self.pool.num_pages, args.max_pool_share_per_tenant)
+        self.limit = admission_limit(self.context_effective, self.pages.pool_tokens)
+        self.shares = TenantShares(self.pages.num_pages, args.max_pool_share_per_tenant)
         self.scheduler = Scheduler(
-            self.pool,
+            self.pages,
             max_num_seqs=args.max_num_seqs,
             max_batched_tokens=args.max_batched_tokens,
             shares=self.shares,
         )
-        self.runner = ModelRunner(model, self.pool, self.device, self.faults)
+        self.runner = ModelRunner(model, self.pages, self.device, self.faults)
         self.prefix = self._prefix_keys(args)
         self._ids = itertools.count(1)
         m = self.metrics
-        m.pool_tokens.set(self.pool.pool_tokens)
-        m.pages_total.set(self.pool.num_pages)
+        m.pool_tokens.set(self.pages.pool_tokens)
+        m.pages_total.set(self.pages.num_pages)
         m.context_length.set(self.context_effective)
-        m.pages_used.set_function(lambda: self.pool.num_used)
+        m.pages_used.set_function(lambda: self.pages.num_used)
         m.watch_tenants(self.shares.by_tenant)
 
     @staticmethod
@@ -212,10 +218,10 @@ class LLMEngine:
         elif n > self.limit:
             what = "the served context" if self.limit == self.context_effective else "the KV pool"
             error = errors.context_length_exceeded(n, self.limit, what)
-            if Fault.REJECT_PLACEHOLDER in self.faults and n <= self.pool.pool_tokens:
+            if Fault.REJECT_PLACEHOLDER in self.faults and n <= self.pages.pool_tokens:
                 # The incident: the rejection lands in a field is_terminal() does not read.
                 seq.placeholder_rejection = error
-                room = self.pool.pool_tokens - n + 1
+                room = self.pages.pool_tokens - n + 1
                 seq.params = _with_max_tokens(params, min(max_tokens or 16, room))
                 return seq
         elif self.scheduler.num_waiting >= self.args.max_waiting:
@@ -248,7 +254,7 @@ class LLMEngine:
         requests, is a 429."""
         if not self.shares.capped:
             return None
-        cap_tokens = self.shares.cap_pages * self.pool.page_size
+        cap_tokens = self.shares.cap_pages * self.pages.page_size
         n = len(seq.prompt_ids)
         if n > cap_tokens:
             return errors.invalid_request(
@@ -270,7 +276,7 @@ class LLMEngine:
 
     def footprint(self, seq: Request) -> int:
         """The pages a request holds at most: its prompt and every token it may generate."""
-        return self.pool.pages_for(len(seq.prompt_ids) + seq.params.max_tokens - 1)
+        return self.pages.pages_for(len(seq.prompt_ids) + seq.params.max_tokens - 1)
 
     def _take_share(self, seq: Request) -> None:
         """(engine thread) Reserve the request's worst case in its tenant's share; the
@@ -309,36 +315,34 @@ class LLMEngine:
             self.metrics.step_seconds.inc(time.perf_counter() - started)
 
     def _step(self) -> list[Request]:
-        finished = self.scheduler.remove_finished()
-        seqs, is_prefill = self.scheduler.schedule()
-        changed = list(finished)
+        changed = self.scheduler.remove_finished()  # aborted since the last step
+        seqs, is_prefill = self.scheduler.schedule()  # every one of them is in `running` now
         if seqs:
-            # A prefill batch has left `waiting` and not yet joined `running`: from here until
-            # remove_finished below, only this frame knows it, so a failure is handled here.
             if is_prefill:
-                self.metrics.prefill_batch.observe(len(seqs))
-                self._count_prefix_hits(seqs)
+                self._count_prefill(seqs)
             try:
                 step = self.runner.prepare(seqs, is_prefill)
-                safe = self._refuse_unsafe_reads(seqs, step, changed)
+                safe = self._refuse_unsafe_reads(seqs, step)
                 if safe:
                     # page tables only change between steps: the checked batch is the one that runs
-                    self._run(safe, is_prefill, step if len(safe) == len(seqs) else None)
-                    changed += safe
+                    if len(safe) < len(seqs):
+                        step = self.runner.prepare(safe, is_prefill)
+                    self._postprocess(safe, is_prefill, self.runner.run(step))
             except Exception:
                 self._fail_batch(seqs, is_prefill)
-                changed += seqs
-        changed += self.scheduler.remove_finished(seqs)
+            changed += seqs
+        changed += self.scheduler.remove_finished()  # finished, refused or failed: pages back
         m = self.metrics
         m.running.set(self.scheduler.num_running)
         m.waiting.set(self.scheduler.num_waiting)
         m.preemptions.inc(self.scheduler.take_preemptions())
-        m.stale_releases.inc(self.pool.take_stale_releases())
+        m.stale_releases.inc(self.pages.take_stale_releases())
         return list(dict.fromkeys(changed))
 
-    def _count_prefix_hits(self, seqs: list[Request]) -> None:
-        """A request's first prefill decides its cached_tokens (a recompute after preemption
-        does not count again)."""
+    def _count_prefill(self, seqs: list[Request]) -> None:
+        """A prefill batch's size, and its prefix-cache hits: a request's first prefill decides
+        its cached_tokens (a recompute after preemption does not count again)."""
+        self.metrics.prefill_batch.observe(len(seqs))
         if self.prefix is None:
             return
         for seq in seqs:
@@ -347,28 +351,12 @@ class LLMEngine:
                 self.metrics.prefix_queried_tokens.inc(len(seq.prompt_ids))
                 self.metrics.prefix_hit_tokens.inc(seq.prefill_start)
 
-    def _publish_prefix(self, seqs: list[Request]) -> None:
-        """After a prefill: the full prompt pages each request computed become shared."""
-        if self.prefix is None:
-            return
-        for seq in seqs:
-            full = len(seq.cache_keys)
-            if not full or seq.placeholder_rejection is not None or seq.error is not None:
-                continue
-            first = seq.prefill_start // self.pool.page_size
-            self.pool.publish(
-                seq.seq_id,
-                seq.pages[first:full],
-                seq.page_tags[first:full],
-                seq.cache_keys[first:full],
-                self.pool.tenant_id(seq.tenant),
-            )
-
     def _fail_batch(self, seqs: list[Request], is_prefill: bool) -> None:
         """(inside an except) The step running `seqs` raised: each ends with a 500 naming an
-        incident id that the log line with the traceback carries too; their pages are released
-        by the step's remove_finished. A request this step already failed closed (an isolation
-        refusal) keeps that error; a finish this step decided did not complete and is void."""
+        incident id that the log line with the traceback carries too; they are in `running`,
+        so the step's remove_finished releases their pages. A request this step already failed
+        closed (an isolation refusal) keeps that error; a finish this step decided did not
+        complete and is void."""
         incident = errors.new_incident()
         error = errors.internal_error(f"incident {incident}")
         log.exception(
@@ -393,23 +381,23 @@ class LLMEngine:
         self.scheduler.remove_finished()
         return seqs
 
-    def _refuse_unsafe_reads(
-        self, seqs: list[Request], step: PreparedStep, changed: list[Request]
-    ) -> list[Request]:
-        """Fail closed every sequence whose page table does not cover what it will read."""
+    def _refuse_unsafe_reads(self, seqs: list[Request], step: PreparedStep) -> list[Request]:
+        """Fail closed every sequence whose page table does not cover what it will read;
+        returns the others."""
         if Fault.NO_TAG_CHECK in self.faults:
             return seqs
         started = time.perf_counter()
+        book = self.pages.book
         check = check_reads(
-            self.pool.tags,
-            self.pool.fill,
-            self.pool.written_tag,
+            book.tags,
+            book.fill,
+            book.written_tag,
             step.page_table,
             step.held_tags,
             step.num_held,
             step.read_len,
-            self.pool.page_size,
-            self.pool.page_tenant,
+            book.page_size,
+            book.page_tenant,
             step.seq_tenant,
         )
         failed = bool(check.failed.any())
@@ -427,24 +415,21 @@ class LLMEngine:
             if tag_bad:
                 self.metrics.tag_mismatch.inc()
                 seq.finish("error", errors.isolation_violation("a KV page it held was reassigned"))
-                changed.append(seq)
             elif foreign:
                 self.metrics.foreign_tenant_read.inc()
                 seq.finish(
                     "error", errors.isolation_violation("a cached KV page of another tenant")
                 )
-                changed.append(seq)
             elif unwritten:
                 self.metrics.unwritten_read.inc()
                 seq.finish("error", errors.isolation_violation("KV slots never written for it"))
-                changed.append(seq)
             else:
                 safe.append(seq)
         return safe
 
-    def _run(self, seqs: list[Request], is_prefill: bool, step: PreparedStep | None) -> None:
-        step = step or self.runner.prepare(seqs, is_prefill)
-        logits = self.runner.run(step)
+    def _postprocess(self, seqs: list[Request], is_prefill: bool, logits: torch.Tensor) -> None:
+        """Sample each sequence's next token and finish those that are done; after a prefill,
+        publish its full pages, copy out the KV the prefill role sends."""
         if is_prefill:  # before the sampled token is appended: what this step really wrote
             written = [len(self.runner.prefill_tokens(seq)) for seq in seqs]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
@@ -459,12 +444,11 @@ class LLMEngine:
             self.metrics.generation_tokens.inc()
             self._finish_if_done(seq, token)
         if is_prefill:
-            self._publish_prefix(seqs)
             for seq, count in zip(seqs, written, strict=True):
+                if self.prefix is not None:
+                    self.pages.publish(seq)
                 if seq.export_kv:  # prefill role: the KV leaves before the pages are freed
-                    used = seq.pages[: self.pool.pages_for(count)]
-                    seq.exported = (*self.pool.export(used), count)
-            self.scheduler.admit_prefilled(seqs)
+                    seq.exported = (*self.pages.export(seq, count), count)
             self._maybe_release_early(seqs)
 
     def _finish_if_done(self, seq: Request, token: int) -> None:
@@ -474,11 +458,10 @@ class LLMEngine:
             seq.finish("length")
 
     def _maybe_release_early(self, seqs: list[Request]) -> None:
-        """The early-release fault: a sibling owner hands the first page back while in use."""
-        if Fault.EARLY_RELEASE in self.faults:
-            for seq in seqs:
-                if not is_terminal(seq) and seq.pages:
-                    self.pool.force_release(seq.seq_id, seq.pages[:1])
+        """The early-release fault (core/faults.py::EarlyRelease): a sibling owner hands each
+        running request's first page back while it is in use."""
+        if self.early_release is not None:
+            self.early_release.rob(self.pages, seqs)
 
     # --- decode role: a prompt whose KV another engine computes ------------------------------
     # The reservation protocol around these (kvfence_engine.disagg.reservations) decides when;
@@ -490,12 +473,13 @@ class LLMEngine:
         assert not is_terminal(seq)
         n = len(seq.prompt_ids)
         self._take_share(seq)
-        try:
-            seq.pages, seq.page_tags = self.pool.allocate(seq.seq_id, self.pool.pages_for(n))
-        except PoolExhausted as exc:
+        if not self.pages.allocate(seq):
             self.shares.give_back(seq.seq_id)
             self.metrics.rejected.labels(reason="overloaded").inc()
-            raise errors.overloaded(f"no free KV pages for {n} tokens: {exc}") from exc
+            raise errors.overloaded(
+                f"no free KV pages for {n} tokens: need {self.pages.pages_for(n)} pages, "
+                f"{self.pages.num_free} free"
+            )
         self.metrics.prompt_tokens.inc(n)
 
     def continue_decode(self, seq: Request, first: TokenLogprob) -> None:
@@ -526,10 +510,10 @@ class LLMEngine:
         return KvPoolReport(
             role=role,
             revision=self.args.revision,
-            pool_tokens=self.pool.pool_tokens,
-            page_size=self.pool.page_size,
-            num_pages=self.pool.num_pages,
-            free_pages=self.pool.num_free,
+            pool_tokens=self.pages.pool_tokens,
+            page_size=self.pages.page_size,
+            num_pages=self.pages.num_pages,
+            free_pages=self.pages.num_free,
             kv_bytes_per_token=self.plan.kv_bytes_per_token,
             kv_dtype=self.kv_dtype,
             weight_dtype=str(self.precision.weights),
@@ -542,10 +526,10 @@ class LLMEngine:
             kv_checksum=self.args.kv_checksum and role is not Role.COMBINED,
             transfer_port=self.args.transfer_port if role is Role.DECODE else None,
             deferred_release=True,
-            scrub_on_free=self.pool.scrub_on_free,
+            scrub_on_free=self.pages.scrub_on_free,
             unsafe_faults=sorted(fault.value for fault in self.faults.enabled),
             prefix_cache=self.prefix is not None,
-            cached_pages=self.pool.num_cached,
+            cached_pages=self.pages.num_cached,
             model_name=self.loaded.name,
             model_source=self.loaded.source or None,
         )

@@ -2,12 +2,19 @@
 
 They exist so tests and the canary can prove they catch the bug. A default deployment can
 never reach them: asking for one without KVFENCE_ALLOW_UNSAFE=1 is an error at start-up.
+The hooks through which a fault acts on the pages are here too (below `Faults`).
 """
 
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from kvfence_engine.core.request import Request, is_terminal
+
+if TYPE_CHECKING:  # the operator and the CLI's --help import this module: no torch at run time
+    from kvfence_engine.core.page_manager import PageManager
 
 ALLOW_ENV = "KVFENCE_ALLOW_UNSAFE"
 
@@ -80,3 +87,51 @@ class Faults:
                 f"for tests only; it is refused unless {ALLOW_ENV}=1"
             )
         return cls(frozenset(known[name] for name in names))
+
+
+# --- the hooks: how a switched-on fault acts on the pages ------------------------------------
+# The page bookkeeping (core/page_book) and its owner (core/page_manager) carry no fault branch
+# of their own; each bug they can be made to show is written out here, where it is switched on.
+
+
+class EarlyRelease:
+    """early-release: a sibling owner hands a running request's first page back to the free
+    list while the request still uses it. The next allocation by another owner gets it; the
+    victim never does while any other page is free: the victim re-taking it would hide the
+    fault, and whether it does would depend on timing. The page book takes free pages through
+    `take_free` while this fault is on."""
+
+    def __init__(self) -> None:
+        self.robbed: dict[int, int] = {}  # page on the free list -> the owner still using it
+
+    def rob(self, pages: "PageManager", seqs: list[Request]) -> None:
+        for seq in seqs:
+            if is_terminal(seq) or not seq.pages:
+                continue
+            with pages.lock:
+                pages.book.free_in_use(seq.pages[:1])
+                self.robbed[seq.pages[0]] = seq.seq_id
+
+    def take_free(self, free: list[int], owner: int, count: int) -> list[int]:
+        """`count` pages off the LIFO free list for `owner`, robbed ones from other owners first
+        and its own last."""
+        stack = free[::-1]
+        mine = [p for p in stack if self.robbed.get(p) == owner]
+        pages = ([p for p in stack if self.robbed.get(p) != owner] + mine)[:count]
+        taken = set(pages)
+        free[:] = [p for p in free if p not in taken]
+        for page in pages:
+            self.robbed.pop(page, None)
+        return pages
+
+
+def write_without_tag_check(
+    pages: "PageManager", page: int, tag: int, tokens: int, payload: memoryview
+) -> bool:
+    """late-write: an aborted request's in-flight transfer write lands in the page whoever holds
+    it now, with no owner or tag check. It is recorded as written under the old tag, which is
+    what the read check's written-tag test catches."""
+    with pages.lock:
+        pages.kv.write(page, tokens, payload)
+        pages.book.mark_written(page, tag, tokens)
+    return True

@@ -42,7 +42,7 @@ def check_reads(
         one of them must already have been written (fill) into a page the sequence still owns,
         under the tag the sequence holds (pool_written_tag), not by an earlier owner.
     Every held page is tag-checked, including pages this step will only write into.
-    pool_tenant, seq_tenant: the tenant id of each pool page (kv_pool.NO_TENANT unless it is a
+    pool_tenant, seq_tenant: the tenant id of each pool page (page_book.NO_TENANT unless it is a
         shared prefix-cache page) and of each sequence [B]: a sequence holding a shared page of
         another tenant fails (a key that should have kept the tenants apart did not).
     """

@@ -73,6 +73,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The request's page table: written only by core/page_manager, read by everyone else.
     pages: list[int] = field(default_factory=list)
     page_tags: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens the engine believes are written in the pool

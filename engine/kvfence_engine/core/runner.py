@@ -6,8 +6,8 @@ import torch
 
 from kvfence_engine.core.attention import StepBatch
 from kvfence_engine.core.faults import Faults
-from kvfence_engine.core.kv_pool import KVPool
 from kvfence_engine.core.model import LlamaModel
+from kvfence_engine.core.page_manager import PageManager
 from kvfence_engine.core.request import Request
 
 
@@ -38,10 +38,10 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, pool: KVPool, device: torch.device, faults: Faults
+        self, model: LlamaModel, pages: PageManager, device: torch.device, faults: Faults
     ) -> None:
         self.model = model
-        self.pool = pool
+        self.pages = pages
         self.device = device
         self.faults = faults
 
@@ -54,11 +54,11 @@ class ModelRunner:
         return seq.all_ids()
 
     def prepare(self, seqs: list[Request], is_prefill: bool) -> PreparedStep:
-        page = self.pool.page_size
+        page = self.pages.page_size
         page_table = _padded([s.pages for s in seqs])
         held_tags = _padded([s.page_tags for s in seqs])
         num_held = torch.tensor([len(s.pages) for s in seqs], dtype=torch.int64)
-        seq_tenant = torch.tensor([self.pool.tenant_id(s.tenant) for s in seqs], dtype=torch.int64)
+        seq_tenant = torch.tensor([self.pages.tenant_id(s.tenant) for s in seqs], dtype=torch.int64)
         if is_prefill:
             # A prefix-cache hit: the first prefill_start tokens are read from shared pages.
             starts = [s.prefill_start for s in seqs]
@@ -112,9 +112,9 @@ class ModelRunner:
             step.input_ids.to(self.device),
             step.positions.to(self.device),
             step.batch,
-            self.pool.k,
-            self.pool.v,
+            self.pages.kv.k,
+            self.pages.kv.v,
             step.logits_rows.to(self.device),
         )
-        self.pool.record_writes(step.written_pages, step.written_offsets)
+        self.pages.record_writes(step.written_pages, step.written_offsets)
         return logits.cpu()

@@ -1,13 +1,15 @@
 """Continuous batching: each step is either a batch of prefills or a batch of decodes.
 
-Pages are allocated as sequences grow; when the pool runs dry the youngest running sequence is
-preempted (its pages released, its tokens recomputed later).
+A request is in exactly one queue: `waiting` until its prefill is scheduled, `running` from
+then on (the prefill's own step included) until it finishes or is preempted, so whatever
+happens to a step, the queues know every request and `remove_finished` releases it. Pages come
+from the page manager's verbs (core/page_manager) as sequences grow; when the pool runs dry the
+youngest running sequence is preempted (its pages released, its tokens recomputed later).
 """
 
 from collections import deque
-from collections.abc import Sequence
 
-from kvfence_engine.core.kv_pool import KVPool
+from kvfence_engine.core.page_manager import PageManager
 from kvfence_engine.core.request import Request, Status, is_terminal
 from kvfence_engine.core.tenants import TenantShares
 
@@ -15,13 +17,13 @@ from kvfence_engine.core.tenants import TenantShares
 class Scheduler:
     def __init__(
         self,
-        pool: KVPool,
+        pages: PageManager,
         *,
         max_num_seqs: int,
         max_batched_tokens: int,
         shares: TenantShares | None = None,
     ) -> None:
-        self.pool = pool
+        self.pages = pages
         self.shares = shares
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -41,7 +43,7 @@ class Scheduler:
         self.running.append(seq)
 
     def queued(self) -> list[Request]:
-        """Every request waiting or running (not a prefill batch between the two)."""
+        """Every request the scheduler holds: waiting or running."""
         return [*self.waiting, *self.running]
 
     def has_work(self) -> bool:
@@ -61,7 +63,7 @@ class Scheduler:
         return count
 
     def schedule(self) -> tuple[list[Request], bool]:
-        """Pick the next batch. Returns (sequences, is_prefill)."""
+        """Pick the next batch. Returns (sequences, is_prefill); each is in `running`."""
         prefills = self._schedule_prefills()
         if prefills:
             return prefills, True
@@ -70,35 +72,21 @@ class Scheduler:
     def _schedule_prefills(self) -> list[Request]:
         batch: list[Request] = []
         tokens = 0
-        while self.waiting and len(self.running) + len(batch) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if is_terminal(seq):
                 self.waiting.popleft()
                 continue
             if batch and tokens + seq.num_tokens > self.max_batched_tokens:
                 break
-            hit_pages, hit_tags = self._lookup_prefix(seq)
-            needed = self.pool.pages_for(seq.num_tokens) - len(hit_pages)
-            if needed > self.pool.num_free:
-                self.pool.release(seq.seq_id, hit_pages, hit_tags)
+            if not self.pages.allocate(seq):
                 break
             self.waiting.popleft()
-            pages, tags = self.pool.allocate(seq.seq_id, needed)
-            seq.pages, seq.page_tags = hit_pages + pages, hit_tags + tags
-            seq.prefill_start = len(hit_pages) * self.pool.page_size
             seq.status = Status.RUNNING
+            self.running.append(seq)
             batch.append(seq)
             tokens += seq.num_tokens
         return batch
-
-    def _lookup_prefix(self, seq: Request) -> tuple[list[int], list[int]]:
-        """Cached pages for the leading full pages of the prompt (a reference on each). At
-        least one token is always left to compute (its logits give the next token), and a
-        partial page is never shared: only full pages have keys."""
-        if not seq.cache_keys or seq.placeholder_rejection is not None:
-            return [], []
-        usable = min(len(seq.cache_keys), (seq.num_tokens - 1) // self.pool.page_size)
-        return self.pool.lookup(seq.seq_id, seq.cache_keys[:usable])
 
     def _schedule_decodes(self) -> list[Request]:
         batch: list[Request] = []
@@ -107,18 +95,14 @@ class Scheduler:
             if is_terminal(seq):
                 continue
             # This step writes the slot of position num_tokens - 1.
-            needs_page = len(seq.pages) < self.pool.pages_for(seq.num_tokens)
-            while needs_page and self.pool.num_free == 0:
+            while not self.pages.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
                 else:
                     self._preempt(seq)
                     break
             else:
-                if needs_page:
-                    page, tag = self.pool.allocate(seq.seq_id, 1)
-                    seq.pages += page
-                    seq.page_tags += tag
+                self.pages.may_append(seq)
                 batch.append(seq)
         self.running.extendleft(reversed(batch))
         return batch
@@ -129,25 +113,16 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def admit_prefilled(self, seqs: list[Request]) -> None:
-        """Prefilled sequences that are not finished join the running set."""
-        self.running.extend(s for s in seqs if not is_terminal(s))
-
     def release(self, seq: Request) -> None:
         """Return a request's pages. Every finished request passes here (and a preempted one,
         which keeps its tenant's reservation): the one place a reservation is given back."""
-        self.pool.release(seq.seq_id, seq.pages, seq.page_tags)
-        seq.pages, seq.page_tags = [], []
-        seq.num_cached = 0
-        seq.prefill_start = 0
+        self.pages.deallocate(seq)
         if self.shares is not None and is_terminal(seq):
             self.shares.give_back(seq.seq_id)
 
-    def remove_finished(self, batch: Sequence = ()) -> list[Request]:
-        """Drop terminal sequences from both queues and from the step's batch (a prefill that
-        finished at once joined neither queue), releasing their pages."""
-        candidates = dict.fromkeys((*self.waiting, *self.running, *batch))
-        done = [s for s in candidates if is_terminal(s)]
+    def remove_finished(self) -> list[Request]:
+        """Drop terminal sequences from both queues, releasing their pages."""
+        done = [s for s in (*self.waiting, *self.running) if is_terminal(s)]
         for seq in done:
             self.release(seq)
         self.waiting = deque(s for s in self.waiting if not is_terminal(s))

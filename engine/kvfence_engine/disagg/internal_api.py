@@ -167,7 +167,7 @@ def internal_router(
                 k,
                 v,
                 written,
-                Layout.of(engine.engine.pool),
+                Layout.of(engine.engine.pages.kv),
                 token=state.internal_token,
                 verify=engine.engine.args.kv_checksum,
             )

@@ -61,7 +61,7 @@ class KVReceiver:
     ) -> None:
         self.reservations = reservations
         self.engine = reservations.engine
-        self.layout = Layout.of(self.engine.pool)
+        self.layout = Layout.of(self.engine.pages.kv)
         self.token = token
         self.idle_timeout = idle_timeout
         self.hello_timeout = hello_timeout

@@ -14,11 +14,11 @@ Threads and locks. Three kinds of thread call in:
   - any thread (the HTTP event loop): pending.
 `self._lock` guards the two maps and the InboundKV of every reserved request; each method
 holds it for all the reservation state it reads or changes, so each is atomic against the
-others. The pool's own lock still guards the pool: allocation, release and page writes take
-it inside the pool's methods, always after ours (never the other way round: the pool never
-calls back here), so the two cannot deadlock. start_decode continues a request only once its
-transfer has ended; from then on no receiver touches it, and it belongs to the engine thread
-(continue_decode, and abort of a decoding request, run outside the lock).
+others. The page manager's own lock (`PageManager.lock`) still guards the pages: allocation,
+release and page writes take it inside its verbs, always after ours (never the other way round:
+it never calls back here), so the two cannot deadlock. start_decode continues a request only
+once its transfer has ended; from then on no receiver touches it, and it belongs to the engine
+thread (continue_decode, and abort of a decoding request, run outside the lock).
 """
 
 import threading
@@ -27,7 +27,7 @@ import time
 from kvfence_engine.core import errors
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.errors import EngineError
-from kvfence_engine.core.faults import Fault
+from kvfence_engine.core.faults import Fault, write_without_tag_check
 from kvfence_engine.core.request import InboundKV, Request, TokenLogprob, is_terminal
 from kvfence_engine.disagg.transfer import Handle, TransferError
 
@@ -182,9 +182,10 @@ class DecodeReservations:
             # above: fenced, or under the fault, applied blindly as the bug was.)
             if page in inbound.pages_written and not is_terminal(seq):
                 raise TransferError("bad_frame", f"page {page} was sent twice in one transfer")
-            written = self.engine.pool.write_page(
-                seq.seq_id, page, tag, tokens, payload, check_tag=not late_write
-            )
+            if late_write:  # the fault: applied blindly, whoever holds the page now
+                written = write_without_tag_check(self.engine.pages, page, tag, tokens, payload)
+            else:
+                written = self.engine.pages.write_transferred(seq, page, tag, tokens, payload)
             if written:
                 inbound.written_tokens += tokens
                 inbound.pages_written.add(page)

@@ -22,7 +22,7 @@ import torch
 import xxhash
 
 from kvfence_engine.contracts import TransferHello, TransferLayout
-from kvfence_engine.core.kv_pool import KVPool
+from kvfence_engine.core.kv_cache import KVCache
 
 HELLO = b"KVFH"
 PAGE = b"KVFP"
@@ -50,10 +50,10 @@ class Layout:
     dtype: str
 
     @classmethod
-    def of(cls, pool: KVPool) -> "Layout":
+    def of(cls, kv: KVCache) -> "Layout":
         """The shape of a pool's pages: what both ends of a transfer must agree on."""
-        layers, _pages, page_size, kv_heads, head_dim = pool.k.shape
-        dtype = str(pool.k.dtype).removeprefix("torch.")
+        layers, _pages, page_size, kv_heads, head_dim = kv.k.shape
+        dtype = str(kv.k.dtype).removeprefix("torch.")
         return cls(layers, page_size, kv_heads, head_dim, dtype)
 
     @property

@@ -13,7 +13,7 @@ def test_concurrent_requests_of_different_lengths_match_their_solo_runs() -> Non
     seqs = [submit(engine, p, 12, ignore_eos=True) for p in prompts]
     run_until_done(engine)
     assert [s.output_ids for s in seqs] == [_alone(p, 12) for p in prompts]
-    assert engine.pool.num_used == 0
+    assert engine.pages.num_used == 0
 
 
 def test_requests_arriving_mid_decode_join_without_disturbing_others() -> None:
@@ -34,17 +34,17 @@ def test_a_pool_too_small_for_everyone_preempts_and_still_finishes_everything() 
     run_until_done(engine)
     assert engine.metrics.registry.get_sample_value("kvfence_preemptions_total") > 0
     assert [s.output_ids for s in seqs] == [_alone(p, 30) for p in prompts]
-    assert engine.pool.num_used == 0
+    assert engine.pages.num_used == 0
 
 
 def test_an_aborted_request_returns_its_pages() -> None:
     engine = make_tiny_engine()
     seq = submit(engine, prompt_of(50), 100, ignore_eos=True)
     engine.step()
-    assert engine.pool.num_used == 4
+    assert engine.pages.num_used == 4
     engine.abort(seq)
     engine.step()
-    assert seq.finish_reason == "abort" and engine.pool.num_used == 0
+    assert seq.finish_reason == "abort" and engine.pages.num_used == 0
 
 
 def test_seeded_sampling_repeats_and_different_seeds_differ() -> None:

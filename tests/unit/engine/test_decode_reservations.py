@@ -89,7 +89,7 @@ def test_a_reserved_prompt_decodes_from_transferred_kv_as_if_it_had_been_compute
     seq = admitted(engine, prompt, max_tokens=10)
     handle = book.reserve(seq, "r1")
     assert (handle.pages, handle.tags, handle.reserved_tokens) == (seq.pages, seq.page_tags, 40)
-    assert engine.pool.num_used == 3
+    assert engine.pages.num_used == 3
     assert not engine.has_work()  # reserved, not scheduled: the step loop never sees it
     assert book.pending("r1") is seq
 
@@ -100,7 +100,7 @@ def test_a_reserved_prompt_decodes_from_transferred_kv_as_if_it_had_been_compute
     run_until_done(engine)
 
     assert seq.output_ids == generate(make_tiny_engine(), prompt, 10, ignore_eos=True).output_ids
-    assert engine.pool.num_used == 0
+    assert engine.pages.num_used == 0
     book.expire(0.0)  # the loop's housekeeping forgets finished ids: "r1" may be used again
     assert book.abort("r1") is None
     book.reserve(admitted(engine, prompt), "r1")
@@ -112,7 +112,7 @@ def test_a_request_id_in_use_is_refused_and_allocates_nothing() -> None:
     with pytest.raises(EngineError) as refused:
         book.reserve(admitted(book.engine, prompt_of(20)), "same")
     assert refused.value.status == 400 and "already in use" in refused.value.message
-    assert book.engine.pool.num_used == 3
+    assert book.engine.pages.num_used == 3
 
 
 def test_a_reservation_the_pool_cannot_hold_is_overloaded_and_allocates_nothing() -> None:
@@ -121,7 +121,7 @@ def test_a_reservation_the_pool_cannot_hold_is_overloaded_and_allocates_nothing(
     with pytest.raises(EngineError) as refused:
         book.reserve(admitted(book.engine, prompt_of(40)), "second")
     assert refused.value.status == 503 and refused.value.code == "overloaded"
-    assert book.engine.pool.num_used == 3
+    assert book.engine.pages.num_used == 3
     assert book.pending("second") is None
 
 
@@ -139,7 +139,7 @@ def test_a_transfer_short_of_the_reserved_tokens_fails_the_request_and_frees_its
     with pytest.raises(EngineError) as refused:
         book.start_decode("short", first)
     assert refused.value is error
-    assert book.engine.pool.num_used == 0
+    assert book.engine.pages.num_used == 0
 
 
 def test_with_the_count_check_off_a_short_transfer_is_still_stopped_by_the_read_check() -> None:
@@ -155,7 +155,7 @@ def test_with_the_count_check_off_a_short_transfer_is_still_stopped_by_the_read_
     run_until_done(engine)
     assert seq.error is not None and seq.error.code == "kv_isolation_violation"
     assert len(seq.output_ids) == 1  # only prefill's token: nothing from unwritten slots
-    assert count(engine, "kvfence_kv_unwritten_read") == 1 and engine.pool.num_used == 0
+    assert count(engine, "kvfence_kv_unwritten_read") == 1 and engine.pages.num_used == 0
 
 
 def test_a_transfer_for_no_reservation_the_wrong_pages_or_a_second_time_is_refused() -> None:
@@ -189,11 +189,11 @@ def test_a_request_aborted_mid_transfer_keeps_its_pages_fenced_until_the_transfe
     assert book.receive_page(inbound, handle.pages[0], handle.tags[0], PAGE, memoryview(pages[0]))
 
     assert book.abort("a") is seq and seq.finish_reason == "abort"
-    assert engine.pool.num_used == 3  # not freed under the writer: fenced
+    assert engine.pages.num_used == 3  # not freed under the writer: fenced
     late = book.receive_page(inbound, handle.pages[1], handle.tags[1], PAGE, memoryview(pages[1]))
     assert not late and count(engine, "kvfence_late_writes_dropped") == 1
     book.end_transfer(inbound, None)
-    assert engine.pool.num_used == 0  # released when the transfer ended
+    assert engine.pages.num_used == 0  # released when the transfer ended
 
 
 def test_decoding_before_the_transfer_has_ended_is_refused_and_the_pages_come_back() -> None:
@@ -204,13 +204,13 @@ def test_decoding_before_the_transfer_has_ended_is_refused_and_the_pages_come_ba
     inbound = book.begin_transfer("early", handle.seq_id, handle.pages, handle.tags)
     with pytest.raises(EngineError, match="has not completed"):
         book.start_decode("early", first)
-    assert book.engine.pool.num_used == 3  # still being written: fenced
+    assert book.engine.pages.num_used == 3  # still being written: fenced
     for i, payload in enumerate(pages):
         book.receive_page(
             inbound, handle.pages[i], handle.tags[i], tokens_in(i, 40), memoryview(payload)
         )
     book.end_transfer(inbound, None)
-    assert book.engine.pool.num_used == 0
+    assert book.engine.pages.num_used == 0
 
 
 # --- abort and expiry ------------------------------------------------------------------------
@@ -221,7 +221,7 @@ def test_aborting_a_reservation_before_its_transfer_frees_its_pages_at_once() ->
     seq = admitted(book.engine, prompt_of(40))
     book.reserve(seq, "a")
     assert book.abort("a") is seq and seq.finish_reason == "abort"
-    assert book.engine.pool.num_used == 0 and book.pending("a") is None
+    assert book.engine.pages.num_used == 0 and book.pending("a") is None
     assert book.abort("a") is None and book.abort("never-reserved") is None
 
 
@@ -237,7 +237,7 @@ def test_aborting_a_decoding_request_ends_it_at_the_next_step_with_its_pages() -
     engine.step()
     assert book.abort("d") is seq and seq.finish_reason == "abort"
     engine.step()
-    assert engine.pool.num_used == 0 and not engine.has_work()
+    assert engine.pages.num_used == 0 and not engine.has_work()
 
 
 def test_a_reservation_whose_kv_never_starts_expires_and_returns_its_pages() -> None:
@@ -247,13 +247,13 @@ def test_a_reservation_whose_kv_never_starts_expires_and_returns_its_pages() -> 
     assert seq.inbound is not None
     deadline = seq.inbound.deadline
     book.expire(deadline)  # not yet
-    assert book.pending("x") is seq and book.engine.pool.num_used == 3
+    assert book.pending("x") is seq and book.engine.pages.num_used == 3
     book.expire(deadline + 0.001)
     assert seq.error is not None and (seq.error.status, seq.error.code) == (
         408,
         "reservation_expired",
     )
-    assert book.engine.pool.num_used == 0
+    assert book.engine.pages.num_used == 0
     with pytest.raises(EngineError) as gone:
         book.start_decode("x", TokenLogprob(1, 0.0))
     assert gone.value.status == 404
@@ -270,7 +270,7 @@ def test_a_reservation_is_not_expired_while_its_transfer_is_writing() -> None:
     assert book.pending("slow") is seq and not is_terminal(seq)
     book.end_transfer(inbound, None)
     book.expire(later)  # nobody asked to decode it: now it goes
-    assert seq.finish_reason == "error" and book.engine.pool.num_used == 0
+    assert seq.finish_reason == "error" and book.engine.pages.num_used == 0
 
 
 # --- lock discipline -------------------------------------------------------------------------
@@ -297,10 +297,10 @@ class WatchedLock:
 def watched(book: DecodeReservations) -> Iterator[list[tuple[str, tuple[str, ...]]]]:
     log: list[tuple[str, tuple[str, ...]]] = []
     held = threading.local()
-    pool = book.engine.pool
-    book._lock, pool.lock = (  # type: ignore[method-assign]
+    pages = book.engine.pages
+    book._lock, pages.lock = (  # type: ignore[method-assign]
         WatchedLock(book._lock, "reservations", log, held),
-        WatchedLock(pool.lock, "pool", log, held),
+        WatchedLock(pages.lock, "pool", log, held),
     )
     yield log
 
@@ -324,7 +324,7 @@ def test_the_pool_lock_is_only_ever_taken_inside_the_reservations_lock_never_aro
         run_until_done(book.engine)
     assert ("pool", ("reservations",)) in log  # pages are written and freed under both
     assert not [entry for entry in log if entry[0] == "reservations" and "pool" in entry[1]]
-    assert book.engine.pool.num_used == 0
+    assert book.engine.pages.num_used == 0
 
 
 def test_a_page_write_waits_while_another_thread_holds_the_reservation_state() -> None:
@@ -341,9 +341,9 @@ def test_a_page_write_waits_while_another_thread_holds_the_reservation_state() -
     with book._lock:  # as abort would, deciding to fence
         writer.start()
         writer.join(timeout=0.3)
-        assert writer.is_alive() and int(book.engine.pool.fill[page]) == 0
+        assert writer.is_alive() and int(book.engine.pages.book.fill[page]) == 0
     writer.join()
-    assert int(book.engine.pool.fill[page]) == PAGE
+    assert int(book.engine.pages.book.fill[page]) == PAGE
     book.end_transfer(inbound, None)  # as the receiver thread does when the connection ends
 
 
@@ -394,7 +394,7 @@ def test_start_decode_never_sees_a_transfer_half_ended() -> None:
     starter.join(timeout=10)
     assert outcome == {"refused": failure}
     assert waited
-    assert book.engine.pool.num_used == 0
+    assert book.engine.pages.num_used == 0
 
 
 def test_concurrent_transfers_aborts_and_expiry_leave_every_page_free() -> None:
@@ -422,6 +422,6 @@ def test_concurrent_transfers_aborts_and_expiry_leave_every_page_free() -> None:
     run_until_done(engine)
     book.expire(0.0)
     assert [s.finish_reason for s in seqs] == ["abort", "length"] * 4
-    assert engine.pool.num_used == 0
+    assert engine.pages.num_used == 0
     solo = generate(make_tiny_engine(), prompt, 4, ignore_eos=True).output_ids
     assert all(s.output_ids == solo for s in seqs[1::2])

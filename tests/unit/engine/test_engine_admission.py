@@ -13,12 +13,12 @@ CONTEXT = 128
 @pytest.mark.parametrize("length", [CONTEXT + 1, 2 * CONTEXT])
 def test_a_prompt_over_the_context_gets_400_and_allocates_no_page(length: int) -> None:
     engine = make_tiny_engine(context_length=CONTEXT)
-    used_before = engine.pool.num_used
+    used_before = engine.pages.num_used
     seq = submit(engine, prompt_of(length))
     assert is_terminal(seq) and seq.finish_reason == "error"
     assert seq.error is not None and seq.error.status == 400
     assert seq.error.code == "context_length_exceeded"
-    assert engine.pool.num_used == used_before
+    assert engine.pages.num_used == used_before
     assert not engine.has_work()
     rejected = engine.metrics.registry.get_sample_value(
         "kvfence_requests_rejected_total", {"reason": "context_length_exceeded"}
@@ -33,14 +33,14 @@ def test_a_prompt_one_under_the_context_is_served_and_its_pages_come_back() -> N
     assert seq.finish_reason in ("length", "stop")
     # prompt + generated may hold at most CONTEXT KV slots: 2 tokens fit after CONTEXT-1
     assert len(seq.output_ids) <= 2
-    assert engine.pool.num_used == 0
+    assert engine.pages.num_used == 0
 
 
 def test_a_prompt_exactly_at_the_context_gets_one_token() -> None:
     engine = make_tiny_engine(context_length=CONTEXT)
     seq = generate(engine, prompt_of(CONTEXT), max_tokens=50, ignore_eos=True)
     assert seq.error is None and len(seq.output_ids) == 1 and seq.finish_reason == "length"
-    assert engine.pool.num_used == 0  # finished in its prefill step: its pages still return
+    assert engine.pages.num_used == 0  # finished in its prefill step: its pages still return
 
 
 def test_max_tokens_is_clamped_to_the_room_left_in_the_context() -> None:
@@ -68,7 +68,7 @@ def test_refuse_policy_keeps_the_context_but_rejects_what_the_pool_cannot_hold()
     seq = submit(engine, prompt_of(65))
     assert seq.error is not None and seq.error.code == "context_length_exceeded"
     assert "KV pool" in seq.error.message
-    assert engine.pool.num_used == 0
+    assert engine.pages.num_used == 0
 
 
 def test_lower_policy_serves_the_pool_rounded_down_to_a_page() -> None:
@@ -87,7 +87,7 @@ def test_a_full_waiting_queue_answers_503_with_retry_after() -> None:
     seq = submit(engine, prompt_of(8))
     assert seq.error is not None and seq.error.status == 503 and seq.error.retry_after
     run_until_done(engine)
-    assert engine.pool.num_used == 0
+    assert engine.pages.num_used == 0
 
 
 def test_a_context_beyond_the_models_positions_is_refused_at_start() -> None:

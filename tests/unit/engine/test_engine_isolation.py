@@ -14,7 +14,7 @@ def _pollute(engine, seed: int) -> None:
     their pages go back to the free list unscrubbed."""
     seqs = [submit(engine, prompt_of(120, seed=seed * 10 + i), max_tokens=4) for i in range(2)]
     run_until_done(engine)
-    assert all(s.error is None for s in seqs) and engine.pool.num_used == 0
+    assert all(s.error is None for s in seqs) and engine.pages.num_used == 0
 
 
 def _placeholder_victim(faults: tuple[str, ...], polluter_seed: int):
@@ -30,7 +30,7 @@ def test_reject_placeholder_fails_closed_with_the_unwritten_read_counter() -> No
     assert seq.error.code == "kv_isolation_violation"
     assert engine.metrics.registry.get_sample_value("kvfence_kv_unwritten_read_total") == 1
     assert len(seq.output_ids) == 1  # the placeholder's token; nothing read from foreign KV
-    assert engine.pool.num_used == 0
+    assert engine.pages.num_used == 0
 
 
 def test_without_the_fault_the_same_prompt_is_a_400_and_allocates_nothing() -> None:
@@ -74,7 +74,7 @@ def test_early_release_robbed_page_goes_to_another_owner_not_back_to_the_victim(
     assert robbed in intruder.pages  # (the fault robs the intruder's first page in turn)
     run_until_done(engine)
     assert victim.error is None and intruder.error is None
-    assert engine.pool.num_used == 0
+    assert engine.pages.num_used == 0
 
 
 def test_early_release_fails_closed_with_the_tag_mismatch_counter() -> None:
@@ -82,7 +82,7 @@ def test_early_release_fails_closed_with_the_tag_mismatch_counter() -> None:
     assert victim.error is not None and victim.error.code == "kv_isolation_violation"
     assert engine.metrics.registry.get_sample_value("kvfence_kv_tag_mismatch_total") >= 1
     assert intruder.error is None
-    assert engine.pool.num_used == 0  # the stale release of the reassigned page was ignored
+    assert engine.pages.num_used == 0  # the stale release of the reassigned page was ignored
 
 
 def test_early_release_without_tag_check_reads_the_intruders_kv() -> None:

@@ -92,7 +92,7 @@ def test_a_tiny_temperature_among_other_requests_is_served_greedily_and_leaks_no
     assert [seq.finish_reason for seq in (*others, hostile)] == ["length"] * 4
     greedy = generate(make_tiny_engine(), prompt_of(20, seed=7), 8, ignore_eos=True)
     assert hostile.output_ids == greedy.output_ids
-    assert engine.pool.num_free == PAGES
+    assert engine.pages.num_free == PAGES
 
 
 @pytest.mark.parametrize("seed", [SEED_MIN, -1, 0, SEED_MAX])
@@ -170,7 +170,7 @@ def test_the_engine_refuses_out_of_range_fields_and_broken_text_with_a_400(
 ) -> None:
     client, llm = engine_app
     _is_invalid_request(post(client, path, body | {"max_tokens": body.get("max_tokens", 2)}), param)
-    assert llm.pool.num_free == PAGES
+    assert llm.pages.num_free == PAGES
 
 
 @pytest.mark.parametrize(("path", "body", "param"), HOSTILE)
@@ -205,7 +205,7 @@ def test_the_edges_of_each_range_are_served(
     client, llm = engine_app
     r = post(client, COMPLETIONS, {"prompt": "Tenant isolation", "max_tokens": 3} | fields)
     assert r.status_code == 200, r.text
-    assert llm.pool.num_free == PAGES
+    assert llm.pages.num_free == PAGES
 
 
 def test_a_temperature_below_the_floor_answers_like_temperature_zero(
@@ -307,7 +307,7 @@ def test_the_engine_answers_a_crash_in_its_own_handler_with_a_json_500(
             assert post(client, COMPLETIONS, {"prompt": "hi", "max_tokens": 2}).status_code == 200
     finally:
         engine.stop()
-    assert llm.pool.num_free == PAGES
+    assert llm.pages.num_free == PAGES
 
 
 def test_the_router_answers_a_crash_in_its_own_handler_with_a_json_500(

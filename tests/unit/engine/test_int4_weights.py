@@ -97,7 +97,8 @@ def test_auto_keeps_int4_blocks_and_packs_the_rest_as_float16() -> None:
     assert all(isinstance(m, Int4Linear) for m in layers)
     # the tied lm_head is the embedding table (Q8_0 in SmolLM2): the float path, in float16
     assert isinstance(model.lm_head, Float16Linear)
-    assert engine.pool.k.dtype == torch.float32 and engine.kvpool_report().weight_dtype == "int4"
+    assert engine.pages.kv.k.dtype == torch.float32
+    assert engine.kvpool_report().weight_dtype == "int4"
     assert not engine.loaded.int4  # the model holds them now
     # a model without 4-bit blocks keeps the float32 default
     assert LLMEngine(tiny_random(), EngineArgs(kv_cache_memory=16 << 20)).precision.weights == (

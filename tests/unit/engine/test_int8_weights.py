@@ -71,7 +71,7 @@ def test_packed_engine_packs_every_linear_and_keeps_a_float32_pool(weight_dtype:
     ]
     assert all(isinstance(m, PACKED_CLASS[weight_dtype]) for m in linears)
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert engine.pool.k.dtype == torch.float32 and engine.kv_dtype == "float32"
+    assert engine.pages.kv.k.dtype == torch.float32 and engine.kv_dtype == "float32"
     assert engine.kvpool_report().weight_dtype == weight_dtype
 
 
@@ -103,7 +103,7 @@ def test_packed_engine_decodes_a_batch_like_each_request_alone(weight_dtype: str
     seqs = [submit(engine, p, 10, ignore_eos=True) for p in prompts]
     run_until_done(engine)
     assert [s.output_ids for s in seqs] == solo
-    assert engine.pool.num_used == 0
+    assert engine.pages.num_used == 0
 
 
 @pytest.mark.parametrize("weight_dtype", PACKED)
@@ -171,7 +171,6 @@ def _teacher_forced_logits(
     step = engine.runner.prepare(batch, True)
     step.logits_rows = torch.arange(sum(len(p) for p in prompts))
     rows = [engine.runner.run(step)]
-    engine.scheduler.admit_prefilled(batch)
     for position in range(len(continuations[0])):
         for seq, continuation in zip(seqs, continuations, strict=True):
             seq.num_cached = seq.num_tokens
@@ -183,7 +182,7 @@ def _teacher_forced_logits(
         rows.append(engine.runner.run(engine.runner.prepare(batch, False)))
     for seq in seqs:
         seq.finish("abort")
-    assert engine.scheduler.remove_finished() == seqs and engine.pool.num_used == 0
+    assert engine.scheduler.remove_finished() == seqs and engine.pages.num_used == 0
     return torch.cat(rows)
 
 

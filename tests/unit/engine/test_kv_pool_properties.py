@@ -1,7 +1,11 @@
-"""Property tests for the page pool: ownership is exclusive, tags only grow, stale is refused;
-shared (prefix-cache) pages are reference-counted, carry their tenant, and are evicted
-least-recently-released first with a tag bump."""
+"""Property tests for the page pool, driven through the page table's owner (PageManager) the
+way the scheduler and the engine drive it: requests allocate (their cached prefix included),
+grow, publish and deallocate. Ownership is exclusive, tags only grow, a stale (page, tag) is
+refused for release and for a transfer write; shared (prefix-cache) pages are
+reference-counted, carry their tenant, and are evicted least-recently-released first with a tag
+bump."""
 
+import itertools
 from collections import OrderedDict
 
 import torch
@@ -10,197 +14,269 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvfence_engine.core.isolation import ReadCheck, check_reads
-from kvfence_engine.core.kv_pool import FREE, SHARED, KVPool, PoolExhausted
+from kvfence_engine.core.kv_cache import KVCache
+from kvfence_engine.core.page_book import FREE, NO_TENANT, SHARED
+from kvfence_engine.core.page_manager import PageManager
+from kvfence_engine.core.request import Request, SamplingParams
 
 PAGES = 12
+PAGE = 4
+KEYS = [bytes([i]) * 8 for i in range(10)]  # the prompt pages the machine's requests share
 
 
-def small_pool(scrub: bool = False) -> KVPool:
-    return KVPool(
+def small_pool(scrub: bool = False) -> PageManager:
+    kv = KVCache(
         num_layers=1,
         num_pages=PAGES,
-        page_size=4,
+        page_size=PAGE,
         num_kv_heads=1,
         head_dim=2,
         dtype=torch.float32,
         device=torch.device("cpu"),
-        scrub_on_free=scrub,
     )
+    return PageManager(kv, scrub_on_free=scrub)
+
+
+def request(seq_id: int, tokens: int, keys: list[bytes] | None = None) -> Request:
+    seq = Request(seq_id, [7] * tokens, SamplingParams(max_tokens=1), tenant=f"t{seq_id % 2}")
+    seq.cache_keys = keys or []
+    return seq
+
+
+def page_bytes(value: float) -> memoryview:
+    """A transferred page's payload: K then V, a whole page of `value`."""
+    return memoryview(bytearray(torch.full((2 * PAGE * 2,), value).numpy().tobytes()))
 
 
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pool = small_pool()
-        self.held: dict[int, list[tuple[int, int]]] = {}  # owner -> [(page, tag)]
+        self.pages = small_pool()
+        self.book = self.pages.book
+        self.live: dict[int, Request] = {}  # requests holding pages
+        self.ids = itertools.count(1)
         self.history: list[tuple[int, int, int]] = []  # every (owner, page, tag) ever handed out
-        self.last_tags = self.pool.tags.clone()
+        self.last_tags = self.book.tags.clone()
         # the model of the prefix cache: shared page -> (key, tenant id, tag), and the
         # unreferenced ones in the order allocation must evict them
         self.shared: dict[int, tuple[bytes, int, int]] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()
-        self.keys_made = 0
 
-    def tenant(self, owner: int) -> int:
-        return self.pool.tenant_id(f"tenant-{owner % 2}")
-
-    def read_one(self, owner: int, page: int, tag: int, length: int) -> ReadCheck:
-        """The read check for one sequence of `owner` reading `length` tokens of one page."""
+    def read_one(self, seq: Request, page: int, tag: int, length: int) -> ReadCheck:
+        """The read check for `seq` reading `length` tokens of one page under `tag`."""
         return check_reads(
-            self.pool.tags,
-            self.pool.fill,
-            self.pool.written_tag,
+            self.book.tags,
+            self.book.fill,
+            self.book.written_tag,
             torch.tensor([[page]]),
             torch.tensor([[tag]]),
             torch.tensor([1]),
             torch.tensor([length]),
-            4,
-            self.pool.page_tenant,
-            torch.tensor([self.tenant(owner)]),
+            PAGE,
+            self.book.page_tenant,
+            torch.tensor([self.pages.tenant_id(seq.tenant)]),
         )
 
-    def is_shared(self, page: int) -> bool:
-        return page in self.shared
+    def holders(self, page: int) -> set[int]:
+        return {s.seq_id for s in self.live.values() if page in s.pages}
 
-    @rule(owner=st.integers(1, 5), count=st.integers(0, 5))
-    def allocate(self, owner: int, count: int) -> None:
-        free_before = self.pool.num_free
-        evict = max(0, count - (free_before - len(self.lru))) if count <= free_before else 0
-        doomed = list(self.lru)[:evict]
-        doomed_tags = {p: int(self.pool.tags[p]) for p in doomed}
-        try:
-            pages, tags = self.pool.allocate(owner, count)
-        except PoolExhausted:
-            assert count > free_before
-            assert self.pool.num_free == free_before  # all or nothing
-            return
-        for page in doomed:  # evicted, oldest first: out of the cache, tag bumped
+    def key_page(self, key: bytes) -> int | None:
+        return next((p for p, (k, _t, _g) in self.shared.items() if k == key), None)
+
+    def expect_evictions(self, count: int) -> list[tuple[int, int]]:
+        """The cached pages an allocation of `count` fresh pages evicts, oldest first, with
+        their tags before."""
+        evict = max(0, count - len(self.book._free))
+        return [(p, int(self.book.tags[p])) for p in list(self.lru)[:evict]]
+
+    def evicted(self, doomed: list[tuple[int, int]]) -> None:
+        for page, tag in doomed:  # out of the cache, tag retired then the next one issued
             key = self.shared.pop(page)[0]
             del self.lru[page]
-            # the eviction retired the tag, then the allocation issued the next one
-            assert int(self.pool.tags[page]) == doomed_tags[page] + 2
-            assert self.pool.lookup(owner, [key]) == ([], [])
-        self.held.setdefault(owner, []).extend(zip(pages, tags, strict=True))
-        self.history += [(owner, p, t) for p, t in zip(pages, tags, strict=True)]
+            assert int(self.book.tags[page]) == tag + 2
+            assert self.key_page(key) is None
 
-    @precondition(lambda self: any(self.held.values()))
-    @rule(data=st.data())
-    def release_some(self, data: st.DataObject) -> None:
-        owner = data.draw(st.sampled_from([o for o, h in self.held.items() if h]))
-        held = self.held[owner]
-        k = data.draw(st.integers(1, len(held)))
-        chunk, self.held[owner] = held[:k], held[k:]
-        freed = self.pool.release(owner, [p for p, _ in chunk], [t for _, t in chunk])
-        assert freed == len(chunk)
-        for page, _ in chunk:
-            if self.is_shared(page) and not any(
-                page == p for pairs in self.held.values() for p, _ in pairs
-            ):
-                self.lru[page] = None
-
-    @precondition(lambda self: any(self.held.values()))
-    @rule(data=st.data())
-    def publish_some(self, data: st.DataObject) -> None:
-        """An owner wrote some of its private pages full and publishes them under new keys."""
-        owner = data.draw(st.sampled_from([o for o, h in self.held.items() if h]))
-        private = [(p, t) for p, t in self.held[owner] if not self.is_shared(p)]
-        if not private:
+    @rule(
+        tokens=st.integers(1, 20),
+        keys=st.lists(st.sampled_from(KEYS), unique=True, max_size=5),
+        publish=st.booleans(),
+    )
+    def prefill(self, tokens: int, keys: list[bytes], publish: bool) -> None:
+        """A prefill allocates all its tokens' pages, its cached prefix first, or nothing; it
+        writes what it computes and may publish its full pages."""
+        keys = keys[: tokens // PAGE]  # a key per full page of the prompt
+        seq = request(next(self.ids), tokens, keys)
+        usable = keys[: (tokens - 1) // PAGE]  # at least one token is left to compute
+        hits = list(itertools.takewhile(lambda p: p is not None, map(self.key_page, usable)))
+        free_before = self.pages.num_free
+        free_after_hits = free_before - sum(p in self.lru for p in hits)
+        needed = -(-tokens // PAGE) - len(hits)
+        doomed = []
+        if needed <= free_after_hits:
+            for page in hits:  # referenced: out of the LRU
+                self.lru.pop(page, None)
+            doomed = self.expect_evictions(needed)
+        if not self.pages.allocate(seq):
+            assert needed > free_after_hits
+            assert self.pages.num_free == free_before and seq.pages == []  # all or nothing
+            for page in hits:  # its lookup used them: most recently released now
+                if page in self.lru:
+                    self.lru.move_to_end(page)
             return
-        chosen = data.draw(st.lists(st.sampled_from(private), min_size=1, unique=True))
-        pages = [p for p, _ in chosen]
-        self.pool.record_writes(
-            torch.tensor(pages).repeat_interleave(4), torch.arange(4).repeat(len(pages))
+        assert needed <= free_after_hits
+        self.evicted(doomed)
+        assert seq.pages[: len(hits)] == hits and len(seq.pages) == -(-tokens // PAGE)
+        assert seq.prefill_start == len(hits) * PAGE
+        self.live[seq.seq_id] = seq
+        self.history += [(seq.seq_id, p, t) for p, t in zip(seq.pages, seq.page_tags, strict=True)]
+        for page, tag in zip(hits, seq.page_tags, strict=False):
+            assert tag == self.shared[page][2]
+            check = self.read_one(seq, page, tag, PAGE)
+            assert not bool(check.tag_mismatch[0]) and not bool(check.unwritten[0])
+            assert bool(check.foreign[0]) == (self.shared[page][1] != self.tenant(seq))
+        positions = torch.arange(seq.prefill_start, tokens)
+        self.pages.record_writes(
+            torch.tensor(seq.pages)[positions // PAGE].contiguous(), positions % PAGE
         )
-        keys = [self.new_key() for _ in chosen]
-        tenant = self.tenant(owner)
-        tags = [t for _, t in chosen]
-        assert self.pool.publish(owner, pages, tags, keys, tenant) == len(chosen)
-        for (page, tag), key in zip(chosen, keys, strict=True):
-            self.shared[page] = (key, tenant, tag)
-        # publishing a key that is already cached leaves the page private
-        if private[len(chosen) :]:
-            page, tag = private[len(chosen)]
-            if page not in pages:
-                assert self.pool.publish(owner, [page], [tag], [keys[0]], tenant) == 0
+        if publish:
+            self.publish(seq)
 
-    def new_key(self) -> bytes:
-        self.keys_made += 1
-        return self.keys_made.to_bytes(8)
+    def tenant(self, seq: Request) -> int:
+        return self.pages.tenant_id(seq.tenant)
 
-    @precondition(lambda self: bool(self.shared))
-    @rule(owner=st.integers(1, 5), data=st.data())
-    def look_up(self, owner: int, data: st.DataObject) -> None:
-        """Lookup by key takes a reference; the page's tenant is what the read check sees."""
-        page = data.draw(st.sampled_from(sorted(self.shared)))
-        key, tenant, tag = self.shared[page]
-        if (page, tag) in self.held.get(owner, []):
-            return  # a request never references one page twice
-        assert self.pool.lookup(owner, [key]) == ([page], [tag])
-        self.lru.pop(page, None)
-        self.held.setdefault(owner, []).append((page, tag))
-        self.history.append((owner, page, tag))
-        check = self.read_one(owner, page, tag, length=4)
-        assert not bool(check.tag_mismatch[0]) and not bool(check.unwritten[0])
-        assert bool(check.foreign[0]) == (tenant != self.tenant(owner))
+    def publish(self, seq: Request) -> None:
+        """The prefill's full pages past its cached ones become shared, unless their key is
+        cached already (another page holds it)."""
+        first, full = seq.prefill_start // PAGE, len(seq.cache_keys)
+        pages, tags, keys = seq.pages[first:full], seq.page_tags[first:full], seq.cache_keys[first:]
+        computed = zip(pages, tags, keys, strict=True)
+        expected = [(p, k, t) for p, t, k in computed if self.key_page(k) is None]
+        assert self.pages.publish(seq) == len(expected)
+        for page, key, tag in expected:
+            self.shared[page] = (key, self.tenant(seq), tag)
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def decode(self, data: st.DataObject) -> None:
+        """A decode step writes one more position; it may need a page, which it gets only if
+        one is free (else the scheduler preempts, and the table is unchanged)."""
+        seq = data.draw(st.sampled_from(sorted(self.live.values(), key=lambda s: s.seq_id)))
+        seq.output_ids.append(7)
+        needs_page = len(seq.pages) < -(-seq.num_tokens // PAGE)
+        assert self.pages.can_append(seq) == (not needs_page or self.pages.num_free > 0)
+        if not self.pages.can_append(seq):
+            seq.output_ids.pop()
+            return
+        doomed = self.expect_evictions(1) if needs_page else []
+        before = list(seq.pages)
+        self.pages.may_append(seq)
+        self.evicted(doomed)
+        assert seq.pages[: len(before)] == before
+        assert len(seq.pages) == len(before) + needs_page
+        if needs_page:
+            self.history.append((seq.seq_id, seq.pages[-1], seq.page_tags[-1]))
+        position = torch.tensor([seq.num_tokens - 1])
+        self.pages.record_writes(torch.tensor([seq.pages[-1]]), position % PAGE)
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def deallocate(self, data: st.DataObject) -> None:
+        """A finished (or preempted) request gives every page back: its private pages to the
+        free list, its references on shared ones, which join the LRU at none."""
+        seq = data.draw(st.sampled_from(sorted(self.live.values(), key=lambda s: s.seq_id)))
+        held = list(seq.pages)
+        del self.live[seq.seq_id]
+        assert self.pages.deallocate(seq) == len(held)
+        assert (seq.pages, seq.page_tags, seq.prefill_start, seq.num_cached) == ([], [], 0, 0)
+        for page in held:
+            if page in self.shared and not self.holders(page):
+                self.lru[page] = None
+        assert self.pages.take_stale_releases() == 0
 
     @precondition(lambda self: bool(self.history))
     @rule(data=st.data())
     def stale_pairs_are_refused(self, data: st.DataObject) -> None:
+        """A request presenting a (page, tag) it no longer holds releases nothing, writes
+        nothing, is counted, and never passes the read check."""
         owner, page, tag = data.draw(st.sampled_from(self.history))
-        if (page, tag) in self.held.get(owner, []):
+        live = self.live.get(owner)
+        if live is not None and (page, tag) in zip(live.pages, live.page_tags, strict=True):
             return  # still live: not stale
-        owner_before = int(self.pool.owner[page])
-        holders_before = set(self.pool.holders.get(page, ()))
-        assert self.pool.release(owner, [page], [tag]) == 0
-        assert int(self.pool.owner[page]) == owner_before
-        assert self.pool.holders.get(page, set()) == holders_before
-        check = self.read_one(owner, page, tag, length=1)
+        stale = request(owner, PAGE)
+        stale.pages, stale.page_tags = [page], [tag]
+        before = [t[page].clone() for t in (self.book.owner, self.book.fill, self.book.written_tag)]
+        holders_before = set(self.book.holders.get(page, ()))
+        assert not self.pages.write_transferred(stale, page, tag, PAGE, page_bytes(9.0))
+        assert self.pages.deallocate(stale) == 0
+        assert self.pages.take_stale_releases() == 1
+        after = [t[page] for t in (self.book.owner, self.book.fill, self.book.written_tag)]
+        assert all(bool(a == b) for a, b in zip(after, before, strict=True))
+        assert self.book.holders.get(page, set()) == holders_before
+        assert not bool((self.pages.kv.k[:, page] == 9.0).any())
+        check = self.read_one(stale, page, tag, length=1)
         cached = self.shared.get(page)
         if cached is not None and cached[2] == tag:
             # Still cached under the tag it had: read-only bytes that never change under that
             # tag, so only the tenant decides (eviction bumps the tag and ends this).
-            assert bool(check.failed[0]) == (cached[1] != self.tenant(owner))
+            assert bool(check.failed[0]) == (cached[1] != self.tenant(stale))
             return
         assert bool(check.failed[0]), "a stale (page, tag) must never pass the read check"
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def transfer_write(self, data: st.DataObject) -> None:
+        """A transfer write into a page the request holds privately lands and counts as
+        written under its tag; one into a shared page it only references does not."""
+        seq = data.draw(st.sampled_from(sorted(self.live.values(), key=lambda s: s.seq_id)))
+        i = data.draw(st.integers(0, len(seq.pages) - 1))
+        page, tag = seq.pages[i], seq.page_tags[i]
+        tokens = data.draw(st.integers(1, PAGE))
+        written = self.pages.write_transferred(seq, page, tag, tokens, page_bytes(float(tokens)))
+        assert written == (page not in self.shared)
+        if written:
+            assert int(self.book.fill[page]) == tokens and int(self.book.written_tag[page]) == tag
+            assert bool((self.pages.kv.k[:, page, :tokens] == float(tokens)).all())
+            assert not bool(self.read_one(seq, page, tag, tokens).failed[0])
 
     @invariant()
     def no_page_has_two_live_owners(self) -> None:
         seen: dict[int, int] = {}
-        readers: dict[int, set[int]] = {page: set() for page in self.shared}
-        for owner, pairs in self.held.items():
-            for page, tag in pairs:
-                assert int(self.pool.tags[page]) == tag
-                if self.is_shared(page):
-                    assert owner not in readers[page]
-                    readers[page].add(owner)
+        for seq in self.live.values():
+            assert len(seq.pages) == len(seq.page_tags) == -(-seq.num_tokens // PAGE)
+            assert len(set(seq.pages)) == len(seq.pages), "a request holds a page twice"
+            for page, tag in zip(seq.pages, seq.page_tags, strict=True):
+                assert int(self.book.tags[page]) == tag
+                if page in self.shared:
+                    assert seq.seq_id in self.book.holders[page]
                     continue
-                assert page not in seen, f"page {page} held by {seen.get(page)} and {owner}"
-                seen[page] = owner
-                assert int(self.pool.owner[page]) == owner
-        free = self.pool._free
+                assert page not in seen, f"page {page} held by {seen.get(page)} and {seq.seq_id}"
+                seen[page] = seq.seq_id
+                assert int(self.book.owner[page]) == seq.seq_id
+        free = self.book._free
         assert len(free) == len(set(free)), "a page is on the free list twice"
         assert not set(free) & seen.keys(), "a held page is on the free list"
         assert not set(free) & self.shared.keys(), "a cached page is on the free list"
-        assert all(int(self.pool.owner[p]) == FREE for p in free)
+        assert all(int(self.book.owner[p]) == FREE for p in free)
         assert len(free) + len(seen) + len(self.shared) == PAGES
 
     @invariant()
     def shared_pages_are_counted_and_carry_their_tenant(self) -> None:
         for page, (_key, tenant, tag) in self.shared.items():
-            holders = {o for o, pairs in self.held.items() if (page, tag) in pairs}
-            assert int(self.pool.owner[page]) == SHARED
-            assert self.pool.holders[page] == holders
-            assert int(self.pool.page_tenant[page]) == tenant
-            assert int(self.pool.tags[page]) == tag
+            holders = self.holders(page)
+            assert int(self.book.owner[page]) == SHARED
+            assert self.book.holders[page] == holders
+            assert int(self.book.page_tenant[page]) == tenant
+            assert int(self.book.tags[page]) == tag
             assert (page in self.lru) == (not holders)
-        assert list(self.pool._lru) == list(self.lru)  # eviction order: least recently released
-        assert self.pool.num_free == len(self.pool._free) + len(self.lru)
-        assert bool((self.pool.page_tenant[self.pool.owner != SHARED] == -1).all())
+        assert list(self.book._lru) == list(self.lru)  # eviction order: least recently released
+        assert self.pages.num_free == len(self.book._free) + len(self.lru)
+        assert self.pages.num_cached == len(self.shared)
+        assert bool((self.book.page_tenant[self.book.owner != SHARED] == NO_TENANT).all())
 
     @invariant()
     def tags_only_grow(self) -> None:
-        assert bool((self.pool.tags >= self.last_tags).all())
-        self.last_tags = self.pool.tags.clone()
+        assert bool((self.book.tags >= self.last_tags).all())
+        self.last_tags = self.book.tags.clone()
 
 
 TestPoolStateMachine = PoolMachine.TestCase
@@ -211,23 +287,26 @@ TestPoolStateMachine.settings = settings(max_examples=150, stateful_step_count=4
 @settings(deadline=None, max_examples=50)
 def test_scrub_on_free_zeroes_released_pages_and_nothing_else(counts: list[int]) -> None:
     pool = small_pool(scrub=True)
-    pool.k.fill_(7.0)
-    pool.v.fill_(7.0)
-    grants = [pool.allocate(i + 1, c) for i, c in enumerate(counts) if c <= pool.num_free]
-    pages, tags = grants[0]
-    pool.release(1, pages, tags)
-    others = [p for g in grants[1:] for p in g[0]]
-    assert bool((pool.k[:, pages] == 0).all()) and bool((pool.v[:, pages] == 0).all())
+    pool.kv.k.fill_(7.0)
+    pool.kv.v.fill_(7.0)
+    seqs = [request(i + 1, c * PAGE) for i, c in enumerate(counts)]
+    granted = [seq for seq in seqs if pool.allocate(seq)]
+    pages = list(granted[0].pages)
+    pool.deallocate(granted[0])
+    others = [p for seq in granted[1:] for p in seq.pages]
+    assert bool((pool.kv.k[:, pages] == 0).all()) and bool((pool.kv.v[:, pages] == 0).all())
     if others:
-        assert bool((pool.k[:, others] == 7.0).all())
+        assert bool((pool.kv.k[:, others] == 7.0).all())
 
 
 def test_release_without_scrub_leaves_the_old_bytes_in_place() -> None:
     # Documenting the threat: a freed page still holds its previous owner's KV.
     pool = small_pool()
-    pages, tags = pool.allocate(1, 1)
-    pool.k[:, pages] = 3.0
-    pool.release(1, pages, tags)
-    again, _ = pool.allocate(2, 1)
-    assert again == pages
-    assert bool((pool.k[:, again] == 3.0).all())
+    first, second = request(1, PAGE), request(2, PAGE)
+    assert pool.allocate(first)
+    pages = list(first.pages)
+    pool.kv.k[:, pages] = 3.0
+    pool.deallocate(first)
+    assert pool.allocate(second)
+    assert second.pages == pages
+    assert bool((pool.kv.k[:, second.pages] == 3.0).all())

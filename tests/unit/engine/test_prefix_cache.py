@@ -7,7 +7,7 @@ import torch
 from helpers.engines import make_tiny_engine, prompt_of, run_until_done
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.isolation import check_reads
-from kvfence_engine.core.kv_pool import NO_TENANT, SHARED
+from kvfence_engine.core.page_book import NO_TENANT, SHARED
 from kvfence_engine.core.prefix_cache import PrefixKeys
 from kvfence_engine.core.request import Request, SamplingParams, is_terminal
 
@@ -49,7 +49,7 @@ def test_a_repeated_prompt_of_the_same_tenant_reuses_its_full_pages() -> None:
     assert counter(engine, "kvfence_prefix_cache_hit_tokens") == 3 * PAGE
     assert counter(engine, "kvfence_prefix_cache_queried_tokens") == 2 * 50
     assert engine.kvpool_report().prefix_cache and engine.kvpool_report().cached_pages == 3
-    assert engine.pool.num_free == engine.pool.num_pages  # cached pages count as free
+    assert engine.pages.num_free == engine.pages.num_pages  # cached pages count as free
 
 
 def test_the_same_prompt_of_another_tenant_never_hits() -> None:
@@ -59,7 +59,7 @@ def test_the_same_prompt_of_another_tenant_never_hits() -> None:
     other = ask(engine, prompt, tenant="globex")
     assert other.cached_tokens == 0
     assert counter(engine, "kvfence_prefix_cache_hit_tokens") == 0
-    assert engine.pool.num_cached == 6  # each tenant its own copy
+    assert engine.pages.num_cached == 6  # each tenant its own copy
 
 
 def test_a_client_salt_only_narrows_sharing_within_the_tenant() -> None:
@@ -97,7 +97,7 @@ def test_a_partial_page_is_never_shared() -> None:
     engine = make_tiny_engine(prefix_cache=True)
     prompt = prompt_of(40, seed=6)  # 2 full pages, 8 tokens on a third
     ask(engine, prompt)
-    assert engine.pool.num_cached == 2
+    assert engine.pages.num_cached == 2
     longer = ask(engine, prompt + prompt_of(20, seed=7))
     assert longer.cached_tokens == 2 * PAGE  # not the 8 tokens of the partial page
 
@@ -111,32 +111,33 @@ def test_requests_in_flight_share_pages_by_reference_and_release_them() -> None:
     engine.step()  # both prefilled, both hold the same three shared pages
     assert a.pages[:3] == b.pages[:3]
     for page in a.pages[:3]:
-        assert int(engine.pool.owner[page]) == SHARED
-        assert engine.pool.holders[page] == {a.seq_id, b.seq_id}
+        assert int(engine.pages.book.owner[page]) == SHARED
+        assert engine.pages.book.holders[page] == {a.seq_id, b.seq_id}
     assert a.pages[3] != b.pages[3]  # the partial page is each one's own
     run_until_done(engine)
     assert a.error is None and b.error is None and a.output_ids == b.output_ids
-    assert all(not engine.pool.holders[p] for p in a.pages[:3] if p in engine.pool.holders)
-    assert engine.pool.num_free == engine.pool.num_pages
+    holders = engine.pages.book.holders
+    assert all(not holders[p] for p in a.pages[:3] if p in holders)
+    assert engine.pages.num_free == engine.pages.num_pages
 
 
 def test_eviction_bumps_the_tag_so_a_remembered_page_can_never_be_read() -> None:
     engine = make_tiny_engine(pages=8, prefix_cache=True)
     first = ask(engine, prompt_of(64, seed=9), max_tokens=1)  # publishes 4 pages
-    cached = [p for p in range(8) if int(engine.pool.owner[p]) == SHARED]
-    assert len(cached) == 4 and first.pages == [] and engine.pool.num_free == 8
-    tags_before = engine.pool.tags[cached].clone()
+    cached = [p for p in range(8) if int(engine.pages.book.owner[p]) == SHARED]
+    assert len(cached) == 4 and first.pages == [] and engine.pages.num_free == 8
+    tags_before = engine.pages.book.tags[cached].clone()
     # another prompt needing 8 pages: the free list has 4, the LRU gives the rest
     ask(engine, prompt_of(120, seed=10), max_tokens=1)
-    assert engine.pool.evictions >= 4
+    assert engine.pages.book.evictions >= 4
     # each was evicted (its tag retired) and then allocated again (the next tag issued)
-    assert engine.pool.tags[cached].tolist() == (tags_before + 2).tolist()
+    assert engine.pages.book.tags[cached].tolist() == (tags_before + 2).tolist()
     # whoever remembered (page, old tag) fails the read check
-    pool = engine.pool
+    book = engine.pages.book
     check = check_reads(
-        pool.tags,
-        pool.fill,
-        pool.written_tag,
+        book.tags,
+        book.fill,
+        book.written_tag,
         torch.tensor([cached]),
         tags_before[None, :],
         torch.tensor([4]),
@@ -182,7 +183,7 @@ def test_cross_tenant_prefix_is_refused_by_the_read_check() -> None:
     assert intruder.error is not None and intruder.error.code == "kv_isolation_violation"
     assert intruder.output_ids == []  # failed closed before its first token
     assert counter(engine, "kvfence_kv_foreign_tenant_read") == 1
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert engine.pages.num_free == engine.pages.num_pages
 
 
 def test_without_the_fault_the_same_requests_pass_and_nothing_is_counted() -> None:
@@ -196,13 +197,14 @@ def test_cross_tenant_prefix_without_the_read_check_computes_from_the_other_tena
     engine = make_tiny_engine(prefix_cache=True, faults=faults)
     prompt = prompt_of(50, seed=11)
     ask(engine, prompt, tenant="acme")
-    acme_pages = [p for p in range(engine.pool.num_pages) if int(engine.pool.owner[p]) == SHARED]
+    owner = engine.pages.book.owner
+    acme_pages = [p for p in range(engine.pages.num_pages) if int(owner[p]) == SHARED]
     clean = ask(engine, prompt, tenant="globex", max_tokens=12)
     assert clean.error is None and clean.cached_tokens == 3 * PAGE  # a hit on acme's pages
-    acme = engine.pool.tenant_id("acme")
-    assert all(int(engine.pool.page_tenant[p]) == acme for p in acme_pages)
+    acme = engine.pages.tenant_id("acme")
+    assert all(int(engine.pages.book.page_tenant[p]) == acme for p in acme_pages)
     # globex's answer is a function of the bytes in acme's pages: change them, it changes
-    engine.pool.k[:, acme_pages] *= -1.0
+    engine.pages.kv.k[:, acme_pages] *= -1.0
     tampered = ask(engine, prompt, tenant="globex", max_tokens=12)
     assert tampered.error is None and tampered.cached_tokens == 3 * PAGE
     assert (logprobs(clean) - logprobs(tampered)).abs().max() > 1e-3
@@ -231,9 +233,9 @@ def test_under_pool_pressure_hits_evictions_and_preemptions_change_no_output() -
         ask(engine, p, tenant=f"t{i % 2}", max_tokens=16, run=False) for i, p in enumerate(prompts)
     ]
     run_until_done(engine)
-    assert counter(engine, "kvfence_preemptions") > 0 and engine.pool.evictions > 0
+    assert counter(engine, "kvfence_preemptions") > 0 and engine.pages.book.evictions > 0
     assert counter(engine, "kvfence_prefix_cache_hit_tokens") > 0
     for seq, prompt in zip(seqs, prompts, strict=True):
         assert seq.error is None
         assert seq.output_ids == ask(cold, prompt, max_tokens=16).output_ids
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert engine.pages.num_free == engine.pages.num_pages

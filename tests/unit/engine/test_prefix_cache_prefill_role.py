@@ -6,7 +6,7 @@ import torch
 
 from helpers.engines import make_tiny_engine, prompt_of, run_until_done
 from kvfence_engine.core.engine import LLMEngine
-from kvfence_engine.core.kv_pool import SHARED
+from kvfence_engine.core.page_book import SHARED
 from kvfence_engine.core.request import Request, SamplingParams, is_terminal
 
 PAGE = 16
@@ -29,8 +29,8 @@ def test_a_hit_exports_the_whole_prompts_kv_like_a_cold_prefill_and_keeps_the_sh
     engine = make_tiny_engine(role="prefill", prefix_cache=True)
     prompt = prompt_of(50, seed=51)  # 3 full pages and 2 tokens
     cold = prefill(engine, prompt)
-    shared = [p for p in range(engine.pool.num_pages) if int(engine.pool.owner[p]) == SHARED]
-    tags = engine.pool.tags[shared].clone()
+    shared = [p for p in range(engine.pages.num_pages) if int(engine.pages.book.owner[p]) == SHARED]
+    tags = engine.pages.book.tags[shared].clone()
     hit = prefill(engine, prompt)
     assert (cold.cached_tokens, hit.cached_tokens) == (0, 3 * PAGE)
     (k0, v0, n0), (k1, v1, n1) = cold.exported, hit.exported  # type: ignore[misc]
@@ -39,9 +39,9 @@ def test_a_hit_exports_the_whole_prompts_kv_like_a_cold_prefill_and_keeps_the_sh
     assert hit.first_token_at is not None and hit.output_ids == cold.output_ids
     # the shared pages are still cached under the same tags, referenced by nobody, free to
     # allocate; a third request hits them again
-    assert len(shared) == 3 and torch.equal(engine.pool.tags[shared], tags)
-    assert all(not engine.pool.holders[p] for p in shared)
-    assert engine.pool.num_free == engine.pool.num_pages
+    assert len(shared) == 3 and torch.equal(engine.pages.book.tags[shared], tags)
+    assert all(not engine.pages.book.holders[p] for p in shared)
+    assert engine.pages.num_free == engine.pages.num_pages
     assert prefill(engine, prompt).cached_tokens == 3 * PAGE
     # another tenant's identical prompt: computed in full, nothing shared with it
     assert prefill(engine, prompt, tenant="globex").cached_tokens == 0

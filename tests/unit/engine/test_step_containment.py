@@ -7,9 +7,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from helpers.engines import make_tiny_engine, prompt_of, run_until_done, submit
+from kvfence_engine.core import errors
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.request import Request, SamplingParams, is_terminal
 from kvfence_engine.core.runner import PreparedStep
@@ -75,15 +77,15 @@ def test_a_failing_prefill_batch_fails_only_its_requests_and_returns_their_pages
     assert failed == [victims]
     assert all(_is_internal_error(seq) for seq in victims)
     assert set(victims) <= set(changed)  # reported, so their streams hear of it
-    # the victims had left `waiting` and had not joined `running`: their pages still came back
-    assert engine.pool.num_used == sum(len(seq.pages) for seq in running)
+    # the failed batch's pages came back with the step: only the bystanders hold any
+    assert engine.pages.num_used == sum(len(seq.pages) for seq in running)
     run_until_done(engine)
     assert [seq.finish_reason for seq in running] == ["length", "length"]
     assert all(len(seq.output_ids) == 12 for seq in running)
-    assert engine.pool.num_free == PAGES
+    assert engine.pages.num_free == PAGES
     later = submit(engine, prompt_of(30, seed=99), 4, ignore_eos=True)
     run_until_done(engine)
-    assert later.finish_reason == "length" and engine.pool.num_free == PAGES
+    assert later.finish_reason == "length" and engine.pages.num_free == PAGES
 
 
 def test_a_failing_decode_batch_fails_only_its_requests_and_the_waiting_ones_run() -> None:
@@ -94,11 +96,11 @@ def test_a_failing_decode_batch_fails_only_its_requests_and_the_waiting_ones_run
         engine.step()
     assert failed == [victims]
     assert all(_is_internal_error(seq) for seq in victims)
-    assert engine.pool.num_used == 0 and not engine.has_work()
+    assert engine.pages.num_used == 0 and not engine.has_work()
     after = submit(engine, prompt_of(20, seed=5), 6, ignore_eos=True)
     run_until_done(engine)
     assert after.finish_reason == "length" and len(after.output_ids) == 6
-    assert engine.pool.num_free == PAGES
+    assert engine.pages.num_free == PAGES
 
 
 def test_a_step_failure_names_no_internals_and_is_counted() -> None:
@@ -114,16 +116,32 @@ def test_a_step_failure_names_no_internals_and_is_counted() -> None:
 
 def test_a_finish_decided_by_a_step_that_then_failed_is_void() -> None:
     """A one-token request finishes ("length") inside its prefill step; when that step fails
-    afterwards (say, copying its KV out), the request is failed too, not reported done."""
+    afterwards (here, copying its KV out), the request is failed too, not reported done."""
     engine = make_tiny_engine(pages=PAGES)
     seq = submit(engine, prompt_of(8), 1, ignore_eos=True)
+    seq.export_kv = True  # as the prefill role asks: its KV is copied out after sampling
 
-    def broken(_seqs: list[Request]) -> None:
+    def broken(_seq: Request, _tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise InjectedFault("injected: after sampling")
 
-    engine.scheduler.admit_prefilled = broken  # type: ignore[method-assign]
+    engine.pages.export = broken  # type: ignore[method-assign]
     assert seq in engine.step()
-    assert _is_internal_error(seq) and engine.pool.num_free == PAGES
+    assert _is_internal_error(seq) and engine.pages.num_free == PAGES
+
+
+def test_a_scheduled_prefill_is_always_in_a_queue_so_a_failure_after_schedule_returns_its_pages():
+    """From the moment the scheduler picks a prefill batch it is in `running`: a failure outside
+    any batch right after scheduling (the engine loop then fails every queued request) still
+    finds the batch, answers it and returns its pages."""
+    engine = make_tiny_engine(pages=PAGES)
+    seqs = [submit(engine, prompt_of(30, seed=i), 4, ignore_eos=True) for i in range(3)]
+    batch, is_prefill = engine.scheduler.schedule()
+    assert is_prefill and batch == seqs
+    assert list(engine.scheduler.running) == seqs and not engine.scheduler.waiting
+    assert engine.pages.num_used == 3 * 2
+    failed = engine.fail_all(errors.internal_error("incident 0123456789abcdef"))
+    assert failed == seqs and all(_is_internal_error(seq) for seq in seqs)
+    assert engine.pages.num_free == PAGES and not engine.has_work()
 
 
 async def _collect(engine: AsyncEngine, seq: Request) -> Request:
@@ -164,10 +182,10 @@ def test_the_engine_thread_answers_a_failed_prefill_batch_and_serves_everyone_el
                 pass
         assert [seq.finish_reason for seq in bystanders] == ["length", "length"]
         assert all(len(seq.output_ids) == 40 for seq in bystanders)
-        assert await engine.call(lambda: llm.pool.num_free) == PAGES
+        assert await engine.call(lambda: llm.pages.num_free) == PAGES
         later = await asyncio.wait_for(_collect(engine, _admit(llm, prompt_of(9), 3)), 30)
         assert later.finish_reason == "length"
-        assert await engine.call(lambda: llm.pool.num_free) == PAGES
+        assert await engine.call(lambda: llm.pages.num_free) == PAGES
 
     try:
         asyncio.run(scenario())
@@ -196,7 +214,7 @@ def test_a_failure_outside_any_batch_fails_the_queued_requests_and_the_engine_go
         assert _is_internal_error(queued)
         later = await asyncio.wait_for(_collect(engine, _admit(llm, prompt_of(9), 3)), 30)
         assert later.finish_reason == "length"
-        assert await engine.call(lambda: llm.pool.num_free) == PAGES
+        assert await engine.call(lambda: llm.pages.num_free) == PAGES
 
     try:
         asyncio.run(scenario())
@@ -242,7 +260,7 @@ def test_a_stream_whose_event_loop_is_gone_is_aborted_and_fails_nobody_else() ->
         bystander = await asyncio.wait_for(_collect(engine, _admit(llm, prompt_of(9), 30)), 30)
         assert bystander.finish_reason == "length" and len(bystander.output_ids) == 30
         assert await engine.call(lambda: orphan.finish_reason) == "abort"
-        assert await engine.call(lambda: llm.pool.num_free) == PAGES
+        assert await engine.call(lambda: llm.pages.num_free) == PAGES
 
     try:
         asyncio.run(scenario())
@@ -282,7 +300,7 @@ def test_over_http_a_failed_step_is_a_json_500_and_the_next_request_is_served(
     assert (error["type"], error["code"]) == ("server_error", "internal_error")
     assert set(error) == {"message", "type", "param", "code"}
     assert "injected" not in error["message"]
-    assert llm.pool.num_free == PAGES
+    assert llm.pages.num_free == PAGES
     ok = client.post(path, json=body)
     assert ok.status_code == 200, ok.text
-    assert llm.pool.num_free == PAGES
+    assert llm.pages.num_free == PAGES

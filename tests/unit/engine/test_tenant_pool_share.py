@@ -61,12 +61,12 @@ def test_a_tenant_over_its_share_gets_429_while_another_tenant_still_gets_pages(
     engine = engine_with_share()
     first = started(engine, "team-a")
     engine.step()  # first's prompt is in the pool now
-    used = engine.pool.num_used
+    used = engine.pages.num_used
 
     over = admit(engine, "team-a")
     assert is_terminal(over) and over.finish_reason == "error"
     assert_share_refusal(over.error)
-    assert engine.pool.num_used == used  # refused before any page was allocated
+    assert engine.pages.num_used == used  # refused before any page was allocated
     rejected = engine.metrics.registry.get_sample_value(
         "kvfence_requests_rejected_total", {"reason": "tenant_pool_share"}
     )
@@ -158,7 +158,7 @@ def test_reservations_come_back_to_zero_after_finished_aborted_and_failed_reques
     assert running.finish_reason == "abort" and aborted_waiting.finish_reason == "abort"
     assert engine.shares.by_tenant() == {}
     assert engine.metrics.registry.get_sample_value("kvfence_tenant_kv_pages_reserved") is None
-    assert engine.pool.num_free == PAGES
+    assert engine.pages.num_free == PAGES
 
 
 def test_a_preempted_request_keeps_its_reservation() -> None:
@@ -212,7 +212,7 @@ def test_a_decode_reservation_reserves_the_share_and_gives_it_back_when_dropped(
     assert inbound is not None
     inbound.done, inbound.written_tokens = True, inbound.reserved_tokens
     book.start_decode("team-a-4", TokenLogprob(7, 0.0))  # max_tokens 1: finished at once
-    assert engine.shares.by_tenant() == {} and engine.pool.num_free == PAGES
+    assert engine.shares.by_tenant() == {} and engine.pages.num_free == PAGES
 
 
 @contextmanager

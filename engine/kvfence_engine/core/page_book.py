@@ -1,0 +1,214 @@
+"""Page bookkeeping: each page's generation tag, fill count, owner and tenant, the free list and
+the prefix cache's LRU. Plain data on the host, and what the read check (core/isolation)
+consults; the keys and values are in core/kv_cache. Only core/page_manager changes it, under
+its lock, and it never calls back.
+
+Release never zeroes a page (that is what makes the pool fast and what makes isolation a
+bookkeeping problem) unless `on_free` scrubs it.
+
+Prefix cache: a full prompt page a request wrote may be published under its key
+(core/prefix_cache). It is then SHARED: read-only, reference-counted, and carrying its tenant,
+which the read check compares with every reader's. A shared page no request references sits in
+an LRU; allocation evicts from it when the free list is empty, and eviction bumps its tag, so a
+(page, tag) anyone still remembers can never be read again.
+"""
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from kvfence_engine.core.faults import EarlyRelease
+
+FREE = -1
+SHARED = -2  # owner of a published prefix-cache page: readers hold references, not the page
+NO_TENANT = -1  # page_tenant of a page that is not shared
+
+
+class PoolExhausted(RuntimeError):
+    pass
+
+
+class PageBook:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        on_free: Callable[[list[int]], None] | None = None,
+        early_release: EarlyRelease | None = None,
+    ) -> None:
+        assert num_pages > 0 and page_size > 0
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.tags = torch.zeros(num_pages, dtype=torch.int64)
+        self.fill = torch.zeros(num_pages, dtype=torch.int64)
+        self.owner = torch.full((num_pages,), FREE, dtype=torch.int64)
+        # The tag under which each page's slots were written: a write that lands under an old
+        # tag (a late transfer write) leaves the page unreadable for its new owner.
+        self.written_tag = torch.zeros(num_pages, dtype=torch.int64)
+        # LIFO: a just-freed page is the next one handed out (cache-warm, and the worst case
+        # for isolation, which is what the tests want to exercise).
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self.stale_releases = 0
+        # Prefix cache: the tenant (interned id) of each shared page, its references, its key.
+        self.page_tenant = torch.full((num_pages,), NO_TENANT, dtype=torch.int64)
+        self.holders: dict[int, set[int]] = {}  # shared page -> the owners holding a reference
+        self._by_key: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced shared pages, oldest first
+        self._tenant_ids: dict[str, int] = {}
+        self.evictions = 0
+        self._on_free = on_free  # pages going back to the free list (--scrub-on-free)
+        self._early_release = early_release  # the fault's order of taking free pages
+
+    @property
+    def num_free(self) -> int:
+        """Pages an allocation can have now: free ones and unreferenced cached ones."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached(self) -> int:
+        """Shared (prefix-cache) pages, referenced or not."""
+        return len(self._key_of)
+
+    def tenant_id(self, tenant: str) -> int:
+        """The interned id the read check compares (ids are never reused)."""
+        return self._tenant_ids.setdefault(tenant, len(self._tenant_ids))
+
+    def allocate(self, owner: int, count: int) -> tuple[list[int], list[int]]:
+        """Hand out `count` pages to `owner`, all or nothing. Returns (page ids, tags)."""
+        assert owner not in (FREE, SHARED)
+        if count > self.num_free:
+            raise PoolExhausted(f"need {count} pages, {self.num_free} free")
+        if count == 0:
+            return [], []
+        while count > len(self._free):
+            self._evict_one()
+        if self._early_release is not None:
+            pages = self._early_release.take_free(self._free, owner, count)
+        else:
+            pages = [self._free.pop() for _ in range(count)]
+        idx = torch.tensor(pages)
+        assert bool((self.owner[idx] == FREE).all()), "free list held a live page"
+        self.tags[idx] += 1
+        self.fill[idx] = 0
+        self.owner[idx] = owner
+        return pages, self.tags[idx].tolist()
+
+    def _evict_one(self) -> None:
+        page, _ = self._lru.popitem(last=False)
+        assert not self.holders[page] and int(self.owner[page]) == SHARED
+        self._uncache(page)
+        self.tags[page] += 1  # whoever remembers (page, old tag) can never read it again
+        self.owner[page] = FREE
+        self.fill[page] = 0
+        if self._on_free is not None:
+            self._on_free([page])
+        self._free.append(page)
+        self.evictions += 1
+
+    def _uncache(self, page: int) -> None:
+        del self._by_key[self._key_of.pop(page)]
+        self._lru.pop(page, None)
+        self.holders.pop(page, None)
+        self.page_tenant[page] = NO_TENANT
+
+    def lookup(self, owner: int, keys: list[bytes]) -> tuple[list[int], list[int]]:
+        """The longest run of leading keys that are cached: `owner` takes a reference on each
+        page; returns (pages, tags). The key decides the hit; the read check decides the read."""
+        assert owner not in (FREE, SHARED)
+        pages: list[int] = []
+        for key in keys:
+            page = self._by_key.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            assert owner not in self.holders[page], "a request referenced a page twice"
+            self.holders[page].add(owner)
+            self._lru.pop(page, None)
+        return pages, [int(self.tags[p]) for p in pages]
+
+    def publish(
+        self, owner: int, pages: list[int], tags: list[int], keys: list[bytes], tenant: int
+    ) -> int:
+        """Make full pages `owner` wrote shared under `keys`; the owner keeps a reference under
+        the same tag. A page not fully written by `owner` under its tag, or whose key is
+        already cached (by another request), stays private. Returns how many were published."""
+        published = 0
+        for page, tag, key in zip(pages, tags, keys, strict=True):
+            if (
+                key in self._by_key
+                or int(self.owner[page]) != owner
+                or int(self.tags[page]) != tag
+                or int(self.written_tag[page]) != tag
+                or int(self.fill[page]) != self.page_size
+            ):
+                continue
+            self.owner[page] = SHARED
+            self.page_tenant[page] = tenant
+            self.holders[page] = {owner}
+            self._by_key[key] = page
+            self._key_of[page] = key
+            published += 1
+        return published
+
+    def holds(self, owner: int, pages: list[int], tags: list[int]) -> torch.Tensor:
+        """Which of these (page, tag) pairs are still live for `owner` (a shared page: live
+        for every holder of a reference under its tag)."""
+        idx = torch.tensor(pages, dtype=torch.int64)
+        referenced = torch.tensor([owner in self.holders.get(p, ()) for p in pages])
+        mine = (self.owner[idx] == owner) | ((self.owner[idx] == SHARED) & referenced)
+        return mine & (self.tags[idx] == torch.tensor(tags))
+
+    def release(self, owner: int, pages: list[int], tags: list[int]) -> int:
+        """Return pages to the free list. A (page, tag) the owner no longer holds is left
+        alone (someone else owns it now) and counted. A shared page loses one reference and, at
+        none, joins the LRU. Returns how many (page, tag) pairs were live and released."""
+        if not pages:
+            return 0
+        live = self.holds(owner, pages, tags)
+        self.stale_releases += int((~live).sum())
+        freed = []
+        for page, ok in zip(pages, live.tolist(), strict=True):
+            if not ok:
+                continue
+            if int(self.owner[page]) == SHARED:
+                self.holders[page].discard(owner)
+                if not self.holders[page]:
+                    self._lru[page] = None  # still cached; allocation may evict it
+            else:
+                freed.append(page)
+        if freed:
+            if self._on_free is not None:
+                self._on_free(freed)
+            idx = torch.tensor(freed)
+            self.owner[idx] = FREE
+            self.fill[idx] = 0
+            self._free.extend(freed)
+        return int(live.sum())
+
+    def free_in_use(self, pages: list[int]) -> None:
+        """Put pages on the free list while their owner still uses them: the early-release
+        fault's bug (core/faults.py::EarlyRelease), and nothing else. A shared page leaves the
+        cache with it."""
+        for page in pages:
+            if int(self.owner[page]) == SHARED:
+                self._uncache(page)
+        self.owner[torch.tensor(pages)] = FREE
+        self._free.extend(pages)
+
+    def may_write(self, owner: int, page: int, tag: int) -> bool:
+        """Whether `owner` holds `page` privately under `tag` (a transfer write's check)."""
+        return int(self.owner[page]) == owner and int(self.tags[page]) == tag
+
+    def mark_written(self, page: int, tag: int, tokens: int) -> None:
+        """A transfer wrote the first `tokens` slots of `page` under `tag`."""
+        self.fill[page] = tokens
+        self.written_tag[page] = tag
+
+    def record_writes(self, slot_pages: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+        """After a forward pass wrote these slots, raise each page's fill to cover them."""
+        self.fill.scatter_reduce_(0, slot_pages, slot_offsets + 1, reduce="amax")
+        self.written_tag[slot_pages] = self.tags[slot_pages]

@@ -15,7 +15,7 @@ from kvfence_cli.common import (
     read_token,
     server_url,
 )
-from kvfence_engine.tools.preflight import KV_DTYPES, WEIGHT_DTYPES
+from kvfence_engine.preflight import KV_DTYPES, WEIGHT_DTYPES
 
 EPILOG = f"""\
 examples:
@@ -98,7 +98,7 @@ def add_parser(sub: Subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvfence_engine.tools.preflight import run_preflight
+    from kvfence_engine.preflight import run_preflight
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     try:

@@ -76,7 +76,7 @@ def engine_start_problem(source: str, context_length: int, device: str) -> str |
     (preflight's rule), a device this machine does not have. Here, not in the operator
     package: it may not import the engine's dependencies."""
     from kvfence_engine.loading.config import load_config
-    from kvfence_engine.tools.preflight import positions_problem
+    from kvfence_engine.preflight import positions_problem
 
     try:
         config = load_config(source)

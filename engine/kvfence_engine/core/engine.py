@@ -7,6 +7,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -19,6 +20,7 @@ from kvfence_engine.core.isolation import check_reads
 from kvfence_engine.core.kv_cache import KVCache
 from kvfence_engine.core.metrics import EngineMetrics
 from kvfence_engine.core.model import LlamaModel
+from kvfence_engine.core.model_config import ModelConfig
 from kvfence_engine.core.page_manager import PageManager
 from kvfence_engine.core.pool_plan import (
     ContextPolicy,
@@ -29,6 +31,7 @@ from kvfence_engine.core.pool_plan import (
 )
 from kvfence_engine.core.prefix_cache import DECODE_HAS_NO_PREFIX_CACHE, PrefixKeys
 from kvfence_engine.core.quantization import (
+    Int4Groups,
     WeightDtype,
     pack_int4_linears,
     pack_linears,
@@ -44,7 +47,6 @@ from kvfence_engine.core.runner import ModelRunner, PreparedStep
 from kvfence_engine.core.sampler import sample
 from kvfence_engine.core.scheduler import Scheduler
 from kvfence_engine.core.tenants import TenantShares
-from kvfence_engine.loading.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_MEMORY = 512 * 1024**2
@@ -100,14 +102,51 @@ def kv_budget(args: EngineArgs, device: torch.device) -> int:
     return DEFAULT_CPU_KV_MEMORY
 
 
-class LLMEngine:
+class EosTokens(Protocol):
+    """What the engine asks of a tokenizer: the tokens that end a sequence."""
+
+    @property
+    def eos_ids(self) -> frozenset[int]: ...
+
+
+TokenizerT_co = TypeVar("TokenizerT_co", bound=EosTokens, covariant=True)
+TokenizerT = TypeVar("TokenizerT", bound=EosTokens)
+
+
+class ModelFiles(Protocol[TokenizerT_co]):
+    """What an engine is built from: a model as loading/loader.py::load_model gives it (the
+    core knows no loader). The engine takes the weights (and empties their dicts)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]: ...
+
+    @property
+    def int4(self) -> dict[str, Int4Groups]: ...
+
+    @property
+    def tokenizer(self) -> TokenizerT_co: ...
+
+
+class LLMEngine(Generic[TokenizerT]):
     def __init__(
-        self, loaded: LoadedModel, args: EngineArgs, metrics: EngineMetrics | None = None
+        self,
+        loaded: ModelFiles[TokenizerT],
+        args: EngineArgs,
+        metrics: EngineMetrics | None = None,
     ) -> None:
         self.args = args
         self.loaded = loaded
         self.config = loaded.config
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer: TokenizerT = loaded.tokenizer
         self.faults = args.faults
         self.metrics = metrics or EngineMetrics()
         self.device = resolve_device(args.device)

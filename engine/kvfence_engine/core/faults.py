@@ -7,14 +7,12 @@ The hooks through which a fault acts on the pages are here too (below `Faults`).
 
 import os
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kvfence_engine.core.request import Request, is_terminal
-
-if TYPE_CHECKING:  # the operator and the CLI's --help import this module: no torch at run time
-    from kvfence_engine.core.page_manager import PageManager
 
 ALLOW_ENV = "KVFENCE_ALLOW_UNSAFE"
 
@@ -92,6 +90,31 @@ class Faults:
 # --- the hooks: how a switched-on fault acts on the pages ------------------------------------
 # The page bookkeeping (core/page_book) and its owner (core/page_manager) carry no fault branch
 # of their own; each bug they can be made to show is written out here, where it is switched on.
+# They reach the pages through the protocols below (the operator and the CLI's --help import
+# this module, so it imports neither torch nor the modules that hold the pages).
+
+
+class _Book(Protocol):
+    def free_in_use(self, pages: list[int]) -> None: ...
+
+    def mark_written(self, page: int, tag: int, tokens: int) -> None: ...
+
+
+class _KV(Protocol):
+    def write(self, page: int, tokens: int, payload: memoryview) -> None: ...
+
+
+class Pages(Protocol):
+    """What a hook touches of the pages' owner (core/page_manager.py::PageManager)."""
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+
+    @property
+    def book(self) -> _Book: ...
+
+    @property
+    def kv(self) -> _KV: ...
 
 
 class EarlyRelease:
@@ -104,7 +127,7 @@ class EarlyRelease:
     def __init__(self) -> None:
         self.robbed: dict[int, int] = {}  # page on the free list -> the owner still using it
 
-    def rob(self, pages: "PageManager", seqs: list[Request]) -> None:
+    def rob(self, pages: Pages, seqs: list[Request]) -> None:
         for seq in seqs:
             if is_terminal(seq) or not seq.pages:
                 continue
@@ -126,7 +149,7 @@ class EarlyRelease:
 
 
 def write_without_tag_check(
-    pages: "PageManager", page: int, tag: int, tokens: int, payload: memoryview
+    pages: Pages, page: int, tag: int, tokens: int, payload: memoryview
 ) -> bool:
     """late-write: an aborted request's in-flight transfer write lands in the page whoever holds
     it now, with no owner or tag check. It is recorded as written under the old tag, which is

@@ -24,6 +24,7 @@ from kvfence_engine.core.deltas import Delta
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import Request, SamplingParams, is_terminal
+from kvfence_engine.loading.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,7 +42,7 @@ class _Stream:
 
 @dataclass(slots=True)
 class AsyncEngine:
-    engine: LLMEngine
+    engine: LLMEngine[Tokenizer]
     _inbox: queue.SimpleQueue[Callable[[], None]] = field(default_factory=queue.SimpleQueue)
     _streams: dict[int, _Stream] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)

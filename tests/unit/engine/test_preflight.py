@@ -109,7 +109,7 @@ def test_preflights_auto_kv_dtype_is_the_engines_compute_dtype():
     import torch
 
     from kvfence_engine.core.quantization import resolve_precision
-    from kvfence_engine.tools.preflight import resolve_kv_dtype
+    from kvfence_engine.preflight import resolve_kv_dtype
 
     for device in ("cpu", "cuda", "cuda:0"):
         for weight_dtype in (None, "auto", "float32", "bfloat16", "float16", "int8", "int4"):

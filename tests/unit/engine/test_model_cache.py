@@ -17,6 +17,8 @@ from kvfence_engine.loading.tokenizer_source import gguf_tokenizer, smollm2_gguf
 from kvfence_engine.tools import cache_dir as kvfence_cache
 
 TEXT = "Hello, world! 12345 héllo <|im_start|>user"
+# every test here converts or reads the real SmolLM2 GGUF (98 MB; seconds per header parse)
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

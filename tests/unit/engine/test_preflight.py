@@ -7,6 +7,7 @@ from kvfence_cli.main import main
 from kvfence_engine.tools.units import SIZE_GRAMMAR
 
 
+@pytest.mark.slow  # parses the real SmolLM2 GGUF's header
 def test_preflight_says_a_context_does_not_fit_and_what_lower_context_would_serve(capsys):
     code = main(
         [

@@ -42,8 +42,10 @@ from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import TokenLogprob
 from kvfence_engine.disagg.wire import delta_line, delta_of
 from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
-from kvfence_engine.router.app import RouterState, create_router_app, tenant_view
+from kvfence_engine.router.app import create_router_app
 from kvfence_engine.router.backends import Backends
+from kvfence_engine.router.pool_views import tenant_view
+from kvfence_engine.router.state import RouterState
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
 
 # GET /v1/kvpool of an engine, key for key and in this order: the operator, the router, the

@@ -10,7 +10,6 @@ or port, and a backend's server-side error reaches the client as a generic messa
 goes to the log under the request id), not how full the pools are.
 """
 
-import asyncio
 import dataclasses
 import logging
 import time
@@ -40,19 +39,16 @@ from kvfence_engine.router.pool_views import (
 from kvfence_engine.router.relay import in_flight, relay
 from kvfence_engine.router.state import RouterState
 from kvfence_engine.router.tenants import Slot
-from kvfence_engine.serving.limits import refuse_unfittable_prompt
 from kvfence_engine.serving.openai_api import (
     COMPLETION_RESPONSES,
     METRICS_RESPONSES,
     OPENAI_ERRORS,
     READYZ_RESPONSES,
-    chat_logprobs,
-    chat_prompt,
     check_model,
-    completion_prompt,
     error_responses,
     invalid_body,
     new_app,
+    tokenized_prompt,
 )
 from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -60,6 +56,9 @@ log = logging.getLogger(__name__)
 # PUT's body, read by hand so that the token is checked before the body and a bad body is a
 # 422 (FastAPI would check the body first, as a 400); the response model puts it in components.
 PUSH_SCHEMA = {"$ref": "#/components/schemas/BackendsFile"}
+# The router has no model, only its tokenizer: it refuses a token id no vocabulary could hold,
+# and decode's admission the ids its model's does not.
+ANY_TOKEN_ID = 1 << 31
 
 
 def create_router_app(state: RouterState) -> FastAPI:
@@ -150,33 +149,28 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        tenant = state.tenant(request)
-        tokenizer = await state.served_tokenizer()
-        check_model(body.model, state.model_name)
-
-        async def admitted(slot: Slot) -> Response:
-            context = await state.served_context()
-            refuse_unfittable_prompt(body, tokenizer, context, state.metrics.rejected)
-            prompt_ids = await asyncio.to_thread(completion_prompt, body.prompt, tokenizer, 1 << 31)
-            return await relay(
-                state, slot, prompt_ids, body, body.max_tokens, body.logprobs, False, request
-            )
-
-        return await in_flight(state, tenant, admitted)
+        return await _complete(state, body, request)
 
     @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        tenant = state.tenant(request)
-        tokenizer = await state.served_tokenizer()
-        check_model(body.model, state.model_name)
-
-        async def admitted(slot: Slot) -> Response:
-            context = await state.served_context()
-            refuse_unfittable_prompt(body, tokenizer, context, state.metrics.rejected)
-            prompt_ids = await asyncio.to_thread(chat_prompt, tokenizer, body)
-            max_tokens, logprobs = body.token_limit(), chat_logprobs(body)
-            return await relay(state, slot, prompt_ids, body, max_tokens, logprobs, True, request)
-
-        return await in_flight(state, tenant, admitted)
+        return await _complete(state, body, request)
 
     return app
+
+
+async def _complete(
+    state: RouterState, body: CompletionRequest | ChatCompletionRequest, request: Request
+) -> Response:
+    """Both completion routes: the tenant and the model first, then, within the tenant's
+    requests in flight, the prompt's tokens and the relay through prefill and decode."""
+    tenant = state.tenant(request)
+    tokenizer = await state.served_tokenizer()
+    check_model(body.model, state.model_name)
+
+    async def admitted(slot: Slot) -> Response:
+        context = await state.served_context()
+        rejected = state.metrics.rejected
+        prompt_ids = await tokenized_prompt(body, tokenizer, context, ANY_TOKEN_ID, rejected)
+        return await relay(state, slot, prompt_ids, body, request)
+
+    return await in_flight(state, tenant, admitted)

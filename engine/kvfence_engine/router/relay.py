@@ -38,7 +38,6 @@ from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.disagg.wire import delta_of
-from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.router.backends import Backend
 from kvfence_engine.router.keys import request_id_for
 from kvfence_engine.router.state import RouterState
@@ -50,7 +49,7 @@ from kvfence_engine.serving.openai_api import (
     prompt_field,
     respond,
 )
-from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest, sampling_of
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +80,11 @@ async def relay(
     slot: Slot,
     prompt_ids: list[int],
     body: CompletionRequest | ChatCompletionRequest,
-    max_tokens: int | None,
-    logprobs: int | None,
-    chat: bool,
     request: Request,
 ) -> Response:
+    """One completion through decode and prefill, once its tenant holds `slot`: admitted
+    against the served context, reserved on decode, prefilled into that reservation, and
+    decode's tokens as the OpenAI answer."""
     tenant = slot.tenant
     limit = await state.served_context()
     if not prompt_ids:  # what the engine's admission says, not ReserveBody's field name
@@ -95,20 +94,13 @@ async def relay(
         raise errors.context_length_exceeded(
             len(prompt_ids), limit, "the served context", prompt_field(body)
         )
-    sampling = Sampling(
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
-        logprobs=logprobs,
-        ignore_eos=body.ignore_eos,
-    )
+    sampling = sampling_of(body)
     request_id = request_id_for(tenant)
     try:
         reserve = ReserveBody(
             request_id=request_id,
             prompt_ids=prompt_ids,
-            max_tokens=max_tokens,
+            max_tokens=body.token_limit(),
             sampling=sampling,
             tenant=tenant,
         )
@@ -135,6 +127,7 @@ async def relay(
         await _abort(state, decode, request_id)
         return Response(status_code=499)
     deltas = slot.held_until_closed(_decode(state, decode, request_id, prefilled.first))
+    chat = isinstance(body, ChatCompletionRequest)
     out = OpenAIOutput(chat, state.model_name, state.require_tokenizer(), len(prompt_ids))
     out.cached_tokens = prefilled.cached_tokens  # this tenant's own hit, decided by prefill
     try:
@@ -145,8 +138,7 @@ async def relay(
     state.metrics.requests.labels(
         tenant=tenant, status="200" if first_delta.error is None else str(first_delta.error.status)
     ).inc()
-    detok = Detokenizer(state.require_tokenizer(), body.stops())
-    return await respond(first_delta, deltas, out, detok, body, request.is_disconnected)
+    return await respond(first_delta, deltas, out, body, request.is_disconnected)
 
 
 ReplyT = TypeVar("ReplyT", bound=BaseModel)

@@ -2,8 +2,9 @@
 
 The engine's GET /v1/kvpool report and the router's summary of it; the router's backends file,
 which the operator writes; the router's calls to /internal/* and their replies; the HELLO that
-opens a KV transfer; and the engine roles. Nothing but pydantic and the standard library: the
-router, the canary and the operator image import this without torch.
+opens a KV transfer; and the engine roles. Nothing but pydantic, the standard library and the
+error codes (kvfence_engine.core.errors, itself standard library only): the router, the canary
+and the operator image import this without torch.
 
 Two kinds of model. A message (frozen, unknown keys refused) is written and read by kvfence at
 both ends, so an unknown key is a typo or a version mismatch and fails loudly. A reading
@@ -19,6 +20,8 @@ from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvfence_engine.core.errors import ErrorCode
 
 TOKEN_HEADER = "X-Kvfence-Internal-Token"  # the shared internal token on /internal/* calls
 
@@ -382,7 +385,7 @@ class WireError(_Message):
     message: str
     type: str
     param: str | None = None
-    code: str
+    code: ErrorCode
 
 
 class DeltaLine(_Message):

@@ -31,7 +31,7 @@ from kvfence_engine.contracts import (
 )
 from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
-from kvfence_engine.core.errors import EngineError
+from kvfence_engine.core.errors import ErrorCode
 from kvfence_engine.core.request import TokenLogprob, is_terminal
 from kvfence_engine.disagg.receiver import HELLO_TIMEOUT, MAX_CONNECTIONS, KVReceiver
 from kvfence_engine.disagg.reservations import DecodeReservations
@@ -79,24 +79,14 @@ def internal_router(
         token: Annotated[str | None, Header(alias=TOKEN_HEADER)] = None,
     ) -> None:
         if state.internal_token is not None and not secret_matches(token, state.internal_token):
-            raise EngineError(
-                401,
-                "internal endpoint: missing or wrong internal token",
-                "authentication_error",
-                "unauthorized",
-            )
+            raise errors.unauthorized("internal endpoint: missing or wrong internal token")
 
     router = APIRouter(prefix="/internal", dependencies=[Depends(check_token)])
 
     def engine_for(role: Role) -> AsyncEngine:
         engine = state.require_engine()
         if state.role != role:
-            raise EngineError(
-                404,
-                f"this engine runs the {state.role} role, not {role}",
-                "invalid_request_error",
-                "wrong_role",
-            )
+            raise errors.wrong_role(f"this engine runs the {state.role} role, not {role}")
         return engine
 
     def decode_side() -> tuple[AsyncEngine, DecodeReservations]:
@@ -119,12 +109,7 @@ def internal_router(
         engine, book = decode_side()
         seq = book.pending(body.request_id)
         if seq is None:
-            raise EngineError(
-                404,
-                f"no reservation {body.request_id!r} (expired or aborted)",
-                "invalid_request_error",
-                "unknown_request",
-            )
+            raise errors.unknown_request(f"no reservation {body.request_id!r} (expired or aborted)")
         first_logprob = token_logprob(body.first)
         deltas = engine.stream(seq, lambda: book.start_decode(body.request_id, first_logprob))
         first = await anext(deltas)
@@ -172,16 +157,13 @@ def internal_router(
                 verify=engine.engine.args.kv_checksum,
             )
         except TransferError as exc:
-            if exc.code == "too_many_connections":  # decode is busy: a retry may find room
+            if exc.code is ErrorCode.TOO_MANY_CONNECTIONS:  # decode is busy: a retry may find room
                 raise errors.overloaded(f"KV transfer to decode refused: {exc}") from exc
-            status = 500 if exc.code == "kv_isolation_violation" else 502
-            raise EngineError(
-                status, f"KV transfer to decode failed: {exc}", "server_error", exc.code
-            ) from exc
+            status = 500 if exc.code is ErrorCode.KV_ISOLATION_VIOLATION else 502
+            message = f"KV transfer to decode failed: {exc}"
+            raise errors.transfer_failed(message, exc.code, status) from exc
         except OSError as exc:
-            raise EngineError(
-                502, f"KV transfer to decode failed: {exc}", "server_error", "transfer_failed"
-            ) from exc
+            raise errors.transfer_failed(f"KV transfer to decode failed: {exc}") from exc
         logprob = (
             seq.output_logprobs[0] if seq.output_logprobs else TokenLogprob(seq.output_ids[0], 0.0)
         )

@@ -2,8 +2,8 @@
 engine's own types and back. Torch-free: the router speaks it without loading the engine."""
 
 from kvfence_engine.contracts import DeltaLine, FirstToken, Sampling, WireError
+from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
-from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import SamplingParams, TokenLogprob
 
 
@@ -45,5 +45,5 @@ def delta_of(line: DeltaLine) -> Delta:
         finish_reason=line.finish_reason,
         error=None
         if error is None
-        else EngineError(error.status, error.message, error.type, error.code, error.param),
+        else errors.relayed(error.status, error.message, error.type, error.code, error.param),
     )

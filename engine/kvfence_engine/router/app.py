@@ -10,7 +10,6 @@ or port, and a backend's server-side error reaches the client as a generic messa
 goes to the log under the request id), not how full the pools are.
 """
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -28,7 +27,7 @@ from kvfence_engine.contracts import (
     RouterPoolSummary,
     TenantPoolSummary,
 )
-from kvfence_engine.core.errors import EngineError
+from kvfence_engine.core import errors
 from kvfence_engine.router.backends import StalePush
 from kvfence_engine.router.pool_views import (
     BackendCounters,
@@ -125,11 +124,11 @@ def create_router_app(state: RouterState) -> FastAPI:
             state.backends.push(written)
         except ValidationError as exc:
             invalid = invalid_body(exc.errors(), body, request.headers.get("content-type", ""))
-            raise dataclasses.replace(invalid, status=422, code="invalid_backends") from exc
+            raise errors.invalid_backends(invalid.message, invalid.param) from exc
         except StalePush as exc:
-            raise EngineError(409, str(exc), "invalid_request_error", "stale_backends") from exc
+            raise errors.stale_backends(str(exc)) from exc
         except ValueError as exc:
-            raise EngineError(422, str(exc), "invalid_request_error", "invalid_backends") from exc
+            raise errors.invalid_backends(str(exc)) from exc
         log.info(
             "backends pushed: version %d, %d prefill, %d decode",
             written.version,

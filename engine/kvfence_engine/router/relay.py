@@ -36,7 +36,7 @@ from kvfence_engine.contracts import (
 )
 from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
-from kvfence_engine.core.errors import EngineError
+from kvfence_engine.core.errors import EngineError, ErrorCode
 from kvfence_engine.disagg.wire import delta_of
 from kvfence_engine.router.backends import Backend
 from kvfence_engine.router.keys import request_id_for
@@ -90,7 +90,7 @@ async def relay(
     if not prompt_ids:  # what the engine's admission says, not ReserveBody's field name
         raise errors.invalid_request("the prompt is empty", "prompt")
     if len(prompt_ids) > limit:
-        state.metrics.rejected.labels(reason="context_length_exceeded").inc()
+        state.metrics.rejected.labels(reason=ErrorCode.CONTEXT_LENGTH_EXCEEDED).inc()
         raise errors.context_length_exceeded(
             len(prompt_ids), limit, "the served context", prompt_field(body)
         )
@@ -144,32 +144,25 @@ async def relay(
 ReplyT = TypeVar("ReplyT", bound=BaseModel)
 
 
-class Unreachable(EngineError):
-    """An instance did not answer at all (refused, reset, timed out), or answered as no
-    instance of this deployment would: a clean 503."""
-
-
-ErrorT = TypeVar("ErrorT", bound=EngineError)
-
-
 # What a client reads instead of a backend's server-side error message, by error code. The
 # engines' messages are for the router and the log: they may name an instance's address ("KV
 # transfer to decode failed: ... 10.0.3.7:9000") or the pool's occupancy ("no free KV pages
 # for 300 tokens: ... 3 free").
 CLIENT_MESSAGES = {
-    "overloaded": "the service is at capacity; retry shortly",
-    "not_ready": "the service is starting; retry shortly",
-    "backend_unreachable": "no instance of the service answered; retry shortly",
-    "kv_isolation_violation": "The request was stopped before generating from KV cache it does "
-    "not own. No output was produced from that data.",
+    ErrorCode.OVERLOADED: "the service is at capacity; retry shortly",
+    ErrorCode.NOT_READY: "the service is starting; retry shortly",
+    ErrorCode.BACKEND_UNREACHABLE: "no instance of the service answered; retry shortly",
+    ErrorCode.KV_ISOLATION_VIOLATION: "The request was stopped before generating from KV cache "
+    "it does not own. No output was produced from that data.",
 }
 
 
-def client_facing(error: ErrorT, request_id: str) -> ErrorT:
+def client_facing(error: EngineError, request_id: str) -> EngineError:
     """A backend's error as the client may see it: a 4xx is about the request and passes on
     whole; a 5xx keeps its status, type, code and Retry-After, gets a generic message, and its
     detail is logged under the request id (which the client's message names)."""
-    if error.status < 500 or error.code == "internal_error":  # that one names a reference only
+    names_a_reference_only = error.code is ErrorCode.INTERNAL_ERROR
+    if error.status < 500 or names_a_reference_only:
         return error
     log.warning("request %s: %s", request_id, error)
     generic = CLIENT_MESSAGES.get(error.code, "the service could not complete the request")
@@ -198,7 +191,7 @@ async def _call(
     finally:
         backend.outstanding -= 1
     if r.status_code >= 400:
-        error = _error_from(r)
+        error = error_from(r)
         if error.code in NOT_AN_INSTANCE_OF_OURS:
             why = f"is not one of this deployment's: it answered {r.status_code} {error.message}"
             raise _out_of_rotation(state, backend, role, why, request_id)
@@ -211,35 +204,34 @@ async def _call(
 # listed as prefill. Such an instance is out of rotation, as one that does not answer is; its
 # answer never reaches the client as the client's own error (a 401 about a token the client
 # never sent reads, to an OpenAI client, as a bad API key).
-NOT_AN_INSTANCE_OF_OURS = frozenset({"unauthorized", "wrong_role"})
+NOT_AN_INSTANCE_OF_OURS = frozenset({ErrorCode.UNAUTHORIZED, ErrorCode.WRONG_ROLE})
 
 
 def _out_of_rotation(
     state: RouterState, backend: Backend, role: Role, why: str, request_id: str
-) -> Unreachable:
-    """Take `backend` out of rotation; the client's 503 (names no address)."""
+) -> EngineError:
+    """Take `backend` out of rotation; the client's 503 backend_unreachable (names no
+    address)."""
     state.metrics.backend_errors.labels(role=role).inc()
     pool = state.backends.prefill if role is Role.PREFILL else state.backends.decode
     pool.mark_down(backend)
-    unreachable = Unreachable(
-        503, f"{role} instance {backend.url} {why}", "server_error", "backend_unreachable", None, 1
-    )
+    unreachable = errors.backend_unreachable(f"{role} instance {backend.url} {why}")
     return client_facing(unreachable, request_id)
 
 
-def _error_from(r: httpx.Response) -> EngineError:
+def error_from(r: httpx.Response) -> EngineError:
     try:
         e = r.json()["error"]
-        return EngineError(
+        return errors.relayed(
             r.status_code,
             e["message"],
             e["type"],
-            e["code"],
+            ErrorCode(e["code"]),  # a code this version does not know: not one of ours
             e.get("param"),
             int(r.headers["retry-after"]) if "retry-after" in r.headers else None,
         )
     except (ValueError, KeyError, TypeError):
-        return EngineError(502, f"backend answered {r.status_code}", "server_error", "bad_gateway")
+        return errors.bad_gateway(r.status_code)
 
 
 async def _reserve(state: RouterState, body: ReserveBody) -> tuple[Backend, TransferHandle]:
@@ -251,7 +243,9 @@ async def _reserve(state: RouterState, body: ReserveBody) -> tuple[Backend, Tran
             reply = await _call(
                 state, decode, Role.DECODE, "/internal/reserve", body, ReserveReply, body.request_id
             )
-        except Unreachable:
+        except EngineError as exc:
+            if exc.code is not ErrorCode.BACKEND_UNREACHABLE:
+                raise
             continue  # out of rotation now; try another decode instance
         handle = reply.model_dump(exclude={"max_tokens"}) | {"transfer_host": decode.host}
         return decode, TransferHandle.model_validate(handle)
@@ -334,7 +328,7 @@ async def _decode(
             if r.status_code >= 400:
                 await r.aread()
                 finished = True
-                yield Delta([], [], "error", client_facing(_error_from(r), request_id))
+                yield Delta([], [], "error", client_facing(error_from(r), request_id))
                 return
             async for line in r.aiter_lines():
                 if line:

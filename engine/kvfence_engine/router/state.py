@@ -17,7 +17,6 @@ from prometheus_client import CollectorRegistry, Counter
 from kvfence_engine.auth import bearer_of, presents_internal_token
 from kvfence_engine.contracts import DEFAULT_TENANT, TOKEN_HEADER, PoolSize
 from kvfence_engine.core import errors
-from kvfence_engine.core.errors import EngineError
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.router.backends import Backends
 from kvfence_engine.router.engine_tokenizer import fetch_tokenizer
@@ -91,9 +90,7 @@ class RouterState:
             return DEFAULT_TENANT
         tenant = self.api_keys.tenant_of(bearer_of(request.headers))
         if tenant is None:
-            raise EngineError(
-                401, "missing or invalid API key", "invalid_request_error", "invalid_api_key"
-            )
+            raise errors.invalid_api_key()
         return tenant
 
     async def load_tokenizer(self) -> None:
@@ -124,14 +121,7 @@ class RouterState:
 
     def require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise EngineError(
-                503,
-                f"the router has no tokenizer yet: {self.tokenizer_problem}",
-                "server_error",
-                "not_ready",
-                None,
-                2,
-            )
+            raise errors.not_ready(f"the router has no tokenizer yet: {self.tokenizer_problem}")
         return self.tokenizer
 
     def headers(self) -> dict[str, str]:
@@ -150,20 +140,14 @@ class RouterState:
         if self.is_operator(request):
             return
         if self.internal_token is None:
-            raise EngineError(
-                403,
+            raise errors.forbidden(
                 f"{request.url.path} is off: this router has API keys but no internal token "
-                "(start it with --internal-token-file)",
-                "permission_error",
-                "forbidden",
+                "(start it with --internal-token-file)"
             )
         if self.api_keys is not None and self.api_keys.tenant_of(bearer_of(request.headers)):
-            raise EngineError(
-                403,
+            raise errors.forbidden(
                 f"{request.url.path} is for the operator and Prometheus, not tenants: "
-                "it needs the internal token",
-                "permission_error",
-                "forbidden",
+                "it needs the internal token"
             )
         raise errors.internal_token_required(request.url.path)
 
@@ -171,12 +155,9 @@ class RouterState:
         """Who may replace the backends: only a caller with the internal token (never a
         router without one, even on a laptop)."""
         if self.internal_token is None:
-            raise EngineError(
-                403,
+            raise errors.forbidden(
                 f"{request.url.path} is off: this router has no internal token (start it with "
-                "--internal-token-file)",
-                "permission_error",
-                "forbidden",
+                "--internal-token-file)"
             )
         self.require_operator(request)
 

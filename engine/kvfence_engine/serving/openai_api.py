@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
-from kvfence_engine.core.errors import EngineError
+from kvfence_engine.core.errors import EngineError, ErrorCode
 from kvfence_engine.core.request import TokenLogprob
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
@@ -180,10 +180,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else "http_error"
-        return error_response(
-            EngineError(exc.status_code, str(exc.detail), "invalid_request_error", code)
-        )
+        return error_response(errors.http_error(exc.status_code, str(exc.detail)))
 
 
 # What pydantic puts in an error's location for the branch of a union it tried ("str",
@@ -257,7 +254,7 @@ def naming_prompt_field(
 ) -> EngineError:
     """An admission error about the prompt (over-long, from an engine that sees only token
     ids) with `param` naming the field the client sent it in."""
-    if error.code == "context_length_exceeded" and error.param is None:
+    if error.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and error.param is None:
         return dataclasses.replace(error, param=prompt_field(body))
     return error
 

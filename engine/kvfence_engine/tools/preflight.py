@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvfence_engine.contracts import TOKEN_HEADER, PoolPlanReport, PoolSize, RouterPoolSizes
+from kvfence_engine.core.errors import ErrorCode
 from kvfence_engine.core.pool_plan import (
     ContextPolicy,
     budget_raise_percent,
@@ -111,7 +112,7 @@ def _refusal(response: httpx.Response, internal_token: str | None, api_key: str 
         code = response.json()["error"]["code"]
     except (ValueError, KeyError, TypeError):
         code = None
-    if code == "invalid_api_key":
+    if code == ErrorCode.INVALID_API_KEY:
         if api_key:
             return "the API key was refused"
         return "an API key is needed (--api-key or $KVFENCE_API_KEY)"

@@ -129,7 +129,7 @@ def add_parser(sub: Subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvfence_engine.loading.tokenizer_source import load_tokenizer
-    from kvfence_engine.router.app import RouterState, create_router_app
+    from kvfence_engine.router.app import create_router_app
     from kvfence_engine.router.backends import Backends
     from kvfence_engine.router.keys import ApiKeys
     from kvfence_engine.router.placement import DEFAULT_PREFIX_TOKENS, PrefixRouting
@@ -139,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         agreed_model,
         read_engine_models,
     )
+    from kvfence_engine.router.state import RouterState
     from kvfence_engine.router.tenants import TenantInflight
     from kvfence_engine.serving.limits import set_max_request_bytes
 

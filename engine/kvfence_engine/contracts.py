@@ -2,8 +2,9 @@
 
 The engine's GET /v1/kvpool report and the router's summary of it; the router's backends file,
 which the operator writes; the router's calls to /internal/* and their replies; the HELLO that
-opens a KV transfer; and the engine roles. Nothing but pydantic and the standard library: the
-router, the canary and the operator image import this without torch.
+opens a KV transfer; the engine roles; and the error codes every process writes and reads
+(`ErrorCode`; core/errors.py builds the errors). Nothing but pydantic and the standard library:
+the router, the canary and the operator image import this without torch.
 
 Two kinds of model. A message (frozen, unknown keys refused) is written and read by kvfence at
 both ends, so an unknown key is a typo or a version mismatch and fails loudly. A reading
@@ -19,6 +20,53 @@ from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ErrorCode(StrEnum):
+    """The `code` of an error body, and of an error one kvfence process reports to another
+    (a decode stream's `WireError`, a KV transfer's refusal)."""
+
+    # the request
+    INVALID_REQUEST = "invalid_request"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    MODEL_NOT_FOUND = "model_not_found"
+    REQUEST_TOO_LARGE = "request_too_large"
+    NOT_FOUND = "not_found"  # no such route
+    HTTP_ERROR = "http_error"  # any other HTTP-level refusal (405, ...)
+    # who asks
+    INVALID_API_KEY = "invalid_api_key"
+    UNAUTHORIZED = "unauthorized"  # no internal token, or a wrong one
+    FORBIDDEN = "forbidden"
+    # limits: retry later
+    TENANT_LIMIT = "tenant_limit"
+    TENANT_POOL_SHARE = "tenant_pool_share"
+    OVERLOADED = "overloaded"
+    NOT_READY = "not_ready"
+    # failures inside kvfence
+    INTERNAL_ERROR = "internal_error"
+    KV_ISOLATION_VIOLATION = "kv_isolation_violation"
+    # the router and its backends
+    BACKEND_UNREACHABLE = "backend_unreachable"
+    BAD_GATEWAY = "bad_gateway"
+    STALE_BACKENDS = "stale_backends"
+    INVALID_BACKENDS = "invalid_backends"
+    # the internal API (decode's reservations)
+    WRONG_ROLE = "wrong_role"
+    UNKNOWN_REQUEST = "unknown_request"
+    RESERVATION_EXPIRED = "reservation_expired"
+    HANDLE_MISMATCH = "handle_mismatch"
+    DUPLICATE_TRANSFER = "duplicate_transfer"
+    # the KV transfer (disagg/transfer.py's TransferError, the receiver's refusals)
+    TRANSFER_FAILED = "transfer_failed"
+    TRANSFER_INCOMPLETE = "transfer_incomplete"
+    TIMEOUT = "timeout"
+    BAD_FRAME = "bad_frame"
+    COUNT_MISMATCH = "count_mismatch"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    CHECKSUM_SETTING = "checksum_setting"
+    CHECKSUM_FAILED = "checksum_failed"
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+
 
 TOKEN_HEADER = "X-Kvfence-Internal-Token"  # the shared internal token on /internal/* calls
 
@@ -382,7 +430,7 @@ class WireError(_Message):
     message: str
     type: str
     param: str | None = None
-    code: str
+    code: ErrorCode
 
 
 class DeltaLine(_Message):

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvfence_engine.contracts import TOKEN_HEADER, PoolPlanReport, PoolSize, RouterPoolSizes
+from kvfence_engine.contracts import (
+    TOKEN_HEADER,
+    ErrorCode,
+    PoolPlanReport,
+    PoolSize,
+    RouterPoolSizes,
+)
 from kvfence_engine.core.pool_plan import (
     ContextPolicy,
     budget_raise_percent,
@@ -111,7 +117,7 @@ def _refusal(response: httpx.Response, internal_token: str | None, api_key: str 
         code = response.json()["error"]["code"]
     except (ValueError, KeyError, TypeError):
         code = None
-    if code == "invalid_api_key":
+    if code == ErrorCode.INVALID_API_KEY:
         if api_key:
             return "the API key was refused"
         return "an API key is needed (--api-key or $KVFENCE_API_KEY)"

@@ -279,7 +279,8 @@ def test_the_router_tokenizes_and_routes_without_torch() -> None:
         """
         from fastapi.testclient import TestClient
         from kvfence_engine.router.backends import Backends
-        from kvfence_engine.router.app import RouterState, create_router_app
+        from kvfence_engine.router.app import create_router_app
+        from kvfence_engine.router.state import RouterState
         from kvfence_engine.loading.tokenizer_source import SMOLLM2, load_tokenizer
 
         name, tokenizer = load_tokenizer(SMOLLM2)

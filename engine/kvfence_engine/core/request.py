@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
+from kvfence_engine.contracts import Sampling
 from kvfence_engine.core.errors import EngineError
 
 if TYPE_CHECKING:
@@ -41,6 +42,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @classmethod
+    def of(cls, sampling: Sampling) -> SamplingParams:
+        """The engine's parameters for a request's `Sampling` (contracts: what the router
+        sends, and what the engine's own API derives from an OpenAI body). `max_tokens` is
+        the admission's, given apart."""
+        return cls(max_tokens=1, **sampling.model_dump())
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from kvfence_engine.contracts import (
     AbortBody,
     AbortReply,
     DecodeBody,
+    ErrorCode,
     PrefillBody,
     PrefillReply,
     ReserveBody,
@@ -31,12 +32,11 @@ from kvfence_engine.contracts import (
 )
 from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
-from kvfence_engine.core.errors import EngineError
-from kvfence_engine.core.request import TokenLogprob, is_terminal
+from kvfence_engine.core.request import SamplingParams, TokenLogprob, is_terminal
 from kvfence_engine.disagg.receiver import HELLO_TIMEOUT, MAX_CONNECTIONS, KVReceiver
 from kvfence_engine.disagg.reservations import DecodeReservations
 from kvfence_engine.disagg.transfer import Handle, Layout, TransferError, send_kv
-from kvfence_engine.disagg.wire import delta_line, first_token, params_of, token_logprob
+from kvfence_engine.disagg.wire import delta_line, first_token, token_logprob
 from kvfence_engine.serving.async_engine import AsyncEngine
 from kvfence_engine.serving.state import ServerState
 
@@ -79,24 +79,14 @@ def internal_router(
         token: Annotated[str | None, Header(alias=TOKEN_HEADER)] = None,
     ) -> None:
         if state.internal_token is not None and not secret_matches(token, state.internal_token):
-            raise EngineError(
-                401,
-                "internal endpoint: missing or wrong internal token",
-                "authentication_error",
-                "unauthorized",
-            )
+            raise errors.unauthorized("internal endpoint: missing or wrong internal token")
 
     router = APIRouter(prefix="/internal", dependencies=[Depends(check_token)])
 
     def engine_for(role: Role) -> AsyncEngine:
         engine = state.require_engine()
         if state.role != role:
-            raise EngineError(
-                404,
-                f"this engine runs the {state.role} role, not {role}",
-                "invalid_request_error",
-                "wrong_role",
-            )
+            raise errors.wrong_role(f"this engine runs the {state.role} role, not {role}")
         return engine
 
     def decode_side() -> tuple[AsyncEngine, DecodeReservations]:
@@ -107,7 +97,9 @@ def internal_router(
     @router.post("/reserve")
     async def reserve(body: ReserveBody) -> ReserveReply:
         engine, book = decode_side()
-        seq = engine.admit(body.prompt_ids, params_of(body.sampling), body.max_tokens, body.tenant)
+        seq = engine.admit(
+            body.prompt_ids, SamplingParams.of(body.sampling), body.max_tokens, body.tenant
+        )
         if is_terminal(seq):  # rejected before any page was allocated
             assert seq.error is not None
             raise seq.error
@@ -119,12 +111,7 @@ def internal_router(
         engine, book = decode_side()
         seq = book.pending(body.request_id)
         if seq is None:
-            raise EngineError(
-                404,
-                f"no reservation {body.request_id!r} (expired or aborted)",
-                "invalid_request_error",
-                "unknown_request",
-            )
+            raise errors.unknown_request(f"no reservation {body.request_id!r} (expired or aborted)")
         first_logprob = token_logprob(body.first)
         deltas = engine.stream(seq, lambda: book.start_decode(body.request_id, first_logprob))
         first = await anext(deltas)
@@ -143,7 +130,7 @@ def internal_router(
     async def prefill(body: PrefillBody) -> PrefillReply:
         engine = engine_for(Role.PREFILL)
         seq = engine.admit(
-            body.prompt_ids, params_of(body.sampling), 1, body.tenant, body.cache_salt
+            body.prompt_ids, SamplingParams.of(body.sampling), 1, body.tenant, body.cache_salt
         )
         if is_terminal(seq):
             assert seq.error is not None
@@ -172,16 +159,13 @@ def internal_router(
                 verify=engine.engine.args.kv_checksum,
             )
         except TransferError as exc:
-            if exc.code == "too_many_connections":  # decode is busy: a retry may find room
+            if exc.code is ErrorCode.TOO_MANY_CONNECTIONS:  # decode is busy: a retry may find room
                 raise errors.overloaded(f"KV transfer to decode refused: {exc}") from exc
-            status = 500 if exc.code == "kv_isolation_violation" else 502
-            raise EngineError(
-                status, f"KV transfer to decode failed: {exc}", "server_error", exc.code
-            ) from exc
+            status = 500 if exc.code is ErrorCode.KV_ISOLATION_VIOLATION else 502
+            message = f"KV transfer to decode failed: {exc}"
+            raise errors.transfer_failed(message, exc.code, status) from exc
         except OSError as exc:
-            raise EngineError(
-                502, f"KV transfer to decode failed: {exc}", "server_error", "transfer_failed"
-            ) from exc
+            raise errors.transfer_failed(f"KV transfer to decode failed: {exc}") from exc
         logprob = (
             seq.output_logprobs[0] if seq.output_logprobs else TokenLogprob(seq.output_ids[0], 0.0)
         )

@@ -20,7 +20,8 @@ from dataclasses import asdict
 from pydantic import ValidationError
 
 from kvfence_engine.auth import secret_matches
-from kvfence_engine.contracts import TransferHello, TransferLayout
+from kvfence_engine.contracts import ErrorCode, TransferHello, TransferLayout
+from kvfence_engine.core import errors
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import Request
 from kvfence_engine.disagg.reservations import DecodeReservations
@@ -117,11 +118,12 @@ class KVReceiver:
             return
         except (TransferError, OSError) as exc:
             log.warning("transfer refused: %s", exc)
-            _refuse(sock, getattr(exc, "code", "bad_frame"), str(exc))
+            code = exc.code if isinstance(exc, TransferError) else ErrorCode.BAD_FRAME
+            _refuse(sock, code, str(exc))
             return
         except Exception:  # a bug: say so, keep the traceback in the log only
             log.exception("transfer refused: the HELLO could not be handled")
-            _refuse(sock, "transfer_failed", "the receiver could not handle the HELLO")
+            _refuse(sock, ErrorCode.TRANSFER_FAILED, "the receiver could not handle the HELLO")
             return
         sock.settimeout(self.idle_timeout)
         self._receive(sock, seq, hello)
@@ -132,27 +134,31 @@ class KVReceiver:
         try:
             magic, frame = read_frame_header(sock, deadline)
         except TransferError as exc:
-            if exc.code == "timeout":
+            if exc.code is ErrorCode.TIMEOUT:
                 raise TransferError(
-                    "timeout", f"no complete HELLO within {self.hello_timeout:g} s"
+                    ErrorCode.TIMEOUT, f"no complete HELLO within {self.hello_timeout:g} s"
                 ) from exc
             raise
         if magic != HELLO or not isinstance(frame, dict):
-            raise TransferError("bad_frame", "a transfer must start with HELLO")
+            raise TransferError(ErrorCode.BAD_FRAME, "a transfer must start with HELLO")
         # the token first: a sender without it learns nothing about what else is wrong
         if self.token is not None and not secret_matches(frame.get("token"), self.token):
-            raise TransferError("unauthorized", "missing or wrong internal token")
+            raise TransferError(ErrorCode.UNAUTHORIZED, "missing or wrong internal token")
         try:
             hello = TransferHello.model_validate(frame)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "HELLO"
-            raise TransferError("bad_frame", f"malformed HELLO ({where}: {first['msg']})") from exc
+            raise TransferError(
+                ErrorCode.BAD_FRAME, f"malformed HELLO ({where}: {first['msg']})"
+            ) from exc
         if hello.layout != TransferLayout(**asdict(self.layout)):
-            raise TransferError("layout_mismatch", f"sender layout {hello.layout.model_dump()}")
+            raise TransferError(
+                ErrorCode.LAYOUT_MISMATCH, f"sender layout {hello.layout.model_dump()}"
+            )
         if hello.checksum != self.engine.args.kv_checksum:
             raise TransferError(
-                "checksum_setting",
+                ErrorCode.CHECKSUM_SETTING,
                 "prefill and decode disagree on "
                 "--no-kv-checksum; both ends must use the same setting",
             )
@@ -167,15 +173,12 @@ class KVReceiver:
         try:
             self._receive_pages(sock, seq, hello)
         except (TransferError, OSError) as exc:
-            code = getattr(exc, "code", "transfer_incomplete")
-            error = EngineError(502, f"KV transfer failed: {exc}", "server_error", code)
+            code = exc.code if isinstance(exc, TransferError) else ErrorCode.TRANSFER_INCOMPLETE
+            error = errors.transfer_failed(f"KV transfer failed: {exc}", code)
         except Exception:  # a bug must not leave the reservation's pages fenced for good
             log.exception("KV transfer for %s failed", hello.request_id)
-            error = EngineError(
-                500,
-                "KV transfer failed: the receiver could not write a page",
-                "server_error",
-                "transfer_failed",
+            error = errors.transfer_failed(
+                "KV transfer failed: the receiver could not write a page", status=500
             )
         finally:
             final = self.reservations.end_transfer(seq, error)
@@ -194,14 +197,14 @@ class KVReceiver:
             if magic == END:
                 return
             if magic != PAGE or not isinstance(frame, PageFrame):
-                raise TransferError("bad_frame", f"unexpected {magic!r} frame")
+                raise TransferError(ErrorCode.BAD_FRAME, f"unexpected {magic!r} frame")
             check_page_frame(frame, hello, reserved_tokens, self.layout)
             payload = recv_exact(sock, frame.nbytes, buffer)
             if engine.args.kv_checksum:
                 if checksum(payload) != frame.digest:
                     engine.metrics.checksum_failed.inc()
                     raise TransferError(
-                        "checksum_failed", f"page {frame.index} failed its checksum"
+                        ErrorCode.CHECKSUM_FAILED, f"page {frame.index} failed its checksum"
                     )
                 engine.metrics.checksum_verified.inc()
             self.reservations.receive_page(seq, frame.page, frame.tag, frame.tokens, payload)
@@ -226,7 +229,7 @@ class KVReceiver:
             send_reply(
                 sock,
                 False,
-                "too_many_connections",
+                ErrorCode.TOO_MANY_CONNECTIONS,
                 f"the transfer port already serves {self.max_connections} connections",
             )
             sock.shutdown(socket.SHUT_WR)
@@ -242,25 +245,26 @@ def check_page_frame(
     i = frame.index
     if i >= len(hello.pages):
         raise TransferError(
-            "bad_frame", f"page frame {i}: the reservation has {len(hello.pages)} pages"
+            ErrorCode.BAD_FRAME, f"page frame {i}: the reservation has {len(hello.pages)} pages"
         )
     if frame.page != hello.pages[i] or frame.tag != hello.tags[i]:
         raise TransferError(
-            "bad_frame", f"page frame {i} names a page or tag that is not the reservation's"
+            ErrorCode.BAD_FRAME, f"page frame {i} names a page or tag that is not the reservation's"
         )
     room = min(layout.page_size, reserved_tokens - i * layout.page_size)
     if not 0 < frame.tokens <= room:
         raise TransferError(
-            "bad_frame", f"page frame {i} carries {frame.tokens} tokens; its page holds 1 to {room}"
+            ErrorCode.BAD_FRAME,
+            f"page frame {i} carries {frame.tokens} tokens; its page holds 1 to {room}",
         )
     if frame.nbytes != layout.page_bytes:
         raise TransferError(
-            "bad_frame",
+            ErrorCode.BAD_FRAME,
             f"page frame {i} has a payload of {frame.nbytes} bytes; a page is {layout.page_bytes}",
         )
 
 
-def _refuse(sock: socket.socket, code: str, message: str) -> None:
+def _refuse(sock: socket.socket, code: ErrorCode, message: str) -> None:
     """Reply with the reason, then drain what the sender still sends for a moment (bounded),
     so closing with unread input does not reset the connection before it reads the reply."""
     with contextlib.suppress(OSError):
@@ -281,6 +285,8 @@ def _refuse(sock: socket.socket, code: str, message: str) -> None:
             drained += len(chunk)
 
 
-def _try_reply(sock: socket.socket, ok: bool, code: str = "", message: str = "") -> None:
+def _try_reply(
+    sock: socket.socket, ok: bool, code: ErrorCode | None = None, message: str = ""
+) -> None:
     with contextlib.suppress(OSError):  # the sender is gone; the request failed on our side
         send_reply(sock, ok, code, message)

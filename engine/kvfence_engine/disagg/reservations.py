@@ -24,6 +24,7 @@ thread (continue_decode, and abort of a decoding request, run outside the lock).
 import threading
 import time
 
+from kvfence_engine.contracts import ErrorCode
 from kvfence_engine.core import errors
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.errors import EngineError
@@ -67,12 +68,7 @@ class DecodeReservations:
         with self._lock:
             seq = self._reserved.pop(request_id, None)
             if seq is None:
-                raise EngineError(
-                    404,
-                    f"no reservation {request_id!r} (expired or aborted)",
-                    "invalid_request_error",
-                    "unknown_request",
-                )
+                raise errors.unknown_request(f"no reservation {request_id!r} (expired or aborted)")
             inbound = seq.inbound
             assert inbound is not None
             error = inbound.error
@@ -111,16 +107,7 @@ class DecodeReservations:
                 assert inbound is not None
                 if now > inbound.deadline and not inbound.in_flight:
                     del self._reserved[request_id]
-                    self._drop(
-                        seq,
-                        "error",
-                        EngineError(
-                            408,
-                            "no KV arrived for the reservation in time",
-                            "server_error",
-                            "reservation_expired",
-                        ),
-                    )
+                    self._drop(seq, "error", errors.reservation_expired())
             for seq in [s for s in self._live.values() if is_terminal(s)]:
                 self._forget(seq)
 
@@ -140,26 +127,11 @@ class DecodeReservations:
         with self._lock:
             seq = self._reserved.get(request_id)
             if seq is None or seq.inbound is None or is_terminal(seq):
-                raise EngineError(
-                    404,
-                    f"no reservation {request_id!r}",
-                    "invalid_request_error",
-                    "unknown_request",
-                )
+                raise errors.unknown_request(f"no reservation {request_id!r}")
             if (seq.seq_id, seq.pages, seq.page_tags) != (seq_id, pages, tags):
-                raise EngineError(
-                    400,
-                    "the transfer's pages and tags are not the reservation's",
-                    "invalid_request_error",
-                    "handle_mismatch",
-                )
+                raise errors.handle_mismatch()
             if seq.inbound.in_flight or seq.inbound.done:
-                raise EngineError(
-                    409,
-                    "this reservation already received its transfer",
-                    "invalid_request_error",
-                    "duplicate_transfer",
-                )
+                raise errors.duplicate_transfer()
             seq.inbound.in_flight = True
             return seq
 
@@ -181,7 +153,9 @@ class DecodeReservations:
             # could still add up. (The writes of a dropped request are the late-write path
             # above: fenced, or under the fault, applied blindly as the bug was.)
             if page in inbound.pages_written and not is_terminal(seq):
-                raise TransferError("bad_frame", f"page {page} was sent twice in one transfer")
+                raise TransferError(
+                    ErrorCode.BAD_FRAME, f"page {page} was sent twice in one transfer"
+                )
             if late_write:  # the fault: applied blindly, whoever holds the page now
                 written = write_without_tag_check(self.engine.pages, page, tag, tokens, payload)
             else:

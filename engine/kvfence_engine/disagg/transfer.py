@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import xxhash
 
-from kvfence_engine.contracts import TransferHello, TransferLayout
+from kvfence_engine.contracts import ErrorCode, TransferHello, TransferLayout
 from kvfence_engine.core.kv_cache import KVCache
 
 HELLO = b"KVFH"
@@ -36,7 +36,7 @@ REFUSAL_WAIT = 1.0  # after a failed send, how long the sender waits to read dec
 class TransferError(RuntimeError):
     """The transfer did not complete; `code` says why (for counters and HTTP errors)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -130,16 +130,20 @@ def recv_exact(
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferError("timeout", f"deadline passed after {got}/{n} bytes")
+                raise TransferError(ErrorCode.TIMEOUT, f"deadline passed after {got}/{n} bytes")
             sock.settimeout(left)
         try:
             chunk = sock.recv_into(view[got:], n - got)
         except TimeoutError as exc:
             if deadline is None:
                 raise  # an idle peer: the caller's OSError
-            raise TransferError("timeout", f"deadline passed after {got}/{n} bytes") from exc
+            raise TransferError(
+                ErrorCode.TIMEOUT, f"deadline passed after {got}/{n} bytes"
+            ) from exc
         if chunk == 0:
-            raise TransferError("transfer_incomplete", f"connection closed after {got}/{n} bytes")
+            raise TransferError(
+                ErrorCode.TRANSFER_INCOMPLETE, f"connection closed after {got}/{n} bytes"
+            )
         got += chunk
     return view
 
@@ -148,14 +152,14 @@ def recv_json(sock: socket.socket, deadline: float | None = None) -> dict[str, A
     """A length-prefixed JSON object; anything else is a bad_frame TransferError."""
     (length,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline=deadline))
     if length > MAX_JSON:
-        raise TransferError("bad_frame", f"JSON frame of {length} bytes is too large")
+        raise TransferError(ErrorCode.BAD_FRAME, f"JSON frame of {length} bytes is too large")
     data = bytes(recv_exact(sock, length, deadline=deadline))
     try:
         body = json.loads(data)
     except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, or nested too deep
-        raise TransferError("bad_frame", "the frame is not valid JSON") from exc
+        raise TransferError(ErrorCode.BAD_FRAME, "the frame is not valid JSON") from exc
     if not isinstance(body, dict):
-        raise TransferError("bad_frame", "the frame is not a JSON object")
+        raise TransferError(ErrorCode.BAD_FRAME, "the frame is not a JSON object")
     return body
 
 
@@ -250,7 +254,7 @@ def send_kv(
     pages = k.shape[0]
     if pages > len(handle.pages):
         raise TransferError(
-            "count_mismatch", f"{pages} pages of KV for {len(handle.pages)} reserved"
+            ErrorCode.COUNT_MISMATCH, f"{pages} pages of KV for {len(handle.pages)} reserved"
         )
     views = page_views(k, v)
     size = layout.page_size
@@ -290,15 +294,21 @@ def read_frame_header(
         return magic, PageFrame(*_PAGE_HEADER.unpack(PAGE + bytes(rest))[1:])
     if magic in (HELLO, END):
         return magic, recv_json(sock, deadline)
-    raise TransferError("bad_frame", f"unknown frame {magic!r}")
+    raise TransferError(ErrorCode.BAD_FRAME, f"unknown frame {magic!r}")
 
 
 def _refusal(reply: dict[str, Any]) -> TransferError | None:
     if reply.get("ok") is True:
         return None
-    return TransferError(str(reply.get("code")), str(reply.get("message")))
+    try:
+        code = ErrorCode(str(reply.get("code")))
+    except ValueError:  # a code this version does not know: the message still says why
+        code = ErrorCode.TRANSFER_FAILED
+    return TransferError(code, str(reply.get("message")))
 
 
-def send_reply(sock: socket.socket, ok: bool, code: str = "", message: str = "") -> None:
-    data = json.dumps({"ok": ok, "code": code, "message": message}).encode()
+def send_reply(
+    sock: socket.socket, ok: bool, code: ErrorCode | None = None, message: str = ""
+) -> None:
+    data = json.dumps({"ok": ok, "code": code or "", "message": message}).encode()
     sock.sendall(_LEN.pack(len(data)) + data)

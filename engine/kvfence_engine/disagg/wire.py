@@ -1,14 +1,10 @@
 """The engine's side of the internal messages (kvfence_engine.contracts): from the wire to the
 engine's own types and back. Torch-free: the router speaks it without loading the engine."""
 
-from kvfence_engine.contracts import DeltaLine, FirstToken, Sampling, WireError
+from kvfence_engine.contracts import DeltaLine, FirstToken, WireError
+from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
-from kvfence_engine.core.errors import EngineError
-from kvfence_engine.core.request import SamplingParams, TokenLogprob
-
-
-def params_of(sampling: Sampling) -> SamplingParams:
-    return SamplingParams(max_tokens=1, **sampling.model_dump())
+from kvfence_engine.core.request import TokenLogprob
 
 
 def first_token(lp: TokenLogprob) -> FirstToken:
@@ -45,5 +41,5 @@ def delta_of(line: DeltaLine) -> Delta:
         finish_reason=line.finish_reason,
         error=None
         if error is None
-        else EngineError(error.status, error.message, error.type, error.code, error.param),
+        else errors.relayed(error.status, error.message, error.type, error.code, error.param),
     )

@@ -6,7 +6,6 @@ operator, the router and Prometheus only: they show pool occupancy and every req
 counts. Prometheus presents the metrics token (--metrics-token-sha256), which opens /metrics and
 nothing else. /healthz and /readyz stay open for the kubelet's probes."""
 
-import asyncio
 import logging
 from typing import Any
 
@@ -18,27 +17,22 @@ from kvfence_engine.auth import presents_internal_token, presents_metrics_token
 from kvfence_engine.contracts import EngineReadiness, KvPoolReport, Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.request import SamplingParams, is_terminal
-from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import tokenizer_data
 from kvfence_engine.serving.async_engine import AsyncEngine
-from kvfence_engine.serving.limits import refuse_unfittable_prompt
 from kvfence_engine.serving.openai_api import (
     COMPLETION_RESPONSES,
     METRICS_RESPONSES,
     OPENAI_ERRORS,
     READYZ_RESPONSES,
     OpenAIOutput,
-    chat_logprobs,
-    chat_prompt,
     check_model,
-    completion_prompt,
     error_responses,
     naming_prompt_field,
     new_app,
     respond,
-    sampling_params,
+    tokenized_prompt,
 )
-from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
+from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest, sampling_of
 from kvfence_engine.serving.state import ServerState
 from kvfence_engine.tools.progress import current as loading_progress
 
@@ -113,24 +107,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        engine = _combined(state)
-        check_model(body.model, engine.engine.loaded.name)
-        tokenizer, context = engine.engine.tokenizer, engine.engine.context_effective
-        refuse_unfittable_prompt(body, tokenizer, context, state.metrics.rejected)
-        vocab = engine.engine.config.vocab_size
-        prompt_ids = await asyncio.to_thread(completion_prompt, body.prompt, tokenizer, vocab)
-        params = sampling_params(body, logprobs=body.logprobs)
-        return await _generate(engine, prompt_ids, params, body.max_tokens, body, request)
+        return await _complete(state, body, request)
 
     @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        engine = _combined(state)
-        check_model(body.model, engine.engine.loaded.name)
-        tokenizer, context = engine.engine.tokenizer, engine.engine.context_effective
-        refuse_unfittable_prompt(body, tokenizer, context, state.metrics.rejected)
-        prompt_ids = await asyncio.to_thread(chat_prompt, tokenizer, body)
-        params = sampling_params(body, logprobs=chat_logprobs(body))
-        return await _generate(engine, prompt_ids, params, body.token_limit(), body, request)
+        return await _complete(state, body, request)
 
     return app
 
@@ -144,23 +125,24 @@ def _combined(state: ServerState) -> AsyncEngine:
     return engine
 
 
-async def _generate(
-    engine: AsyncEngine,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    max_tokens: int | None,
-    body: CompletionRequest | ChatCompletionRequest,
-    request: Request,
+async def _complete(
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest, request: Request
 ) -> Response:
-    chat = isinstance(body, ChatCompletionRequest)
-    seq = engine.admit(prompt_ids, params, max_tokens, cache_salt=body.cache_salt)
+    """Both completion routes: the prompt through the step loop, its deltas as the answer."""
+    engine = _combined(state)
+    llm = engine.engine
+    check_model(body.model, llm.loaded.name)
+    rejected = state.metrics.rejected
+    vocab = llm.config.vocab_size
+    prompt_ids = await tokenized_prompt(body, llm.tokenizer, llm.context_effective, vocab, rejected)
+    params = SamplingParams.of(sampling_of(body))
+    seq = engine.admit(prompt_ids, params, body.token_limit(), cache_salt=body.cache_salt)
     if is_terminal(seq):  # rejected at admission: nothing was allocated
         assert seq.error is not None
         raise naming_prompt_field(seq.error, body)
-    tokenizer = engine.engine.tokenizer
-    out = OpenAIOutput(chat, engine.engine.loaded.name, tokenizer, len(prompt_ids))
+    chat = isinstance(body, ChatCompletionRequest)
+    out = OpenAIOutput(chat, llm.loaded.name, llm.tokenizer, len(prompt_ids))
     deltas = engine.stream(seq)
     first = await anext(deltas)
     out.cached_tokens = seq.cached_tokens  # decided by the prefill that gave the first token
-    detok = Detokenizer(tokenizer, body.stops())
-    return await respond(first, deltas, out, detok, body, request.is_disconnected)
+    return await respond(first, deltas, out, body, request.is_disconnected)

@@ -19,6 +19,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvfence_engine.contracts import ErrorCode
+from kvfence_engine.core import errors
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -44,17 +46,6 @@ def set_max_request_bytes(app: FastAPI, max_request_bytes: int) -> None:
     app.state.request_limits.max_request_bytes = max_request_bytes
 
 
-def request_too_large(limit: int, size: int | None) -> EngineError:
-    what = "The request body" if size is None else f"The request body ({size} bytes)"
-    return EngineError(
-        413,
-        f"{what} is larger than this server accepts (at most {limit} bytes). Send a shorter "
-        "prompt.",
-        "invalid_request_error",
-        "request_too_large",
-    )
-
-
 class BodyLimit:
     """Refuses a request body over `limits.max_request_bytes` with 413 before the app (body
     parsing, authentication, tokenization) sees it, reading at most one chunk past the cap."""
@@ -70,13 +61,11 @@ class BodyLimit:
         limit = self.limits.max_request_bytes
         declared = _content_length(scope)
         if declared == "invalid":
-            error = EngineError(
-                400, "invalid Content-Length header", "invalid_request_error", "invalid_request"
-            )
+            error = errors.invalid_request("invalid Content-Length header")
             await _answer(error, scope, receive, send)
         elif isinstance(declared, int):
             if declared > limit:  # not one byte of it read
-                await _answer(request_too_large(limit, declared), scope, receive, send)
+                await _answer(errors.request_too_large(limit, declared), scope, receive, send)
             else:  # the server hands the app no more than the declared length
                 await self.app(scope, receive, send)
         else:  # chunked: read up to the limit, then hand the app what was read
@@ -86,7 +75,7 @@ class BodyLimit:
                 read.append(await receive())
                 size += len(read[-1].get("body", b""))
                 if size > limit:
-                    await _answer(request_too_large(limit, None), scope, receive, send)
+                    await _answer(errors.request_too_large(limit, None), scope, receive, send)
                     return
             await self.app(scope, _replay(iter(read), receive), send)
 
@@ -132,13 +121,5 @@ def refuse_unfittable_prompt(
         chars, param = sum(len(t) for t in texts if isinstance(t, str)), "prompt"
     limit = context * tokenizer.chars_per_token
     if chars > limit:
-        rejected.labels(reason="context_length_exceeded").inc()
-        raise EngineError(
-            400,
-            f"This model's maximum context length is {context} tokens; your prompt has "
-            f"{chars} characters, more than {context} tokens can hold (at most "
-            f"{tokenizer.chars_per_token} characters each). Shorten the prompt.",
-            "invalid_request_error",
-            "context_length_exceeded",
-            param,
-        )
+        rejected.labels(reason=ErrorCode.CONTEXT_LENGTH_EXCEEDED).inc()
+        raise errors.unfittable_prompt(chars, context, tokenizer.chars_per_token, param)

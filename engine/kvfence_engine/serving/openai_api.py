@@ -1,6 +1,7 @@
 """The OpenAI-compatible surface shared by the engine and the router: request parsing, error
 shape, and turning a stream of token deltas into completion / chat objects or SSE chunks."""
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -14,16 +15,18 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvfence_engine.contracts import ErrorCode
 from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
 from kvfence_engine.core.errors import EngineError
-from kvfence_engine.core.request import SamplingParams, TokenLogprob
+from kvfence_engine.core.request import TokenLogprob
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
-from kvfence_engine.serving.limits import install_request_limits
+from kvfence_engine.serving.limits import install_request_limits, refuse_unfittable_prompt
 from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorBody
 
 log = logging.getLogger(__name__)
@@ -178,10 +181,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else "http_error"
-        return error_response(
-            EngineError(exc.status_code, str(exc.detail), "invalid_request_error", code)
-        )
+        return error_response(errors.http_error(exc.status_code, str(exc.detail)))
 
 
 # What pydantic puts in an error's location for the branch of a union it tried ("str",
@@ -255,7 +255,7 @@ def naming_prompt_field(
 ) -> EngineError:
     """An admission error about the prompt (over-long, from an engine that sees only token
     ids) with `param` naming the field the client sent it in."""
-    if error.code == "context_length_exceeded" and error.param is None:
+    if error.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and error.param is None:
         return dataclasses.replace(error, param=prompt_field(body))
     return error
 
@@ -280,20 +280,6 @@ def completion_prompt(
     if len(prompt) == 1 and isinstance(prompt[0], str):
         return tokenizer.encode(prompt[0])
     raise errors.invalid_request("exactly one prompt per request is supported", "prompt")
-
-
-def sampling_params(
-    body: CompletionRequest | ChatCompletionRequest, logprobs: int | None
-) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=1,  # replaced by admission, which clamps to the context
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        seed=body.seed,
-        logprobs=logprobs,
-        ignore_eos=body.ignore_eos,
-    )
 
 
 @dataclass(slots=True)
@@ -395,8 +381,20 @@ def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def chat_logprobs(body: ChatCompletionRequest) -> int | None:
-    return (body.top_logprobs or 0) if body.logprobs else None
+async def tokenized_prompt(
+    body: CompletionRequest | ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    context: int,
+    vocab: int,
+    rejected: Counter,
+) -> list[int]:
+    """The body's prompt as token ids: refused untokenized (counted in `rejected`) if its
+    characters cannot fit in `context`, else tokenized on a worker thread, a chat through the
+    chat template; ids outside [0, vocab) are refused."""
+    refuse_unfittable_prompt(body, tokenizer, context, rejected)
+    if isinstance(body, ChatCompletionRequest):
+        return await asyncio.to_thread(chat_prompt, tokenizer, body)
+    return await asyncio.to_thread(completion_prompt, body.prompt, tokenizer, vocab)
 
 
 async def _close(deltas: AsyncIterator[Delta]) -> None:
@@ -409,7 +407,6 @@ async def respond(
     first: Delta,
     deltas: AsyncIterator[Delta],
     out: "OpenAIOutput",
-    detok: Detokenizer,
     body: CompletionRequest | ChatCompletionRequest,
     client_gone: Callable[[], Awaitable[bool]] | None = None,
 ) -> Response:
@@ -421,6 +418,7 @@ async def respond(
     if first.error is not None:
         await _close(deltas)
         return error_response(first.error)
+    detok = Detokenizer(out.tokenizer, body.stops())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvfence_engine.contracts import Seed
+from kvfence_engine.contracts import Sampling, Seed
 
 
 def valid_unicode(value: Any) -> Any:
@@ -85,6 +85,13 @@ class CompletionRequest(_Common):
 
     _prompt_unicode = field_validator("prompt")(valid_unicode)
 
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """None: no logprobs; 0: the chosen token's; N: also the top N."""
+        return self.logprobs
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -120,6 +127,23 @@ class ChatCompletionRequest(_Common):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """Chat asks with a flag, and a count of top tokens beside it."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def sampling_of(body: CompletionRequest | ChatCompletionRequest) -> Sampling:
+    """What a body asks of the sampler: the one mapping, for the combined engine and for the
+    router, which sends it to prefill and decode."""
+    return Sampling(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        logprobs=body.logprob_count(),
+        ignore_eos=body.ignore_eos,
+    )
 
 
 # --- what the API answers on error (for the OpenAPI schema; errors.EngineError.body writes it)

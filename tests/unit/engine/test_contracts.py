@@ -18,6 +18,7 @@ from kvfence_engine.contracts import (
     BackendUnread,
     DecodeBody,
     DeltaLine,
+    ErrorCode,
     FirstToken,
     KvPoolReport,
     PoolGateReport,
@@ -37,13 +38,15 @@ from kvfence_engine.contracts import (
     TransferLayout,
     WireError,
 )
+from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
-from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import TokenLogprob
 from kvfence_engine.disagg.wire import delta_line, delta_of
 from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
-from kvfence_engine.router.app import RouterState, create_router_app, tenant_view
+from kvfence_engine.router.app import create_router_app
 from kvfence_engine.router.backends import Backends
+from kvfence_engine.router.pool_views import tenant_view
+from kvfence_engine.router.state import RouterState
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
 
 # GET /v1/kvpool of an engine, key for key and in this order: the operator, the router, the
@@ -244,7 +247,7 @@ def test_the_transfer_hello_is_the_same_bytes_as_before() -> None:
 
 
 def test_a_decode_stream_line_is_the_same_bytes_as_before_and_reads_back() -> None:
-    error = EngineError(503, "busy", "server_error", "overloaded")
+    error = errors.overloaded("busy")
     delta = Delta([5], [TokenLogprob(5, -0.25, ((5, -0.25),))], "error", error)
     line = json.dumps(delta_line(delta).model_dump())
     assert line == (
@@ -255,6 +258,7 @@ def test_a_decode_stream_line_is_the_same_bytes_as_before_and_reads_back() -> No
     back = delta_of(DeltaLine.model_validate_json(line))
     assert back.token_ids == [5] and back.logprobs == delta.logprobs
     assert back.error is not None and str(back.error) == str(error)
+    assert back.error.code is ErrorCode.OVERLOADED  # a member again, not a string
 
 
 def test_kvfence_serve_offers_exactly_the_engine_roles() -> None:

@@ -14,6 +14,8 @@ import pytest
 
 from helpers.engines import generate, make_tiny_engine, prompt_of, run_until_done
 from helpers.pool_watch import watch_reservations
+from kvfence_engine.contracts import ErrorCode
+from kvfence_engine.core import errors
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import (
@@ -373,7 +375,7 @@ def test_start_decode_never_sees_a_transfer_half_ended() -> None:
     seq.inbound = PausesWhenDone(
         **{f.name: getattr(seq.inbound, f.name) for f in fields(seq.inbound)}
     )
-    failure = EngineError(502, "KV transfer failed: reset", "server_error", "transfer_incomplete")
+    failure = errors.transfer_failed("KV transfer failed: reset", ErrorCode.TRANSFER_INCOMPLETE)
     ender = threading.Thread(target=book.end_transfer, args=(inbound, failure))
     ender.start()
     assert between.wait(timeout=10)

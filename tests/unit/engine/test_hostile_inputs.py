@@ -20,8 +20,9 @@ from kvfence_engine.core.request import MIN_TEMPERATURE, SamplingParams
 from kvfence_engine.core.sampler import sample
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
-from kvfence_engine.router.app import RouterState, create_router_app
+from kvfence_engine.router.app import create_router_app
 from kvfence_engine.router.backends import Backends
+from kvfence_engine.router.state import RouterState
 from kvfence_engine.serving.app import create_app
 from kvfence_engine.serving.async_engine import AsyncEngine
 from kvfence_engine.serving.openai_api import new_app

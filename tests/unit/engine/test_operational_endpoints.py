@@ -7,17 +7,18 @@ with a generic message."""
 
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvfence_engine.contracts import TOKEN_HEADER, Role
+from kvfence_engine.contracts import TOKEN_HEADER, ErrorCode, Role
 from kvfence_engine.core import errors
-from kvfence_engine.core.errors import EngineError
 from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
-from kvfence_engine.router import app as router_app
-from kvfence_engine.router.app import RouterState, create_router_app
+from kvfence_engine.router import relay
+from kvfence_engine.router.app import create_router_app
 from kvfence_engine.router.backends import Backends
 from kvfence_engine.router.keys import ApiKeys
+from kvfence_engine.router.state import RouterState
 from kvfence_engine.serving.app import create_app
 from kvfence_engine.serving.state import ServerState
 
@@ -128,7 +129,7 @@ def test_a_router_with_neither_keys_nor_token_keeps_its_metrics_open(tmp_path: P
 
 def test_a_backends_server_error_reaches_the_client_without_its_detail() -> None:
     full = errors.overloaded("no free KV pages for 300 tokens: need 19 pages, 3 free", 1)
-    shown = router_app.client_facing(full, "tenant-a-0123")
+    shown = relay.client_facing(full, "tenant-a-0123")
     assert (shown.status, shown.type, shown.code, shown.retry_after) == (
         503,
         "server_error",
@@ -137,13 +138,31 @@ def test_a_backends_server_error_reaches_the_client_without_its_detail() -> None
     )
     assert "free" not in shown.message and "300" not in shown.message
     assert "tenant-a-0123" in shown.message  # what to quote to the operator
-    gone = EngineError(502, "KV transfer to decode failed: 10.0.3.7:9000", "server_error", "x")
-    assert "10.0.3.7" not in router_app.client_facing(gone, "r").message
+    gone = errors.transfer_failed("KV transfer to decode failed: 10.0.3.7:9000")
+    assert "10.0.3.7" not in relay.client_facing(gone, "r").message
+
+
+def test_a_backends_error_body_reads_back_as_sent_and_a_foreign_code_is_a_bad_gateway() -> None:
+    """What an engine wrote comes back as the same error, its code an ErrorCode member; an
+    error body with a code kvfence never writes (another program on that address) is not
+    passed on as one of ours."""
+    sent = errors.tenant_pool_share("tenant a already reserves its share")
+    read = relay.error_from(httpx.Response(429, json=sent.body(), headers={"Retry-After": "1"}))
+    assert (read.status, read.type, read.message, read.retry_after) == (
+        429,
+        "tokens",
+        sent.message,
+        1,
+    )
+    assert read.code is ErrorCode.TENANT_POOL_SHARE
+    foreign = {"error": {"message": "no", "type": "invalid_request_error", "code": "nope"}}
+    refused = relay.error_from(httpx.Response(400, json=foreign))
+    assert (refused.status, refused.code) == (502, ErrorCode.BAD_GATEWAY)
 
 
 def test_a_backends_client_error_passes_on_whole() -> None:
     """The control: a 4xx is about the request, and the client needs its detail."""
     too_long = errors.context_length_exceeded(600, 512, "the served context")
-    assert router_app.client_facing(too_long, "r") is too_long
+    assert relay.client_facing(too_long, "r") is too_long
     internal = errors.internal_error("abc123")  # names a reference, nothing internal
-    assert router_app.client_facing(internal, "r") is internal
+    assert relay.client_facing(internal, "r") is internal

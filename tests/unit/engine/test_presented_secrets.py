@@ -11,9 +11,10 @@ from kvfence_engine.auth import secret_matches
 from kvfence_engine.contracts import TOKEN_HEADER, Role
 from kvfence_engine.disagg.internal_api import internal_router
 from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
-from kvfence_engine.router.app import RouterState, create_router_app
+from kvfence_engine.router.app import create_router_app
 from kvfence_engine.router.backends import Backends
 from kvfence_engine.router.keys import ApiKeys
+from kvfence_engine.router.state import RouterState
 from kvfence_engine.serving.app import create_app
 from kvfence_engine.serving.state import ServerState
 

@@ -22,8 +22,9 @@ from helpers.engines import make_tiny_engine
 from kvfence_cli.main import build_parser
 from kvfence_engine.loading.tokenizer import Tokenizer, max_chars_per_token
 from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
-from kvfence_engine.router.app import RouterState, create_router_app
+from kvfence_engine.router.app import create_router_app
 from kvfence_engine.router.backends import Backends
+from kvfence_engine.router.state import RouterState
 from kvfence_engine.serving.app import create_app
 from kvfence_engine.serving.async_engine import AsyncEngine
 from kvfence_engine.serving.limits import (

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from kvfence_engine.contracts import ReserveBody
 from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
-from kvfence_engine.router.app import RouterState, create_router_app
+from kvfence_engine.router.app import create_router_app
 from kvfence_engine.router.backends import Backends
 from kvfence_engine.router.keys import (
     TENANT_MAX,
@@ -20,6 +20,7 @@ from kvfence_engine.router.keys import (
     parse_keys_files,
     request_id_for,
 )
+from kvfence_engine.router.state import RouterState
 
 SECRET = "k-3f9a1c-never-printed"
 

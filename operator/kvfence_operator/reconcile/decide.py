@@ -30,7 +30,7 @@ from kvfence_operator.crd.types import (
     RevisionStatus,
     RoleReplicas,
 )
-from kvfence_operator.decisions.canary import rerun_requested
+from kvfence_operator.decisions.canary import CanaryOutcome, rerun_requested
 from kvfence_operator.decisions.drift import declaring_spec
 from kvfence_operator.decisions.pods import may_serve, pod_url
 from kvfence_operator.decisions.pool_gate import PodGate, PodPool, judge_pools
@@ -166,7 +166,7 @@ def _revision(
     spec: InferenceDeploymentSpec,
     instance: Instance,
     seen: RevisionSeen,
-    canary: Any,
+    canary: CanaryOutcome | None,
     now_ms: int,
     unsafe_faults_allowed: bool,
 ) -> tuple[RevisionObservation, RevisionWrites]:

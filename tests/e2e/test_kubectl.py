@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from helpers.kubectl_tables import cells
 from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_devcluster.resources import ResourceType
 from kvfence_devcluster.tables import human_duration
@@ -54,14 +55,6 @@ def live_status() -> dict[str, Any]:
 def rows(output: str) -> list[list[str]]:
     """kubectl's table split on whitespace (empty cells vanish: for rows without them)."""
     return [line.split() for line in output.strip().splitlines()]
-
-
-def cells(output: str) -> list[list[str]]:
-    """Cells by the header's column offsets, so empty cells stay in place."""
-    header, *lines = output.rstrip("\n").splitlines()
-    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[i - 1] == " ")]
-    bounds = [*starts[1:], None]
-    return [[line[a:b].strip() for a, b in zip(starts, bounds, strict=True)] for line in lines]
 
 
 def test_discovery_names_every_kind_once_with_short_names_and_the_server_version(

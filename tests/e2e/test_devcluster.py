@@ -1007,7 +1007,7 @@ def test_a_deleted_pod_leaves_the_service_then_sleeps_its_pre_stop_before_sigter
         cluster.wait_gone("Pod", name)
         # out of the Service at once, but still running, and no SIGTERM yet: the preStop sleep
         assert not answers(through_service)
-        time.sleep(1.5)
+        time.sleep(1.5)  # a time under test: halfway through the 3 s preStop, still no SIGTERM
         assert alive(pid) and "SIGTERM at" not in cluster.pod_log(name)
         cluster.wait_for(lambda: alive(pid), "the pod's process to exit", until=lambda a: not a)
         log = cluster.pod_log(name)

@@ -212,7 +212,9 @@ def test_a_standby_whose_lease_reads_hang_still_stops_on_sigterm(cluster: Cluste
         cluster.server["get", LEASES] << (lambda: asyncio.sleep(3600))
 
     cluster.loop.run(hang_lease_reads())
-    time.sleep(RETRY_PERIOD + 1)  # the standby's next try is under way, and hangs
+    # A time under test, not passes: the standby tries every retry period, so by then its next
+    # Lease GET is under way and hangs (a request that never answers is not counted anywhere).
+    time.sleep(RETRY_PERIOD + 1)
     stopping = time.monotonic()
     assert b.stop(grace=RENEW_DEADLINE) == 0, b.log()
     assert time.monotonic() - stopping < RENEW_DEADLINE / 2 + 3

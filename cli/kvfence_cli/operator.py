@@ -7,7 +7,8 @@ from kvfence_cli.common import Subparsers
 EPILOG = """\
 examples:
   kvfence operator --standalone --namespace default
-  kvfence operator --liveness http://0.0.0.0:8080/healthz --leader-elect   # as the chart runs it
+  kvfence operator --liveness http://0.0.0.0:8080/healthz --leader-elect \
+      --metrics http://0.0.0.0:9090/metrics                              # as the chart runs it
 
 leader election (--leader-elect): replicas campaign for a coordination.k8s.io/v1 Lease;
 only its holder runs kopf, the others stand by (their liveness URL answers meanwhile).
@@ -18,7 +19,8 @@ exits 1 at once (the kubelet restarts it as a standby); stopped, it releases the
 exit codes:
   0  stopped (Ctrl-C or SIGTERM)
   1  lost the lease (--leader-elect): another replica leads, or it could not renew in time
-  2  no cluster access (neither config works), or kopf could not start"""
+  2  no cluster access (neither config works), a --metrics URL that is not
+     http://HOST:PORT/PATH or whose address is in use, or kopf could not start"""
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -65,6 +67,13 @@ def add_parser(sub: Subparsers) -> None:
         default=None,
         metavar="URL",
         help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz (default: none)",
+    )
+    p.add_argument(
+        "--metrics",
+        default=None,
+        metavar="URL",
+        help="serve Prometheus metrics here, e.g. http://0.0.0.0:9090/metrics: reconcile passes "
+        "per InferenceDeployment and their durations (default: none)",
     )
     p.add_argument("--verbose", action="store_true", help="log at DEBUG (kopf's own steps too)")
     p.set_defaults(func=run)

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,6 +34,7 @@ from .proxy import ServiceProxy
 from .resources import ResourceType
 from .sandbox import VENV_BIN
 from .store import MERGE_PATCH
+from .waiting import eventually
 
 T = TypeVar("T")
 PATCH_TYPES = {
@@ -55,11 +55,6 @@ class ClusterApiError(RuntimeError):
         super().__init__(
             f"{response.request.method} {response.request.url.path} -> {self.status}: {message}"
         )
-
-
-def _short(value: Any, limit: int = 3000) -> str:
-    text = json.dumps(value, default=str) if not isinstance(value, str) else value
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
 class Cluster:
@@ -220,24 +215,8 @@ class Cluster:
         until: Callable[[T], object] = bool,
         interval: float = 0.1,
     ) -> T:
-        """Poll `observe()` until `until(value)` holds and return that value. On timeout, fail
-        naming `what`, the last observed value and the cluster's state (pods, logs)."""
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while True:
-            try:
-                last = observe()
-                if until(last):
-                    return last
-            except Exception as exc:  # an observation that fails is an observation too
-                last = exc
-            if time.monotonic() >= deadline:
-                raise AssertionError(
-                    f"timed out after {timeout:g}s waiting for {what}; last observed: "
-                    f"{_short(last if not isinstance(last, Exception) else repr(last))}\n\n"
-                    f"{self.describe()}"
-                )
-            time.sleep(interval)
+        """eventually() (waiting.py) with the cluster's state (pods, logs) in its failure."""
+        return eventually(observe, what, timeout, until, interval, describe=self.describe)
 
     def wait_gone(
         self, kind: str, name: str, namespace: str = "default", timeout: float = 30.0
@@ -441,9 +420,11 @@ def start_cluster(
 
 
 @pytest.fixture(name="cluster")
-def cluster_fixture(tmp_path: Path) -> Iterator[Cluster]:
-    """A fresh test cluster per test; fails the test if the cluster itself misbehaved."""
-    with start_cluster(tmp_path / "cluster") as running:
+def cluster_fixture(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cluster]:
+    """A fresh test cluster per test, its pods hollow (hollow.py) for a test marked
+    `@pytest.mark.hollow`; fails the test if the cluster itself misbehaved."""
+    hollow = request.node.get_closest_marker("hollow") is not None
+    with start_cluster(tmp_path / "cluster", kubelet=KubeletOptions(hollow=hollow)) as running:
         yield running
         problems = running.problems()
     assert not problems, (

@@ -23,8 +23,16 @@ processes use (kvfence_engine.contracts):
 - `router`: GET /healthz, /readyz, and GET/PUT /internal/v1/backends (BackendsInForce, the
   backends file at start, the newest version pushed after; internal token required). It routes
   nothing.
-- `canary`: writes a passing canary summary line (CanaryReport.summary) that says it checked
-  nothing to --termination-log and exits 0.
+- `canary`: writes a canary summary line (CanaryReport.summary) that says it checked nothing
+  to --termination-log and exits with its verdict's code: 0 (pass) unless the test gave the
+  pod the hollow-only flag `--hollow-verdict fail` (exit 1, a "finding") or `cannot-run`
+  (exit 2, no verdict), through `KubeletOptions.amend_argv`. A test of what the operator does
+  with a verdict chooses the verdict so; it never stands for a canary that caught a fault (the
+  real `kvfence canary` refuses the flag: exit 2). With `--hollow-wait-for FILE` it gives its
+  verdict only once FILE exists: a test's way to hold a rollout while its canary runs.
+
+`serve` reports each `--unsafe-fault` it is given in /v1/kvpool (`no-tag-check` also as
+tag_check false), as the real engine does, and has none of their effects.
 
 Plain http.server and pydantic, no torch: about 25 MB per process (the canary, which exits at
 once, loads more).
@@ -35,6 +43,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -59,6 +68,12 @@ HOLLOW = "hollow pod of the test kubelet (no engine)"
 HOLLOW_DEVICE_BYTES = 1 << 30  # what --memory-fraction takes a share of
 DTYPE_BYTES = 4  # float32 KV, as the real engine on a CPU
 BACKENDS_PATH = "/internal/v1/backends"
+# --hollow-verdict (canary): (CanaryReport.outcome, exit code, what the summary says)
+HOLLOW_VERDICTS = {
+    "pass": ("pass", 0, "passed"),
+    "fail": ("fail", 1, "failed as the test asked (--hollow-verdict fail)"),
+    "cannot-run": ("error", 2, "could not run, as the test asked (--hollow-verdict cannot-run)"),
+}
 HOLLOW_SCRIPT = str(Path(__file__).resolve())
 
 
@@ -298,6 +313,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--scrub-on-free", action="store_true")
     sub.choices["router"].add_argument("--backends-file")
     sub.choices["canary"].add_argument("--target", default="")
+    sub.choices["canary"].add_argument("--hollow-verdict", choices=HOLLOW_VERDICTS, default="pass")
+    sub.choices["canary"].add_argument("--hollow-wait-for", metavar="FILE")
     return parser
 
 
@@ -307,11 +324,15 @@ def main(argv: list[str] | None = None) -> int:
         # here only: the canary package is most of what a long-lived hollow server would load
         from kvfence_engine.canary.report import CanaryReport
 
+        while args.hollow_wait_for and not Path(args.hollow_wait_for).exists():
+            time.sleep(0.1)
+        outcome, code, said = HOLLOW_VERDICTS[args.hollow_verdict]
         report = CanaryReport(
             target=args.target,
-            outcome="pass",
-            exit_code=0,
-            reason=f"{HOLLOW}: nothing checked (a bench of the operator, not of the engines)",
+            outcome=outcome,
+            exit_code=code,
+            reason=f"{HOLLOW}: {said}; nothing checked (a test of the operator, not of the "
+            "engines)",
             complete=True,
             started_at=datetime.now(UTC).isoformat(),
             seconds=0.0,

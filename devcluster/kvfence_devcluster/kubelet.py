@@ -111,7 +111,7 @@ class Kubelet:
             await asyncio.gather(self._task, return_exceptions=True)
         runtimes, self.runtimes = list(self.runtimes.values()), {}
         for runtime in [*runtimes, *self._terminating.values()]:
-            runtime.hurry(2.0)  # teardown stays quick, whatever the pods' drains
+            runtime.hurry(2.0)  # teardown stays quick, whatever the pods' preStop and drains
         await asyncio.gather(
             *(r.terminate() for r in runtimes), *self._terminating, return_exceptions=True
         )

@@ -25,7 +25,7 @@ class KubeletOptions:
     restart_backoff: float = 0.5  # first restart delay; doubles up to max_restart_backoff
     max_restart_backoff: float = 8.0
     # terminationGracePeriodSeconds (preStop included) is capped at this: raise it for a test
-    # of a drain; teardown cuts every drain to 2 s whatever it is
+    # of a drain; teardown skips preStop sleeps and cuts every drain to 2 s whatever it is
     grace_cap: float = 5.0
     tick: float = 0.2  # controllers run at least this often (Job deadlines)
     claims: Mapping[str, Path] = field(default_factory=dict)  # PVC name -> local directory

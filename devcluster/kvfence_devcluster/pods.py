@@ -116,6 +116,7 @@ class PodRuntime:
         )
         self.task: asyncio.Task[None] | None = None
         self._deadline = float("inf")  # of the grace period, once terminating
+        self._hurried = False  # at teardown: no preStop sleep (nobody is left to drain for)
 
     @property
     def store(self) -> Store:
@@ -378,12 +379,18 @@ class PodRuntime:
 
     async def _stop(self, container: Container, process: ManagedProcess) -> None:
         pre_stop = time.monotonic() + pre_stop_sleep(container.spec)
-        while time.monotonic() < min(pre_stop, self._deadline) and process.running:
+        while (
+            time.monotonic() < min(pre_stop, self._deadline)
+            and process.running
+            and not self._hurried
+        ):
             await asyncio.sleep(0.05)
         at_least = time.monotonic() + 2.0
         await process.astop(until=lambda: max(self._deadline, at_least))
 
     def hurry(self, grace: float) -> None:
-        """At teardown: cut any preStop and grace period still running to `grace` seconds."""
+        """At teardown: end any preStop sleep at once (SIGTERM now) and cut the grace period
+        still running to `grace` seconds."""
+        self._hurried = True
         self.grace = min(self.grace, grace)
         self._deadline = min(self._deadline, time.monotonic() + grace)

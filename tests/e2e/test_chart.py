@@ -312,6 +312,14 @@ def test_operator_runs_with_arguments_kvfence_operator_accepts(
         port["containerPort"],
         probe["path"],
     )
+    # The operator's own metrics are served on the port named "metrics".
+    metrics = urlsplit(parsed.metrics)
+    (metrics_port,) = [p for p in container["ports"] if p["name"] == "metrics"]
+    assert (metrics.hostname, metrics.port, metrics.path) == (
+        "0.0.0.0",
+        metrics_port["containerPort"],
+        "/metrics",
+    )
 
 
 def test_replicas_elect_a_leader_on_a_lease_in_their_own_namespace_and_spread_across_nodes(

@@ -388,8 +388,11 @@ def test_an_evicted_pod_is_stopped_replaced_and_left_until_deleted(cluster: Clus
     left = cluster.get("Pod", first["metadata"]["name"])
     assert left is not None and left["status"]["phase"] == "Failed"
     assert left["status"]["reason"] == "Evicted" and not left["status"].get("podIP")
-    deployment = cluster.get("Deployment", "web")
-    assert deployment["status"]["readyReplicas"] == deployment["status"]["replicas"] == 1
+    cluster.wait_for(  # the Deployment controller counts the replacement on its next tick
+        lambda: cluster.get("Deployment", "web")["status"],
+        "the Deployment to count its ready replacement",
+        until=lambda status: status.get("readyReplicas") == status.get("replicas") == 1,
+    )
 
 
 def job(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
@@ -484,12 +487,14 @@ def test_a_deployment_keeps_its_replicas_and_replaces_pods_when_its_template_cha
         ),
     )
     assert replaced["metadata"]["annotations"] == {"restarted": "1"}
-    status = cluster.wait_for(
+    cluster.wait_for(  # the controller writes status on its next tick, not with the pod
         lambda: cluster.get("Deployment", "web")["status"],
-        "observedGeneration to catch up",
-        until=lambda s: s["observedGeneration"] == patched["metadata"]["generation"] == 3,
+        "observedGeneration to catch up and the replacement to be counted ready",
+        until=lambda s: (
+            s["observedGeneration"] == patched["metadata"]["generation"] == 3
+            and s.get("readyReplicas") == 1
+        ),
     )
-    assert status["readyReplicas"] == 1
 
 
 def test_a_container_that_exits_is_restarted_with_its_exit_code_recorded(cluster: Cluster):
@@ -1007,7 +1012,7 @@ def test_a_deleted_pod_leaves_the_service_then_sleeps_its_pre_stop_before_sigter
         cluster.wait_gone("Pod", name)
         # out of the Service at once, but still running, and no SIGTERM yet: the preStop sleep
         assert not answers(through_service)
-        time.sleep(1.5)
+        time.sleep(1.5)  # a time under test: halfway through the 3 s preStop, still no SIGTERM
         assert alive(pid) and "SIGTERM at" not in cluster.pod_log(name)
         cluster.wait_for(lambda: alive(pid), "the pod's process to exit", until=lambda a: not a)
         log = cluster.pod_log(name)

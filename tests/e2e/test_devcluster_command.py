@@ -10,11 +10,9 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
@@ -22,6 +20,7 @@ import pytest
 import yaml
 from kubernetes import client, config
 
+from helpers.waits import eventually
 from helpers.web_pods import pod, service
 from kvfence_devcluster.apiserver import INFERENCE_DEPLOYMENT_CRD
 
@@ -118,19 +117,6 @@ def kubectl(kubeconfig: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def wait_for(observe: Any, what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if value := observe():
-                return value
-        except Exception as exc:  # an observation that fails is an observation too
-            value = exc
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}; last observed: {value!r}")
-        time.sleep(0.2)
-
-
 def test_the_command_serves_kubectl_and_services_and_stops_everything_on_sigterm(
     tmp_path, commands
 ):
@@ -159,7 +145,9 @@ def test_the_command_serves_kubectl_and_services_and_stops_everything_on_sigterm
     core.create_namespaced_pod("default", pod("hello", {"app": "hello"}))
     created = core.create_namespaced_service("default", service("hello", {"app": "hello"}))
     url = f"http://{created.spec.cluster_ip}:8000/"
-    assert wait_for(lambda: httpx.get(url, timeout=2.0).text == "hello", "the Service to answer")
+    assert eventually(
+        lambda: httpx.get(url, timeout=2.0).text == "hello", "the Service to answer", 60
+    )
     assert [p.metadata.name for p in core.list_namespaced_pod("default").items] == ["hello"]
     api.close()
 
@@ -180,10 +168,10 @@ def test_a_killed_command_leaves_no_pod_running(tmp_path, commands):
     api = config.new_client_from_config(config_file=str(kubeconfig))
     client.CoreV1Api(api).create_namespaced_pod("default", pod("hello", {"app": "hello"}))
     api.close()
-    running = wait_for(command.descendants, "the pod to run under the command")
+    running = eventually(command.descendants, "the pod to run under the command", 60)
     command.proc.kill()
     command.proc.wait()
-    wait_for(lambda: not still_running(running), "the pod's processes to die with it", 10.0)
+    eventually(lambda: not still_running(running), "the pod's processes to die with it", 10.0)
 
 
 @pytest.mark.slow
@@ -240,7 +228,7 @@ def test_the_console_script_runs_the_operator_whose_service_answers_and_stops_on
             c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or []
         )
 
-    wait_for(ready, "the InferenceDeployment to be Ready", timeout=240)
+    eventually(ready, "the InferenceDeployment to be Ready", timeout=240)
     # Raw JSON: the client's models refuse integer quantities (a real API server would have
     # written them back as strings; this one keeps what it got).
     stable = json.loads(

@@ -9,13 +9,13 @@ import queue
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from helpers.waits import GiveUp, eventually
 from kvfence_devcluster.hollow import HOLLOW_SCRIPT
 from kvfence_devcluster.processes import ManagedProcess
 from kvfence_engine.contracts import TOKEN_HEADER, BackendsFile, BackendsInForce, EngineReadiness
@@ -40,15 +40,13 @@ def serving(tmp_path: Path, name: str, args: list[str]) -> Iterator[str]:
     process = ManagedProcess([*HOLLOW, *args, "--port", str(port)], tmp_path / f"{name}.log")
     with process:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(url + "/healthz", timeout=1).raise_for_status()
-                break
-            except httpx.HTTPError:
-                assert process.poll() is None, process.log()
-                assert time.monotonic() < deadline, process.log()
-                time.sleep(0.1)
+
+        def healthz() -> int:
+            if process.poll() is not None:
+                raise GiveUp(f"it exited {process.poll()}:\n{process.log()}")
+            return httpx.get(url + "/healthz", timeout=1).status_code
+
+        eventually(healthz, f"the hollow {name} to answer", 30, until=lambda code: code == 200)
         yield url
 
 
@@ -137,16 +135,77 @@ def test_a_hollow_router_takes_the_operators_pushes_newest_first(
         assert garbage.status_code == 422
 
 
-def test_a_hollow_canary_passes_and_says_it_checked_nothing(tmp_path: Path) -> None:
+def hollow_canary(tmp_path: Path, *flags: str) -> tuple[int, str]:
+    """A hollow canary's exit code and termination message."""
     log = tmp_path / "termination"
     done = subprocess.run(
-        [*HOLLOW, "canary", "--target", "http://router:8000", "--termination-log", str(log)],
+        [*HOLLOW, "canary", "--target", "http://router:8000", "--termination-log", str(log),
+         *flags],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert done.returncode == 0
-    summary = log.read_text()
+    return done.returncode, log.read_text()
+
+
+def test_a_hollow_canary_passes_and_says_it_checked_nothing(tmp_path: Path) -> None:
+    code, summary = hollow_canary(tmp_path)
+    assert code == 0
     assert summary.startswith("kvfence canary PASS: hollow pod of the test kubelet (no engine)")
     assert "nothing checked" in summary
+
+
+@pytest.mark.parametrize(
+    ("verdict", "code", "head"),
+    [("fail", 1, "kvfence canary FAIL: "), ("cannot-run", 2, "kvfence canary ERROR: ")],
+)
+def test_a_hollow_canary_gives_the_verdict_a_test_asks_for_and_says_so(
+    tmp_path: Path, verdict: str, code: int, head: str
+) -> None:
+    """The exit codes the canary Job's podFailurePolicy tells apart: 1 a finding, 2 no verdict."""
+    assert hollow_canary(tmp_path, "--hollow-verdict", verdict) == (
+        code,
+        f"{head}hollow pod of the test kubelet (no engine): "
+        + ("failed as the test asked" if verdict == "fail" else "could not run, as the test asked")
+        + f" (--hollow-verdict {verdict}); nothing checked (a test of the operator, not of the "
+        "engines)",
+    )
+
+
+def test_a_hollow_canary_holds_its_verdict_until_its_file_exists(tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    args = [*HOLLOW, "canary", "--hollow-wait-for", str(release)]
+    canary = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            canary.wait(1.0)  # it holds while the file is absent
+        release.touch()
+        assert canary.wait(30) == 0
+    finally:
+        canary.kill()
+
+
+def test_the_real_canary_refuses_the_hollow_only_flags(tmp_path: Path) -> None:
+    """A test that forgot `hollow=True` fails at once instead of testing a stand-in."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfence_cli", "canary", "--target", "http://127.0.0.1:1",
+         "--tenant-a-key", "a", "--tenant-b-key", "b", "--hollow-verdict", "fail"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "unrecognized arguments: --hollow-verdict fail" in done.stderr, done.stderr
+
+
+def test_a_hollow_engine_reports_the_unsafe_faults_it_was_given(tmp_path, token_file) -> None:
+    args = [
+        "serve", "--role", "decode", "--revision", "r1", "--kv-cache-memory", str(96 * 16 * 768),
+        "--internal-token-file", str(token_file),
+        "--unsafe-fault", "no-tag-check", "--unsafe-fault", "early-release",
+    ]  # fmt: skip
+    for url in serving(tmp_path, "faulty", args):
+        pool = read_pool("pod-a", "decode", "r1", url, TOKEN)
+        assert pool.report is not None
+        assert pool.report.unsafe_faults == ["early-release", "no-tag-check"]
+        assert pool.report.tag_check is False
+        assert pool.report.pool_tokens == 1536
 
 
 def test_the_scale_bench_takes_hollow_deployments_to_ready_and_counts_the_operators_requests(

@@ -5,8 +5,8 @@ by `kubectl get leases` with their holder as a kube-apiserver shows them."""
 from typing import Any
 
 import pytest
-from test_kubectl import cells
 
+from helpers.kubectl_tables import cells
 from kvfence_devcluster.fixtures import Cluster, ClusterApiError
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/default/leases"

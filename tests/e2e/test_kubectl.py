@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from helpers.kubectl_tables import cells
+from helpers.waits import eventually
 from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_devcluster.resources import ResourceType
 from kvfence_devcluster.tables import human_duration
@@ -54,14 +56,6 @@ def live_status() -> dict[str, Any]:
 def rows(output: str) -> list[list[str]]:
     """kubectl's table split on whitespace (empty cells vanish: for rows without them)."""
     return [line.split() for line in output.strip().splitlines()]
-
-
-def cells(output: str) -> list[list[str]]:
-    """Cells by the header's column offsets, so empty cells stay in place."""
-    header, *lines = output.rstrip("\n").splitlines()
-    starts = [i for i, ch in enumerate(header) if ch != " " and (i == 0 or header[i - 1] == " ")]
-    bounds = [*starts[1:], None]
-    return [[line[a:b].strip() for a, b in zip(starts, bounds, strict=True)] for line in lines]
 
 
 def test_discovery_names_every_kind_once_with_short_names_and_the_server_version(
@@ -237,12 +231,13 @@ def test_apply_from_the_crds_folder_then_apply_patch_and_delete_an_inference_dep
 
 
 def test_watch_prints_rows_as_they_change_and_wait_returns_on_the_condition(
-    cluster: Cluster,
+    cluster: Cluster, tmp_path: Path
 ) -> None:
     cluster.create(inference_deployment())
+    printed = tmp_path / "watch.out"
     watcher = subprocess.Popen(
         ["kubectl", "get", "infd", "-w"],
-        stdout=subprocess.PIPE,
+        stdout=printed.open("w"),
         stderr=subprocess.PIPE,
         text=True,
         env=cluster.kubectl_env(),
@@ -257,10 +252,18 @@ def test_watch_prints_rows_as_they_change_and_wait_returns_on_the_condition(
         started = time.monotonic()
         cluster.kubectl("wait", "--for=condition=Ready", "infd/tiny", "--timeout=30s")
         assert time.monotonic() - started >= 1.0  # it waited for the status, not past it
-        time.sleep(1.0)
+        eventually(
+            printed.read_text,
+            "the watch to print the Ready row",
+            10,
+            until=lambda out: any(
+                line.split()[:3] == ["tiny", "True", "512"] for line in out.splitlines()
+            ),
+        )
     finally:
         watcher.terminate()
-        out, err = watcher.communicate(timeout=10)
+        _, err = watcher.communicate(timeout=10)
+    out = printed.read_text()
     lines = out.splitlines()
     assert lines[0].split() == CRD_COLUMNS, (out, err)
     assert lines[1].split()[0] == "tiny" and len(lines[1].split()) == 2  # name and age only

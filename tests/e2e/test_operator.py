@@ -1,11 +1,11 @@
-"""The operator end to end: `kvfence operator` (kopf) against the test cluster, whose kubelet
-runs every pod as a real engine, router or canary process with builtin:tiny-random."""
+"""The operator end to end: `kvfence operator` (kopf) against the test cluster. Where a canary
+or serving is the subject, its kubelet runs every pod as a real engine, router or canary
+process with builtin:tiny-random; the tests of what the operator decides and writes
+(`@pytest.mark.hollow`) run hollow pods (kvfence_devcluster/hollow.py), which report the same
+pools and take the same pushes but serve nothing."""
 
-import base64
 import json
 import sys
-import time
-from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,176 +13,42 @@ import openai
 import pytest
 
 from helpers import fake_pool_server
-from kvfence_devcluster.fixtures import Cluster, start_cluster
+from helpers.operators import start_operator
+from helpers.tiny_infd import (
+    KIND,
+    NAME,
+    USER_KEY,
+    api_keys_secret,
+    backends_of,
+    canary_tries,
+    check_first_rollout,
+    complete,
+    condition,
+    early_release_in_decode_of,
+    engine_pods,
+    engine_urls,
+    events,
+    gates,
+    hollow_canary_flags,
+    infd,
+    manifest,
+    revision_of_manifest,
+    routed_to,
+    router_client,
+    selector_for,
+    update_spec,
+    wait_condition,
+    wait_promoted,
+    with_max_num_seqs,
+)
+from kvfence_devcluster.fixtures import start_cluster
 from kvfence_devcluster.options import KubeletOptions
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
-from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION, Instance, selector
+from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION
 from kvfence_operator.revision import revision_of
 
-NAME = "tiny"
-USER_KEY = "sk-user-a-0123456789"
-KIND = ("InferenceDeployment", "kvfence.dev/v1alpha1")
-# tiny-random KV costs 768 bytes per token: 96 pages of 16 tokens hold 1536 tokens.
-ENOUGH = str(96 * 16 * 768)
 
-
-def manifest(**spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvfence.dev/v1alpha1",
-        "kind": "InferenceDeployment",
-        "metadata": {"name": NAME, "namespace": "default"},
-        "spec": {
-            "model": {"source": "builtin:tiny-random"},
-            "engine": {"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1"]},
-            "contextLength": 1024,
-            "prefill": {"resources": {"requests": {"cpu": "1"}}},
-            "decode": {"resources": {"requests": {"cpu": "1"}}},
-            "router": {"apiKeysSecret": f"{NAME}-keys"},
-            "canary": {"timeoutSeconds": 120},
-            **spec,
-        },
-    }
-
-
-def api_keys_secret() -> dict[str, Any]:
-    keys = base64.b64encode(f"{USER_KEY} team-a\n".encode()).decode()
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": f"{NAME}-keys"},
-        "data": {"api-keys": keys},
-    }
-
-
-def infd(cluster: Cluster) -> dict[str, Any]:
-    obj = cluster.get(*KIND[:1], NAME, api_version=KIND[1])
-    assert obj is not None
-    return obj
-
-
-def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
-    found = [c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == kind]
-    return found[0] if found else {}
-
-
-def wait_condition(
-    cluster: Cluster, kind: str, status: str, timeout: float = 120.0, reason: str | None = None
-) -> dict[str, Any]:
-    def holds(obj: dict[str, Any]) -> bool:
-        c = condition(obj, kind)
-        return c.get("status") == status and (reason is None or c.get("reason") == reason)
-
-    return cluster.wait_for(
-        lambda: infd(cluster), f"{kind}={status} ({reason or 'any reason'})", timeout, until=holds
-    )
-
-
-def engine_pods(cluster: Cluster, revision: str) -> list[dict[str, Any]]:
-    instance_labels = {"app.kubernetes.io/instance": NAME, LABEL_REVISION: revision}
-    return [
-        p
-        for p in cluster.list("Pod", "default", instance_labels)
-        if p["metadata"]["labels"].get("kvfence.dev/role") in ("prefill", "decode")
-    ]
-
-
-def router_client(cluster: Cluster, revision: str) -> openai.OpenAI:
-    (pod,) = cluster.list(
-        "Pod", "default", {"app.kubernetes.io/instance": NAME, LABEL_REVISION: revision,
-                           "kvfence.dev/role": "router"}
-    )  # fmt: skip
-    return openai.OpenAI(
-        base_url=cluster.pod_url(pod) + "/v1", api_key=USER_KEY, max_retries=0, timeout=60
-    )
-
-
-@pytest.fixture
-def operator(cluster: Cluster) -> Iterator[Any]:
-    cluster.create(api_keys_secret())
-    process = cluster.start_operator(
-        ["--standalone", "--namespace", "default"], env={"KVFENCE_RECONCILE_INTERVAL": "1"}
-    )
-    yield process
-    process.stop()
-
-
-def early_release_in_decode_of(revision: str) -> Callable[[dict[str, Any], list[str]], list[str]]:
-    """A kubelet `amend_argv`: that revision's decode pods run with --unsafe-fault
-    early-release (which no InferenceDeployment can ask for), so its canary must fail."""
-
-    def amend(pod: dict[str, Any], argv: list[str]) -> list[str]:
-        labels = pod["metadata"].get("labels") or {}
-        if labels.get(LABEL_REVISION) == revision and labels.get("kvfence.dev/role") == "decode":
-            return [*argv, "--unsafe-fault", "early-release"]
-        return argv
-
-    return amend
-
-
-def check_first_rollout(cluster: Cluster, created: dict[str, Any], revision: str) -> None:
-    """Children owned by the InferenceDeployment, gates open, canary passed, stable Service on
-    the revision, status complete, and the router serving."""
-    ready = wait_condition(cluster, "Ready", "True", timeout=240)
-    status = ready["status"]
-
-    assert status["revision"]["current"] == revision
-    assert status["revision"].get("candidate") is None
-    assert status["canary"]["result"] == "Passed"
-    assert status["contextLength"] == {"requested": 1024, "effective": 1024}
-    assert status["minPoolTokens"] == 1536
-    assert {p["role"] for p in status["pools"]} == {"prefill", "decode"}
-    assert status["observedGeneration"] == created["metadata"]["generation"]
-    for kind in ("Ready", "PoolSufficient", "CanaryPassed"):
-        assert condition(ready, kind)["status"] == "True", kind
-    assert condition(ready, "Degraded")["status"] == "False"
-    assert condition(ready, "Progressing")["status"] == "False"
-
-    uid = created["metadata"]["uid"]
-    for kind in ("Deployment", "Service", "ConfigMap", "Secret", "NetworkPolicy", "Job"):
-        children = cluster.list(kind, "default", {"app.kubernetes.io/instance": NAME})
-        assert children, kind
-        for child in children:
-            owners = child["metadata"].get("ownerReferences") or []
-            assert [o["uid"] for o in owners] == [uid], f"{kind} {child['metadata']['name']}"
-
-    for pod in engine_pods(cluster, revision):
-        gate = cluster.pod_condition(pod, KV_POOL_GATE)
-        assert gate is not None and gate["status"] == "True", pod["metadata"]["name"]
-
-    (job,) = cluster.list("Job", "default", selector_for(revision, Role.CANARY))
-    assert job["status"].get("succeeded") == 1
-
-    stable = cluster.get("Service", NAME)
-    assert stable is not None
-    assert stable["spec"]["selector"][LABEL_REVISION] == revision
-
-    answer = router_client(cluster, revision).completions.create(
-        model="tiny-random", prompt="hello", max_tokens=4, temperature=0
-    )
-    assert answer.usage.completion_tokens == 4
-
-
-def wait_promoted(cluster: Cluster, revision: str, what: str) -> dict[str, Any]:
-    """Wait until `revision` serves and is Ready: its canary passed, the stable Service
-    selects it."""
-    promoted = cluster.wait_for(
-        lambda: infd(cluster),
-        what,
-        timeout=240,
-        until=lambda o: (
-            o["status"]["revision"].get("current") == revision
-            and condition(o, "Ready").get("status") == "True"
-        ),
-    )
-    assert promoted["status"]["canary"]["revision"] == revision
-    assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == revision
-    return promoted
-
-
-def selector_for(revision: str, role: Role) -> dict[str, str]:
-    return selector(Instance(NAME, "default", "uid-unused-in-selectors"), revision, role)
-
-
+@pytest.mark.hollow
 def test_refuse_keeps_pods_with_a_too_small_pool_unready_and_serves_nothing(cluster, operator):
     small = str(32 * 16 * 768)  # 512 tokens, contextLength 1024
     created = cluster.create(manifest(engine={"kvCacheMemory": small}))
@@ -236,66 +102,96 @@ def test_lower_context_serves_the_smallest_pool_and_refuses_below_min_context(cl
     assert over.value.code == "context_length_exceeded"
 
     # minContextLength above every pool: not a new revision, but every pod is refused.
-    cluster.patch(*KIND[:1], NAME, {"spec": {"minContextLength": 1024}}, api_version=KIND[1])
+    update_spec(cluster, {"minContextLength": 1024})
     refused = wait_condition(cluster, "PoolSufficient", "False", reason="PoolTooSmall")
     assert "below minContextLength 1024" in condition(refused, "PoolSufficient")["message"]
     assert infd(cluster)["status"]["revision"]["current"] == revision
     cluster.wait_for(
-        lambda: [
-            cluster.pod_condition(p, KV_POOL_GATE)["status"] for p in engine_pods(cluster, revision)
-        ],
+        lambda: gates(cluster, revision),
         "every pod's kv-pool gate to close",
-        until=lambda gates: gates == ["False", "False"],
+        until=lambda found: found == ["False", "False"],
     )
 
 
 @pytest.mark.slow
-def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on_a_bad_canary(
-    tmp_path,
-):
-    bad = manifest(
-        engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1", "--max-num-seqs", "16"]}
-    )
-    bad_revision = revision_of(InferenceDeploymentSpec.model_validate(bad["spec"]))
+def test_serving_after_the_canary_then_a_rollout_that_stops_on_a_bad_canary(tmp_path):
+    """The real canary: it passes the first revision, which then serves; a revision whose
+    decode releases pages early (a real --unsafe-fault, let past the pool gate) fails its
+    canary on a finding, and the first revision keeps serving."""
+    bad = with_max_num_seqs("16")
+    bad_revision = revision_of_manifest(bad)
     options = KubeletOptions(amend_argv=early_release_in_decode_of(bad_revision))
     with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
         cluster.create(api_keys_secret())
         # the bad revision's decode reports its fault: let it past the pool gate, so that
         # this test sees the canary catch it
-        env = {"KVFENCE_RECONCILE_INTERVAL": "1", "KVFENCE_ALLOW_UNSAFE": "1"}
-        args = ["--standalone", "--namespace", "default"]
-        operator = cluster.start_operator(args, env=env)
+        operator = start_operator(cluster, env={"KVFENCE_ALLOW_UNSAFE": "1"})
 
         first = cluster.create(manifest())
-        r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
+        r1 = revision_of_manifest(first)
+        check_first_rollout(cluster, first, r1)
+        assert complete(cluster, r1, tokens=4) == 4
+
+        update_spec(cluster, bad["spec"])
+        failed = wait_condition(cluster, "CanaryPassed", "False", timeout=240)
+        status = failed["status"]
+        assert status["revision"] == {"current": r1, "candidate": bad_revision}
+        assert status["canary"]["result"] == "Failed"
+        message = condition(failed, "CanaryPassed")["message"]
+        assert bad_revision in message and "FAIL" in message, message
+        assert "hollow" not in message  # the real canary's finding
+        (bad_job,) = cluster.list("Job", "default", selector_for(bad_revision, Role.CANARY))
+        assert condition(bad_job, "Failed")["reason"] == "PodFailurePolicy", "a finding: no retry"
+        assert [t.get("exitCode") for t in canary_tries(cluster, bad_revision)] == [1]
+        degraded = wait_condition(cluster, "Degraded", "True", reason="CanaryFailed")
+        assert condition(degraded, "Ready")["status"] == "False"
+        assert f"revision {r1} keeps serving" in condition(degraded, "Ready")["message"]
+        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
+        assert complete(cluster, r1, prompt="still here") == 2
+        operator.stop()
+        assert not cluster.problems()
+
+
+@pytest.mark.slow
+@pytest.mark.hollow
+def test_a_rollout_survives_an_operator_crash_and_the_old_revision_goes_after_its_drain(
+    tmp_path,
+):
+    """A new revision comes up beside the serving one; the operator is killed while the
+    candidate's canary runs, and a fresh operator promotes it and retires the old revision."""
+    release = tmp_path / "let-the-canary-finish"
+    rollout = {"retireAfterSeconds": 3}  # the drain itself: test_a_stream_in_flight_...
+    second = with_max_num_seqs("32", rollout=rollout)
+    r2 = revision_of_manifest(second)
+    held = hollow_canary_flags(r2, lambda: ["--hollow-wait-for", str(release)])
+    options = KubeletOptions(hollow=True, amend_argv=held)
+    with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
+        cluster.create(api_keys_secret())
+        operator = start_operator(cluster)
+        first = cluster.create(manifest(rollout=rollout))
+        r1 = revision_of_manifest(first)
         check_first_rollout(cluster, first, r1)
 
-        # A new revision: it comes up beside r1, the operator crashes mid-rollout and resumes.
-        second = manifest(
-            engine={
-                "kvCacheMemory": ENOUGH,
-                "extraArgs": ["--threads", "1", "--max-num-seqs", "32"],
-            }
-        )
-        r2 = revision_of(InferenceDeploymentSpec.model_validate(second["spec"]))
-        cluster.patch(*KIND[:1], NAME, {"spec": second["spec"]}, api_version=KIND[1])
+        update_spec(cluster, second["spec"])
         cluster.wait_for(
             lambda: engine_pods(cluster, r2),
             "the new revision's pods beside the old ones",
             until=lambda pods: len(pods) == 2 and len(engine_pods(cluster, r1)) == 2,
         )
         cluster.wait_for(
-            lambda: infd(cluster)["status"]["revision"],
-            "status to record the rollout",
-            until=lambda revision: revision == {"current": r1, "candidate": r2},
+            lambda: cluster.list("Pod", "default", selector_for(r2, Role.CANARY)),
+            "the candidate's canary to run",
+            until=lambda pods: [p["status"].get("phase") for p in pods] == ["Running"],
         )
         operator.kill()
-        operator = cluster.start_operator(args, env=env)
+        assert infd(cluster)["status"]["revision"] == {"current": r1, "candidate": r2}
+        release.touch()
+        operator = start_operator(cluster)
         wait_promoted(cluster, r2, "promotion of the new revision after the restart")
         cluster.wait_for(
             lambda: cluster.list("Deployment", "default", {LABEL_REVISION: r1}),
-            "the old revision's Deployments to be removed",
-            timeout=90,  # after the default 30 s drain (spec.rollout.retireAfterSeconds)
+            "the old revision's Deployments to be removed after its drain",
+            timeout=60,
             until=lambda found: found == [],
         )
         for role in ("prefill", "decode", "router"):
@@ -304,74 +200,44 @@ def test_serving_after_the_canary_then_rollouts_that_survive_a_crash_and_stop_on
             )
             assert len(found) == 1, f"{role}: {[d['metadata']['name'] for d in found]}"
         assert len(cluster.list("Job", "default", selector_for(r2, Role.CANARY))) == 1
-
-        # A revision whose decode releases pages early: its canary fails, r2 keeps serving.
-        cluster.patch(*KIND[:1], NAME, {"spec": bad["spec"]}, api_version=KIND[1])
-        failed = wait_condition(cluster, "CanaryPassed", "False", timeout=240)
-        status = failed["status"]
-        assert status["revision"] == {"current": r2, "candidate": bad_revision}
-        assert status["canary"]["result"] == "Failed"
-        message = condition(failed, "CanaryPassed")["message"]
-        assert bad_revision in message and "FAIL" in message, message
-        (bad_job,) = cluster.list("Job", "default", selector_for(bad_revision, Role.CANARY))
-        assert condition(bad_job, "Failed")["reason"] == "PodFailurePolicy", "a finding: no retry"
-        assert [t.get("exitCode") for t in canary_tries(cluster, bad_revision)] == [1]
-        degraded = wait_condition(cluster, "Degraded", "True", reason="CanaryFailed")
-        assert condition(degraded, "Ready")["status"] == "False"
-        assert f"revision {r2} keeps serving" in condition(degraded, "Ready")["message"]
-        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
-        answer = router_client(cluster, r2).completions.create(
-            model="tiny-random", prompt="still here", max_tokens=2, temperature=0
-        )
-        assert answer.usage.completion_tokens == 2
+        assert routed_to(cluster, r2) == engine_urls(cluster, r2)
         operator.stop()
         assert not cluster.problems()
 
 
-def canary_tries(cluster: Cluster, revision: str) -> list[dict[str, Any]]:
-    """The terminated states of the revision's canary pods."""
-    pods = cluster.list("Pod", "default", selector_for(revision, Role.CANARY))
-    return [(p["status"]["containerStatuses"][0]["state"].get("terminated") or {}) for p in pods]
-
-
 @pytest.mark.slow
+@pytest.mark.hollow
 def test_a_canary_that_cannot_run_is_retried_then_rerun_on_request_and_scaling_works_meanwhile(
     tmp_path,
 ):
-    """A candidate's canary that cannot run (exit 2: here a flag its argparse refuses) is
-    tried 4 times, then it is CouldNotRun: Degraded, not promoted, the serving revision keeps
-    serving. Meanwhile the serving revision scales with the spec. Once the cause is gone, a
-    new value of kvfence.dev/rerun-canary runs it again and the candidate is promoted."""
+    """A candidate's canary that cannot run (exit 2) is tried 4 times, then it is
+    CouldNotRun: Degraded, not promoted, the serving revision keeps serving. Meanwhile the
+    serving revision scales with the spec. Once the cause is gone, a new value of
+    kvfence.dev/rerun-canary runs it again and the candidate is promoted."""
     cannot_run = tmp_path / "canary-cannot-run"
-
-    def flaky_canary(pod: dict[str, Any], argv: list[str]) -> list[str]:
-        role = (pod["metadata"].get("labels") or {}).get("kvfence.dev/role")
-        return [*argv, "--rounds", "0"] if role == "canary" and cannot_run.exists() else argv
-
-    options = KubeletOptions(amend_argv=flaky_canary)
-    with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
+    second = with_max_num_seqs("32")
+    r2 = revision_of_manifest(second)
+    flaky = hollow_canary_flags(
+        r2, lambda: ["--hollow-verdict", "cannot-run" if cannot_run.exists() else "pass"]
+    )
+    with start_cluster(
+        tmp_path / "cluster", kubelet=KubeletOptions(hollow=True, amend_argv=flaky)
+    ) as cluster:
         cluster.create(api_keys_secret())
-        args = ["--standalone", "--namespace", "default"]
-        operator = cluster.start_operator(args, env={"KVFENCE_RECONCILE_INTERVAL": "1"})
+        operator = start_operator(cluster)
         first = cluster.create(manifest())
-        r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
+        r1 = revision_of_manifest(first)
         check_first_rollout(cluster, first, r1)
 
         cannot_run.touch()
-        second = manifest(
-            engine={
-                "kvCacheMemory": ENOUGH,
-                "extraArgs": ["--threads", "1", "--max-num-seqs", "32"],
-            }
-        )
-        r2 = revision_of(InferenceDeploymentSpec.model_validate(second["spec"]))
-        cluster.patch(*KIND[:1], NAME, {"spec": second["spec"]}, api_version=KIND[1])
+        update_spec(cluster, second["spec"])
         stuck = wait_condition(cluster, "Degraded", "True", timeout=240, reason="CanaryCouldNotRun")
         status = stuck["status"]
         assert status["revision"] == {"current": r1, "candidate": r2}
         assert status["canary"]["result"] == "CouldNotRun"
         message = condition(stuck, "Degraded")["message"]
         assert "could not run (BackoffLimitExceeded): no verdict in 4 tries" in message, message
+        assert "last try: kvfence canary ERROR" in message, message
         assert condition(stuck, "CanaryPassed")["status"] == "Unknown"
         assert condition(stuck, "Ready")["reason"] == "CanaryCouldNotRun"
         assert f"revision {r1} keeps serving" in condition(stuck, "Ready")["message"]
@@ -379,16 +245,12 @@ def test_a_canary_that_cannot_run_is_retried_then_rerun_on_request_and_scaling_w
         failed = condition(job, "Failed")
         assert (failed["status"], failed["reason"]) == ("True", "BackoffLimitExceeded")
         assert [t.get("exitCode") for t in canary_tries(cluster, r2)] == [2, 2, 2, 2]
-        assert [e for e in cluster.list("Event") if e.get("reason") == "CanaryCouldNotRun"]
+        assert events(cluster, "CanaryCouldNotRun")
         assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
-        answer = router_client(cluster, r1).completions.create(
-            model="tiny-random", prompt="still here", max_tokens=2, temperature=0
-        )
-        assert answer.usage.completion_tokens == 2
+        assert routed_to(cluster, r1) == engine_urls(cluster, r1)
 
         # Scaling is not a new revision, and reaches the revision that serves.
-        cluster.patch(*KIND[:1], NAME, {"spec": {"prefill": {"replicas": 2}}},
-                      api_version=KIND[1])  # fmt: skip
+        update_spec(cluster, {"prefill": {"replicas": 2}})
         (prefill,) = cluster.list("Deployment", "default", selector_for(r1, Role.PREFILL))
         cluster.wait_for(
             lambda: cluster.get("Deployment", prefill["metadata"]["name"]),
@@ -396,42 +258,39 @@ def test_a_canary_that_cannot_run_is_retried_then_rerun_on_request_and_scaling_w
             timeout=120,
             until=lambda d: d["spec"]["replicas"] == 2 and d["status"].get("readyReplicas") == 2,
         )
+        cluster.wait_for(
+            lambda: routed_to(cluster, r1)["prefill"],
+            "the serving revision's router to route to both prefill pods",
+            until=lambda urls: len(urls) == 2 and urls == engine_urls(cluster, r1)["prefill"],
+        )
         assert infd(cluster)["status"]["revision"] == {"current": r1, "candidate": r2}
 
         # The cause removed, a new annotation value runs the candidate's canary again.
         cannot_run.unlink()
         rerun = {"metadata": {"annotations": {"kvfence.dev/rerun-canary": "after-the-fix"}}}
         cluster.patch(*KIND[:1], NAME, rerun, api_version=KIND[1])
-        promoted = cluster.wait_for(
-            lambda: infd(cluster),
-            "promotion of the candidate after its canary ran again",
-            timeout=240,
-            until=lambda o: (
-                o["status"]["revision"].get("current") == r2
-                and condition(o, "Ready").get("status") == "True"
-            ),
-        )
+        promoted = wait_promoted(cluster, r2, "promotion of the candidate after its canary ran")
         assert promoted["status"]["canary"]["result"] == "Passed"
-        assert [e for e in cluster.list("Event") if e.get("reason") == "CanaryRerun"]
+        assert events(cluster, "CanaryRerun")
         (again,) = cluster.list("Job", "default", selector_for(r2, Role.CANARY))
         assert again["metadata"]["uid"] != job["metadata"]["uid"]
         assert again["metadata"]["annotations"]["kvfence.dev/rerun-canary"] == "after-the-fix"
         assert again["status"].get("succeeded") == 1
-        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
 
         # With nothing rolling out, a new value re-runs nothing: r2's passed canary stays.
-        reruns = len([e for e in cluster.list("Event") if e.get("reason") == "CanaryRerun"])
+        reruns = len(events(cluster, "CanaryRerun"))
         rerun = {"metadata": {"annotations": {"kvfence.dev/rerun-canary": "once-more"}}}
         cluster.patch(*KIND[:1], NAME, rerun, api_version=KIND[1])
-        time.sleep(3)  # a few passes at a 1 s interval
+        operator.wait_passes(3, NAME)  # passes that saw the new value
         (kept,) = cluster.list("Job", "default", selector_for(r2, Role.CANARY))
         assert kept["metadata"]["uid"] == again["metadata"]["uid"]
-        assert len([e for e in cluster.list("Event") if e.get("reason") == "CanaryRerun"]) == reruns
+        assert len(events(cluster, "CanaryRerun")) == reruns
         assert infd(cluster)["status"]["canary"]["result"] == "Passed"
         operator.stop()
         assert not cluster.problems()
 
 
+@pytest.mark.hollow
 def test_a_pod_with_a_garbage_or_unreachable_pool_report_is_not_sufficient(tmp_path):
     fake = fake_pool_server.__file__
 
@@ -443,12 +302,10 @@ def test_a_pod_with_a_garbage_or_unreachable_pool_report_is_not_sufficient(tmp_p
         return [sys.executable, str(fake), "garbage" if role == "decode" else "drop", port]
 
     with start_cluster(
-        tmp_path / "cluster", kubelet=KubeletOptions(amend_argv=impostors)
+        tmp_path / "cluster", kubelet=KubeletOptions(hollow=True, amend_argv=impostors)
     ) as cluster:
         cluster.create(api_keys_secret())
-        operator = cluster.start_operator(
-            ["--standalone", "--namespace", "default"], env={"KVFENCE_RECONCILE_INTERVAL": "1"}
-        )
+        operator = start_operator(cluster)
         cluster.create(manifest(canary={"enabled": False}))
         obj = cluster.wait_for(
             lambda: infd(cluster),
@@ -472,6 +329,7 @@ def test_a_pod_with_a_garbage_or_unreachable_pool_report_is_not_sufficient(tmp_p
         operator.stop()
 
 
+@pytest.mark.hollow
 def test_objects_that_are_not_ours_stay_untouched_and_the_stable_service_follows_the_spec(
     cluster, operator
 ):
@@ -516,7 +374,7 @@ def test_objects_that_are_not_ours_stay_untouched_and_the_stable_service_follows
         timeout=120,
         until=lambda p: (cluster.pod_condition(p, "ContainersReady") or {}).get("status") == "True",
     )
-    time.sleep(4)  # four reconcile passes with the impostor running
+    operator.wait_passes(4, NAME)  # with the impostor running
 
     backends = json.loads(
         cluster.get("ConfigMap", f"{NAME}-{revision}-router")["data"]["backends.json"]
@@ -581,30 +439,27 @@ def test_objects_that_are_not_ours_stay_untouched_and_the_stable_service_follows
     )
 
 
-def backends_of(cluster: Cluster, revision: str) -> dict[str, Any]:
-    configmap = cluster.get("ConfigMap", f"{NAME}-{revision}-router")
-    assert configmap is not None
-    return json.loads(configmap["data"]["backends.json"])
-
-
 @pytest.mark.slow
+@pytest.mark.hollow
 def test_the_serving_revision_keeps_serving_through_a_refused_candidate_and_a_lost_status(
     cluster, operator
 ):
     """contextLength 1024 -> 2048 with pools of 1536 tokens: the candidate is refused, and the
     serving revision is still judged against the spec it was created from (gates True, its
-    router's backends file unchanged, its router answering). Then status is lost mid-rollout
-    (a backup restore without it): the serving revision is read back from the stable Service
-    and nothing of it is removed."""
+    router's backends file unchanged, its router routing to its engines). Then status is lost
+    mid-rollout (a backup restore without it): the serving revision is read back from the
+    stable Service and nothing of it is removed."""
     first = cluster.create(manifest())
     r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
     check_first_rollout(cluster, first, r1)
     served = backends_of(cluster, r1)
     assert served["contextLength"] == 1024 and served["prefill"] and served["decode"]
+    routes = {role: sorted(served[role]) for role in ("prefill", "decode")}
+    assert routed_to(cluster, r1) == routes
 
     wider = manifest(contextLength=2048)
     r2 = revision_of(InferenceDeploymentSpec.model_validate(wider["spec"]))
-    cluster.patch(*KIND[:1], NAME, {"spec": {"contextLength": 2048}}, api_version=KIND[1])
+    update_spec(cluster, {"contextLength": 2048})
     refused = cluster.wait_for(
         lambda: infd(cluster),
         "the candidate's pods to be refused",
@@ -617,16 +472,11 @@ def test_the_serving_revision_keeps_serving_through_a_refused_candidate_and_a_lo
     )
     assert "smaller than contextLength 2048" in condition(refused, "PoolSufficient")["message"]
     assert refused["status"]["revision"] == {"current": r1, "candidate": r2}
-    time.sleep(3)  # a few more passes at a 1 s interval
-    for pod in engine_pods(cluster, r1):
-        gate = cluster.pod_condition(pod, KV_POOL_GATE)
-        assert gate is not None and gate["status"] == "True", (pod["metadata"]["name"], gate)
+    operator.wait_passes(3, NAME)  # that judged both revisions
+    assert gates(cluster, r1) == ["True", "True"]
     assert backends_of(cluster, r1) == served
     assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
-    answer = router_client(cluster, r1).completions.create(
-        model="tiny-random", prompt="still serving", max_tokens=2, temperature=0
-    )
-    assert answer.usage.completion_tokens == 2
+    assert routed_to(cluster, r1) == routes
     for pod in engine_pods(cluster, r2):
         assert cluster.pod_condition(pod, KV_POOL_GATE)["status"] == "False"
     assert cluster.list("Job", "default", selector_for(r2, Role.CANARY)) == []
@@ -639,14 +489,11 @@ def test_the_serving_revision_keeps_serving_through_a_refused_candidate_and_a_lo
         until=lambda o: (o.get("status") or {}).get("revision") is not None,
     )
     assert recovered["status"]["revision"] == {"current": r1, "candidate": r2}
-    time.sleep(3)  # a few more passes
+    operator.wait_passes(3, NAME)  # after the restore
     assert len(cluster.list("Deployment", "default", {LABEL_REVISION: r1})) == 3
     assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
     assert backends_of(cluster, r1) == served
-    answer = router_client(cluster, r1).completions.create(
-        model="tiny-random", prompt="after the restore", max_tokens=2, temperature=0
-    )
-    assert answer.usage.completion_tokens == 2
+    assert routed_to(cluster, r1) == routes
     assert infd(cluster)["status"]["revision"] == {"current": r1, "candidate": r2}
 
 
@@ -680,8 +527,7 @@ def test_a_stream_in_flight_at_promotion_completes_and_the_old_revision_goes_aft
     # the kubelet honours the pods' whole grace period (60 s in this test)
     with start_cluster(tmp_path / "cluster", kubelet=KubeletOptions(grace_cap=90)) as cluster:
         cluster.create(api_keys_secret())
-        env = {"KVFENCE_RECONCILE_INTERVAL": "1"}
-        operator = cluster.start_operator(["--standalone", "--namespace", "default"], env=env)
+        operator = start_operator(cluster)
         first = cluster.create(spec("16"))
         r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
         wait_condition(cluster, "Ready", "True", timeout=240)
@@ -708,7 +554,7 @@ def test_a_stream_in_flight_at_promotion_completes_and_the_old_revision_goes_aft
 
         second = spec("32")
         r2 = revision_of(InferenceDeploymentSpec.model_validate(second["spec"]))
-        cluster.patch(*KIND[:1], NAME, {"spec": second["spec"]}, api_version=KIND[1])
+        update_spec(cluster, second["spec"])
         promoted = cluster.wait_for(
             lambda: infd(cluster)["status"]["revision"],
             "the promotion of r2",

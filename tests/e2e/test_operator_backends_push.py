@@ -1,7 +1,9 @@
 """The router learns its backends from the operator's push, not from the ConfigMap volume
 (issue 14, item 2): on the test cluster, with the kubelet made to refresh ConfigMap volumes as
 late as a real one does (here: not within the test at all), a deleted engine pod leaves the
-router's backends within an operator pass or two, and the router keeps answering."""
+router's backends within an operator pass or two. On hollow pods (kvfence_devcluster/hollow.py),
+whose router takes pushes as the real one does (a real router routing by a push:
+tests/integration/test_router_backends_push.py)."""
 
 import base64
 import json
@@ -10,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
-from test_operator import NAME, USER_KEY, api_keys_secret, manifest  # the operator e2e's
+import pytest
 
+from helpers.operators import start_operator
+from helpers.tiny_infd import NAME, api_keys_secret, manifest
 from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_devcluster.options import KubeletOptions
 from kvfence_operator.builders.secret import INTERNAL_TOKEN_KEY, secret_name
@@ -21,7 +24,7 @@ from kvfence_operator.meta import LABEL_REVISION, Instance, child_name
 from kvfence_operator.revision import revision_of
 
 LAG = 3600.0  # seconds before a running pod's configMap volume shows a change
-PASSES = 15.0  # the operator runs a pass every second; a loaded machine is slow
+PASSES = 2  # the deleted pod leaves the router within this many passes after the deletion
 
 
 def pushed_manifest() -> dict[str, Any]:
@@ -55,15 +58,14 @@ def in_force(router_url: str, token: str) -> dict[str, Any]:
     return dict(r.json())
 
 
+@pytest.mark.hollow
 def test_a_deleted_engine_pod_leaves_the_routers_backends_without_the_configmap_volume(
     tmp_path: Path,
 ) -> None:
-    options = KubeletOptions(configmap_volume_lag=LAG)
+    options = KubeletOptions(configmap_volume_lag=LAG, hollow=True)
     with start_cluster(tmp_path / "cluster", kubelet=options) as cluster:
         cluster.create(api_keys_secret())
-        operator = cluster.start_operator(
-            ["--standalone", "--namespace", "default"], env={"KVFENCE_RECONCILE_INTERVAL": "1"}
-        )
+        operator = start_operator(cluster)
         created = cluster.create(pushed_manifest())
         revision = revision_of(InferenceDeploymentSpec.model_validate(created["spec"]))
         instance = Instance(NAME, "default", created["metadata"]["uid"])
@@ -98,11 +100,6 @@ def test_a_deleted_engine_pod_leaves_the_routers_backends_without_the_configmap_
             until=lambda h: {role: sorted(h["backends"][role]) for role in wanted} == wanted,
             interval=0.5,
         )
-        client = openai.OpenAI(
-            base_url=router_url + "/v1", api_key=USER_KEY, max_retries=0, timeout=60
-        )
-        assert client.completions.create(model="tiny-random", prompt="hi", max_tokens=2).usage
-
         # The router's backends file, as the kubelet last wrote it: it will not change now.
         runtime = cluster.kubelet.runtimes[router["metadata"]["uid"]]  # type: ignore[union-attr]
         file = runtime.sandbox.volume_paths["config"] / "backends.json"
@@ -111,15 +108,19 @@ def test_a_deleted_engine_pod_leaves_the_routers_backends_without_the_configmap_
         victim = next(p for p in pods(cluster, revision, "decode"))
         victim_url = cluster.pod_url(victim)
         deleted = time.monotonic()
+        passes = operator.passes(NAME)
         cluster.delete("Pod", victim["metadata"]["name"])
         after = cluster.wait_for(
             lambda: in_force(router_url, token),
             "the deleted decode pod to leave the router's backends",
-            PASSES,
+            60,
             until=lambda h: victim_url not in h["backends"]["decode"],
             interval=0.2,
         )
+        took = operator.passes(NAME) - passes
         print(f"left the router's backends {time.monotonic() - deleted:.1f} s after deletion")
+        # the pass under way at the deletion may not have seen it; the next one pushes
+        assert took <= PASSES, f"{took} passes"
         assert after["source"] == "push"
         assert after["backends"]["version"] > held["backends"]["version"]
         # the ConfigMap changed, the volume did not: the push did it
@@ -128,7 +129,7 @@ def test_a_deleted_engine_pod_leaves_the_routers_backends_without_the_configmap_
         assert configmap is not None
         assert victim_url not in json.loads(configmap["data"]["backends.json"])["decode"]
 
-        # and the router still answers, from the decode pod that is left (and its successor)
-        answer = client.completions.create(model="tiny-random", prompt="hi", max_tokens=2)
-        assert answer.usage is not None and answer.usage.completion_tokens == 2
+        # and it routes to the decode pod that is left (and, once it runs, its successor)
+        (left,) = [p for p in placed["decode"] if p["metadata"]["uid"] != victim["metadata"]["uid"]]
+        assert cluster.pod_url(left) in after["backends"]["decode"]
         operator.stop()

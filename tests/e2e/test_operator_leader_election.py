@@ -1,33 +1,37 @@
 """Two `kvfence operator --leader-elect` replicas on the test cluster (issue #15 item 2): only
 the Lease's holder reconciles; killed mid-rollout, the standby takes the Lease once it has
 expired and finishes the rollout; a leader that cannot renew stops at once; a stopped leader
-hands the Lease over without the wait."""
+hands the Lease over without the wait. The rollout runs on hollow pods
+(kvfence_devcluster/hollow.py): what is tested is who writes, not what the engines serve."""
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import kmock
 import pytest
-from test_operator import (  # the operator e2e module's manifest and waits
-    ENOUGH,
-    KIND,
-    NAME,
+
+from helpers.tiny_infd import (
     api_keys_secret,
     check_first_rollout,
     engine_pods,
+    hollow_canary_flags,
     infd,
     manifest,
+    revision_of_manifest,
+    selector_for,
+    update_spec,
     wait_promoted,
+    with_max_num_seqs,
 )
-
-from kvfence_devcluster.fixtures import Cluster
+from kvfence_devcluster.fixtures import Cluster, start_cluster
+from kvfence_devcluster.options import KubeletOptions
 from kvfence_devcluster.processes import ManagedProcess
 from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.cluster.leader import LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD
-from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.revision import revision_of
+from kvfence_operator.crd.types import Role
 
 LEASE = "kvfence-operator"
 LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
@@ -64,8 +68,22 @@ def wait_standing_by(cluster: Cluster, replica: ManagedProcess) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.hollow
 def test_killing_the_leader_mid_rollout_hands_over_within_the_lease_and_the_standby_finishes_it(
-    cluster: Cluster,
+    tmp_path: Path,
+) -> None:
+    second = with_max_num_seqs("32")
+    r2 = revision_of_manifest(second)
+    release = tmp_path / "let-the-canary-finish"  # r2's canary holds its verdict until then
+    held = hollow_canary_flags(r2, lambda: ["--hollow-wait-for", str(release)])
+    with start_cluster(
+        tmp_path / "cluster", kubelet=KubeletOptions(hollow=True, amend_argv=held)
+    ) as cluster:
+        leader_killed_mid_rollout(cluster, second, r2, release)
+
+
+def leader_killed_mid_rollout(
+    cluster: Cluster, second: dict[str, Any], r2: str, release: Path
 ) -> None:
     cluster.create(api_keys_secret())
     a = start_replica(cluster, "operator-a")
@@ -74,15 +92,11 @@ def test_killing_the_leader_mid_rollout_hands_over_within_the_lease_and_the_stan
     wait_standing_by(cluster, b)
 
     first = cluster.create(manifest())
-    r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
+    r1 = revision_of_manifest(first)
     check_first_rollout(cluster, first, r1)
 
-    # A rollout: r2 comes up beside r1; while its canary has not promoted it, kill the leader.
-    second = manifest(
-        engine={"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1", "--max-num-seqs", "32"]}
-    )
-    r2 = revision_of(InferenceDeploymentSpec.model_validate(second["spec"]))
-    cluster.patch(*KIND[:1], NAME, {"spec": second["spec"]}, api_version=KIND[1])
+    # A rollout: r2 comes up beside r1; while its canary runs, kill the leader.
+    update_spec(cluster, second["spec"])
     cluster.wait_for(
         lambda: infd(cluster)["status"]["revision"],
         "status to record the rollout",
@@ -93,11 +107,19 @@ def test_killing_the_leader_mid_rollout_hands_over_within_the_lease_and_the_stan
     assert RECONCILED in a.log()
     assert "kopf" not in b.log() and RECONCILED not in b.log(), b.log()
 
+    cluster.wait_for(
+        lambda: cluster.list("Pod", "default", selector_for(r2, Role.CANARY)),
+        "the candidate's canary to run",
+        until=lambda pods: [p["status"].get("phase") for p in pods] == ["Running"],
+    )
     a.kill()  # SIGKILL: no release, the standby has to wait the Lease out
     handover = wait_holder(cluster, "operator-b", timeout=LEASE_DURATION + 30)
     # The last renewal was at most a retry period before the kill; the standby tries every
     # retry period once the Lease has stood still for its duration (+1 s for a loaded test).
     assert LEASE_DURATION - RETRY_PERIOD - 1 < handover < LEASE_DURATION + RETRY_PERIOD + 1
+    assert infd(cluster)["status"]["revision"] == {"current": r1, "candidate": r2}
+
+    release.touch()  # the canary passes now, and only the new leader can promote r2
 
     wait_promoted(cluster, r2, "the standby to promote the new revision")
     assert len(engine_pods(cluster, r2)) == 2
@@ -190,7 +212,9 @@ def test_a_standby_whose_lease_reads_hang_still_stops_on_sigterm(cluster: Cluste
         cluster.server["get", LEASES] << (lambda: asyncio.sleep(3600))
 
     cluster.loop.run(hang_lease_reads())
-    time.sleep(RETRY_PERIOD + 1)  # the standby's next try is under way, and hangs
+    # A time under test, not passes: the standby tries every retry period, so by then its next
+    # Lease GET is under way and hangs (a request that never answers is not counted anywhere).
+    time.sleep(RETRY_PERIOD + 1)
     stopping = time.monotonic()
     assert b.stop(grace=RENEW_DEADLINE) == 0, b.log()
     assert time.monotonic() - stopping < RENEW_DEADLINE / 2 + 3

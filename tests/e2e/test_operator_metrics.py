@@ -10,8 +10,8 @@ import json
 from typing import Any
 
 import httpx
-from test_operator import NAME, api_keys_secret, manifest, wait_condition  # the operator e2e's
 
+from helpers.tiny_infd import NAME, api_keys_secret, manifest, wait_condition
 from kvfence_devcluster.fixtures import Cluster
 from kvfence_operator.builders.secret import INTERNAL_TOKEN_KEY, RevisionCredentials, secret_name
 from kvfence_operator.cluster.metrics_token import SCRAPERS_ENV, TOKEN_SECRET_ENV

@@ -6,15 +6,8 @@ check passes with the cache on (a tenant's repeat hits, another tenant's copy do
 user's repeated prompt is reported as cached."""
 
 import pytest
-from test_operator import (  # the operator e2e module's manifest, waits and operator fixture
-    ENOUGH,
-    NAME,
-    check_first_rollout,
-    manifest,
-    operator,  # noqa: F401 (the fixture the tests use)
-    router_client,
-)
 
+from helpers.tiny_infd import ENOUGH, NAME, check_first_rollout, manifest, router_client
 from kvfence_devcluster.fixtures import Cluster
 from kvfence_operator.builders.secret import (
     PREFIX_CACHE_SECRET_FILE,

@@ -7,53 +7,54 @@ through ownerReferences and the garbage collector, so it has nothing to do at de
 The API server only (no kubelet): what is tested is the InferenceDeployment's metadata and
 the operator's children, not running pods."""
 
-import time
 from typing import Any
 
+from helpers.operators import Operator, start_operator
 from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_operator.crd.types import API_GROUP, API_VERSION, PLURAL
 
 NAMESPACE = "team-a"
 NAME = "tiny"
 KIND, GROUP_VERSION = "InferenceDeployment", f"{API_GROUP}/{API_VERSION}"
-INTERVAL = 0.5  # seconds between reconcile passes (KVFENCE_RECONCILE_INTERVAL)
+INTERVAL = "0.5"  # seconds between reconcile passes (KVFENCE_RECONCILE_INTERVAL)
 CHILD_KINDS = ("Deployment", "Service", "ConfigMap", "Secret", "NetworkPolicy", "Job")
 
 
-def manifest() -> dict[str, Any]:
+def manifest(name: str = NAME) -> dict[str, Any]:
     return {
         "apiVersion": GROUP_VERSION,
         "kind": KIND,
-        "metadata": {"name": NAME, "namespace": NAMESPACE},
+        "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {
             "model": {"source": "builtin:tiny-random"},
             "engine": {"kvCacheMemory": str(96 * 16 * 768)},
             "contextLength": 1024,
-            "router": {"apiKeysSecret": f"{NAME}-keys"},
+            "router": {"apiKeysSecret": f"{name}-keys"},
         },
     }
 
 
-def start(cluster: Cluster, finalizers: list[str] | None = None) -> Any:
+def start(cluster: Cluster, finalizers: list[str] | None = None) -> Operator:
     """`finalizers`: the InferenceDeployment exists with them before the operator starts."""
     cluster.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
     if finalizers is not None:
         obj = manifest()
         obj["metadata"]["finalizers"] = finalizers
         cluster.create(obj)
-    operator = cluster.start_operator(
+    operator = start_operator(
+        cluster,
         ["--standalone", "--namespace", NAMESPACE],
-        env={"KVFENCE_RECONCILE_INTERVAL": str(INTERVAL)},
+        {"KVFENCE_RECONCILE_INTERVAL": INTERVAL},
     )
     if finalizers is None:
         cluster.create(manifest())
     return operator
 
 
-def children(cluster: Cluster) -> list[str]:
+def children(cluster: Cluster, name: str = NAME) -> list[str]:
     """What the operator created for the InferenceDeployment (the API keys Secret is the
     user's and not labelled as the instance's)."""
-    labels = {"app.kubernetes.io/instance": NAME}
+    labels = {"app.kubernetes.io/instance": name}
     return [
         f"{kind}/{obj['metadata']['name']}"
         for kind in CHILD_KINDS
@@ -101,13 +102,18 @@ def test_deleting_an_inference_deployment_stops_its_reconcile_and_leaves_no_chil
     stop reconciling the object then, or it would create the children again for an owner
     that is gone, every pass."""
     with start_cluster(tmp_path / "cluster", kubelet=False) as cluster:
-        start(cluster)
+        operator = start(cluster)
         reconciled(cluster)
+        # another InferenceDeployment beside it, whose passes go on: the clock of this test
+        cluster.create(manifest("witness"))
+        cluster.wait_for(lambda: children(cluster, "witness"), "the witness's children")
         assert cluster.delete(KIND, NAME, NAMESPACE, api_version=GROUP_VERSION)
         cluster.wait_gone(KIND, NAME, NAMESPACE)
         cluster.wait_for(lambda: children(cluster), "the children collected", until=lambda c: not c)
-        time.sleep(6 * INTERVAL)  # passes that would re-create them
+        passes = operator.passes(NAME, NAMESPACE)  # a pass under way may still end: once
+        operator.wait_passes(4, "witness", NAMESPACE)  # passes that would re-create them
         assert children(cluster) == []
+        assert operator.passes(NAME, NAMESPACE) <= passes + 1, "the deleted one's timer ran on"
 
 
 def test_the_finalizer_an_older_operator_set_is_removed_and_other_finalizers_are_kept(

@@ -17,6 +17,7 @@ import torch
 import yaml
 
 import kvfence_engine
+from helpers.waits import GiveUp, eventually
 from kvfence_operator.local.up import (
     UpError,
     canary_cache_file,
@@ -87,15 +88,13 @@ class Up:
         return self.err_log.read_text()
 
     def wait_for(self, text: str, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if text in self.output:
-                return
-            if self.proc.poll() is not None:
-                pytest.fail(f"kvfence up exited {self.proc.returncode} before {text!r}:\n"
-                            f"{self.output}")  # fmt: skip
-            time.sleep(0.2)
-        pytest.fail(f"no {text!r} after {timeout}s:\n{self.output}")
+        def output() -> str:
+            said = self.output
+            if text not in said and self.proc.poll() is not None:
+                raise GiveUp(f"kvfence up exited {self.proc.returncode}:\n{said}")
+            return said
+
+        eventually(output, repr(text), timeout, until=lambda said: text in said, interval=0.2)
 
     def interrupt(self) -> int:
         self.proc.send_signal(signal.SIGINT)
@@ -417,9 +416,12 @@ def engines_of(parent: int) -> dict[int, list[str]]:
 def wait_for_engines(parent: int, count: int, timeout: float = 30.0) -> dict[int, list[str]]:
     """The engines once `count` of them run: `up` says "starting N engine processes" just
     before it starts them, one after another."""
-    deadline = time.monotonic() + timeout
-    while len(engines := engines_of(parent)) < count and time.monotonic() < deadline:
-        time.sleep(0.1)
+    engines = eventually(
+        lambda: engines_of(parent),
+        f"{count} engine processes",
+        timeout,
+        until=lambda found: len(found) >= count,
+    )
     assert len(engines) == count, engines
     return engines
 

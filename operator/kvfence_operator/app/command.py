@@ -12,6 +12,7 @@ def run_operator(args: argparse.Namespace) -> int:
 
     from kvfence_operator.app import handlers  # noqa: F401  (registers the handlers)
     from kvfence_operator.app.handlers import OPERATOR_NAMESPACE_ENV
+    from kvfence_operator.app.metrics import operator_metrics, parse_metrics_url, serve_metrics
     from kvfence_operator.cluster.kube import NoClusterAccess, load_cluster_config
     from kvfence_operator.cluster.leader import Election, Leadership, Stopped, default_identity
     from kvfence_operator.cluster.metrics_token import SCRAPERS_ENV, scrapers_from
@@ -19,9 +20,18 @@ def run_operator(args: argparse.Namespace) -> int:
     try:  # before kopf, whose startup handler would retry it every 60 s with a traceback
         load_cluster_config()
         scrapers_from(os.environ.get(SCRAPERS_ENV))
+        if args.metrics:
+            parse_metrics_url(args.metrics)
     except (NoClusterAccess, ValueError) as exc:
         print(f"kvfence operator: {exc}", file=sys.stderr)
         return 2
+    metrics = operator_metrics()
+    if args.metrics:  # before the election: a standby answers too (no passes of its own)
+        try:
+            serve_metrics(metrics, args.metrics)
+        except OSError as exc:
+            print(f"kvfence operator: --metrics {args.metrics}: {exc}", file=sys.stderr)
+            return 2
     if args.verbose:
         logging.getLogger().setLevel(logging.DEBUG)
     else:  # the library logs every try of a standby at INFO; ours says what changes
@@ -43,7 +53,8 @@ def run_operator(args: argparse.Namespace) -> int:
             liveness_endpoint=args.liveness,
             clusterwide=not args.namespace,
             namespaces=args.namespace,
-            memo=kopf.Memo(namespaces=args.namespace),  # the child caches watch the same
+            # the child caches watch the same namespaces; the handlers count passes in metrics
+            memo=kopf.Memo(namespaces=args.namespace, metrics=metrics),
         )
     except KeyboardInterrupt:
         return 0

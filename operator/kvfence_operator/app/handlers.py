@@ -16,6 +16,7 @@ from kvfence_operator.app.finalizer_free import (
     remember_deletions,
     without_finalizer,
 )
+from kvfence_operator.app.metrics import PassOutcome
 from kvfence_operator.cluster.cache import (
     SYNC_TIMEOUT_SECONDS,
     CachedKube,
@@ -113,27 +114,32 @@ kopf.on.event(API_GROUP, API_VERSION, PLURAL)(mark_deleted)
 def reconcile(
     body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
-    try:
-        outcome = memo.reconciler.reconcile(body)
-    except InvalidSpec as exc:
-        # The API server validates the same schema, so this is a spec the CRD let through
-        # (an older CRD, or a cluster without CEL): say so and stop retrying it.
-        _report_invalid(body, patch, str(exc))
-        raise kopf.PermanentError(f"invalid spec: {exc}") from exc
-    except CredentialsUnreadable as exc:
-        # Said on Degraded (once, not every pass) and tried again next pass; Ready and the
-        # rest of the status stay as the last full pass left them.
-        reason = ConditionReason.CREDENTIALS_UNREADABLE
-        if _report_degraded(body, patch, reason, str(exc)):
-            kopf.event(body, type="Warning", reason=reason, message=str(exc))
-        logger.warning("%s", exc)
-        return
-    status = outcome.status.model_dump(mode="json", by_alias=True)
-    if status_changes(body.get("status"), status):  # an unchanged status is not written
-        patch.status.update(status)
-    for event in outcome.events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-        logger.info("%s: %s", event.reason, event.message)
+    meta = body["metadata"]
+    # Counted when the pass ends, however it ends (app/metrics.py).
+    with memo.metrics.counting(meta["namespace"], meta["name"]) as record:
+        try:
+            outcome = memo.reconciler.reconcile(body)
+        except InvalidSpec as exc:
+            # The API server validates the same schema, so this is a spec the CRD let through
+            # (an older CRD, or a cluster without CEL): say so and stop retrying it.
+            record.outcome = PassOutcome.INVALID_SPEC
+            _report_invalid(body, patch, str(exc))
+            raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+        except CredentialsUnreadable as exc:
+            # Said on Degraded (once, not every pass) and tried again next pass; Ready and the
+            # rest of the status stay as the last full pass left them.
+            record.outcome = PassOutcome.CREDENTIALS_UNREADABLE
+            reason = ConditionReason.CREDENTIALS_UNREADABLE
+            if _report_degraded(body, patch, reason, str(exc)):
+                kopf.event(body, type="Warning", reason=reason, message=str(exc))
+            logger.warning("%s", exc)
+            return
+        status = outcome.status.model_dump(mode="json", by_alias=True)
+        if status_changes(body.get("status"), status):  # an unchanged status is not written
+            patch.status.update(status)
+        for event in outcome.events:
+            kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+            logger.info("%s: %s", event.reason, event.message)
 
 
 def _report_degraded(

@@ -6,10 +6,8 @@ import threading
 import time
 from typing import Any
 
-from test_backends_push_pass import sufficient
-from test_ownership import body
-
 from helpers.memory_kube import MemoryKube
+from helpers.reconciling import body, sufficient
 from kvfence_operator.cluster.cache import CACHE_LABELS, WATCHED, CachedKube, Store
 from kvfence_operator.cluster.prober import PROBING, PoolProber, Probe
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
@@ -223,6 +221,7 @@ def test_an_unchanged_status_is_not_patched_and_a_changed_one_is():
     import kopf
 
     from kvfence_operator.app import handlers
+    from kvfence_operator.app.metrics import PassMetrics
 
     kube = MemoryKube(KEYS)
     reconciler = Reconciler(
@@ -231,7 +230,7 @@ def test_an_unchanged_status_is_not_patched_and_a_changed_one_is():
         read_pool=sufficient,
         push_backends=lambda *_: None,
     )
-    memo = kopf.Memo(reconciler=reconciler)
+    memo = kopf.Memo(reconciler=reconciler, metrics=PassMetrics())
 
     def run(obj: dict[str, Any]) -> kopf.Patch:
         patch = kopf.Patch()

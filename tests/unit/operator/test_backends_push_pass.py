@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 
 from helpers.memory_kube import MemoryKube
-from kvfence_engine.contracts import BackendsFile, PoolGateReport
+from helpers.reconciling import sufficient
+from kvfence_engine.contracts import BackendsFile
 from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.builders.secret import secret_name
 from kvfence_operator.cluster.router_push import push_backends, versioned, written_backends
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.decisions.pods import may_serve
-from kvfence_operator.decisions.pool_gate import PodPool
 from kvfence_operator.meta import Instance, child_name, selector
 from kvfence_operator.reconcile.reconciler import Reconciler
 from kvfence_operator.revision import revision_of
@@ -100,13 +100,6 @@ def pod(role: Role, index: int, ip: str, phase: str = "Running", deleting: bool 
     ports = [{"name": "http", "containerPort": 8000}]
     return {"kind": "Pod", "metadata": meta, "spec": {"containers": [{"ports": ports}]},
             "status": {"phase": phase, "podIP": ip, "conditions": []}}  # fmt: skip
-
-
-def sufficient(pod: str, role: str, revision: str, url: str | None, token: str | None) -> PodPool:
-    report = PoolGateReport(role=role, revision=revision, pool_tokens=2048, page_size=16,
-                            num_pages=128, context_length_effective=2048, tag_check=True,
-                            deferred_release=True)  # fmt: skip
-    return PodPool(pod, role, revision, report=report)
 
 
 def test_each_pass_pushes_its_set_to_the_revisions_live_routers_only() -> None:

@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from helpers.memory_kube import MemoryKube
+from helpers.reconciling import never_probed
 from kvfence_operator.builders.secret import secret_name
 from kvfence_operator.crd.types import InferenceDeploymentSpec
 from kvfence_operator.meta import Instance
@@ -29,10 +30,6 @@ def body(name: str) -> dict[str, Any]:
         "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "generation": 1},
         "spec": spec(name).model_dump(mode="json", by_alias=True, exclude_none=True),
     }
-
-
-def never_probed(pod: str, *_: Any) -> Any:
-    raise AssertionError(f"{pod} was probed")
 
 
 class PausingKube(MemoryKube):

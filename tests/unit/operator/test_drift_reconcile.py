@@ -6,6 +6,7 @@ from typing import Any
 from helpers.builders import CREDENTIALS, OPERATOR_NAMESPACE, container, instance_for
 from helpers.crd_admission import load_sample
 from helpers.memory_kube import MemoryKube
+from helpers.reconciling import never_probed
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.network_policy import build_router_network_policy
 from kvfence_operator.builders.router_deployment import build_stable_service
@@ -21,10 +22,6 @@ def spec_with(**change: Any) -> InferenceDeploymentSpec:
     manifest = load_sample("full")
     manifest["spec"].update(change)
     return InferenceDeployment.model_validate(manifest).spec
-
-
-def never_probed(pod: str, *_: Any) -> Any:
-    raise AssertionError(f"{pod} was probed")
 
 
 def body(spec: InferenceDeploymentSpec, current: str) -> dict[str, Any]:

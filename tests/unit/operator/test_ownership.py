@@ -5,9 +5,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from helpers.memory_kube import MemoryKube
+from helpers.reconciling import body, never_probed
+from helpers.reconciling import tiny_spec as spec
 from kvfence_operator.builders.router_deployment import build_stable_service
 from kvfence_operator.builders.secret import secret_name
-from kvfence_operator.crd.types import InferenceDeploymentSpec, InferenceDeploymentStatus
+from kvfence_operator.crd.types import InferenceDeploymentStatus
 from kvfence_operator.decisions.findings import Conflict
 from kvfence_operator.decisions.ownership import (
     pod_controlled_by_deployment,
@@ -31,16 +33,6 @@ def obj(kind: str, name: str, uid: str, *owners: dict[str, Any]) -> dict[str, An
 
 
 DEPLOYMENT = obj("Deployment", "tiny-r1-prefill", "uid-dep")
-
-
-def spec(**service: Any) -> InferenceDeploymentSpec:
-    return InferenceDeploymentSpec.model_validate(
-        {
-            "model": {"source": "builtin:tiny-random"},
-            "contextLength": 1024,
-            "router": {"apiKeysSecret": "keys", "service": service},
-        }
-    )
 
 
 def test_only_the_controller_reference_with_the_uid_makes_an_object_ours():
@@ -165,17 +157,6 @@ def test_a_name_conflict_is_ready_false_and_degraded_naming_the_object_and_its_o
 
 
 # ---- the reconciler against an in-memory API server --------------------------------------
-
-
-def body(uid: str = "uid-infd") -> dict[str, Any]:
-    return {
-        "metadata": {"name": "tiny", "namespace": "default", "uid": uid, "generation": 1},
-        "spec": spec().model_dump(mode="json", by_alias=True, exclude_none=True),
-    }
-
-
-def never_probed(pod: str, *_: Any) -> Any:
-    raise AssertionError(f"{pod} was probed")
 
 
 def test_a_revision_secret_name_someone_else_has_stops_the_revision_before_any_pod():

@@ -8,9 +8,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from test_ownership import body
 
 from helpers.memory_kube import MemoryKube
+from helpers.reconciling import body
 from helpers.rollout import decode_pools, observation
 from kvfence_operator.cluster.kube import KubeError
 from kvfence_operator.crd.schema import printer_columns

@@ -1,0 +1,115 @@
+"""The operator's own Prometheus metrics (`kvfence operator --metrics URL`): how many reconcile
+passes each InferenceDeployment has had and how long passes take.
+
+A pass is counted when it ends, whatever its outcome: a status written or not, an
+InvalidSpec or CredentialsUnreadable finding, or an error kopf retries. The counter is also
+how a test waits for "N more passes" of the operator instead of sleeping
+(tests/helpers/operators.py). The registry is the operator's own (not prometheus-client's
+global one), so that a test can count the passes of one handler call."""
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from http.server import ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client.exposition import MetricsHandler
+
+PASSES = "kvfence_operator_reconcile_passes"  # exposed with _total, as every counter
+PASS_SECONDS = "kvfence_operator_reconcile_pass_seconds"
+# A pass reads caches and writes what differs: tens of milliseconds; probes and pushes to
+# slow pods take it to seconds.
+PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class PassOutcome(StrEnum):
+    RECONCILED = "reconciled"  # the whole pass ran (its status written if it changed)
+    INVALID_SPEC = "invalid_spec"  # stopped at the spec: kopf.PermanentError
+    CREDENTIALS_UNREADABLE = "credentials_unreadable"  # stopped before probing or gating
+    ERROR = "error"  # an exception kopf retries
+
+
+@dataclass
+class PassMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.passes = Counter(
+            PASSES,
+            "Reconcile passes that ended, per InferenceDeployment, whatever their outcome",
+            ["namespace", "name"],
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            PASS_SECONDS,
+            "How long a reconcile pass took, by how it ended",
+            ["outcome"],
+            buckets=PASS_BUCKETS,
+            registry=self.registry,
+        )
+
+    @contextmanager
+    def counting(self, namespace: str, name: str) -> Iterator["PassRecord"]:
+        """Count one pass of `namespace/name`; the body sets `record.outcome` where it ends
+        otherwise than RECONCILED, and an exception is an ERROR."""
+        record = PassRecord()
+        started = time.monotonic()
+        try:
+            yield record
+        except BaseException:
+            if record.outcome is PassOutcome.RECONCILED:
+                record.outcome = PassOutcome.ERROR
+            raise
+        finally:
+            self.seconds.labels(outcome=record.outcome).observe(time.monotonic() - started)
+            self.passes.labels(namespace=namespace, name=name).inc()
+
+
+@dataclass
+class PassRecord:
+    outcome: PassOutcome = PassOutcome.RECONCILED
+
+
+def operator_metrics() -> PassMetrics:
+    """The running operator's: the pass metrics and the process's (CPU, memory, open files)."""
+    metrics = PassMetrics()
+    ProcessCollector(registry=metrics.registry)
+    return metrics
+
+
+def parse_metrics_url(url: str) -> tuple[str, int, str]:
+    """`http://HOST:PORT/PATH` -> (host, port, path); a ValueError a user can act on."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "http" or not parts.hostname or port is None or not parts.path:
+        raise ValueError(
+            f"--metrics {url!r}: give http://HOST:PORT/PATH, e.g. http://0.0.0.0:9090/metrics"
+        )
+    return parts.hostname, port, parts.path
+
+
+def serve_metrics(metrics: PassMetrics, url: str) -> ThreadingHTTPServer:
+    """Serve `metrics` at `url` (GET on its path; 404 elsewhere) from a daemon thread, as long
+    as the process runs. An address in use is an OSError, raised here."""
+    host, port, path = parse_metrics_url(url)
+
+    class Handler(MetricsHandler):
+        registry = metrics.registry
+
+        def do_GET(self) -> None:
+            if urlsplit(self.path).path != path:
+                self.send_error(404, f"metrics are at {path}")
+                return
+            super().do_GET()
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server

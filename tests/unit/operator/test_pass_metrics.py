@@ -1,0 +1,142 @@
+"""The operator's pass counter and pass durations (`kvfence operator --metrics URL`,
+app/metrics.py): every pass of the kopf timer is counted for its InferenceDeployment when it
+ends, however it ends, and the metrics are served at the URL's path."""
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import kopf
+import pytest
+from kopf._core.engines import posting
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers.memory_kube import MemoryKube
+from helpers.reconciling import body, never_probed
+from kvfence_engine.tools.localproc import free_port
+from kvfence_operator.app import handlers
+from kvfence_operator.app.metrics import (
+    PASS_SECONDS,
+    PASSES,
+    PassMetrics,
+    parse_metrics_url,
+    serve_metrics,
+)
+from kvfence_operator.decisions.findings import CredentialsUnreadable
+from kvfence_operator.reconcile.reconciler import Reconciler
+
+KEYS = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys"}, "data": {}}
+
+
+@pytest.fixture(autouse=True)
+def no_event_posting() -> Iterator[None]:
+    """kopf.event outside a running operator: posting off, as kopf's own tests do it."""
+    settings = kopf.OperatorSettings()
+    settings.posting.enabled = False
+    token = posting.settings_var.set(settings)
+    yield
+    posting.settings_var.reset(token)
+
+
+class Raising:
+    """A reconciler whose pass stops with `error` (the real ones are tested where they are
+    raised: test_derived_credentials.py, test_crd_validation.py)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def reconcile(self, body: Any) -> Any:
+        raise self.error
+
+
+def run_pass(memo: kopf.Memo, obj: dict[str, Any]) -> kopf.Patch:
+    patch = kopf.Patch()
+    logger = kopf.LocalObjectLogger(body=kopf.Body(obj), settings=kopf.OperatorSettings())
+    handlers.reconcile(body=kopf.Body(obj), patch=patch, memo=memo, logger=logger)
+    return patch
+
+
+def samples(metrics: PassMetrics, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    found = {}
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == name:
+                found[tuple(sorted(sample.labels.items()))] = sample.value
+    return found
+
+
+def passes(metrics: PassMetrics, namespace: str, name: str) -> float:
+    key = (("name", name), ("namespace", namespace))
+    return samples(metrics, f"{PASSES}_total").get(key, 0.0)
+
+
+def timed(metrics: PassMetrics, outcome: str) -> float:
+    return samples(metrics, f"{PASS_SECONDS}_count").get((("outcome", outcome),), 0.0)
+
+
+def test_every_pass_is_counted_for_its_object_whatever_its_outcome():
+    metrics = PassMetrics()
+    reconciler = Reconciler(MemoryKube(KEYS), "kvfence-system", read_pool=never_probed)  # type: ignore[arg-type]
+    memo = kopf.Memo(reconciler=reconciler, metrics=metrics)
+
+    run_pass(memo, body())
+    run_pass(memo, body())
+    assert passes(metrics, "default", "tiny") == 2
+    assert timed(metrics, "reconciled") == 2
+
+    # a spec the CRD let through: InvalidSpec, kopf told to stop retrying, counted all the same
+    invalid = body()
+    invalid["spec"]["contextLength"] = "long"
+    with pytest.raises(kopf.PermanentError, match="invalid spec"):
+        run_pass(memo, invalid)
+    assert passes(metrics, "default", "tiny") == 3
+    assert timed(metrics, "invalid_spec") == 1
+
+    # another object's passes are its own
+    other = body()
+    other["metadata"] = {**other["metadata"], "name": "other", "namespace": "team-a"}
+    unreadable = CredentialsUnreadable("0123456789", "tiny-0123456789-credentials")
+    patch = run_pass(kopf.Memo(reconciler=Raising(unreadable), metrics=metrics), other)
+    assert patch.status["conditions"], "Degraded says CredentialsUnreadable"
+    assert passes(metrics, "team-a", "other") == 1
+    assert timed(metrics, "credentials_unreadable") == 1
+
+    # a pass that breaks (kopf retries it) ended too
+    with pytest.raises(RuntimeError, match="the API went away"):
+        run_pass(kopf.Memo(reconciler=Raising(RuntimeError("the API went away")), metrics=metrics),
+                 other)  # fmt: skip
+    assert passes(metrics, "team-a", "other") == 2
+    assert timed(metrics, "error") == 1
+    assert passes(metrics, "default", "tiny") == 3
+
+
+def test_the_metrics_are_served_at_the_urls_path_only():
+    metrics = PassMetrics()
+    metrics.passes.labels(namespace="default", name="tiny").inc(3)
+    url = f"http://127.0.0.1:{free_port()}/metrics"
+    server = serve_metrics(metrics, url)
+    try:
+        answer = httpx.get(url)
+        assert answer.status_code == 200
+        assert answer.headers["content-type"].startswith("text/plain")
+        (family,) = [f for f in text_string_to_metric_families(answer.text) if f.name == PASSES]
+        (sample,) = [s for s in family.samples if s.name == f"{PASSES}_total"]
+        assert sample.labels == {"namespace": "default", "name": "tiny"} and sample.value == 3
+        assert PASS_SECONDS in {f.name for f in text_string_to_metric_families(answer.text)}
+        assert httpx.get(url.replace("/metrics", "/other")).status_code == 404
+        # the address is taken while it serves: a second operator is told so
+        with pytest.raises(OSError):
+            serve_metrics(PassMetrics(), url)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    "url", ["127.0.0.1:9090/metrics", "https://0.0.0.0:9090/metrics", "http://0.0.0.0/metrics",
+            "http://0.0.0.0:9090", "http://0.0.0.0:port/metrics"],
+)  # fmt: skip
+def test_a_metrics_url_that_is_not_http_host_port_path_is_refused_with_an_example(url):
+    with pytest.raises(ValueError, match=r"give http://HOST:PORT/PATH, e\.g\. http://0\.0\.0\.0"):
+        parse_metrics_url(url)
+    assert parse_metrics_url("http://0.0.0.0:9090/metrics") == ("0.0.0.0", 9090, "/metrics")

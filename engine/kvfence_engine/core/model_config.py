@@ -39,6 +39,9 @@ class RopeScaling:
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "type", RopeType(self.type))  # from JSON: a plain string
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -64,6 +67,7 @@ class ModelConfig:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "family", Family(self.family))  # from JSON: a plain string
         assert self.num_heads % self.num_kv_heads == 0, "query heads must group over kv heads"
         assert self.head_dim % 2 == 0, "rotary embedding needs an even head dim"
 

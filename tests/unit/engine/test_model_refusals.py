@@ -4,6 +4,7 @@ context a model's window or RoPE cannot give exactly. And real checkpoints' conf
 are read as transformers reads them. (What is served: test_model_families.py.)"""
 
 import copy
+import dataclasses
 import importlib
 import json
 from pathlib import Path
@@ -18,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from helpers.transformers_reference import hf_model, our_greedy, random_prompt, their_greedy
 from kvfence_cli.main import main
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
-from kvfence_engine.core.model_config import Family, RopeScaling, RopeType
+from kvfence_engine.core.model_config import Family, ModelConfig, RopeScaling, RopeType
 from kvfence_engine.core.rope import rope_frequencies
 from kvfence_engine.loading.config import load_config
 from kvfence_engine.loading.gguf_config import gguf_config
@@ -398,3 +399,12 @@ def test_gguf_metadata_kvfence_does_not_implement_is_refused_by_name(
     with pytest.raises(ValueError) as refused:
         read_gguf(path)
     assert str(refused.value).startswith(f"{path}: {message}")
+
+
+def test_a_config_survives_the_conversion_cache_as_itself() -> None:
+    """A converted GGUF's cache stores its ModelConfig as JSON: the family and the RoPE type
+    must come back as what they were, not as strings a variant check would not recognise."""
+    config = read_hf_config(hub("qwen3-0.6b") | {"rope_scaling": {"type": "linear", "factor": 2}})
+    back = ModelConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(config))))
+    assert back == config
+    assert back.rope.type is RopeType.LINEAR and back.family is Family.QWEN3

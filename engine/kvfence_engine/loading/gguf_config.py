@@ -34,6 +34,17 @@ KEYS = {
     "rope.scaling.finetuned",
 }
 
+# must be given (the rest have defaults: kv heads = heads, head dim = width / heads, ...)
+REQUIRED = {
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.layer_norm_rms_epsilon",
+}
+
+
 _LAYER_PARTS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -84,7 +95,10 @@ def gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
         )
 
     def get(key: str, default: Any = None) -> Any:
-        return fields.get(f"{arch}.{key}", default)
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None and key in REQUIRED:
+            raise ValueError(f"{path}: GGUF key '{arch}.{key}' is missing")
+        return value
 
     rope = _rope_scaling(arch, get, path)  # first: a scaling type names itself best
     for key, value in fields.items():

@@ -109,6 +109,13 @@ def hf_config(folder: Path) -> ModelConfig:
 
 
 def read_hf_config(raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    try:
+        return _read(raw, where)
+    except (TypeError, KeyError) as exc:  # a value of the wrong kind, e.g. a null count
+        raise ValueError(f"{where}: a field holds a value kvfence cannot read ({exc})") from None
+
+
+def _read(raw: dict[str, Any], where: str) -> ModelConfig:
     model_type = _model_type(raw, where)
     spec = SPECS[model_type]
     _refuse_unknown(raw, spec, where)

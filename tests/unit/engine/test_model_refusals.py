@@ -174,6 +174,10 @@ REFUSED = {
         hub("qwen2.5-0.5b-instruct") | {"attention_bias": False},
         "field 'attention_bias'=false is not one kvfence knows for Qwen2ForCausalLM",
     ),
+    "a value of the wrong kind": (
+        llama(max_position_embeddings=None),
+        "a field holds a value kvfence cannot read",
+    ),
     "layer types": (
         hub("qwen3-0.6b") | {"layer_types": ["full_attention"] * 27 + ["chunked_attention"]},
         "field 'layer_types'=",
@@ -307,7 +311,7 @@ def test_a_tensor_no_layer_takes_is_refused(tmp_path: Path) -> None:
 def write_gguf(
     path: Path, metadata: dict[str, Any], tensors: tuple[str, ...] = (), arch: str = "llama"
 ) -> Path:
-    """A GGUF with a Llama's metadata (+ `metadata`) and tiny tensors."""
+    """A GGUF with a Llama's metadata (+ `metadata`; None leaves a key out), tiny tensors."""
     values: dict[str, Any] = {
         "llama.block_count": 1,
         "llama.context_length": 256,
@@ -321,6 +325,8 @@ def write_gguf(
     } | metadata
     writer = GGUFWriter(str(path), arch)
     for key, value in values.items():
+        if value is None:  # left out
+            continue
         if isinstance(value, str):
             writer.add_string(key, value)
         elif isinstance(value, float):
@@ -370,6 +376,11 @@ GGUF_REFUSED = {
         {"llama.rope.dimension_count": 8},
         (),
         "GGUF key 'llama.rope.dimension_count'=8 is not the head dim 16 and is not implemented",
+    ),
+    "a missing key": (
+        {"llama.feed_forward_length": None},
+        (),
+        "GGUF key 'llama.feed_forward_length' is missing",
     ),
     "llama 3.1 frequency factors": (
         {},

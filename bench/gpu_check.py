@@ -5,12 +5,13 @@ In order, under a deadline (--deadline, default 440 s; bench/gpu_check.sh adds a
 cap):
 
 1. a model folder (config.json, model.safetensors, tokenizer.json) is written into a temporary
-   directory: Llama-3.2-1B's shape (`--shape llama-3.2-1b`, the default) or a tiny one for a CPU
-   smoke test (`--shape tiny`); seeded random weights (normal, std 0.02, RMSNorm gains 1) in
-   --dtype; a word-level tokenizer built from the benchmark conversations (bench/_common.py).
-   Llama 3.2's llama3 rope_scaling is left out: the engine's loader reads rope_theta only
-   (model_loader._hf_config), so both systems run plain RoPE. Both systems' readings of the
-   config are compared before anything is measured;
+   directory. config.json is Llama-3.2-1B's own (bench/configs/llama-3.2-1b.json: its llama3
+   rope_scaling, rope_theta 500000, tied embeddings, head_dim 64; `--shape llama-3.2-1b`, the
+   default), or for a CPU smoke test (`--shape tiny`) the same file at hidden size 64, 2 layers
+   and 2048 tokens, its RoPE scaling kept; seeded random weights (normal, std 0.02, RMSNorm
+   gains 1) in --dtype; a word-level tokenizer built from the benchmark conversations
+   (bench/_common.py). Both systems' readings of the config (the shape, and the RoPE
+   frequencies bit for bit) are compared before anything is measured;
 2. `kvfence serve --model FOLDER --device DEVICE` starts as a real process on a loopback port
    (combined role), while transformers loads the same folder in this process, on the same device;
 3. output tokens/s at concurrency 1 (8 requests one after another over the OpenAI HTTP API,
@@ -57,6 +58,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from _common import CONVERSATIONS
 from engine_throughput import EngineClient, Timing
+from kvfence_engine.core.rope import rope_frequencies
 from kvfence_engine.loading.config import load_config
 from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed
 
@@ -71,8 +73,6 @@ KVFENCE_CMD = [
 SEQUENTIAL = 8  # prompts sent one after another (concurrency 1)
 CONCURRENCY = 32
 INIT_STD = 0.02  # transformers' initializer_range
-ROPE_THETA = 500000.0
-RMS_EPS = 1e-5
 UNK, BOS, EOS = "[UNK]", "<|begin_of_text|>", "<|end_of_text|>"
 READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 180.0
@@ -82,23 +82,33 @@ STEP, CHECK = "kvfence_engine_step_seconds", "kvfence_kv_read_check_seconds"
 THEIRS, OURS = "transformers", "kvfence"
 
 
+CONFIGS = Path(__file__).resolve().parent / "configs"
+LLAMA_3_2_1B: dict[str, Any] = json.loads((CONFIGS / "llama-3.2-1b.json").read_text())
+
+
 @dataclass(frozen=True, slots=True)
 class Shape:
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    max_positions: int
+    config: dict[str, Any]  # config.json, less what write_model sets (token ids, dtype)
     # the engine's KV pool: room for every request here, and for transformers beside it
     kv_cache_memory: str
 
+    @property
+    def vocab(self) -> int:
+        return int(self.config["vocab_size"])
 
+
+TINY = {
+    "vocab_size": 2048,
+    "hidden_size": 64,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
 SHAPES = {
-    "llama-3.2-1b": Shape(128256, 2048, 8192, 16, 32, 8, 64, 131072, "4Gi"),
-    "tiny": Shape(2048, 64, 256, 2, 4, 2, 16, 4096, "64Mi"),
+    "llama-3.2-1b": Shape(LLAMA_3_2_1B, "4Gi"),
+    "tiny": Shape(LLAMA_3_2_1B | TINY, "64Mi"),
 }
 
 
@@ -111,52 +121,36 @@ def special_ids(vocab: int) -> tuple[int, int]:
 
 
 def hf_config(shape: Shape, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json, as both the engine (model_loader._hf_config) and transformers read it."""
+    """config.json, as both the engine and transformers read it: the shape's, with BOS and EOS
+    where the tokenizer has them (Llama 3.2's own ids at its vocabulary) and --dtype."""
     bos, eos = special_ids(shape.vocab)
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": shape.vocab,
-        "hidden_size": shape.hidden,
-        "intermediate_size": shape.intermediate,
-        "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.heads,
-        "num_key_value_heads": shape.kv_heads,
-        "head_dim": shape.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": shape.max_positions,
-        "rms_norm_eps": RMS_EPS,
-        # rope_theta for the engine and older transformers, rope_parameters for transformers 5
-        "rope_theta": ROPE_THETA,
-        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": True,
-        "initializer_range": INIT_STD,
+    return shape.config | {
         "bos_token_id": bos,
         "eos_token_id": eos,
-        "dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 
 def weight_shapes(s: Shape) -> dict[str, tuple[int, ...]]:
     """Every tensor of a tied-embedding Llama, in Hugging Face names."""
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab, s.hidden)}
-    for i in range(s.layers):
+    c = s.config
+    hidden, intermediate = c["hidden_size"], c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab, hidden)}
+    for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes |= {
-            p + "input_layernorm.weight": (s.hidden,),
-            p + "post_attention_layernorm.weight": (s.hidden,),
-            p + "self_attn.q_proj.weight": (q, s.hidden),
-            p + "self_attn.k_proj.weight": (kv, s.hidden),
-            p + "self_attn.v_proj.weight": (kv, s.hidden),
-            p + "self_attn.o_proj.weight": (s.hidden, q),
-            p + "mlp.gate_proj.weight": (s.intermediate, s.hidden),
-            p + "mlp.up_proj.weight": (s.intermediate, s.hidden),
-            p + "mlp.down_proj.weight": (s.hidden, s.intermediate),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (q, hidden),
+            p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q),
+            p + "mlp.gate_proj.weight": (intermediate, hidden),
+            p + "mlp.up_proj.weight": (intermediate, hidden),
+            p + "mlp.down_proj.weight": (hidden, intermediate),
         }
-    shapes["model.norm.weight"] = (s.hidden,)
+    shapes["model.norm.weight"] = (hidden,)
     return shapes
 
 
@@ -421,11 +415,20 @@ def same_config(folder: Path, reference: Reference) -> None:
         "attention_bias": c.attention_bias,
     }
     differ = {k: (getattr(ours, k), v) for k, v in theirs.items() if getattr(ours, k) != v}
-    # transformers' RoPE frequencies against the engine's rope_theta (not a config field in v5)
-    inv_freq = reference.model.model.rotary_emb.inv_freq.float().cpu()
-    expected = 1.0 / ours.rope_theta ** (torch.arange(0, ours.head_dim, 2) / ours.head_dim)
-    if not torch.allclose(inv_freq, expected.float(), rtol=1e-2):
-        differ["rope inv_freq"] = (expected[:3].tolist(), inv_freq[:3].tolist())
+    # transformers' RoPE frequencies and cos/sin scale (rope_parameters, with Llama 3.2's
+    # llama3 scaling) against the engine's, which compute them with the same float32 ops
+    rotary = reference.model.model.rotary_emb
+    inv_freq, scale = rope_frequencies(
+        ours.head_dim, ours.rope_theta, ours.rope, ours.max_positions
+    )
+    if (
+        not torch.equal(rotary.inv_freq.float().cpu(), inv_freq)
+        or scale != rotary.attention_scaling
+    ):
+        differ["rope"] = (
+            (inv_freq[-3:].tolist(), scale),
+            (rotary.inv_freq[-3:].tolist(), rotary.attention_scaling),
+        )
     if differ:
         raise ValueError(f"engine and transformers read the config differently: {differ}")
 

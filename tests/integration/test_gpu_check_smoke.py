@@ -61,7 +61,8 @@ def test_folder_is_what_engine_and_transformers_both_load(
     shape = gpu_check.SHAPES["tiny"]
     loaded = load_model(str(tiny_folder))
     assert set(loaded.weights) == set(gpu_check.weight_shapes(shape))
-    assert loaded.config.rope_theta == gpu_check.ROPE_THETA
+    assert loaded.config.rope_theta == gpu_check.LLAMA_3_2_1B["rope_theta"] == 500000.0
+    assert loaded.config.rope.type == "llama3"  # Llama 3.2's own scaling, at the tiny size too
     assert loaded.config.tie_embeddings
     assert loaded.tokenizer.eos_ids == {gpu_check.special_ids(shape.vocab)[1]}
     reference = gpu_check.Reference(tiny_folder, torch.device("cpu"), torch.float32, 4)

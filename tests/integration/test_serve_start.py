@@ -130,3 +130,22 @@ def test_int4_weights_for_a_model_without_4bit_blocks_exit_1_saying_what_to_use(
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("kvfence serve: engine failed to start: ValueError: --weight-dtype int4")
     assert "use float16 or int8 for this model" in last and "Traceback" not in done.stderr
+
+
+@pytest.mark.slow  # builds a checkpoint with transformers, then starts a process
+def test_a_config_field_the_engine_does_not_implement_exits_1_naming_it(tmp_path: Path) -> None:
+    """Issue #25: a checkpoint whose config.json asks for what kvfence does not compute is not
+    served as something else (test_model_refusals.py: every refusal)."""
+    from helpers.transformers_reference import hf_model
+
+    hf_model(tmp_path, "MistralConfig", sliding_window=32)
+    done = kvfence("serve", "--model", str(tmp_path), "--port", "0", "--threads", "1")
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (
+        "kvfence serve: engine failed to start: ValueError: config.json: field "
+        "'sliding_window'=32 changes the computation and is not implemented (sliding-window "
+        "attention) for a context of 512; serve --context-length 32 or less, where the window "
+        "changes nothing"
+    )
+    assert "Traceback" not in done.stderr

@@ -15,12 +15,12 @@ from kvfence_engine.contracts import DEFAULT_TENANT, KvPoolReport, Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.device import resolve_device
 from kvfence_engine.core.errors import EngineError
+from kvfence_engine.core.families import build_model
 from kvfence_engine.core.faults import EarlyRelease, Fault, Faults
 from kvfence_engine.core.isolation import check_reads
 from kvfence_engine.core.kv_cache import KVCache
 from kvfence_engine.core.metrics import EngineMetrics
-from kvfence_engine.core.model import LlamaModel
-from kvfence_engine.core.model_config import ModelConfig
+from kvfence_engine.core.model_config import ModelConfig, positions_note, window_problem
 from kvfence_engine.core.page_manager import PageManager
 from kvfence_engine.core.pool_plan import (
     ContextPolicy,
@@ -152,21 +152,23 @@ class LLMEngine(Generic[TokenizerT]):
         self.device = resolve_device(args.device)
         self.precision = resolve_precision(args.weight_dtype, self.device, bool(loaded.int4))
         dtype = self.precision.compute
-        model = LlamaModel(loaded.config, loaded.weights).to(self.device, dtype)
+        requested = args.context_length or loaded.config.max_positions
+        if requested > loaded.config.max_positions:
+            raise ValueError(
+                f"--context-length {requested} exceeds the model's {loaded.config.max_positions} "
+                f"positions{positions_note(loaded.config)}"
+            )
+        if requested < 1:
+            raise ValueError("--context-length must be >= 1")
+        if problem := window_problem(loaded.config, requested):
+            raise ValueError(problem)
+        model = build_model(loaded.config, loaded.weights).to(self.device, dtype)
         if self.precision.packed is WeightDtype.INT4:
             pack_int4_linears(model, model.linear_sources, loaded.int4)
         elif self.precision.packed is not None:
             pack_linears(model, self.precision.packed)
         loaded.weights.clear()  # the model holds them now
         loaded.int4.clear()
-        requested = args.context_length or loaded.config.max_positions
-        if requested > loaded.config.max_positions:
-            raise ValueError(
-                f"--context-length {requested} exceeds the model's {loaded.config.max_positions} "
-                "positions"
-            )
-        if requested < 1:
-            raise ValueError("--context-length must be >= 1")
         kv_dtype = dtype if args.kv_cache_dtype is None else getattr(torch, args.kv_cache_dtype)
         self.plan: PoolPlan = plan_pool(
             loaded.config,

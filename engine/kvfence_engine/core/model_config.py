@@ -1,6 +1,46 @@
-"""The shape of a Llama-family decoder, whatever file it came from."""
+"""The shape of a decoder, whatever file it came from (no torch: `kvfence preflight` reads it)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from typing import Any
+
+
+class Family(StrEnum):
+    """Which model definition (core/families/) runs the weights."""
+
+    LLAMA = "llama"  # Llama 2/3.x, and Mistral served within its window
+    QWEN2 = "qwen2"  # Qwen2/2.5: q/k/v bias
+    QWEN3 = "qwen3"  # Qwen3 dense: per-head q/k RMSNorm before RoPE
+
+
+class RopeType(StrEnum):
+    """RoPE frequency variants, as transformers' modeling_rope_utils names and computes them."""
+
+    DEFAULT = "default"
+    LINEAR = "linear"
+    DYNAMIC = "dynamic"  # NTK dynamic: exact only up to max_positions (core/rope.py says why)
+    LLAMA3 = "llama3"
+    YARN = "yarn"
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """A rope_scaling / rope_parameters entry; fields a variant does not use keep defaults."""
+
+    type: RopeType = RopeType.DEFAULT
+    factor: float = 1.0
+    original_max_positions: int | None = None  # llama3 and yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    attention_factor: float | None = None  # yarn: None = from factor (and mscale) as the paper
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "type", RopeType(self.type))  # from JSON: a plain string
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,12 +56,56 @@ class ModelConfig:
     rms_eps: float
     max_positions: int
     tie_embeddings: bool
-    attention_bias: bool = False  # Qwen2-style q/k/v bias
+    # llama and qwen3: a bias on q, k, v and o (transformers' attention_bias); qwen2 always has
+    # one on q, k and v, and none on o
+    attention_bias: bool = False
+    mlp_bias: bool = False  # llama: a bias on gate, up and down
+    family: Family = Family.LLAMA
+    rope: RopeScaling = field(default_factory=RopeScaling)
+    # the smallest attention window of any layer; None: every layer attends to all positions.
+    # Served only where the context fits inside it (context_problem), where it changes nothing.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "family", Family(self.family))  # from JSON: a plain string
         assert self.num_heads % self.num_kv_heads == 0, "query heads must group over kv heads"
         assert self.head_dim % 2 == 0, "rotary embedding needs an even head dim"
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V, every layer, every KV head: what one token costs in the pool."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @staticmethod
+    def from_dict(values: dict[str, Any]) -> "ModelConfig":
+        """The inverse of dataclasses.asdict (how a converted GGUF's cache stores it)."""
+        known = {f.name for f in fields(ModelConfig)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"model config: unknown fields {sorted(unknown)}")
+        values = dict(values)
+        if "rope" in values:
+            values["rope"] = RopeScaling(**values["rope"])
+        return ModelConfig(**values)
+
+
+def positions_note(config: ModelConfig) -> str:
+    """Why a context past max_positions is refused even where the weights might stretch."""
+    if config.rope.type is RopeType.DYNAMIC:
+        return (
+            " (rope scaling type 'dynamic': past max_position_embeddings transformers rescales "
+            "the frequencies by the longest sequence of the batch so far, which no per-position "
+            "table of a paged pool reproduces)"
+        )
+    return ""
+
+
+def window_problem(config: ModelConfig, context: int) -> str | None:
+    """A sliding window shorter than the served context: refused, named (not implemented)."""
+    window = config.sliding_window
+    if window is None or context <= window:
+        return None
+    return (
+        f"config.json: field 'sliding_window'={window} changes the computation and is not "
+        f"implemented (sliding-window attention) for a context of {context}; serve "
+        f"--context-length {window} or less, where the window changes nothing"
+    )

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import torch
 
 from kvfence_engine.core.attention import StepBatch
+from kvfence_engine.core.decoder import Decoder
 from kvfence_engine.core.faults import Faults
-from kvfence_engine.core.model import LlamaModel
 from kvfence_engine.core.page_manager import PageManager
 from kvfence_engine.core.request import Request
 
@@ -38,7 +38,7 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, pages: PageManager, device: torch.device, faults: Faults
+        self, model: Decoder, pages: PageManager, device: torch.device, faults: Faults
     ) -> None:
         self.model = model
         self.pages = pages

@@ -5,16 +5,16 @@
 import contextlib
 import json
 from pathlib import Path
-from typing import Any
 
 from safetensors import SafetensorError
 
 from kvfence_engine.core.model_config import ModelConfig
+from kvfence_engine.loading.gguf_config import gguf_config
+from kvfence_engine.loading.hf_config import hf_config
 from kvfence_engine.loading.tokenizer_source import (
     BUILTINS,
     SMOLLM2,
     TINY_RANDOM,
-    gguf_fields,
     smollm2_gguf_path,
 )
 from kvfence_engine.tools import cache_dir as cache
@@ -42,7 +42,7 @@ def load_config(source: str) -> ModelConfig:
 
 
 # Bump when what _convert_gguf produces changes: older cached conversions are then ignored.
-CONVERSION = 2  # 2: with the 4-bit tensors' int4 groups
+CONVERSION = 3  # 2: with the 4-bit tensors' int4 groups; 3: family and rope scaling
 UNREADABLE = (OSError, ValueError, KeyError, TypeError, SafetensorError)
 
 
@@ -57,57 +57,7 @@ def converted_header(converted: Path) -> tuple[ModelConfig, str]:
 
     with safe_open(str(converted), framework="numpy") as f:
         metadata = f.metadata()
-    return ModelConfig(**json.loads(metadata["config"])), metadata["name"]
-
-
-def gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
-    """The shape from GGUF metadata, and the metadata itself (the tokenizer lives there)."""
-    fields = gguf_fields(reader)
-    arch = fields["general.architecture"]
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not a Llama-family decoder")
-    heads = int(fields[f"{arch}.attention.head_count"])
-    kv_heads = int(fields.get(f"{arch}.attention.head_count_kv", heads))
-    hidden = int(fields[f"{arch}.embedding_length"])
-    tensor_names = {t.name for t in reader.tensors}
-    config = ModelConfig(
-        vocab_size=len(fields["tokenizer.ggml.tokens"]),
-        hidden_size=hidden,
-        intermediate_size=int(fields[f"{arch}.feed_forward_length"]),
-        num_layers=int(fields[f"{arch}.block_count"]),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=int(fields.get(f"{arch}.rope.dimension_count", hidden // heads)),
-        rope_theta=float(fields.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
-        max_positions=int(fields[f"{arch}.context_length"]),
-        tie_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-    )
-    return config, fields
-
-
-def hf_config(folder: Path) -> ModelConfig:
-    raw = json.loads((folder / "config.json").read_text())
-    arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
-    if arch not in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
-        raise ValueError(f"{folder}: architecture {arch} is not a supported Llama-family decoder")
-    heads = int(raw["num_attention_heads"])
-    config = ModelConfig(
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=int(raw["hidden_size"]),
-        intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_positions=int(raw.get("max_position_embeddings", 4096)),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", arch == "Qwen2ForCausalLM")),
-    )
-    return config
+    return ModelConfig.from_dict(json.loads(metadata["config"])), metadata["name"]
 
 
 TINY_CONFIG = ModelConfig(

@@ -24,9 +24,9 @@ from kvfence_engine.loading.config import (
     UNREADABLE,
     converted_header,
     converted_path,
-    gguf_config,
-    hf_config,
 )
+from kvfence_engine.loading.gguf_config import gguf_config, hf_name
+from kvfence_engine.loading.hf_config import hf_config
 from kvfence_engine.loading.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
 from kvfence_engine.loading.tokenizer_source import (
     BUILTINS,
@@ -87,30 +87,6 @@ def _unpermute_rope(weight: np.ndarray, n_heads: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(weight.shape)
     )
-
-
-_GGUF_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def _hf_name(gguf_name: str) -> str:
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if gguf_name == "output_norm.weight":
-        return "model.norm.weight"
-    if gguf_name == "output.weight":
-        return "lm_head.weight"
-    _, layer, part, kind = gguf_name.split(".")
-    return f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
 
 
 def int4_groups(raw: np.ndarray, kind: object) -> Int4Groups:
@@ -232,9 +208,9 @@ def _convert_gguf(path: Path) -> LoadedModel:
                         *(torch.from_numpy(_unpermute_rope(getattr(groups, p).numpy(), n).copy())
                           for p in INT4_PARTS)
                     )  # fmt: skip
-            weights[_hf_name(tensor.name)] = torch.from_numpy(np.array(array, dtype=np.float32))
+            weights[hf_name(tensor.name)] = torch.from_numpy(np.array(array, dtype=np.float32))
             if groups is not None:
-                int4[_hf_name(tensor.name)] = groups
+                int4[hf_name(tensor.name)] = groups
             converting.advance()
     return LoadedModel(
         name=str(fields.get("general.name", path.stem)),

@@ -92,7 +92,9 @@ def test_auto_keeps_int4_blocks_and_packs_the_rest_as_float16() -> None:
     model = engine.runner.model
     assert engine.precision.weights == "int4"
     layers = [
-        getattr(layer, n) for layer in model.layers for n in ("qkv", "o_proj", "gate_up", "down")
+        layer.get_submodule(n)
+        for layer in model.layers
+        for n in ("attn.qkv", "attn.o_proj", "mlp.gate_up", "mlp.down")
     ]
     assert all(isinstance(m, Int4Linear) for m in layers)
     # the tied lm_head is the embedding table (Q8_0 in SmolLM2): the float path, in float16

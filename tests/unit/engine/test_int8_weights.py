@@ -65,9 +65,9 @@ def test_packed_engine_packs_every_linear_and_keeps_a_float32_pool(weight_dtype:
     engine = make_tiny_engine(weight_dtype=weight_dtype)
     model = engine.runner.model
     linears = [model.lm_head] + [
-        getattr(layer, name)
+        layer.get_submodule(name)
         for layer in model.layers
-        for name in ("qkv", "o_proj", "gate_up", "down")
+        for name in ("attn.qkv", "attn.o_proj", "mlp.gate_up", "mlp.down")
     ]
     assert all(isinstance(m, PACKED_CLASS[weight_dtype]) for m in linears)
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from helpers.transformers_reference import our_greedy, our_prefill_logits, their_greedy
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
-from kvfence_engine.core.request import SamplingParams
 from kvfence_engine.loading.loader import (
     LoadedModel,
     load_hf_folder,
@@ -23,43 +23,6 @@ from kvfence_engine.loading.loader import (
 from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
 
 transformers = pytest.importorskip("transformers")
-
-
-def our_prefill_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position, through the paged prefill path."""
-    seq = engine.admit(ids, SamplingParams(max_tokens=1), max_tokens=1)
-    engine.add(seq)
-    seqs, is_prefill = engine.scheduler.schedule()
-    assert is_prefill and seqs == [seq]
-    step = engine.runner.prepare(seqs, True)
-    step.logits_rows = torch.arange(len(ids))
-    return engine.runner.run(step)
-
-
-def our_greedy(engine: LLMEngine, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    seq = engine.admit(ids, SamplingParams(max_tokens=1, logprobs=0, ignore_eos=True), max_tokens=n)
-    engine.add(seq)
-    while engine.has_work():
-        engine.step()
-    return seq.output_ids, [lp.logprob for lp in seq.output_logprobs]
-
-
-def their_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
-    out = model.generate(
-        torch.tensor([ids]),
-        max_new_tokens=n,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    tokens = out.sequences[0, len(ids) :].tolist()
-    # greedy without logits processors: the scores are the raw logits. It stops at eos.
-    logprobs = [
-        torch.log_softmax(s[0].float(), -1)[t].item()
-        for s, t in zip(out.scores, tokens, strict=True)
-    ]
-    return tokens, logprobs
 
 
 def save_hf_folder(loaded: LoadedModel, folder: Path) -> None:

@@ -1,0 +1,70 @@
+"""A decoder-only transformer over the paged pool: embeddings, a family's layers, the final
+norm and the lm_head. What differs by family is the layer (core/families/)."""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfence_engine.core.attention import StepBatch
+from kvfence_engine.core.layers import DecoderLayer, RMSNorm, Weights, fused_linear
+from kvfence_engine.core.model_config import ModelConfig
+from kvfence_engine.core.rope import Rotary
+
+# a family's layer i, from the config, the weights and the layer's name prefix
+LayerBuilder = Callable[[ModelConfig, Weights, str], DecoderLayer]
+# tensors a checkpoint may hold that change nothing: old checkpoints saved RoPE's frequencies
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class Decoder(nn.Module):
+    """linear_sources: each linear's module path -> the weights it was built from (fused in
+    that order), for packing them from the file's own blocks (quantization.pack_int4_linears)."""
+
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], layer: LayerBuilder
+    ) -> None:
+        super().__init__()
+        self.config = config
+        w = Weights(weights, str(config.family))
+        self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
+        self.layers = nn.ModuleList(
+            layer(config, w, f"model.layers.{i}.") for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(w["model.norm.weight"], config.rms_eps)
+        # tied: the embedding table (a tied checkpoint's lm_head.weight, if saved, is a copy
+        # transformers ignores too)
+        head = "model.embed_tokens" if config.tie_embeddings else "lm_head"
+        self.lm_head = fused_linear(w, [head], bias=False)
+        self.rotary = Rotary(config.head_dim, config.max_positions, config.rope_theta, config.rope)
+        self.linear_sources = {"lm_head": [head + ".weight"]}
+        for i, built in enumerate(self.layers):
+            assert isinstance(built, DecoderLayer)
+            self.linear_sources |= {f"layers.{i}.{k}": v for k, v in built.sources.items()}
+        ignored = {"lm_head.weight"} if config.tie_embeddings else set()
+        unknown = [n for n in w.untaken() if n not in ignored and not n.endswith(IGNORED_SUFFIXES)]
+        if unknown:
+            shown = ", ".join(repr(n) for n in unknown[:4])
+            more = f" and {len(unknown) - 4} more" if len(unknown) > 4 else ""
+            raise ValueError(
+                f"weights: {len(unknown)} tensors the {config.family} model does not use "
+                f"({shown}{more}): a part of the model kvfence does not implement"
+            )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: StepBatch,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run a flat batch of tokens; returns logits (float32) for the rows in logits_rows."""
+        x = F.embedding(input_ids, self.embed)
+        rope = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, k_pool[i], v_pool[i], batch)
+        return self.lm_head(self.norm(x[logits_rows])).float()

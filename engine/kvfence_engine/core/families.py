@@ -1,0 +1,56 @@
+"""One model definition per family, built of the shared layers (core/layers.py) in the
+family's own weight names: what each family's checkpoints say about its layer, and nothing else
+(the config fields each family accepts: loading/hf_families.py)."""
+
+import torch
+
+from kvfence_engine.core.decoder import Decoder, LayerBuilder
+from kvfence_engine.core.layers import DecoderLayer, GatedMLP, PagedSelfAttention, Weights
+from kvfence_engine.core.model_config import Family, ModelConfig
+
+
+def _layer(
+    c: ModelConfig,
+    w: Weights,
+    prefix: str,
+    *,
+    qkv_bias: bool,
+    o_bias: bool,
+    mlp_bias: bool = False,
+    qk_norm: bool = False,
+) -> DecoderLayer:
+    attn = PagedSelfAttention(
+        w,
+        prefix + "self_attn.",
+        (c.num_heads, c.num_kv_heads, c.head_dim),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm_eps=c.rms_eps if qk_norm else None,
+    )
+    return DecoderLayer(w, prefix, c.rms_eps, attn, GatedMLP(w, prefix + "mlp.", bias=mlp_bias))
+
+
+def llama(c: ModelConfig, w: Weights, prefix: str) -> DecoderLayer:
+    """Llama 2 and 3.x, and Mistral where its window changes nothing: attention_bias is a bias
+    on q, k, v and o; mlp_bias one on gate, up and down."""
+    bias = c.attention_bias
+    return _layer(c, w, prefix, qkv_bias=bias, o_bias=bias, mlp_bias=c.mlp_bias)
+
+
+def qwen2(c: ModelConfig, w: Weights, prefix: str) -> DecoderLayer:
+    """Qwen2 and Qwen2.5: a bias on q, k and v always, none on o or the MLP."""
+    return _layer(c, w, prefix, qkv_bias=True, o_bias=False)
+
+
+def qwen3(c: ModelConfig, w: Weights, prefix: str) -> DecoderLayer:
+    """Qwen3 dense: an RMSNorm over each head of q and of k (q_norm, k_norm: one gain per head
+    dim, rms_norm_eps) before RoPE; attention_bias is a bias on q, k, v and o."""
+    bias = c.attention_bias
+    return _layer(c, w, prefix, qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+LAYERS: dict[Family, LayerBuilder] = {Family.LLAMA: llama, Family.QWEN2: qwen2, Family.QWEN3: qwen3}
+
+
+def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Decoder:
+    return Decoder(config, weights, LAYERS[config.family])

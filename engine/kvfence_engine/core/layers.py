@@ -1,0 +1,152 @@
+"""The layers every family's decoder is built of: RMSNorm, attention over the paged pool, the
+gated MLP, and the pre-norm block around them (RoPE: core/rope.py).
+
+Each layer takes its weights from a Weights, by Hugging Face name, and fuses what runs together
+(q/k/v, gate/up) into one linear; `sources` says which weights each linear was fused from, in
+order, for packing them from a GGUF's own blocks (quantization.pack_int4_linears).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvfence_engine.core.attention import StepBatch, paged_attention
+from kvfence_engine.core.rope import RopeAngles
+
+
+class Weights:
+    """A checkpoint's tensors by name, and which of them the model took: a tensor it did not
+    take is one it does not understand (Decoder refuses it), a missing one a clear error."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], what: str) -> None:
+        self.tensors = tensors
+        self.what = what  # the model that reads them, for messages
+        self.taken: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"weights: the {self.what} model needs tensor {name!r}, not found")
+        self.taken.add(name)
+        return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def untaken(self) -> list[str]:
+        return sorted(set(self.tensors) - self.taken)
+
+
+def fused_linear(w: Weights, names: list[str], bias: bool) -> nn.Linear:
+    """One linear whose rows are the named weights' rows, in order (and their biases)."""
+    weight = torch.cat([w[n + ".weight"] for n in names])
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    if bias:
+        layer.bias = nn.Parameter(torch.cat([w[n + ".bias"] for n in names]), requires_grad=False)
+    return layer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class PagedSelfAttention(nn.Module):
+    """Grouped-query attention whose keys and values live in the paged pool. Options, by
+    family: biases on q/k/v and on o; an RMSNorm over each head of q and of k before RoPE."""
+
+    def __init__(
+        self,
+        w: Weights,
+        prefix: str,
+        shape: tuple[int, int, int],
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm_eps: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = shape
+        qkv = [prefix + f"{p}_proj" for p in "qkv"]
+        self.qkv = fused_linear(w, qkv, qkv_bias)
+        self.o_proj = fused_linear(w, [prefix + "o_proj"], o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(w[prefix + "q_norm.weight"], qk_norm_eps)
+            self.k_norm = RMSNorm(w[prefix + "k_norm.weight"], qk_norm_eps)
+        self.sources = {"qkv": [n + ".weight" for n in qkv], "o_proj": [prefix + "o_proj.weight"]}
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RopeAngles,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: StepBatch,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        heads = self.qkv(x).view(tokens, -1, self.head_dim)
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+            qk = rope.rotate(torch.cat([q, k], dim=1))
+        else:
+            qk = rope.rotate(heads[:, : self.num_heads + self.num_kv_heads])  # q and k at once
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        out = paged_attention(q, k, v, k_cache, v_cache, batch)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, w: Weights, prefix: str, *, bias: bool) -> None:
+        super().__init__()
+        gate_up = [prefix + "gate_proj", prefix + "up_proj"]
+        self.gate_up = fused_linear(w, gate_up, bias)
+        self.down = fused_linear(w, [prefix + "down_proj"], bias)
+        self.sources = {
+            "gate_up": [n + ".weight" for n in gate_up],
+            "down": [prefix + "down_proj.weight"],
+        }
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(x)): the pre-norm block of every family here."""
+
+    def __init__(
+        self, w: Weights, prefix: str, eps: float, attn: PagedSelfAttention, mlp: GatedMLP
+    ) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(w[prefix + "input_layernorm.weight"], eps)
+        self.attn = attn
+        self.post_norm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], eps)
+        self.mlp = mlp
+
+    @property
+    def sources(self) -> dict[str, list[str]]:
+        """Each linear's path in this layer -> the weights it was fused from."""
+        return {f"attn.{k}": v for k, v in self.attn.sources.items()} | {
+            f"mlp.{k}": v for k, v in self.mlp.sources.items()
+        }
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RopeAngles,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: StepBatch,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), rope, k_cache, v_cache, batch)
+        return x + self.mlp(self.post_norm(x))

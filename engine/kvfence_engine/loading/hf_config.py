@@ -1,0 +1,241 @@
+"""A Hugging Face folder's config.json, strictly: every field is one kvfence implements, one
+that changes nothing it computes, or a refusal that names it. The families and their fields
+are transformers 5's config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config);
+a field left out takes that class's default, as transformers would."""
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvfence_engine.core.model_config import Family, ModelConfig
+from kvfence_engine.loading.hf_rope import hf_rope
+
+# Read by every family: the shape (these five must be given), the activation and the RoPE.
+REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+COMMON = {
+    *REQUIRED,
+    "model_type",
+    "architectures",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "tie_word_embeddings",
+}
+# Fields that change nothing kvfence computes: provenance, the dtype the file was saved in
+# (the engine chooses its own), token ids (the tokenizer reads eos), training-only settings
+# (dropout, initialization), generation-time caching.
+IRRELEVANT = {
+    "_name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "use_cache",
+    "initializer_range",
+    "attention_dropout",
+    "tokenizer_class",
+    "transformers.js_config",  # SmolLM2's: for transformers.js
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FamilySpec:
+    family: Family
+    architecture: str  # the CausalLM class of architectures[0]
+    fields: frozenset[str]  # implemented, besides COMMON
+    defaults: dict[str, Any]  # the config class's, for the fields config.json may leave out
+    irrelevant: frozenset[str] = frozenset()
+    # accepted at one value only: the one kvfence computes
+    fixed: dict[str, Any] = field(default_factory=dict)
+
+
+_QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
+SPECS = {
+    "llama": FamilySpec(
+        Family.LLAMA,
+        "LlamaForCausalLM",
+        frozenset({"attention_bias", "mlp_bias"}),
+        {"num_key_value_heads": None, "max_position_embeddings": 2048},
+        # pretraining_tp: transformers 5 computes the same function whatever it says;
+        # is_llama_config: a nanotron export's marker (SmolLM2)
+        irrelevant=frozenset({"pretraining_tp", "is_llama_config"}),
+        fixed={"rope_interleaved": False},  # nanotron's; kvfence rotates halves
+    ),
+    "mistral": FamilySpec(
+        Family.LLAMA,
+        "MistralForCausalLM",
+        frozenset({"sliding_window"}),
+        {"num_key_value_heads": 8, "max_position_embeddings": 131072, "sliding_window": 4096},
+    ),
+    "qwen2": FamilySpec(
+        Family.QWEN2,
+        "Qwen2ForCausalLM",
+        frozenset({*_QWEN_WINDOW, "layer_types"}),
+        {"num_key_value_heads": 32, "max_position_embeddings": 32768, **_QWEN_WINDOW},
+    ),
+    "qwen3": FamilySpec(
+        Family.QWEN3,
+        "Qwen3ForCausalLM",
+        frozenset({*_QWEN_WINDOW, "layer_types", "attention_bias"}),
+        {
+            "num_key_value_heads": 32,
+            "head_dim": 128,
+            "max_position_embeddings": 32768,
+            **_QWEN_WINDOW,
+        },
+    ),
+}
+ARCHITECTURES = {spec.architecture: model_type for model_type, spec in SPECS.items()}
+
+
+def hf_config(folder: Path) -> ModelConfig:
+    path = folder / "config.json"
+    return read_hf_config(json.loads(path.read_text()), str(path))
+
+
+def read_hf_config(raw: dict[str, Any], where: str = "config.json") -> ModelConfig:
+    try:
+        return _read(raw, where)
+    except (TypeError, KeyError) as exc:  # a value of the wrong kind, e.g. a null count
+        raise ValueError(f"{where}: a field holds a value kvfence cannot read ({exc})") from None
+
+
+def _read(raw: dict[str, Any], where: str) -> ModelConfig:
+    model_type = _model_type(raw, where)
+    spec = SPECS[model_type]
+    _refuse_unknown(raw, spec, where)
+    get = _getter(raw, spec)
+    for name in REQUIRED:
+        if raw.get(name) is None:
+            raise ValueError(f"{where}: field {name!r} is missing")
+    if (act := get("hidden_act", "silu")) != "silu":
+        raise ValueError(
+            f"{where}: field 'hidden_act'={act!r} changes the computation and is not "
+            "implemented (kvfence computes silu)"
+        )
+    heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
+    max_positions = int(get("max_position_embeddings"))
+    theta, rope = hf_rope(raw, max_positions, where)
+    return ModelConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(get("num_key_value_heads") or heads),
+        head_dim=int(get("head_dim") or hidden // heads),
+        rope_theta=theta,
+        rms_eps=float(get("rms_norm_eps", 1e-6)),
+        max_positions=max_positions,
+        tie_embeddings=bool(get("tie_word_embeddings", False)),
+        attention_bias=bool(get("attention_bias", False)),
+        mlp_bias=bool(get("mlp_bias", False)),
+        family=spec.family,
+        rope=rope,
+        sliding_window=_window(raw, model_type, get, where),
+    )
+
+
+def _model_type(raw: dict[str, Any], where: str) -> str:
+    """model_type decides, as in transformers' AutoConfig; architectures, if given, must be
+    that family's CausalLM (a config with neither is refused: nothing says what it is)."""
+    architectures = raw.get("architectures") or []
+    model_type = raw.get("model_type")
+    if model_type is None and architectures:
+        model_type = ARCHITECTURES.get(architectures[0])
+        if model_type is None:
+            raise ValueError(
+                f"{where}: architecture {architectures[0]!r} is not supported "
+                f"by kvfence (supported: {', '.join(ARCHITECTURES)})"
+            )
+    if model_type is None:
+        raise ValueError(f"{where}: neither 'model_type' nor 'architectures' names the model")
+    if model_type not in SPECS:
+        raise ValueError(
+            f"{where}: model_type {model_type!r} is not supported by kvfence "
+            f"(supported: {', '.join(SPECS)})"
+        )
+    expected = SPECS[model_type].architecture
+    if architectures and architectures != [expected]:
+        raise ValueError(
+            f"{where}: architectures {architectures} is not {model_type}'s {expected}, the "
+            "only one kvfence serves for it"
+        )
+    return model_type
+
+
+def _refuse_unknown(raw: dict[str, Any], spec: FamilySpec, where: str) -> None:
+    known = COMMON | spec.fields | IRRELEVANT | spec.irrelevant
+    for name, value in raw.items():
+        if name in spec.fixed:
+            if value != spec.fixed[name]:
+                raise ValueError(
+                    f"{where}: field {name!r}={json.dumps(value)} changes the "
+                    "computation and is not implemented"
+                )
+        elif name not in known:
+            raise ValueError(
+                f"{where}: field {name!r}={json.dumps(value)} is not one kvfence "
+                f"knows for {spec.architecture}; it may change the computation"
+            )
+
+
+def _getter(raw: dict[str, Any], spec: FamilySpec) -> Callable[..., Any]:
+    """raw[name], or the family's default where config.json leaves it out (null is a value)."""
+
+    def get(name: str, fallback: Any = None) -> Any:
+        if name in raw:
+            return raw[name]
+        return spec.defaults.get(name, fallback)
+
+    return get
+
+
+def _window(
+    raw: dict[str, Any], model_type: str, get: Callable[..., Any], where: str
+) -> int | None:
+    """The attention window of the model's sliding layers, or None where every layer attends
+    to all positions. Mistral: sliding_window for every layer. Qwen: sliding_window if
+    use_sliding_window, on the layers layer_types names sliding (by default those from
+    max_window_layers on)."""
+    if model_type == "llama":
+        return None
+    window = get("sliding_window")
+    if model_type == "mistral":
+        return None if window is None else int(window)
+    if not get("use_sliding_window"):
+        window = None
+    layers = int(raw["num_hidden_layers"])
+    types = get("layer_types")
+    if types is None:
+        first = int(get("max_window_layers"))
+        sliding = window is not None and first < layers
+        return int(window) if sliding else None
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise ValueError(
+            f"{where}: field 'layer_types'={json.dumps(types)} is not one of "
+            "full_attention or sliding_attention per layer"
+        )
+    if "sliding_attention" not in types:
+        return None
+    if window is None:
+        raise ValueError(
+            f"{where}: field 'layer_types' names sliding_attention layers without a window "
+            "(use_sliding_window false or sliding_window null)"
+        )
+    return int(window)

@@ -1,0 +1,176 @@
+"""Every family and RoPE variant kvfence serves, against transformers on the same folder.
+
+Each case is a tiny model built from transformers' own config class (hidden 64, 2 layers, 256
+tokens), every weight redrawn (norm gains around 1, biases nonzero, so that each is seen),
+saved with save_pretrained and loaded by kvfence's real loader: float32 on CPU on both sides,
+the combined engine with pages of 8 tokens, so that prompts and generations cross pages.
+
+- teacher-forced log-probs over a 200-token prompt: max |diff| < 1e-4 (measured: <= 5e-5);
+- 64 greedy tokens after it: identical, and their log-probs within 1e-4.
+
+The long-context variants (linear, llama3, yarn) put original_max_position_embeddings at 64,
+so that most of the 264 positions lie past it. `dynamic` is exact up to max_position_embeddings
+(512 here), where transformers' dynamic NTK is plain RoPE; past it the engine refuses to serve
+(tests/unit/engine/test_model_refusals.py).
+"""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from helpers.transformers_reference import (
+    hf_model,
+    our_greedy,
+    our_prefill_logits,
+    random_prompt,
+    their_greedy,
+)
+from kvfence_engine.core.engine import EngineArgs, LLMEngine
+from kvfence_engine.core.quantization import pack_int4_linears
+from kvfence_engine.loading.loader import LoadedModel, int4_groups, load_model
+
+transformers = pytest.importorskip("transformers")
+
+PAGE = 8
+PROMPT, NEW = 200, 64
+TOLERANCE = 1e-4
+
+
+def rope(kind: str, theta: float = 10000.0, **values: object) -> dict[str, object]:
+    return {"rope_parameters": {"rope_type": kind, "rope_theta": theta, **values}}
+
+
+LONG = {"original_max_position_embeddings": 64}
+LLAMA3 = rope("llama3", 500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, **LONG)
+CASES = {
+    "llama": ("LlamaConfig", {}),
+    "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama-biases": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
+    "llama-linear": ("LlamaConfig", rope("linear", factor=4.0)),
+    "llama-dynamic": ("LlamaConfig", rope("dynamic", factor=2.0)),
+    "llama-llama3": ("LlamaConfig", LLAMA3),
+    "llama-llama3-tied": ("LlamaConfig", {**LLAMA3, "tie_word_embeddings": True}),
+    "llama-yarn": ("LlamaConfig", rope("yarn", factor=4.0, **LONG)),
+    "llama-yarn-attention-factor": (
+        "LlamaConfig",
+        rope("yarn", factor=4.0, attention_factor=1.3, beta_fast=16.0, beta_slow=2.0, **LONG),
+    ),
+    "llama-yarn-mscale": (
+        "LlamaConfig",
+        rope("yarn", factor=8.0, mscale=1.0, mscale_all_dim=0.5, truncate=False, **LONG),
+    ),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen2-tied": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen2-yarn": ("Qwen2Config", rope("yarn", 1000000.0, factor=4.0, **LONG)),
+    # head_dim 32, not hidden / heads = 16: Qwen3's is its own
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "qwen3-tied-biases": (
+        "Qwen3Config",
+        {"head_dim": 32, "tie_word_embeddings": True, "attention_bias": True},
+    ),
+    "mistral-no-window": ("MistralConfig", {"sliding_window": None}),
+    # a window no shorter than the served context changes nothing
+    "mistral-window-past-context": ("MistralConfig", {"sliding_window": 512}),
+}
+
+
+def engine_for_loaded(loaded: LoadedModel, **args: object) -> LLMEngine:
+    budget = EngineArgs(kv_cache_memory=4 << 20, page_size=PAGE)
+    return LLMEngine(loaded, replace(budget, **args))
+
+
+def engine_for(folder: Path, **args: object) -> LLMEngine:
+    return engine_for_loaded(load_model(str(folder)), **args)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_and_greedy_tokens_are_transformers(case: str, tmp_path: Path) -> None:
+    config_class, overrides = CASES[case]
+    theirs = hf_model(tmp_path, config_class, **overrides)
+    engine = engine_for(tmp_path)
+    ids = random_prompt(PROMPT)
+    with torch.no_grad():
+        expected = torch.log_softmax(theirs(torch.tensor([ids])).logits[0].float(), -1)
+    ours = torch.log_softmax(our_prefill_logits(engine, ids), -1)
+    diff = (ours - expected).abs().max().item()
+    tokens, logprobs = our_greedy(engine, ids, NEW)
+    ref_tokens, ref_logprobs = their_greedy(theirs, ids, NEW)
+    lp_diff = max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True))
+    print(f"{case}: max |dlogprob| {diff:.2e} (prefill), {lp_diff:.2e} (greedy)")
+    assert diff < TOLERANCE
+    assert len(ref_tokens) == NEW and tokens == ref_tokens
+    assert lp_diff < TOLERANCE
+
+
+def test_a_llama_3_folder_with_llama3_rope_scaling_gives_transformers_greedy_tokens(
+    tmp_path: Path,
+) -> None:
+    """Issue #25's case: Llama-3.2-1B's RoPE (rope_theta 500000 and its rope_scaling, written as
+    its config.json writes them), tied embeddings; 48 greedy tokens after a 40-token prompt.
+    Before rope scaling was read, the tokens left transformers' at the 12th."""
+    model = hf_model(tmp_path, "LlamaConfig", tie_word_embeddings=True, head_dim=16)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_parameters")
+    config |= {
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 32.0,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "max_position_embeddings": 131072,
+        "architectures": ["LlamaForCausalLM"],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert theirs.config.rope_parameters["rope_type"] == "llama3"
+    assert torch.equal(theirs.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    engine = engine_for(tmp_path, context_length=1024)
+    ids = random_prompt(40, seed=3)
+    tokens, _ = our_greedy(engine, ids, 48)
+    ref_tokens, _ = their_greedy(theirs.eval(), ids, 48)
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("case", ["llama-biases", "qwen2", "qwen3-tied-biases"])
+def test_packed_weights_find_each_familys_linears(case: str, tmp_path: Path) -> None:
+    """linear_sources names the weights each fused linear was built from, biases beside: with
+    a GGUF's kind of int4 groups (Q4_0 of every projection) and the exact float32 kernel, the
+    packed model is the float32 one on the same rounded weights, up to the float16 lm_head;
+    int8 packs every linear of the family too."""
+    config_class, overrides = CASES[case]
+    hf_model(tmp_path, config_class, **overrides)
+    loaded = load_model(str(tmp_path))
+    kind = GGMLQuantizationType.Q4_0
+    int4 = {}
+    for name, weight in list(loaded.weights.items()):
+        if name.endswith("_proj.weight"):
+            raw = quantize(weight.numpy(), kind)
+            loaded.weights[name] = torch.from_numpy(dequantize(raw, kind))
+            int4[name] = int4_groups(raw, kind)
+    engine = engine_for_loaded(loaded, weight_dtype="float32")
+    ids = random_prompt(40)
+    reference = our_prefill_logits(engine, ids)
+    model = engine.runner.model
+    counts = pack_int4_linears(model, model.linear_sources, int4, kernel_dtype=torch.float32)
+    assert counts == {"int4": 4 * engine.config.num_layers, "float16": 1}
+    diff = (our_prefill_logits(engine, ids) - reference).abs().max().item()
+    float32 = our_prefill_logits(engine_for(tmp_path), ids)
+    int8 = engine_for(tmp_path, weight_dtype="int8")
+    assert not any(isinstance(m, torch.nn.Linear) for m in int8.runner.model.modules())
+    int8_logits = our_prefill_logits(int8, ids)
+    top1 = (int8_logits.argmax(-1) == float32.argmax(-1)).float().mean().item()
+    print(
+        f"{case}: int4 (float32 kernel) max |dlogit| {diff:.4f}; int8 max |dlogit| "
+        f"{(int8_logits - float32).abs().max().item():.3f}, top-1 {top1:.2f} "
+        f"(logits std {float32.std().item():.1f})"
+    )
+    assert diff <= 0.02
+    assert top1 >= 0.9

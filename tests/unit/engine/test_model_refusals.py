@@ -1,0 +1,421 @@
+"""What kvfence does not implement is refused at load, by name: each config.json field and value
+that would change the computation, each unknown tensor, each GGUF key or tensor, and a served
+context a model's window or RoPE cannot give exactly. And real checkpoints' config.json files
+are read as transformers reads them. (What is served: test_model_families.py.)"""
+
+import copy
+import dataclasses
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFWriter
+from safetensors.torch import load_file, save_file
+
+from helpers.transformers_reference import hf_model, our_greedy, random_prompt, their_greedy
+from kvfence_cli.main import main
+from kvfence_engine.core.engine import EngineArgs, LLMEngine
+from kvfence_engine.core.model_config import Family, ModelConfig, RopeScaling, RopeType
+from kvfence_engine.core.rope import rope_frequencies
+from kvfence_engine.loading.config import load_config
+from kvfence_engine.loading.gguf_config import gguf_config
+from kvfence_engine.loading.hf_config import read_hf_config
+from kvfence_engine.loading.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[3]
+HUB = {
+    "llama-3.2-1b": ROOT / "bench/configs/llama-3.2-1b.json",
+    **{p.stem: p for p in (ROOT / "tests/helpers/samples/hub_configs").glob("*.json")},
+}
+
+
+def hub(name: str) -> dict[str, Any]:
+    return json.loads(HUB[name].read_text())
+
+
+# --- real checkpoints' config.json -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(HUB))
+def test_hub_configs_are_read_as_transformers_reads_them(name: str) -> None:
+    raw = hub(name)
+    ours = read_hf_config(raw)
+    given = {k: v for k, v in copy.deepcopy(raw).items() if k != "model_type"}
+    theirs = transformers.AutoConfig.for_model(raw["model_type"], **given)
+    assert (ours.num_layers, ours.num_heads, ours.num_kv_heads, ours.head_dim) == (
+        theirs.num_hidden_layers,
+        theirs.num_attention_heads,
+        theirs.num_key_value_heads,
+        getattr(theirs, "head_dim", raw["hidden_size"] // raw["num_attention_heads"]),
+    )
+    assert (ours.max_positions, ours.tie_embeddings, ours.rms_eps) == (
+        theirs.max_position_embeddings,
+        theirs.tie_word_embeddings,
+        theirs.rms_norm_eps,
+    )
+    model_type = raw["model_type"]
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    prefix = transformers.models.auto.modeling_auto.MODEL_MAPPING_NAMES[model_type]
+    rotary = getattr(modeling, prefix.removesuffix("Model") + "RotaryEmbedding")(theirs)
+    inv_freq, attention = rope_frequencies(
+        ours.head_dim, ours.rope_theta, ours.rope, ours.max_positions
+    )
+    assert torch.equal(inv_freq, rotary.inv_freq) and attention == rotary.attention_scaling
+
+
+def test_llama_3_2_reads_its_llama3_rope_scaling() -> None:
+    config = read_hf_config(hub("llama-3.2-1b"))
+    assert config.rope_theta == 500000.0 and config.tie_embeddings and config.head_dim == 64
+    assert config.rope == RopeScaling(
+        type=RopeType.LLAMA3,
+        factor=32.0,
+        original_max_positions=8192,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+    )
+
+
+def test_the_windows_of_real_configs() -> None:
+    """Qwen2.5 names a window it does not use (use_sliding_window false); Mistral 7B v0.1's
+    4096 applies to every layer."""
+    assert read_hf_config(hub("qwen2.5-0.5b-instruct")).sliding_window is None
+    assert read_hf_config(hub("qwen3-0.6b")).sliding_window is None
+    assert read_hf_config(hub("mistral-7b-v0.1")).sliding_window == 4096
+    assert read_hf_config(hub("mistral-7b-v0.1")).family is Family.LLAMA
+
+
+# --- config.json refusals --------------------------------------------------------------------
+
+
+def llama(**changes: Any) -> dict[str, Any]:
+    return hub("llama-3.2-1b") | changes
+
+
+def with_rope(**entry: Any) -> dict[str, Any]:
+    return llama(rope_scaling=hub("llama-3.2-1b")["rope_scaling"] | entry)
+
+
+REFUSED = {
+    "longrope": (
+        with_rope(rope_type="longrope"),
+        "rope scaling type 'longrope' is not supported by kvfence",
+    ),
+    "unknown rope type": (
+        with_rope(rope_type="su"),
+        "rope scaling type 'su' is not supported by kvfence",
+    ),
+    "a key the variant does not read": (
+        with_rope(beta_fast=32),
+        "rope scaling key 'beta_fast'=32 is not one rope type 'llama3' reads",
+    ),
+    "a key the variant needs": (
+        llama(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}),
+        "rope scaling type 'llama3' needs 'low_freq_factor'",
+    ),
+    "partial rotary": (
+        with_rope(partial_rotary_factor=0.5),
+        "'partial_rotary_factor'=0.5 changes the computation and is not implemented",
+    ),
+    "rope_theta twice": (
+        with_rope(rope_theta=10000.0),
+        "rope_theta=500000.0 and rope_theta=10000.0 inside the rope scaling entry disagree",
+    ),
+    "both spellings, different": (
+        llama(rope_parameters={"rope_type": "default"}),
+        "'rope_scaling' and 'rope_parameters' are both given and differ",
+    ),
+    "type and rope_type": (
+        with_rope(type="linear"),
+        "rope scaling 'rope_type' and 'type' disagree",
+    ),
+    "hidden_act": (
+        llama(hidden_act="gelu"),
+        "field 'hidden_act'='gelu' changes the computation and is not implemented",
+    ),
+    "an unknown field": (
+        llama(logit_softcapping=30.0),
+        "field 'logit_softcapping'=30.0 is not one kvfence knows for LlamaForCausalLM",
+    ),
+    "quantized weights": (
+        llama(quantization_config={"quant_method": "gptq"}),
+        "field 'quantization_config'=",
+    ),
+    "interleaved rope": (
+        llama(rope_interleaved=True),
+        "field 'rope_interleaved'=true changes the computation and is not implemented",
+    ),
+    "another model type": (
+        llama(model_type="phi3", architectures=["Phi3ForCausalLM"]),
+        "model_type 'phi3' is not supported by kvfence",
+    ),
+    "a MoE": (
+        hub("qwen3-0.6b") | {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
+        "model_type 'qwen3_moe' is not supported by kvfence",
+    ),
+    "another head": (
+        llama(architectures=["LlamaForSequenceClassification"]),
+        "architectures ['LlamaForSequenceClassification'] is not llama's LlamaForCausalLM",
+    ),
+    "nothing names the model": (
+        {k: v for k, v in llama().items() if k not in ("model_type", "architectures")},
+        "neither 'model_type' nor 'architectures' names the model",
+    ),
+    "a missing shape": (
+        {k: v for k, v in llama().items() if k != "vocab_size"},
+        "field 'vocab_size' is missing",
+    ),
+    "a field another family has": (
+        hub("qwen2.5-0.5b-instruct") | {"attention_bias": False},
+        "field 'attention_bias'=false is not one kvfence knows for Qwen2ForCausalLM",
+    ),
+    "a value of the wrong kind": (
+        llama(max_position_embeddings=None),
+        "a field holds a value kvfence cannot read",
+    ),
+    "layer types": (
+        hub("qwen3-0.6b") | {"layer_types": ["full_attention"] * 27 + ["chunked_attention"]},
+        "field 'layer_types'=",
+    ),
+    "sliding layers without a window": (
+        hub("qwen3-0.6b") | {"layer_types": ["sliding_attention"] * 28},
+        "names sliding_attention layers without a window",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_config_field_kvfence_does_not_implement_is_refused_by_name(case: str) -> None:
+    raw, message = REFUSED[case]
+    with pytest.raises(ValueError) as refused:
+        read_hf_config(raw)
+    assert str(refused.value).startswith("config.json: ")
+    assert message in str(refused.value)
+    assert "\n" not in str(refused.value)  # one line
+
+
+def test_fields_that_change_nothing_load() -> None:
+    config = read_hf_config(llama(attention_dropout=0.1, pad_token_id=None, dtype="float32"))
+    assert config == read_hf_config(llama())
+
+
+# --- at load and at start, through the real loader and engine --------------------------------
+
+
+def test_a_refusal_reaches_kvfence_preflight_as_one_line(tmp_path: Path, capsys) -> None:
+    hf_model(tmp_path, "LlamaConfig")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] |= {"rope_type": "longrope"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="rope scaling type 'longrope' is not supported"):
+        load_model(str(tmp_path))
+    capsys.readouterr()  # what saving the checkpoint printed
+    code = main(["preflight", "--model", str(tmp_path), "--kv-cache-memory", "1Mi",
+                 "--context-length", "64"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == (
+        f"kvfence preflight: {tmp_path / 'config.json'}: rope scaling type 'longrope' is not "
+        "supported by kvfence (supported: default, linear, dynamic, llama3, yarn)\n"
+    )
+
+
+def test_a_window_shorter_than_the_context_is_refused_and_within_it_served(
+    tmp_path: Path, capsys
+) -> None:
+    """Mistral with sliding_window 32: past 32 tokens of context it would be another model;
+    with --context-length 32 the window changes nothing, and it is served."""
+    theirs = hf_model(tmp_path, "MistralConfig", sliding_window=32)
+    loaded = load_model(str(tmp_path))
+    assert loaded.config.sliding_window == 32
+    with pytest.raises(ValueError) as refused:
+        LLMEngine(loaded, EngineArgs(kv_cache_memory=1 << 20, page_size=8))
+    assert str(refused.value) == (
+        "config.json: field 'sliding_window'=32 changes the computation and is not implemented "
+        "(sliding-window attention) for a context of 512; serve --context-length 32 or less, "
+        "where the window changes nothing"
+    )
+    args = EngineArgs(kv_cache_memory=1 << 20, page_size=8, context_length=32)
+    engine = LLMEngine(load_model(str(tmp_path)), args)
+    ids = random_prompt(16)
+    assert our_greedy(engine, ids, 16)[0] == their_greedy(theirs, ids, 16)[0]
+    code = main(["preflight", "--model", str(tmp_path), "--kv-cache-memory", "1Mi",
+                 "--context-length", "64"])  # fmt: skip
+    assert code == 1
+    assert "context 64: CANNOT BE SERVED: config.json: field 'sliding_window'=32" in (
+        capsys.readouterr().out
+    )
+
+
+def test_qwens_sliding_layers_are_refused_past_their_window(tmp_path: Path) -> None:
+    hf_model(tmp_path, "Qwen2Config", use_sliding_window=True, sliding_window=32,
+             max_window_layers=1)  # fmt: skip
+    loaded = load_model(str(tmp_path))
+    assert loaded.config.sliding_window == 32
+    with pytest.raises(ValueError, match="field 'sliding_window'=32 changes the computation"):
+        LLMEngine(loaded, EngineArgs(kv_cache_memory=1 << 20, page_size=8))
+
+
+def test_dynamic_rope_is_refused_past_max_position_embeddings_saying_why(tmp_path: Path) -> None:
+    hf_model(tmp_path, "LlamaConfig", rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError) as refused:
+        LLMEngine(
+            load_model(str(tmp_path)), EngineArgs(kv_cache_memory=1 << 20, context_length=1024)
+        )
+    assert str(refused.value).startswith(
+        "--context-length 1024 exceeds the model's 512 positions (rope scaling type 'dynamic': "
+    )
+
+
+def test_untied_weights_need_their_lm_head(tmp_path: Path) -> None:
+    hf_model(tmp_path, "LlamaConfig")
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError) as refused:
+        LLMEngine(load_model(str(tmp_path)), EngineArgs(kv_cache_memory=1 << 20))
+    assert str(refused.value) == (
+        "weights: the llama model needs tensor 'lm_head.weight', not found"
+    )
+
+
+def test_a_tensor_no_layer_takes_is_refused(tmp_path: Path) -> None:
+    """A Qwen3 checkpoint's q/k norms under a config that says Qwen2 would be ignored, and
+    the model silently another one."""
+    hf_model(tmp_path, "Qwen3Config", head_dim=16)
+    config = json.loads((tmp_path / "config.json").read_text())
+    drop = ("head_dim", "attention_bias")
+    qwen2 = {k: v for k, v in config.items() if k not in drop} | {"model_type": "qwen2"}
+    qwen2["architectures"] = ["Qwen2ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(qwen2))
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    for i in range(2):  # qwen2 has q/k/v biases: give it some, so that only the norms are left
+        for p, rows in (("q", 64), ("k", 32), ("v", 32)):
+            weights[f"model.layers.{i}.self_attn.{p}_proj.bias"] = torch.zeros(rows)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError) as refused:
+        LLMEngine(load_model(str(tmp_path)), EngineArgs(kv_cache_memory=1 << 20))
+    assert str(refused.value).startswith(
+        "weights: 4 tensors the qwen2 model does not use ('model.layers.0.self_attn.k_norm.weight'"
+    )
+
+
+# --- GGUF metadata ---------------------------------------------------------------------------
+
+
+def write_gguf(
+    path: Path, metadata: dict[str, Any], tensors: tuple[str, ...] = (), arch: str = "llama"
+) -> Path:
+    """A GGUF with a Llama's metadata (+ `metadata`; None leaves a key out), tiny tensors."""
+    values: dict[str, Any] = {
+        "llama.block_count": 1,
+        "llama.context_length": 256,
+        "llama.embedding_length": 64,
+        "llama.feed_forward_length": 128,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+        "llama.rope.dimension_count": 16,
+        "llama.rope.freq_base": 10000.0,
+    } | metadata
+    writer = GGUFWriter(str(path), arch)
+    for key, value in values.items():
+        if value is None:  # left out
+            continue
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    writer.add_token_list([f"t{i}" for i in range(32)])
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", *tensors):
+        writer.add_tensor(name, np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def read_gguf(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    return gguf_config(GGUFReader(str(path)), path)[0]
+
+
+def test_gguf_linear_rope_scaling_is_transformers_linear(tmp_path: Path) -> None:
+    """llama.cpp's linear scaling (positions times freq_scale = 1 / factor) is transformers'
+    (frequencies / factor): one RopeScaling, the same tables (test_model_families.py)."""
+    path = write_gguf(
+        tmp_path / "m.gguf", {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+    )
+    assert read_gguf(path).rope == RopeScaling(type=RopeType.LINEAR, factor=4.0)
+    assert read_gguf(write_gguf(tmp_path / "n.gguf", {})).rope == RopeScaling()
+    assert load_config(str(path)).rope.factor == 4.0
+
+
+GGUF_REFUSED = {
+    "yarn": (
+        {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+         "llama.rope.scaling.attn_factor": 1.0},
+        (),
+        "GGUF rope scaling type 'yarn' ('llama.rope.scaling.type') is not supported by kvfence",
+    ),
+    "an unknown key": (
+        {"llama.expert_count": 8},
+        (),
+        "GGUF key 'llama.expert_count'=8 is not one kvfence implements",
+    ),
+    "partial rotary": (
+        {"llama.rope.dimension_count": 8},
+        (),
+        "GGUF key 'llama.rope.dimension_count'=8 is not the head dim 16 and is not implemented",
+    ),
+    "a missing key": (
+        {"llama.feed_forward_length": None},
+        (),
+        "GGUF key 'llama.feed_forward_length' is missing",
+    ),
+    "llama 3.1 frequency factors": (
+        {},
+        ("rope_freqs.weight",),
+        "GGUF tensor 'rope_freqs.weight' is not one kvfence implements (per-dimension RoPE",
+    ),
+    "an unknown tensor": (
+        {},
+        ("blk.0.ffn_gate_exps.weight",),
+        "GGUF tensor 'blk.0.ffn_gate_exps.weight' is not one kvfence implements",
+    ),
+    "another architecture": (
+        {"general.architecture": "gemma2"},  # its keys are llama.*: refused before them
+        (),
+        "GGUF architecture 'gemma2' is not supported by kvfence",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", GGUF_REFUSED)
+def test_gguf_metadata_kvfence_does_not_implement_is_refused_by_name(
+    case: str, tmp_path: Path
+) -> None:
+    metadata, tensors, message = GGUF_REFUSED[case]
+    arch = metadata.pop("general.architecture", "llama")
+    path = write_gguf(tmp_path / "m.gguf", metadata, tensors, arch)
+    with pytest.raises(ValueError) as refused:
+        read_gguf(path)
+    assert str(refused.value).startswith(f"{path}: {message}")
+
+
+def test_a_config_survives_the_conversion_cache_as_itself() -> None:
+    """A converted GGUF's cache stores its ModelConfig as JSON: the family and the RoPE type
+    must come back as what they were, not as strings a variant check would not recognise."""
+    config = read_hf_config(hub("qwen3-0.6b") | {"rope_scaling": {"type": "linear", "factor": 2}})
+    back = ModelConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(config))))
+    assert back == config
+    assert back.rope.type is RopeType.LINEAR and back.family is Family.QWEN3

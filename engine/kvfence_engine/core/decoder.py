@@ -1,5 +1,5 @@
 """A decoder-only transformer over the paged pool: embeddings, a family's layers, the final
-norm and the lm_head. What differs by family is the layer (core/families/)."""
+norm and the lm_head. What differs by family is the layer (core/families.py)."""
 
 from collections.abc import Callable
 

@@ -1,6 +1,6 @@
 """One model definition per family, built of the shared layers (core/layers.py) in the
 family's own weight names: what each family's checkpoints say about its layer, and nothing else
-(the config fields each family accepts: loading/hf_families.py)."""
+(the config fields each family accepts: loading/hf_config.py)."""
 
 import torch
 

@@ -6,7 +6,7 @@ from typing import Any
 
 
 class Family(StrEnum):
-    """Which model definition (core/families/) runs the weights."""
+    """Which model definition (core/families.py) runs the weights."""
 
     LLAMA = "llama"  # Llama 2/3.x, and Mistral served within its window
     QWEN2 = "qwen2"  # Qwen2/2.5: q/k/v bias

@@ -274,6 +274,19 @@ class Cluster:
     def pod_condition(pod: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
         return condition(dict(pod), kind)
 
+    @staticmethod
+    def require_condition(obj: Mapping[str, Any], kind: str) -> dict[str, Any]:
+        """The condition of that type, which must be there (pod_condition() for any object):
+        LookupError naming the object otherwise (inside wait_for, an observation to retry)."""
+        found = condition(dict(obj), kind)
+        if found is None:
+            meta = obj.get("metadata") or {}
+            raise LookupError(
+                f"{obj.get('kind', 'object')} {meta.get('namespace')}/{meta.get('name')} "
+                f"has no {kind} condition"
+            )
+        return found
+
     def pod_log(self, name: str, namespace: str = "default", container: str | None = None) -> str:
         """A container's log (the first container's by default), through the API while the pod
         exists, from the logs directory after it was deleted."""

@@ -131,7 +131,7 @@ def test_builtin_kinds_get_their_usual_columns_and_pod_logs(cluster: Cluster) ->
             ]
         },
     }  # fmt: skip
-    service = {
+    service: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": "hello"},
@@ -211,8 +211,8 @@ def test_apply_from_the_crds_folder_then_apply_patch_and_delete_an_inference_dep
         assert obj["metadata"]["generation"] == 3
 
         server_side = inference_deployment("other", context_length=256)
-        out = cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.dump(server_side))
-        assert out.stdout.strip() == "inferencedeployment.kvfence.dev/other serverside-applied"
+        served = cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.dump(server_side))
+        assert served.stdout.strip() == "inferencedeployment.kvfence.dev/other serverside-applied"
         server_side["spec"]["contextLength"] = 128
         cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(server_side))
         other = cluster.get(KIND, "other", api_version=API_VERSION)

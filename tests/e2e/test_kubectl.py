@@ -82,9 +82,9 @@ def test_namespaces_are_listed_created_and_used(cluster: Cluster) -> None:
         "namespace/team-a created"
     )
     cluster.kubectl("create", "configmap", "settings", "-n", "team-a", "--from-literal=a=b")
-    assert cluster.get("ConfigMap", "settings", "team-a")["data"] == {"a": "b"}  # type: ignore[index]
+    assert cluster.require("ConfigMap", "settings", "team-a")["data"] == {"a": "b"}
     assert cells(cluster.kubectl("get", "cm", "-n", "team-a").stdout)[0][:2] == ["settings", "1"]
-    assert cluster.get("Namespace", "team-a")["status"]["phase"] == "Active"  # type: ignore[index]
+    assert cluster.require("Namespace", "team-a")["status"]["phase"] == "Active"
 
 
 def test_get_prints_the_crds_printer_columns_with_live_values(cluster: Cluster) -> None:

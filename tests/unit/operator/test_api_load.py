@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from helpers.memory_kube import MemoryKube
-from helpers.reconciling import body, sufficient
+from helpers.reconciling import body, run_timer, sufficient
 from kvfence_operator.cluster.cache import CACHE_LABELS, WATCHED, CachedKube, Store
 from kvfence_operator.cluster.prober import PROBING, PoolProber, Probe
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
@@ -220,7 +220,6 @@ def test_a_pass_with_a_hanging_probe_returns_and_judges_the_pod_unknown():
 def test_an_unchanged_status_is_not_patched_and_a_changed_one_is():
     import kopf
 
-    from kvfence_operator.app import handlers
     from kvfence_operator.app.metrics import PassMetrics
 
     kube = MemoryKube(KEYS)
@@ -232,21 +231,14 @@ def test_an_unchanged_status_is_not_patched_and_a_changed_one_is():
     )
     memo = kopf.Memo(reconciler=reconciler, metrics=PassMetrics())
 
-    def run(obj: dict[str, Any]) -> kopf.Patch:
-        patch = kopf.Patch()
-        handlers.reconcile(
-            body=kopf.Body(obj), patch=patch, memo=memo, logger=kopf.LocalObjectLogger(
-                body=kopf.Body(obj), settings=kopf.OperatorSettings()),
-        )  # fmt: skip
-        return patch
-
     obj, writes = body(), 0
-    while written := run(obj):  # a new object, its children appearing: status is written
+    # a new object, its children appearing: status is written
+    while written := run_timer(memo, obj):
         obj = {**obj, "status": merged(obj.get("status"), dict(written["status"]))}
         writes += 1
         assert writes < 5, "the status never settles"
     assert writes >= 1
-    assert not run(obj)  # nothing changed since: nothing to write, pass after pass
+    assert not run_timer(memo, obj)  # nothing changed since: nothing to write, pass after pass
     assert status_changes(obj["status"], {"observedGeneration": 2})
     assert not status_changes(obj["status"], {"observedGeneration": 1, "gone": None})
 
@@ -255,7 +247,7 @@ def test_a_name_taken_by_someone_elses_object_is_read_from_the_api_and_posted_on
     """The caches hold only objects labelled as the operator's children: a user's Service
     named like the deployment is not among them, and must still be seen (a NameConflict)."""
     meta = {"name": "tiny", "namespace": "default", "labels": {"team": "web"}}
-    theirs = {"apiVersion": "v1", "kind": "Service", "metadata": meta}
+    theirs: dict[str, Any] = {"apiVersion": "v1", "kind": "Service", "metadata": meta}
     ours = {**theirs, "metadata": {**theirs["metadata"], "labels": dict(CACHE_LABELS)}}
     kube = MemoryKube(theirs)
     cached = CachedKube(kube, filled_store(kube))  # type: ignore[arg-type]

@@ -5,8 +5,9 @@ that runs each Pod as local processes.
 
     def test_x(cluster):
         cluster.create(manifest)                                # any kind, 201 + server fields
-        pod = cluster.wait_for(lambda: cluster.get("Pod", name), "the pod to be Ready",
-                               until=lambda p: p and cluster.pod_condition(p, "Ready")...)
+        cluster.get("Pod", name)                                # the object, or None
+        pod = cluster.wait_for(lambda: cluster.require("Pod", name), "the pod to be Ready",
+                               until=lambda p: cluster.pod_condition(p, "Ready")...)
         httpx.get(cluster.pod_url(pod) + "/readyz")             # http://127.0.0.1:<its port>
         operator = cluster.start_operator(["--standalone", "-A"])  # KUBECONFIG=cluster.kubeconfig
         operator.kill()                                         # a crash; start_operator again

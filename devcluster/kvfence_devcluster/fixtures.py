@@ -16,7 +16,7 @@ import shutil
 import subprocess
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import httpx
 import kmock
@@ -150,6 +150,16 @@ class Cluster:
             raise ClusterApiError(response)
         return dict(response.json())
 
+    def require(
+        self, kind: str, name: str, namespace: str = "default", api_version: str | None = None
+    ) -> dict[str, Any]:
+        """The object, which must exist: get() for a test that reads it; a missing one raises
+        LookupError naming it (inside wait_for, an observation to retry)."""
+        found = self.get(kind, name, namespace, api_version)
+        if found is None:
+            raise LookupError(f"{kind} {namespace}/{name} does not exist")
+        return found
+
     def list(
         self,
         kind: str,
@@ -207,6 +217,26 @@ class Cluster:
 
     # ---- waiting ----------------------------------------------------------------------------
 
+    @overload
+    def wait_for(
+        self,
+        observe: Callable[[], T | None],
+        what: str,
+        timeout: float = 30.0,
+        *,
+        interval: float = 0.1,
+    ) -> T: ...
+
+    @overload
+    def wait_for(
+        self,
+        observe: Callable[[], T],
+        what: str,
+        timeout: float = 30.0,
+        until: Callable[[T], object] = bool,
+        interval: float = 0.1,
+    ) -> T: ...
+
     def wait_for(
         self,
         observe: Callable[[], T],
@@ -215,7 +245,8 @@ class Cluster:
         until: Callable[[T], object] = bool,
         interval: float = 0.1,
     ) -> T:
-        """eventually() (waiting.py) with the cluster's state (pods, logs) in its failure."""
+        """eventually() (waiting.py) with the cluster's state (pods, logs) in its failure;
+        without `until`, never None (its first overload)."""
         return eventually(observe, what, timeout, until, interval, describe=self.describe)
 
     def wait_gone(
@@ -242,6 +273,19 @@ class Cluster:
     @staticmethod
     def pod_condition(pod: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
         return condition(dict(pod), kind)
+
+    @staticmethod
+    def require_condition(obj: Mapping[str, Any], kind: str) -> dict[str, Any]:
+        """The condition of that type, which must be there (pod_condition() for any object):
+        LookupError naming the object otherwise (inside wait_for, an observation to retry)."""
+        found = condition(dict(obj), kind)
+        if found is None:
+            meta = obj.get("metadata") or {}
+            raise LookupError(
+                f"{obj.get('kind', 'object')} {meta.get('namespace')}/{meta.get('name')} "
+                f"has no {kind} condition"
+            )
+        return found
 
     def pod_log(self, name: str, namespace: str = "default", container: str | None = None) -> str:
         """A container's log (the first container's by default), through the API while the pod

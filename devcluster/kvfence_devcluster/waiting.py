@@ -9,7 +9,7 @@ the tests' helpers; the tests import it from tests/helpers/waits.py."""
 import json
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -24,6 +24,28 @@ def short(value: Any, limit: int = 3000) -> str:
     return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
 
 
+@overload
+def eventually(
+    observe: Callable[[], T | None],
+    what: str,
+    timeout: float = 30.0,
+    *,
+    interval: float = 0.1,
+    describe: Callable[[], str] | None = None,
+) -> T: ...
+
+
+@overload
+def eventually(
+    observe: Callable[[], T],
+    what: str,
+    timeout: float = 30.0,
+    until: Callable[[T], object] = bool,
+    interval: float = 0.1,
+    describe: Callable[[], str] | None = None,
+) -> T: ...
+
+
 def eventually(
     observe: Callable[[], T],
     what: str,
@@ -34,7 +56,10 @@ def eventually(
 ) -> T:
     """Poll `observe()` until `until(value)` holds and return that value. An observation that
     raises is an observation too (retried), except GiveUp. On timeout, fail (AssertionError)
-    naming `what`, the last value observed and, with `describe`, what it says."""
+    naming `what`, the last value observed and, with `describe`, what it says.
+
+    Without `until` the value returned is truthy, so never None: an observation typed
+    `X | None` (a lookup) returns an X (the first overload)."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:

@@ -545,7 +545,8 @@ def test_every_rule_is_commented_framework_or_application_and_grants_exactly_tha
     texts = role_texts(helm, values)
     assert len(texts) == (1 if values is None else len(values["watchNamespaces"]))
     for text in texts:
-        framework, application = [], []
+        framework: list[dict[str, Any]] = []
+        application: list[dict[str, Any]] = []
         for comment, rule in commented_rules(text):
             assert re.match(r"# (framework|application): \S", comment), comment
             (framework if comment.startswith("# framework") else application).append(rule)
@@ -781,7 +782,7 @@ def recorded_rollout_and_update(legacy: bool = False) -> RecordingKube:
     store = Store(["inference"])
     kube.watch_into(store, "inference")  # the reads go through the operator's caches
     reconciler = Reconciler(  # as the chart runs it: with a credentials key
-        CachedKube(kube, store),  # type: ignore[arg-type]
+        CachedKube(kube, store),
         NAMESPACE,
         read_pool=sufficient_pool,
         credentials_key=None if legacy else b"the credentials key",
@@ -960,8 +961,8 @@ def test_the_operator_may_create_and_read_its_own_secrets_and_no_other(
     assert env[TOKEN_SECRET_ENV] == METRICS_TOKEN_SECRET
     assert env[CREDENTIALS_KEY_SECRET_ENV] == CREDENTIALS_KEY_SECRET
     kube = RecordingKube()
-    access = metrics_access(kube, NAMESPACE, env)  # type: ignore[arg-type]
-    assert credentials_key(kube, NAMESPACE, env)  # type: ignore[arg-type]
+    access = metrics_access(kube, NAMESPACE, env)
+    assert credentials_key(kube, NAMESPACE, env)
     assert access.token_sha256 and kube.calls == {
         ("create", "v1", "Secret", ""),
         ("get", "v1", "Secret", ""),

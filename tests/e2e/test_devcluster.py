@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ def inference_deployment(name: str, context_length: int = 512) -> dict[str, Any]
     }
 
 
-def config_map(name: str, labels: dict[str, str] | None = None, **data: str) -> dict[str, Any]:
+def config_map(name: str, labels: dict[str, str] | None = None, /, **data: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -88,12 +89,15 @@ def test_create_answers_201_and_fills_in_what_the_api_server_owns(cluster: Clust
     configmap = cluster.create(config_map("plain", a="1"))
     assert rv(configmap) > rv(created), "resourceVersion is one counter bumped on every write"
     assert "generation" not in configmap["metadata"], "ConfigMaps have no generation"
-    assert cluster.get("InferenceDeployment", "alpha", "team-a")["metadata"]["uid"] == meta["uid"]
+    assert (
+        cluster.require("InferenceDeployment", "alpha", "team-a")["metadata"]["uid"] == meta["uid"]
+    )
     # The official client maps 201 to the object (kmock's 200 made this None).
     objects = client.CustomObjectsApi(cluster.api_client)
     made = objects.create_namespaced_custom_object(
         GROUP, VERSION, "default", PLURAL, inference_deployment("beta")
     )
+    assert isinstance(made, dict), made  # a custom resource has no model: its JSON object
     assert made["metadata"]["namespace"] == "default"
 
 
@@ -101,8 +105,10 @@ def test_duplicate_create_is_409_and_a_missing_object_is_404(cluster: Cluster):
     cluster.create(config_map("once"))
     core = client.CoreV1Api(cluster.api_client)
     with pytest.raises(client.ApiException) as duplicate:
-        core.create_namespaced_config_map("default", config_map("once"))
-    assert duplicate.value.status == 409
+        core.create_namespaced_config_map(
+            "default", client.V1ConfigMap.model_validate(config_map("once"))
+        )
+    assert duplicate.value.status == 409 and duplicate.value.body is not None
     assert json.loads(duplicate.value.body)["reason"] == "AlreadyExists"
     with pytest.raises(client.ApiException) as missing:
         core.read_namespaced_config_map("never", "default")
@@ -114,12 +120,16 @@ def test_a_dry_run_create_answers_like_a_create_and_stores_nothing(cluster: Clus
     """How the operator asks whether a Secret exists without the right to read it."""
     core = client.CoreV1Api(cluster.api_client)
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys"}}
-    made = core.create_namespaced_secret("default", secret, dry_run="All")
-    assert made.metadata.name == "keys"
+    made = core.create_namespaced_secret(
+        "default", client.V1Secret.model_validate(secret), dry_run="All"
+    )
+    assert made.metadata is not None and made.metadata.name == "keys"
     assert cluster.get("Secret", "keys") is None
     cluster.create(secret)
     with pytest.raises(client.ApiException) as taken:
-        core.create_namespaced_secret("default", secret, dry_run="All")
+        core.create_namespaced_secret(
+            "default", client.V1Secret.model_validate(secret), dry_run="All"
+        )
     assert taken.value.status == 409
 
 
@@ -175,6 +185,7 @@ def test_status_subresource_keeps_status_and_the_rest_apart(cluster: Cluster):
     via_client = objects.patch_namespaced_custom_object_status(
         GROUP, VERSION, "default", PLURAL, "split", {"status": {"x": 4}}
     )
+    assert isinstance(via_client, dict), via_client
     assert via_client["status"] == {"x": 4}
 
 
@@ -198,7 +209,7 @@ def test_writes_guarded_by_a_stale_resource_version_are_refused(cluster: Cluster
             patch_type="json",
         )
     assert json_patch.value.status == 422
-    assert cluster.get("ConfigMap", "guarded")["data"] == {"a": "2"}
+    assert cluster.require("ConfigMap", "guarded")["data"] == {"a": "2"}
 
 
 def test_the_official_clients_strategic_merge_patches_merge_keyed_lists(cluster: Cluster):
@@ -213,7 +224,8 @@ def test_the_official_clients_strategic_merge_patches_merge_keyed_lists(cluster:
     core = client.CoreV1Api(cluster.api_client)
     patch = {"metadata": {"finalizers": ["b"]}, "spec": {"ports": [{"name": "t", "port": 8001}]}}
     patched = core.patch_namespaced_service("svc", "default", patch)  # strategic merge patch
-    assert [p.port for p in patched.spec.ports] == [8000, 8001]
+    assert patched.spec is not None and patched.metadata is not None
+    assert [p.port for p in patched.spec.ports or []] == [8000, 8001]
     assert patched.metadata.finalizers == ["a", "b"]
     objects = client.CustomObjectsApi(cluster.api_client)
     cluster.create(inference_deployment("crd"))
@@ -248,7 +260,9 @@ def test_watch_delivers_added_modified_deleted_after_a_resource_version(cluster:
     core = client.CoreV1Api(cluster.api_client)
     cluster.create(config_map("before", {"w": "yes"}))
     listed = core.list_namespaced_config_map("default", label_selector="w=yes")
+    assert listed.metadata is not None
     since = listed.metadata.resource_version
+    assert since is not None
     cluster.create(config_map("watched", {"w": "yes"}))
     cluster.create(config_map("ignored", {"w": "no"}))
     cluster.patch("ConfigMap", "watched", {"data": {"k": "v"}})
@@ -298,7 +312,7 @@ def test_deleting_an_owner_collects_its_dependents_transitively(cluster: Cluster
     assert cluster.get("InferenceDeployment", "owner") is None
     assert cluster.get("ConfigMap", "child") is None and cluster.get("Secret", "grandchild") is None
     assert cluster.get("ConfigMap", "bystander") is not None
-    terminating = cluster.get("ConfigMap", "held")
+    terminating = cluster.require("ConfigMap", "held")
     assert terminating["metadata"]["deletionTimestamp"], "a finalizer holds it, marked for deletion"
     cluster.patch("ConfigMap", "held", {"metadata": {"finalizers": None}})
     assert cluster.get("ConfigMap", "held") is None and held
@@ -306,7 +320,7 @@ def test_deleting_an_owner_collects_its_dependents_transitively(cluster: Cluster
     orphan_owner = cluster.create(inference_deployment("orphaning"))
     cluster.create(owned_by(config_map("orphan"), orphan_owner))
     cluster.delete("InferenceDeployment", "orphaning", propagation="Orphan")
-    assert cluster.get("ConfigMap", "orphan")["metadata"]["ownerReferences"] == []
+    assert cluster.require("ConfigMap", "orphan")["metadata"]["ownerReferences"] == []
 
 
 def test_a_dependent_written_after_its_owner_was_deleted_is_collected(cluster: Cluster):
@@ -367,7 +381,7 @@ def test_an_evicted_pod_is_stopped_replaced_and_left_until_deleted(cluster: Clus
     first = cluster.wait_for(
         lambda: only_pod(cluster, app="web"),
         "a ready pod",
-        until=lambda p: p and (cluster.pod_condition(p, "Ready") or {}).get("status") == "True",
+        until=lambda p: (cluster.pod_condition(p, "Ready") or {}).get("status") == "True",
     )
     url = cluster.pod_url(first)
     evicted = {"phase": "Failed", "reason": "Evicted", "message": "low on memory", "podIP": None}
@@ -389,7 +403,7 @@ def test_an_evicted_pod_is_stopped_replaced_and_left_until_deleted(cluster: Clus
     assert left is not None and left["status"]["phase"] == "Failed"
     assert left["status"]["reason"] == "Evicted" and not left["status"].get("podIP")
     cluster.wait_for(  # the Deployment controller counts the replacement on its next tick
-        lambda: cluster.get("Deployment", "web")["status"],
+        lambda: cluster.require("Deployment", "web")["status"],
         "the Deployment to count its ready replacement",
         until=lambda status: status.get("readyReplicas") == status.get("replicas") == 1,
     )
@@ -423,9 +437,13 @@ def condition_of(obj: dict[str, Any] | None, kind: str) -> dict[str, Any]:
     return found[0] if found else {}
 
 
-def only_pod(cluster: Cluster, **labels: str) -> dict[str, Any] | None:
+def only_pod(cluster: Cluster, **labels: str) -> dict[str, Any]:
+    """The one pod with these labels; LookupError unless there is exactly one (in a wait, an
+    observation to retry)."""
     pods = cluster.list("Pod", "default", labels=labels)
-    return pods[0] if len(pods) == 1 else None
+    if len(pods) != 1:
+        raise LookupError(f"{len(pods)} pods labelled {labels}, not one")
+    return pods[0]
 
 
 def answers(url: str) -> bool:
@@ -452,7 +470,7 @@ def test_a_deployment_keeps_its_replicas_and_replaces_pods_when_its_template_cha
 ):
     cluster.create(web_deployment("web", replicas=2))
     deployment = cluster.wait_for(
-        lambda: cluster.get("Deployment", "web"),
+        lambda: cluster.require("Deployment", "web"),
         "2 ready replicas",
         until=lambda d: d["status"].get("readyReplicas") == 2,
     )
@@ -481,14 +499,13 @@ def test_a_deployment_keeps_its_replicas_and_replaces_pods_when_its_template_cha
         lambda: only_pod(cluster, app="web"),
         "the pod to be replaced after a template change",
         until=lambda p: (
-            p
-            and p["metadata"]["name"] != remaining["metadata"]["name"]
-            and cluster.pod_condition(p, "Ready")["status"] == "True"
+            p["metadata"]["name"] != remaining["metadata"]["name"]
+            and cluster.require_condition(p, "Ready")["status"] == "True"
         ),
     )
     assert replaced["metadata"]["annotations"] == {"restarted": "1"}
     cluster.wait_for(  # the controller writes status on its next tick, not with the pod
-        lambda: cluster.get("Deployment", "web")["status"],
+        lambda: cluster.require("Deployment", "web")["status"],
         "observedGeneration to catch up and the replacement to be counted ready",
         until=lambda s: (
             s["observedGeneration"] == patched["metadata"]["generation"] == 3
@@ -505,7 +522,7 @@ def test_a_container_that_exits_is_restarted_with_its_exit_code_recorded(cluster
     pod = cluster.wait_for(
         lambda: only_pod(cluster, app="crash"),
         "two restarts",
-        until=lambda p: p and p["status"]["containerStatuses"][0]["restartCount"] >= 2,
+        until=lambda p: p["status"]["containerStatuses"][0]["restartCount"] >= 2,
     )
     status = pod["status"]["containerStatuses"][0]
     assert status["lastState"]["terminated"]["exitCode"] == 5
@@ -524,7 +541,7 @@ def test_a_failed_job_reports_the_termination_message(cluster: Cluster):
     cluster.create(job("leaky", ["sh", "-c", script]))
     failed = cluster.wait_for(lambda: job_condition(cluster, "leaky"), "the Job to finish")
     assert (failed["type"], failed["reason"]) == ("Failed", "BackoffLimitExceeded")
-    status = cluster.get("Job", "leaky")["status"]
+    status = cluster.require("Job", "leaky")["status"]
     assert status["failed"] == 1 and "succeeded" not in status and "completionTime" not in status
     pod = only_pod(cluster, **{"job-name": "leaky"})
     terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
@@ -540,7 +557,7 @@ def test_a_job_past_its_active_deadline_is_killed_and_fails(cluster: Cluster):
     running = cluster.wait_for(
         lambda: only_pod(cluster, **{"job-name": "slow"}),
         "the Job's pod to run",
-        until=lambda p: p and "running" in p["status"]["containerStatuses"][0]["state"],
+        until=lambda p: "running" in p["status"]["containerStatuses"][0]["state"],
     )
     pid = container_pid(running)
     failed = cluster.wait_for(lambda: job_condition(cluster, "slow"), "the deadline to pass")
@@ -568,7 +585,7 @@ def test_a_job_retries_counted_failures_with_exponential_backoff_up_to_its_limit
     failed = cluster.wait_for(lambda: job_condition(cluster, "flaky"), "the Job to give up")
     assert (failed["type"], failed["reason"]) == ("Failed", "BackoffLimitExceeded")
     assert failed["message"] == "Job has reached the specified backoff limit"
-    assert cluster.get("Job", "flaky")["status"]["failed"] == 3
+    assert cluster.require("Job", "flaky")["status"]["failed"] == 3
     runs = finished_runs(cluster, "flaky")
     assert len(runs) == 3, "backoffLimit 2: the first try and two retries"
     assert [r["exitCode"] for r in runs] == [2, 2, 2]
@@ -596,7 +613,7 @@ def test_pod_failure_policy_fails_a_job_at_once_on_a_matching_exit_code(cluster:
         )
     )
     for name, code in (("finding", 1), ("unexpected", 7)):
-        failed = cluster.wait_for(lambda n=name: job_condition(cluster, n), f"{name} to fail")
+        failed = cluster.wait_for(partial(job_condition, cluster, name), f"{name} to fail")
         assert (failed["type"], failed["reason"]) == ("Failed", "PodFailurePolicy")
         (pod,) = cluster.list("Pod", "default", labels={"job-name": name})
         assert failed["message"] == (
@@ -605,7 +622,7 @@ def test_pod_failure_policy_fails_a_job_at_once_on_a_matching_exit_code(cluster:
         )
         target = condition_of(cluster.get("Job", name), "FailureTarget")
         assert target["reason"] == "PodFailurePolicy"
-        assert cluster.get("Job", name)["status"]["failed"] == 1
+        assert cluster.require("Job", name)["status"]["failed"] == 1
 
 
 def test_a_pod_failure_ignored_by_its_condition_is_not_counted_and_the_job_runs_again(
@@ -624,7 +641,7 @@ def test_a_pod_failure_ignored_by_its_condition_is_not_counted_and_the_job_runs_
     first = cluster.wait_for(
         lambda: only_pod(cluster, **{"job-name": "evicted"}),
         "the first pod to run",
-        until=lambda p: p and "running" in p["status"]["containerStatuses"][0]["state"],
+        until=lambda p: "running" in p["status"]["containerStatuses"][0]["state"],
     )
     name = first["metadata"]["name"]
     eviction = {
@@ -643,9 +660,9 @@ def test_a_pod_failure_ignored_by_its_condition_is_not_counted_and_the_job_runs_
     go.touch()
     done = cluster.wait_for(lambda: job_condition(cluster, "evicted"), "the Job to finish")
     assert done["type"] == "Complete", done
-    status = cluster.get("Job", "evicted")["status"]
+    status = cluster.require("Job", "evicted")["status"]
     assert status["succeeded"] == 1 and "failed" not in status, status
-    evicted = cluster.get("Pod", name)
+    evicted = cluster.require("Pod", name)
     assert evicted["status"]["phase"] == "Failed"
     kept = cluster.pod_condition(evicted, "DisruptionTarget")
     assert kept is not None and kept["status"] == "True", "the kubelet leaves it alone"
@@ -719,13 +736,13 @@ def test_mounted_files_and_environment_follow_configmaps_and_secrets(cluster: Cl
     pod = cluster.wait_for(
         lambda: only_pod(cluster, **{"job-name": "reader"}),
         "the reader to start",
-        until=lambda p: p and "running" in p["status"]["containerStatuses"][0]["state"],
+        until=lambda p: "running" in p["status"]["containerStatuses"][0]["state"],
     )
     assert job_condition(cluster, "reader") is None, "it must still be waiting for v2"
     cluster.patch("ConfigMap", "backends", {"data": {"backends.json": "v2"}})
     done = cluster.wait_for(lambda: job_condition(cluster, "reader"), "the reader to see v2")
     assert done["type"] == "Complete"
-    finished = cluster.get("Pod", pod["metadata"]["name"])
+    finished = cluster.require("Pod", pod["metadata"]["name"])
     message = finished["status"]["containerStatuses"][0]["state"]["terminated"]["message"]
     assert message == f"{pod['metadata']['name']}|s3cret|KEY tenant"
     assert finished["status"]["phase"] == "Succeeded"
@@ -761,7 +778,7 @@ def test_a_configmap_volume_can_lag_its_configmap_like_the_real_kubelets(tmp_pat
         pod = c.wait_for(
             lambda: only_pod(c, **{"job-name": "holder"}),
             "the pod to run",
-            until=lambda p: p and "running" in p["status"]["containerStatuses"][0]["state"],
+            until=lambda p: "running" in p["status"]["containerStatuses"][0]["state"],
         )
         assert c.kubelet is not None
         paths = c.kubelet.runtimes[pod["metadata"]["uid"]].sandbox.volume_paths
@@ -827,7 +844,7 @@ def test_engine_pods_from_the_operators_builders_serve_and_are_ready_only_past_t
         lambda: only_pod(cluster, **selector(instance, revision, Role.DECODE)),
         "the decode engine's container to be ready",
         timeout=120,
-        until=lambda p: p and p["status"].get("containerStatuses", [{}])[0].get("ready"),
+        until=lambda p: p["status"].get("containerStatuses", [{}])[0].get("ready"),
     )
     url = cluster.pod_url(pod)
     ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
@@ -838,17 +855,17 @@ def test_engine_pods_from_the_operators_builders_serve_and_are_ready_only_past_t
     pool = httpx.get(url + "/v1/kvpool", headers=token).json()
     assert (pool["role"], pool["revision"]) == ("decode", revision)
     assert pool["transfer_port"] == ports["transfer"], "--transfer-port follows the pod's port"
-    assert cluster.pod_condition(pod, "ContainersReady")["status"] == "True"
-    not_ready = cluster.pod_condition(pod, "Ready")
+    assert cluster.require_condition(pod, "ContainersReady")["status"] == "True"
+    not_ready = cluster.require_condition(pod, "Ready")
     assert (not_ready["status"], not_ready.get("reason")) == ("False", "ReadinessGatesNotReady")
     assert KV_POOL_GATE in not_ready["message"]
     assert (
-        cluster.get("Deployment", deployment["metadata"]["name"])["status"].get("readyReplicas")
+        cluster.require("Deployment", deployment["metadata"]["name"])["status"].get("readyReplicas")
         is None
     )
 
     def gate_true() -> dict[str, Any]:
-        current = cluster.get("Pod", pod["metadata"]["name"])
+        current = cluster.require("Pod", pod["metadata"]["name"])
         if cluster.pod_condition(current, KV_POOL_GATE) is None:
             current = set_pool_gate(cluster, current, "True")  # 409 if the kubelet wrote first
         return current
@@ -856,12 +873,12 @@ def test_engine_pods_from_the_operators_builders_serve_and_are_ready_only_past_t
     ready = cluster.wait_for(
         gate_true,
         "the pod to be Ready",
-        until=lambda p: cluster.pod_condition(p, "Ready")["status"] == "True",
+        until=lambda p: cluster.require_condition(p, "Ready")["status"] == "True",
     )
     # Ready=True is the kubelet's write, after the gate: the operator's condition survived it.
-    assert cluster.pod_condition(ready, KV_POOL_GATE)["status"] == "True"
+    assert cluster.require_condition(ready, KV_POOL_GATE)["status"] == "True"
     cluster.wait_for(
-        lambda: cluster.get("Deployment", deployment["metadata"]["name"])["status"],
+        lambda: cluster.require("Deployment", deployment["metadata"]["name"])["status"],
         "the Deployment to count the ready pod",
         until=lambda s: s.get("readyReplicas") == 1,
     )
@@ -905,7 +922,7 @@ def test_an_engine_pod_that_cannot_load_its_model_crash_loops_with_the_reason_as
         lambda: only_pod(cluster, **selector(instance, revision, Role.DECODE)),
         "the engine to crash and be restarted",
         timeout=120,
-        until=lambda p: p and p["status"].get("containerStatuses", [{}])[0].get("restartCount"),
+        until=lambda p: p["status"].get("containerStatuses", [{}])[0].get("restartCount"),
     )
     status = pod["status"]["containerStatuses"][0]
     terminated = status["lastState"]["terminated"]
@@ -951,12 +968,12 @@ def test_kopf_handles_an_inference_deployment_and_its_deletion(cluster: Cluster,
     )
     cluster.create(inference_deployment("watched"))
     handled = cluster.wait_for(
-        lambda: cluster.get("InferenceDeployment", "watched"),
+        lambda: cluster.require("InferenceDeployment", "watched"),
         "kopf to patch status.seenBy",
         until=lambda o: (o.get("status") or {}).get("seenBy") == "tiny-operator",
     )
     assert "test.kvfence.dev/finalizer" in handled["metadata"]["finalizers"]
-    child = cluster.get("ConfigMap", "watched-child")
+    child = cluster.require("ConfigMap", "watched-child")
     assert child["metadata"]["ownerReferences"][0]["uid"] == handled["metadata"]["uid"]
     (event,) = cluster.wait_for(
         lambda: [e for e in cluster.list("Event") if e.get("reason") == "Seen"], "kopf's Event"
@@ -1004,7 +1021,7 @@ def test_a_deleted_pod_leaves_the_service_then_sleeps_its_pre_stop_before_sigter
         pod = cluster.wait_for(
             lambda: only_pod(cluster, app="drain"),
             "a ready pod",
-            until=lambda p: bool(p) and answers(through_service),
+            until=lambda _: answers(through_service),
         )
         name, pid = pod["metadata"]["name"], container_pid(pod)
         cluster.delete("Deployment", "drain")

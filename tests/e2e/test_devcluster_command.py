@@ -13,10 +13,12 @@ import threading
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import httpx
 import openai
 import pytest
+import urllib3
 import yaml
 from kubernetes import client, config
 
@@ -142,13 +144,20 @@ def test_the_command_serves_kubectl_and_services_and_stops_everything_on_sigterm
 
     api = config.new_client_from_config(config_file=str(kubeconfig))
     core = client.CoreV1Api(api)
-    core.create_namespaced_pod("default", pod("hello", {"app": "hello"}))
-    created = core.create_namespaced_service("default", service("hello", {"app": "hello"}))
+    core.create_namespaced_pod(
+        "default", client.V1Pod.model_validate(pod("hello", {"app": "hello"}))
+    )
+    created = core.create_namespaced_service(
+        "default", client.V1Service.model_validate(service("hello", {"app": "hello"}))
+    )
+    assert created.spec is not None
     url = f"http://{created.spec.cluster_ip}:8000/"
     assert eventually(
         lambda: httpx.get(url, timeout=2.0).text == "hello", "the Service to answer", 60
     )
-    assert [p.metadata.name for p in core.list_namespaced_pod("default").items] == ["hello"]
+    assert [p.metadata and p.metadata.name for p in core.list_namespaced_pod("default").items] == [
+        "hello"
+    ]
     api.close()
 
     running = command.descendants()
@@ -166,7 +175,9 @@ def test_a_killed_command_leaves_no_pod_running(tmp_path, commands):
     commands.append(command)
     command.next_line()
     api = config.new_client_from_config(config_file=str(kubeconfig))
-    client.CoreV1Api(api).create_namespaced_pod("default", pod("hello", {"app": "hello"}))
+    client.CoreV1Api(api).create_namespaced_pod(
+        "default", client.V1Pod.model_validate(pod("hello", {"app": "hello"}))
+    )
     api.close()
     running = eventually(command.descendants, "the pod to run under the command", 60)
     command.proc.kill()
@@ -199,12 +210,14 @@ def test_the_console_script_runs_the_operator_whose_service_answers_and_stops_on
     keys = base64.b64encode(f"{USER_KEY} team-a\n".encode()).decode()
     client.CoreV1Api(api).create_namespaced_secret(
         "default",
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": {"name": "tiny-keys"},
-            "data": {"api-keys": keys},
-        },
+        client.V1Secret.model_validate(
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": "tiny-keys"},
+                "data": {"api-keys": keys},
+            }
+        ),
     )
     tiny = {
         "apiVersion": "kvfence.dev/v1alpha1",
@@ -223,7 +236,9 @@ def test_the_console_script_runs_the_operator_whose_service_answers_and_stops_on
     objects.create_namespaced_custom_object(*INFD, tiny)
 
     def ready() -> bool:
-        status = objects.get_namespaced_custom_object(*INFD, "tiny").get("status") or {}
+        found = objects.get_namespaced_custom_object(*INFD, "tiny")
+        assert isinstance(found, dict), found  # a custom resource has no model: its JSON object
+        status = found.get("status") or {}
         return any(
             c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or []
         )
@@ -231,11 +246,9 @@ def test_the_console_script_runs_the_operator_whose_service_answers_and_stops_on
     eventually(ready, "the InferenceDeployment to be Ready", timeout=240)
     # Raw JSON: the client's models refuse integer quantities (a real API server would have
     # written them back as strings; this one keeps what it got).
-    stable = json.loads(
-        client.CoreV1Api(api)
-        .read_namespaced_service("tiny", "default", _preload_content=False)
-        .data
-    )["spec"]
+    # (_preload_content=False answers urllib3's response, which the client's hints do not say)
+    raw = client.CoreV1Api(api).read_namespaced_service("tiny", "default", _preload_content=False)
+    stable = json.loads(cast(urllib3.BaseHTTPResponse, raw).data)["spec"]
     api.close()
     base_url = f"http://{stable['clusterIP']}:{stable['ports'][0]['port']}/v1"
     with openai.OpenAI(base_url=base_url, api_key=USER_KEY, max_retries=0) as router:

@@ -249,7 +249,12 @@ def test_the_devcluster_command_runs_hollow_pods_with_hollow(tmp_path: Path) -> 
     lines: queue.Queue[str] = queue.Queue()
     assert command.stdout is not None
     stdout = command.stdout
-    threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+
+    def pump() -> None:
+        for line in stdout:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
     try:
         first = lines.get(timeout=120)  # the operator runs by then
         assert "; hollow pods (stand-ins, no engines); use it with: export KUBECONFIG=" in first

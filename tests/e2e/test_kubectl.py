@@ -82,9 +82,9 @@ def test_namespaces_are_listed_created_and_used(cluster: Cluster) -> None:
         "namespace/team-a created"
     )
     cluster.kubectl("create", "configmap", "settings", "-n", "team-a", "--from-literal=a=b")
-    assert cluster.get("ConfigMap", "settings", "team-a")["data"] == {"a": "b"}  # type: ignore[index]
+    assert cluster.require("ConfigMap", "settings", "team-a")["data"] == {"a": "b"}
     assert cells(cluster.kubectl("get", "cm", "-n", "team-a").stdout)[0][:2] == ["settings", "1"]
-    assert cluster.get("Namespace", "team-a")["status"]["phase"] == "Active"  # type: ignore[index]
+    assert cluster.require("Namespace", "team-a")["status"]["phase"] == "Active"
 
 
 def test_get_prints_the_crds_printer_columns_with_live_values(cluster: Cluster) -> None:
@@ -131,7 +131,7 @@ def test_builtin_kinds_get_their_usual_columns_and_pod_logs(cluster: Cluster) ->
             ]
         },
     }  # fmt: skip
-    service = {
+    service: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": "hello"},
@@ -211,8 +211,8 @@ def test_apply_from_the_crds_folder_then_apply_patch_and_delete_an_inference_dep
         assert obj["metadata"]["generation"] == 3
 
         server_side = inference_deployment("other", context_length=256)
-        out = cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.dump(server_side))
-        assert out.stdout.strip() == "inferencedeployment.kvfence.dev/other serverside-applied"
+        served = cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.dump(server_side))
+        assert served.stdout.strip() == "inferencedeployment.kvfence.dev/other serverside-applied"
         server_side["spec"]["contextLength"] = 128
         cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump(server_side))
         other = cluster.get(KIND, "other", api_version=API_VERSION)

@@ -7,6 +7,7 @@ pools and take the same pushes but serve nothing."""
 import json
 import sys
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import openai
@@ -89,14 +90,14 @@ def test_lower_context_serves_the_smallest_pool_and_refuses_below_min_context(cl
 
     client = router_client(cluster, revision)
     cluster.wait_for(
-        lambda: client.models.list().data[0].model_extra["max_model_len"],
+        lambda: (client.models.list().data[0].model_extra or {})["max_model_len"],
         "the router to serve the lowered context",
         until=lambda n: n == 640,
     )
     served = client.completions.create(
         model="tiny-random", prompt=[7] * 600, max_tokens=2, temperature=0
     )
-    assert served.usage.prompt_tokens == 600
+    assert served.usage is not None and served.usage.prompt_tokens == 600
     with pytest.raises(openai.BadRequestError) as over:
         client.completions.create(model="tiny-random", prompt=[7] * 700, max_tokens=2)
     assert over.value.code == "context_length_exceeded"
@@ -146,7 +147,7 @@ def test_serving_after_the_canary_then_a_rollout_that_stops_on_a_bad_canary(tmp_
         degraded = wait_condition(cluster, "Degraded", "True", reason="CanaryFailed")
         assert condition(degraded, "Ready")["status"] == "False"
         assert f"revision {r1} keeps serving" in condition(degraded, "Ready")["message"]
-        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
+        assert cluster.require("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
         assert complete(cluster, r1, prompt="still here") == 2
         operator.stop()
         assert not cluster.problems()
@@ -246,14 +247,14 @@ def test_a_canary_that_cannot_run_is_retried_then_rerun_on_request_and_scaling_w
         assert (failed["status"], failed["reason"]) == ("True", "BackoffLimitExceeded")
         assert [t.get("exitCode") for t in canary_tries(cluster, r2)] == [2, 2, 2, 2]
         assert events(cluster, "CanaryCouldNotRun")
-        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
+        assert cluster.require("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
         assert routed_to(cluster, r1) == engine_urls(cluster, r1)
 
         # Scaling is not a new revision, and reaches the revision that serves.
         update_spec(cluster, {"prefill": {"replicas": 2}})
         (prefill,) = cluster.list("Deployment", "default", selector_for(r1, Role.PREFILL))
         cluster.wait_for(
-            lambda: cluster.get("Deployment", prefill["metadata"]["name"]),
+            lambda: cluster.require("Deployment", prefill["metadata"]["name"]),
             "the serving revision's prefill to scale to 2 ready pods",
             timeout=120,
             until=lambda d: d["spec"]["replicas"] == 2 and d["status"].get("readyReplicas") == 2,
@@ -325,7 +326,7 @@ def test_a_pod_with_a_garbage_or_unreachable_pool_report_is_not_sufficient(tmp_p
         assert cluster.get("Service", NAME) is None
         for pod in cluster.list("Pod", "default", {"app.kubernetes.io/instance": NAME}):
             if pod["metadata"]["labels"]["kvfence.dev/role"] in ("prefill", "decode"):
-                assert cluster.pod_condition(pod, KV_POOL_GATE)["status"] == "False"
+                assert cluster.require_condition(pod, KV_POOL_GATE)["status"] == "False"
         operator.stop()
 
 
@@ -475,10 +476,10 @@ def test_the_serving_revision_keeps_serving_through_a_refused_candidate_and_a_lo
     operator.wait_passes(3, NAME)  # that judged both revisions
     assert gates(cluster, r1) == ["True", "True"]
     assert backends_of(cluster, r1) == served
-    assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
+    assert cluster.require("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
     assert routed_to(cluster, r1) == routes
     for pod in engine_pods(cluster, r2):
-        assert cluster.pod_condition(pod, KV_POOL_GATE)["status"] == "False"
+        assert cluster.require_condition(pod, KV_POOL_GATE)["status"] == "False"
     assert cluster.list("Job", "default", selector_for(r2, Role.CANARY)) == []
 
     lost = infd(cluster)
@@ -491,7 +492,7 @@ def test_the_serving_revision_keeps_serving_through_a_refused_candidate_and_a_lo
     assert recovered["status"]["revision"] == {"current": r1, "candidate": r2}
     operator.wait_passes(3, NAME)  # after the restore
     assert len(cluster.list("Deployment", "default", {LABEL_REVISION: r1})) == 3
-    assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
+    assert cluster.require("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
     assert backends_of(cluster, r1) == served
     assert routed_to(cluster, r1) == routes
     assert infd(cluster)["status"]["revision"] == {"current": r1, "candidate": r2}
@@ -542,7 +543,7 @@ def test_a_stream_in_flight_at_promotion_completes_and_the_old_revision_goes_aft
             assert budget["spec"]["maxUnavailable"] == 1
             assert [o["uid"] for o in budget["metadata"]["ownerReferences"]] == [uid]
 
-        stable = cluster.get("Service", NAME)["spec"]["clusterIP"]
+        stable = cluster.require("Service", NAME)["spec"]["clusterIP"]
         client = openai.OpenAI(
             base_url=f"http://{stable}:8000/v1", api_key=USER_KEY, max_retries=0, timeout=120
         )
@@ -562,7 +563,7 @@ def test_a_stream_in_flight_at_promotion_completes_and_the_old_revision_goes_aft
             until=lambda revision: revision.get("current") == r2,
         )
         # switched, and r1 drains: kept whole, in status as retiring
-        assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
+        assert cluster.require("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r2
         assert [r["revision"] for r in promoted["retiring"]] == [r1]
         assert len(cluster.list("Deployment", "default", {LABEL_REVISION: r1})) == 3
         assert len(cluster.list("PodDisruptionBudget", "default", {LABEL_REVISION: r1})) == 3
@@ -577,7 +578,7 @@ def test_a_stream_in_flight_at_promotion_completes_and_the_old_revision_goes_aft
         assert datetime.now(UTC) - switched >= timedelta(seconds=RETIRE_AFTER)
         for kind in ("PodDisruptionBudget", "Service", "ConfigMap", "NetworkPolicy"):
             cluster.wait_for(  # the same pass deletes them, just after the Deployments
-                lambda kind=kind: cluster.list(kind, "default", {LABEL_REVISION: r1}),
+                partial(cluster.list, kind, "default", {LABEL_REVISION: r1}),
                 f"r1's {kind} objects to be retired",
                 timeout=10,
                 until=lambda found: found == [],
@@ -592,6 +593,6 @@ def test_a_stream_in_flight_at_promotion_completes_and_the_old_revision_goes_aft
         assert len(tokens) == LONG_STREAM
         # and new requests reach r2
         answer = client.completions.create(model="tiny-random", prompt="hi", max_tokens=2)
-        assert answer.usage.completion_tokens == 2
+        assert answer.usage is not None and answer.usage.completion_tokens == 2
         operator.stop()
         assert not cluster.problems()

@@ -101,7 +101,8 @@ def test_a_deleted_engine_pod_leaves_the_routers_backends_without_the_configmap_
             interval=0.5,
         )
         # The router's backends file, as the kubelet last wrote it: it will not change now.
-        runtime = cluster.kubelet.runtimes[router["metadata"]["uid"]]  # type: ignore[union-attr]
+        assert cluster.kubelet is not None  # a cluster with a kubelet: it ran the router
+        runtime = cluster.kubelet.runtimes[router["metadata"]["uid"]]
         file = runtime.sandbox.volume_paths["config"] / "backends.json"
         on_disk = json.loads(file.read_text())
 

@@ -7,6 +7,7 @@ with the derived token)."""
 
 import base64
 import json
+from functools import partial
 from typing import Any
 
 import httpx
@@ -65,9 +66,7 @@ def test_engine_and_router_pods_answer_metrics_to_the_token_in_the_operators_sec
     for role, pod in found.items():
         url = cluster.pod_url(pod)
         internal = "/internal/v1/backends" if role == "router" else "/internal/v1/tokenizer"
-        cluster.wait_for(
-            lambda u=url: scrape(u), f"{role}'s /metrics", 240, until=lambda s: s == 200
-        )
+        cluster.wait_for(partial(scrape, url), f"{role}'s /metrics", 240, until=lambda s: s == 200)
         assert scrape(url, "/v1/kvpool") == 401, role
         assert scrape(url, internal) == 401, role
     kept = cluster.get("Secret", SECRET, OPERATOR_NS)

@@ -51,7 +51,7 @@ def image_of(pod_spec: dict[str, Any]) -> str:
 
 
 def template_image(cluster: Cluster, deployment: str) -> str:
-    return image_of(cluster.get("Deployment", deployment)["spec"]["template"]["spec"])
+    return image_of(cluster.require("Deployment", deployment)["spec"]["template"]["spec"])
 
 
 @pytest.mark.hollow

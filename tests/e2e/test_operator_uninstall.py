@@ -65,10 +65,10 @@ def children(cluster: Cluster, name: str = NAME) -> list[str]:
 def reconciled(cluster: Cluster) -> dict[str, Any]:
     """The InferenceDeployment once the operator wrote its status and created children."""
     return cluster.wait_for(
-        lambda: cluster.get(KIND, NAME, NAMESPACE, api_version=GROUP_VERSION),
+        lambda: cluster.require(KIND, NAME, NAMESPACE, api_version=GROUP_VERSION),
         "the operator's first reconcile pass (status and children)",
         timeout=60,
-        until=lambda obj: obj and (obj.get("status") or {}).get("conditions") and children(cluster),
+        until=lambda obj: (obj.get("status") or {}).get("conditions") and children(cluster),
     )
 
 

@@ -14,7 +14,7 @@ from kvfence_devcluster.fixtures import Cluster, ClusterApiError
 
 def set_gate(cluster: Cluster, name: str, status: str) -> None:
     def write() -> bool:
-        current = cluster.get("Pod", name)
+        current = cluster.require("Pod", name)
         others = [c for c in current["status"].get("conditions") or [] if c["type"] != GATE]
         patch = {
             "metadata": {"resourceVersion": current["metadata"]["resourceVersion"]},
@@ -61,7 +61,7 @@ def test_services_get_a_loopback_cluster_ip_of_their_own(cluster: Cluster):
     assert headless["clusterIP"] == "None"
 
     # A write that leaves clusterIP out keeps the allocated one, as the API server does.
-    current = cluster.get("Service", "first")
+    current = cluster.require("Service", "first")
     current["spec"] = {"selector": {"app": "c"}, "ports": current["spec"]["ports"]}
     assert cluster.replace(current)["spec"]["clusterIP"] == first["clusterIP"]
     with pytest.raises(ClusterApiError) as changed:
@@ -80,7 +80,7 @@ def test_a_cluster_ip_reaches_ready_pods_and_follows_their_readiness(cluster: Cl
         cluster.create(pod(name, {"app": "web"}, gated=True))
     cluster.wait_for(
         lambda: [
-            cluster.pod_condition(cluster.get("Pod", n), "ContainersReady")
+            cluster.pod_condition(cluster.require("Pod", n), "ContainersReady")
             for n in ("web-1", "web-2")
         ],
         "both pods' containers to be ready",
@@ -114,9 +114,9 @@ def test_a_selector_change_moves_new_connections_and_open_ones_finish(cluster: C
     url = f"http://{address}:8000/"
     cluster.wait_for(lambda: answer(url), "blue to answer", until=lambda a: a == "blue")
     cluster.wait_for(
-        lambda: cluster.get("Pod", "green"),
+        lambda: cluster.require("Pod", "green"),
         "green to be Ready",
-        until=lambda p: cluster.pod_condition(p, "Ready")["status"] == "True",
+        until=lambda p: cluster.require_condition(p, "Ready")["status"] == "True",
     )
     with httpx.Client() as kept:  # one keep-alive connection, opened before the switch
         assert answer(url, kept) == "blue"
@@ -151,7 +151,7 @@ def test_a_service_name_on_a_command_line_leads_to_its_cluster_ip(cluster: Clust
     }
     cluster.create(fetch)
     done = cluster.wait_for(
-        lambda: cluster.get("Pod", "fetch")["status"].get("phase"),
+        lambda: cluster.require("Pod", "fetch")["status"].get("phase"),
         "the fetch pod to finish",
         until=lambda phase: phase in ("Succeeded", "Failed"),
     )

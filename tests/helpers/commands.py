@@ -1,6 +1,7 @@
 """The `kvfence` command as tests see it: its subcommands, and running code with torch blocked
 (what the operator image and router pods have)."""
 
+import argparse
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def kvfence_subcommands() -> set[str]:
     parser = build_parser()
-    (subparsers,) = [a for a in parser._actions if a.choices and a.dest == "command"]
+    (subparsers,) = [
+        a
+        for a in parser._actions
+        if isinstance(a, argparse._SubParsersAction) and a.dest == "command"
+    ]
     return set(subparsers.choices)
 
 

@@ -1,9 +1,12 @@
 """In-process tiny-random engines, and the prompts and budgets tests give them."""
 
+from typing import TypedDict, Unpack
+
 import torch
 
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.faults import Faults
+from kvfence_engine.core.pool_plan import ContextPolicy
 from kvfence_engine.core.request import Request, SamplingParams, is_terminal
 from kvfence_engine.loading.loader import TINY_CONFIG, tiny_random
 
@@ -17,22 +20,61 @@ def tiny_budget(pages: int, page_size: int = 16) -> int:
     return TINY_TOKEN_BYTES * page_size * pages
 
 
+class TinyEngineOptions(TypedDict, total=False):
+    """The EngineArgs a test may set; make_tiny_engine sets the KV budget (from `pages`) and
+    the faults (by name)."""
+
+    role: str
+    page_size: int
+    memory_fraction: float | None
+    context_length: int | None
+    context_policy: ContextPolicy
+    device: str
+    weight_dtype: str | None
+    kv_cache_dtype: str | None
+    max_num_seqs: int
+    max_batched_tokens: int
+    max_waiting: int
+    scrub_on_free: bool
+    revision: str
+    transfer_port: int
+    kv_checksum: bool
+    reserve_timeout: float
+    max_pool_share_per_tenant: float
+    prefix_cache: bool
+    prefix_cache_secret_file: str | None
+
+
+class SamplingOptions(TypedDict, total=False):
+    """The SamplingParams a test may set; the admission gives max_tokens."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    logprobs: int | None
+    ignore_eos: bool
+
+
 def make_tiny_engine(
-    *, pages: int = 64, faults: tuple[str, ...] = (), **kwargs: object
+    *, pages: int = 64, faults: tuple[str, ...] = (), **kwargs: Unpack[TinyEngineOptions]
 ) -> LLMEngine:
     args = EngineArgs(
-        kv_cache_memory=tiny_budget(pages, int(kwargs.get("page_size", 16))),  # type: ignore[arg-type]
+        kv_cache_memory=tiny_budget(pages, kwargs.get("page_size", 16)),
         faults=Faults.from_names(faults, {"KVFENCE_ALLOW_UNSAFE": "1"}),
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,
     )
     return watch_engine(LLMEngine(tiny_random(), args))
 
 
 def submit(
-    engine: LLMEngine, prompt_ids: list[int], max_tokens: int | None = 8, **params: object
+    engine: LLMEngine,
+    prompt_ids: list[int],
+    max_tokens: int | None = 8,
+    **params: Unpack[SamplingOptions],
 ) -> Request:
     """Admit and enqueue; returns the sequence (terminal at once if rejected)."""
-    sp = SamplingParams(max_tokens=1, **params)  # type: ignore[arg-type]
+    sp = SamplingParams(max_tokens=1, **params)
     seq = engine.admit(prompt_ids, sp, max_tokens=max_tokens)
     if not is_terminal(seq):
         engine.add(seq)
@@ -48,7 +90,7 @@ def run_until_done(engine: LLMEngine, max_steps: int = 10_000) -> None:
 
 
 def generate(
-    engine: LLMEngine, prompt_ids: list[int], max_tokens: int = 8, **params: object
+    engine: LLMEngine, prompt_ids: list[int], max_tokens: int = 8, **params: Unpack[SamplingOptions]
 ) -> Request:
     seq = submit(engine, prompt_ids, max_tokens, **params)
     run_until_done(engine)

@@ -10,6 +10,7 @@ count what a pass costs. A dry-run create answers like a create and stores nothi
 
 import copy
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from kvfence_devcluster.patching import merge_patch
@@ -27,7 +28,7 @@ class MemoryKube:
         self.requests.append(("get", kind, name))
         return copy.deepcopy(self.objects.get((kind, name)))
 
-    def list(self, api_version: str, kind: str, namespace: str, labels: dict[str, str]) -> Any:
+    def list(self, api_version: str, kind: str, namespace: str, labels: Mapping[str, str]) -> Any:
         self.requests.append(("list", kind, ""))
         return [
             copy.deepcopy(o)
@@ -35,14 +36,14 @@ class MemoryKube:
             if k == kind and labels.items() <= (o["metadata"].get("labels") or {}).items()
         ]
 
-    def create(self, obj: dict[str, Any], dry_run: bool = False) -> bool:
+    def create(self, obj: Mapping[str, Any], dry_run: bool = False) -> bool:
         if dry_run:
             key = (obj["kind"], obj["metadata"]["name"])
             self.requests.append(("create", *key))
             return key not in self.objects
         return self.create_object(obj) is not None
 
-    def create_object(self, obj: dict[str, Any]) -> Any:
+    def create_object(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
         key = (obj["kind"], obj["metadata"]["name"])
         self.requests.append(("create", *key))
         if key in self.objects:

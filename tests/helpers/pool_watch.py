@@ -130,14 +130,14 @@ def leaks(before: Snapshot) -> list[str]:
             _token_files.pop(id(proc), None)
             continue
         while True:
-            now = _server_level(proc)
-            if now is None:
+            served = _server_level(proc)
+            if served is None:
                 break
-            start = before.get(id(proc), Level(now.total, now.total))
-            if now.free >= start.free:
+            start = before.get(id(proc), Level(served.total, served.total))
+            if served.free >= start.free:
                 break
             if time.monotonic() > deadline:
-                found.append(f"{proc.describe()}: {now.free} free pages of {now.total}, "
+                found.append(f"{proc.describe()}: {served.free} free pages of {served.total}, "
                              f"{start.free} at the start")  # fmt: skip
                 break
             time.sleep(0.05)

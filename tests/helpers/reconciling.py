@@ -1,11 +1,18 @@
 """What the unit tests that run a whole reconcile pass share: the InferenceDeployment's body
-as kopf hands it to the timer, and pool readers for the pass's probes."""
+as kopf hands it to the timer, the timer's pass itself (run_timer), and pool readers for the
+pass's probes."""
 
-from typing import Any
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from kvfence_engine.contracts import PoolGateReport
 from kvfence_operator.crd.types import InferenceDeploymentSpec
 from kvfence_operator.decisions.pool_gate import PodPool
+
+if TYPE_CHECKING:  # kopf and the handlers are imported by run_timer only, when it runs
+    import kopf
 
 
 def tiny_spec(**service: Any) -> InferenceDeploymentSpec:
@@ -39,3 +46,31 @@ def sufficient(pod: str, role: str, revision: str, url: str | None, token: str |
                             num_pages=128, context_length_effective=2048, tag_check=True,
                             deferred_release=True)  # fmt: skip
     return PodPool(pod, role, revision, report=report)
+
+
+def run_timer(memo: kopf.Memo, obj: Mapping[str, Any]) -> kopf.Patch:
+    """One pass of the operator's timer (app/handlers.py `reconcile`) on `obj`, called with the
+    keyword arguments kopf gives a timer of a resource; the patch it leaves to kopf."""
+    import kopf
+
+    from kvfence_operator.app import handlers
+    from kvfence_operator.crd.types import API_GROUP, API_VERSION, PLURAL
+
+    body = kopf.Body(cast(kopf.RawBody, obj))  # an API object's JSON, as kopf receives it
+    meta, patch = body.metadata, kopf.Patch()
+    handlers.reconcile(
+        annotations=meta.annotations,
+        labels=meta.labels,
+        body=body,
+        meta=meta,
+        spec=body.spec,
+        status=body.status,
+        resource=kopf.Resource(API_GROUP, API_VERSION, PLURAL),
+        uid=meta.uid,
+        name=meta.name,
+        namespace=meta.namespace,
+        patch=patch,
+        logger=kopf.LocalObjectLogger(body=body, settings=kopf.OperatorSettings()),
+        memo=memo,
+    )
+    return patch

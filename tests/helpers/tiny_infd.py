@@ -267,5 +267,5 @@ def wait_promoted(cluster: Cluster, revision: str, what: str) -> dict[str, Any]:
         ),
     )
     assert promoted["status"]["canary"]["revision"] == revision
-    assert cluster.get("Service", NAME)["spec"]["selector"][LABEL_REVISION] == revision
+    assert cluster.require("Service", NAME)["spec"]["selector"][LABEL_REVISION] == revision
     return promoted

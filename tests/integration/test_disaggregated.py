@@ -33,7 +33,9 @@ def greedy(client: openai.OpenAI, prompt: str) -> tuple[str, list[float]]:
         logprobs=0,
         extra_body={"ignore_eos": True},
     )
-    return r.choices[0].text, r.choices[0].logprobs.token_logprobs
+    logprobs = r.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    return r.choices[0].text, logprobs.token_logprobs
 
 
 def pages_used(proc: LocalProcess, token: str | None = None) -> float:
@@ -162,7 +164,7 @@ def test_tenants_need_a_valid_api_key(logs_dir: Path, tmp_path: Path) -> None:
         r = httpx.post(d.router.url + "/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         ok = d.client("key-b").completions.create(model="tiny-random", prompt="hi", max_tokens=2)
-        assert ok.usage.completion_tokens == 2
+        assert ok.usage is not None and ok.usage.completion_tokens == 2
         scrape = {"Authorization": "Bearer s3cret"}  # the internal token, as Prometheus sends it
         assert 'tenant="tenant-b"' in httpx.get(d.router.url + "/metrics", headers=scrape).text
         assert (
@@ -183,7 +185,7 @@ def test_a_dead_decode_instance_leaves_rotation_and_requests_still_succeed(
         d.decodes[1].kill()
         for _ in range(4):
             r = d.client().completions.create(model="tiny-random", prompt="hi", max_tokens=3)
-            assert r.usage.completion_tokens == 3
+            assert r.usage is not None and r.usage.completion_tokens == 3
         d.decodes[0].kill()
         with pytest.raises(openai.InternalServerError) as err:
             d.client().completions.create(model="tiny-random", prompt="hi", max_tokens=3)
@@ -203,4 +205,4 @@ def test_token_ids_outside_the_vocabulary_are_a_400_at_every_hop(one_by_one: Dep
     ok = one_by_one.client().completions.create(
         model="tiny-random", prompt="still fine", max_tokens=2
     )
-    assert ok.usage.completion_tokens == 2
+    assert ok.usage is not None and ok.usage.completion_tokens == 2

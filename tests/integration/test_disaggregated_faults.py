@@ -111,7 +111,9 @@ def test_with_count_and_tag_checks_off_the_victim_reads_another_tenants_kv(
         )
         try:
             pollute(d, seed)
-            return victim(d).choices[0].logprobs.token_logprobs  # HTTP 200: the incident
+            logprobs = victim(d).choices[0].logprobs  # HTTP 200: the incident
+            assert logprobs is not None and logprobs.token_logprobs is not None
+            return logprobs.token_logprobs
         finally:
             d.stop()
 

@@ -26,6 +26,7 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from schemathesis.core.result import Ok
 
 from helpers.deployments import Deployment
 from helpers.fuzzing import FUZZ_AUTH, FUZZ_CONTEXT, check_answer
@@ -57,7 +58,10 @@ def fuzz_every_operation(url: str, headers: dict[str, str]) -> list[str]:
     [served] = [m["id"] for m in httpx.get(url + "/v1/models", headers=headers).json()["data"]]
     schema = schemathesis.openapi.from_url(url + "/openapi.json")
     schema.config.max_stream_events = 10 * FUZZ_CONTEXT  # read whole streams (it stops at 20)
-    operations = [result.ok() for result in schema.get_all_operations()]
+    operations = []
+    for result in schema.get_all_operations():
+        assert isinstance(result, Ok), result  # an operation the schema failed to describe
+        operations.append(result.ok())
     assert {"POST /v1/completions", "POST /v1/chat/completions"} <= {op.label for op in operations}
     failed = []
     for operation in operations:

@@ -30,6 +30,7 @@ def test_an_engine_started_by_a_process_killed_with_sigkill_stops_too():
         stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip
+    assert parent.stdout is not None
     child = int(parent.stdout.readline())
     os.kill(child, 0)  # running
     parent.send_signal(signal.SIGKILL)

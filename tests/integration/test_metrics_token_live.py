@@ -64,7 +64,7 @@ def test_a_router_answers_metrics_to_the_metrics_token_but_no_operator_view(
     done = scraped.client(TENANT_KEY).completions.create(
         model="tiny-random", prompt="hi", max_tokens=2
     )
-    assert done.usage.completion_tokens == 2
+    assert done.usage is not None and done.usage.completion_tokens == 2
     r = httpx.get(scraped.router.url + "/metrics", headers=bearer(METRICS))
     assert r.status_code == 200 and 'tenant="tenant-a"' in r.text
     assert "kvfence_backend_up" in r.text

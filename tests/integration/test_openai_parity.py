@@ -8,13 +8,14 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from helpers.deployments import Deployment
 from helpers.fuzzing import FUZZ_AUTH, FUZZ_CONTEXT, FUZZ_KEY
 from kvfence_engine.tools.localproc import LocalProcess
 
 MODEL = "tiny-random"  # what a tiny-random engine serves, and the router in front of it
-CHAT = [{"role": "user", "content": "Hello"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello"}]
 
 
 @pytest.fixture(params=["engine", "router"])
@@ -38,10 +39,10 @@ def client_of(front: tuple[str, dict[str, str]]) -> openai.OpenAI:
 def test_ids_carry_openai_prefixes_and_a_stream_shares_one(front: tuple[str, dict[str, str]]):
     client = client_of(front)
     completion = client.completions.create(model=MODEL, prompt="a b", max_tokens=2)
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
     assert completion.id.startswith("cmpl-") and chat.id.startswith("chatcmpl-")
     chunks = list(
-        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, stream=True)  # type: ignore[arg-type]
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, stream=True)
     )
     assert len(chunks) >= 2 and {c.id for c in chunks} == {chunks[0].id}
     assert chunks[0].id.startswith("chatcmpl-") and chunks[0].id != chat.id
@@ -56,7 +57,7 @@ def test_a_model_it_does_not_serve_is_404_model_not_found(front: tuple[str, dict
     client = client_of(front)
     assert [m.id for m in client.models.list()] == [MODEL]
     with pytest.raises(openai.NotFoundError) as chat_refused:
-        client.chat.completions.create(model="gpt-4", messages=CHAT, max_tokens=2)  # type: ignore[arg-type]
+        client.chat.completions.create(model="gpt-4", messages=CHAT, max_tokens=2)
     with pytest.raises(openai.NotFoundError) as completion_refused:
         client.completions.create(model="gpt-4", prompt="a", max_tokens=2)
     for refused in (chat_refused, completion_refused):
@@ -76,9 +77,11 @@ def test_an_over_long_prompt_names_the_field_it_was_sent_in(front: tuple[str, di
     client = client_of(front)
     with pytest.raises(openai.BadRequestError) as completion:
         client.completions.create(model=MODEL, prompt=[5] * (FUZZ_CONTEXT + 1), max_tokens=1)
-    long_chat = [{"role": "user", "content": "hello " * FUZZ_CONTEXT}]
+    long_chat: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "hello " * FUZZ_CONTEXT}
+    ]
     with pytest.raises(openai.BadRequestError) as chat:
-        client.chat.completions.create(model=MODEL, messages=long_chat, max_tokens=1)  # type: ignore[arg-type]
+        client.chat.completions.create(model=MODEL, messages=long_chat, max_tokens=1)
     for refused, param in ((completion, "prompt"), (chat, "messages")):
         assert isinstance(refused.value.body, dict)
         assert refused.value.body["code"] == "context_length_exceeded"

@@ -6,14 +6,17 @@ shows the leak in the intruder's own usage."""
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 import openai
 import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletionMessageParam
 
 from helpers.deployments import Deployment, start_deployment
 from helpers.engines import prompt_of
+from helpers.openai_usage import cached_tokens
 from helpers.processes import metric
 from kvfence_engine.tools.localproc import LocalProcess
 
@@ -48,13 +51,15 @@ def cached(logs_dir: Path, router_args: list[str]) -> Iterator[Deployment]:
     d.stop()
 
 
-def cached_tokens(usage: object) -> int:
-    details = getattr(usage, "prompt_tokens_details", None)
-    assert details is not None, usage
-    return int(details.cached_tokens)
+class ChatArgs(TypedDict):
+    """What every chat request of a test sends, besides its messages."""
+
+    model: str
+    max_tokens: int
+    temperature: float
 
 
-def complete(client: openai.OpenAI, prompt: list[int], **extra: Any) -> Any:
+def complete(client: openai.OpenAI, prompt: list[int], **extra: Any) -> Completion:
     return client.completions.create(
         model="tiny-random",
         prompt=prompt,
@@ -74,21 +79,25 @@ def test_a_tenants_second_turn_is_prefilled_from_its_cache_and_answers_like_a_co
 ) -> None:
     a = cached.client(KEY_A)
     cold = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0)
-    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello."}]
-    kwargs: dict[str, Any] = {"model": "tiny-random", "max_tokens": 6, "temperature": 0}
-    first = a.chat.completions.create(messages=turn1, **kwargs)  # type: ignore[arg-type]
+    turn1: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Hello."},
+    ]
+    kwargs: ChatArgs = {"model": "tiny-random", "max_tokens": 6, "temperature": 0}
+    first = a.chat.completions.create(messages=turn1, **kwargs)
     assert cached_tokens(first.usage) == 0
-    turn2 = [
+    turn2: list[ChatCompletionMessageParam] = [
         *turn1,
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "And then?"},
     ]
-    second = a.chat.completions.create(messages=turn2, **kwargs)  # type: ignore[arg-type]
+    second = a.chat.completions.create(messages=turn2, **kwargs)
+    assert first.usage is not None
     assert cached_tokens(second.usage) >= 16 * (first.usage.prompt_tokens // 16)
-    reference = cold.chat.completions.create(messages=turn2, **kwargs)  # type: ignore[arg-type]
+    reference = cold.chat.completions.create(messages=turn2, **kwargs)
     assert second.choices[0].message.content == reference.choices[0].message.content
     stream = a.chat.completions.create(
-        messages=turn2,  # type: ignore[arg-type]
+        messages=turn2,
         stream=True,
         stream_options={"include_usage": True},
         **kwargs,
@@ -107,12 +116,11 @@ def test_a_repeated_prompt_hits_for_its_tenant_only_with_the_same_greedy_answer(
     assert cached_tokens(cold.usage) == 0
     assert cached_tokens(again.usage) == 96  # every full page; the last 4 tokens computed
     assert again.choices[0].text == cold.choices[0].text
-    assert again.choices[0].logprobs.tokens == cold.choices[0].logprobs.tokens
-    pairs = zip(
-        again.choices[0].logprobs.token_logprobs,
-        cold.choices[0].logprobs.token_logprobs,
-        strict=True,
-    )
+    again_lp, cold_lp = again.choices[0].logprobs, cold.choices[0].logprobs
+    assert again_lp is not None and cold_lp is not None
+    assert again_lp.tokens == cold_lp.tokens
+    assert again_lp.token_logprobs is not None and cold_lp.token_logprobs is not None
+    pairs = zip(again_lp.token_logprobs, cold_lp.token_logprobs, strict=True)
     assert max(abs(x - y) for x, y in pairs) < 1e-4
     other = complete(b, PROMPT)  # tenant B, A's exact prompt: no hit, computed in full
     assert cached_tokens(other.usage) == 0

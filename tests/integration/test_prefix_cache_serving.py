@@ -9,8 +9,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import completion_create_params as chat_params
 
 from helpers.engines import prompt_of, tiny_budget
+from helpers.openai_usage import cached_tokens
 from helpers.processes import metric, serve
 from kvfence_engine.tools.localproc import LocalProcess
 
@@ -30,12 +33,6 @@ def client_of(proc: LocalProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
 
 
-def cached(usage: object) -> int:
-    details = getattr(usage, "prompt_tokens_details", None)
-    assert details is not None, usage
-    return int(details.cached_tokens)
-
-
 def test_a_repeated_completion_prompt_reports_cached_tokens(cached_server: LocalProcess) -> None:
     client = client_of(cached_server)
     prompt = prompt_of(100, seed=21)  # 6 full pages of 16
@@ -43,8 +40,8 @@ def test_a_repeated_completion_prompt_reports_cached_tokens(cached_server: Local
         model="tiny-random", prompt=prompt, max_tokens=6, temperature=0
     )
     first, again = ask(), ask()
-    assert cached(first.usage) == 0
-    assert cached(again.usage) == 96
+    assert cached_tokens(first.usage) == 0
+    assert cached_tokens(again.usage) == 96
     assert again.choices[0].text == first.choices[0].text
     assert metric(cached_server.url, "kvfence_prefix_cache_hit_tokens_total") >= 96
     assert metric(cached_server.url, "kvfence_prefix_cache_queried_tokens_total") >= 200
@@ -57,17 +54,28 @@ def test_a_repeated_chat_reports_cached_tokens_whole_and_streamed(
 ) -> None:
     client = client_of(cached_server)
     system = "You are a careful assistant. " * 20
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
-    kwargs = {"model": "tiny-random", "messages": messages, "max_tokens": 4, "temperature": 0}
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Hello."},
+    ]
+    kwargs: chat_params.CompletionCreateParamsBase = {
+        "model": "tiny-random",
+        "messages": messages,
+        "max_tokens": 4,
+        "temperature": 0,
+    }
     first = client.chat.completions.create(**kwargs)
-    assert cached(first.usage) == 0
+    assert cached_tokens(first.usage) == 0
     again = client.chat.completions.create(**kwargs)
-    assert cached(again.usage) > 0
-    stream = client.chat.completions.create(
-        stream=True, stream_options={"include_usage": True}, **kwargs
-    )
+    assert cached_tokens(again.usage) > 0
+    streamed: chat_params.CompletionCreateParamsStreaming = {
+        **kwargs,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    stream = client.chat.completions.create(**streamed)
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
-    assert len(usage) == 1 and cached(usage[0]) == cached(again.usage)
+    assert len(usage) == 1 and cached_tokens(usage[0]) == cached_tokens(again.usage)
 
 
 def test_another_cache_salt_gets_no_hit_and_its_own_salt_does(
@@ -81,7 +89,7 @@ def test_another_cache_salt_gets_no_hit_and_its_own_salt_does(
         r = client.completions.create(
             model="tiny-random", prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
         )
-        return cached(r.usage)
+        return cached_tokens(r.usage)
 
     assert ask("alice") == 0
     assert ask("bob") == 0
@@ -96,7 +104,7 @@ def test_without_the_flag_nothing_is_cached(tiny_server: LocalProcess) -> None:
     prompt = prompt_of(100, seed=23)
     for _ in range(2):
         r = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=2)
-        assert cached(r.usage) == 0
+        assert cached_tokens(r.usage) == 0
     assert httpx.get(tiny_server.url + "/v1/kvpool").json()["prefix_cache"] is False
 
 

@@ -79,7 +79,8 @@ def test_a_push_replaces_the_backends_at_once(
     assert pushed.json() == in_force(proc.url)
     assert pushed.json()["source"] == "push" and pushed.json()["backends"]["version"] == 6
     assert len(pushed.json()["digest"]) == 64 and pushed.json()["digest"] != first["digest"]
-    assert complete(proc.url).usage.completion_tokens == 2  # at once: no file, no wait
+    usage = complete(proc.url).usage
+    assert usage is not None and usage.completion_tokens == 2  # at once: no file, no wait
 
     # the real decode instance removed: the next request never reaches it
     gone = backends(7, [fuzz_deployment.prefills[0].url], [DEAD])
@@ -117,7 +118,8 @@ def test_a_backends_file_older_than_the_push_does_not_roll_it_back(
     write_file(file, backends(9, prefill, [DEAD]))  # the kubelet's late refresh
     held = in_force(proc.url)
     assert (held["source"], held["backends"]["version"]) == ("push", 10)
-    assert complete(proc.url).usage.completion_tokens == 2
+    usage = complete(proc.url).usage
+    assert usage is not None and usage.completion_tokens == 2
     write_file(file, backends(0, prefill, [DEAD]))  # a hand-written file: older than any push
     assert in_force(proc.url)["backends"]["version"] == 10
 

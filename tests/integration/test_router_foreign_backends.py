@@ -48,7 +48,8 @@ def engines(logs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             ).start())  # fmt: skip
         for proc in started:
             proc.wait_ready(timeout=120)
-        yield Engines(*started, token_file=ours)
+        prefill, decode, foreign = started
+        yield Engines(prefill, decode, foreign, token_file=ours)
     finally:
         for proc in started:
             proc.stop()

@@ -6,6 +6,8 @@ import re
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.completion_create_params import CompletionCreateParamsBase
 
 from helpers.engines import TINY_TOKEN_BYTES, tiny_budget
 from helpers.processes import metric, serve
@@ -23,13 +25,14 @@ def client(tiny_server: LocalProcess) -> openai.OpenAI:
 def test_completion_reports_the_real_prompt_token_count(client: openai.OpenAI) -> None:
     prompt = "Tenant isolation is a property of the whole system."
     r = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=5, temperature=0)
+    assert r.usage is not None
     assert r.usage.prompt_tokens == len(tiny_random().tokenizer.encode(prompt))
     assert r.usage.completion_tokens == 5 or r.choices[0].finish_reason == "stop"
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
 def test_streamed_text_equals_the_non_streamed_text(client: openai.OpenAI) -> None:
-    kwargs = {
+    kwargs: CompletionCreateParamsBase = {
         "model": "tiny-random",
         "prompt": "Once upon a time",
         "max_tokens": 12,
@@ -42,7 +45,7 @@ def test_streamed_text_equals_the_non_streamed_text(client: openai.OpenAI) -> No
 
 
 def test_chat_streaming_with_usage_matches_non_streaming(client: openai.OpenAI) -> None:
-    messages = [{"role": "user", "content": "Say something."}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
     whole = client.chat.completions.create(
         model="tiny-random", messages=messages, max_tokens=10, temperature=0
     )
@@ -61,6 +64,7 @@ def test_chat_streaming_with_usage_matches_non_streaming(client: openai.OpenAI) 
         if chunk.usage:
             usage = chunk.usage
     assert text == whole.choices[0].message.content
+    assert whole.usage is not None
     assert usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens
 
 
@@ -69,6 +73,7 @@ def test_logprobs_come_back_for_completions_and_chat(client: openai.OpenAI) -> N
         model="tiny-random", prompt="a b c", max_tokens=4, temperature=0, logprobs=3
     )
     lp = r.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
     assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)
     assert all(len(top) == 3 for top in lp.top_logprobs)
     c = client.chat.completions.create(
@@ -79,12 +84,14 @@ def test_logprobs_come_back_for_completions_and_chat(client: openai.OpenAI) -> N
         logprobs=True,
         top_logprobs=2,
     )
-    content = c.choices[0].logprobs.content
+    chat_logprobs = c.choices[0].logprobs
+    assert chat_logprobs is not None and chat_logprobs.content is not None
+    content = chat_logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
 
 
 def test_seeded_sampling_is_reproducible_over_http(client: openai.OpenAI) -> None:
-    kwargs = {
+    kwargs: CompletionCreateParamsBase = {
         "model": "tiny-random",
         "prompt": "hello",
         "max_tokens": 16,
@@ -97,7 +104,7 @@ def test_seeded_sampling_is_reproducible_over_http(client: openai.OpenAI) -> Non
 
 
 def test_a_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
-    kwargs = {
+    kwargs: CompletionCreateParamsBase = {
         "model": "tiny-random",
         "prompt": "Once upon a time",
         "max_tokens": 12,
@@ -106,7 +113,8 @@ def test_a_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
     free = client.completions.create(**kwargs).choices[0].text
     stop = free[len(free) // 2 : len(free) // 2 + 2]
     assert stop.strip(), "need a visible stop string"
-    r = client.completions.create(stop=[stop], **kwargs)
+    stopped: CompletionCreateParamsBase = {**kwargs, "stop": [stop]}
+    r = client.completions.create(**stopped)
     assert r.choices[0].text == free[: free.find(stop)]
     assert r.choices[0].finish_reason == "stop"
 
@@ -124,6 +132,7 @@ def test_over_limit_prompts_get_400_and_no_page(
 
 def test_a_prompt_one_under_the_limit_is_served(client: openai.OpenAI) -> None:
     r = client.completions.create(model="tiny-random", prompt=[500] * (CONTEXT - 1), max_tokens=4)
+    assert r.usage is not None
     assert r.usage.prompt_tokens == CONTEXT - 1 and r.usage.completion_tokens >= 1
 
 

@@ -26,6 +26,7 @@ def test_a_bfloat16_pool_holds_twice_the_tokens_of_float32_and_serves(logs_dir, 
         answer = client.completions.create(
             model="tiny-random", prompt=[11] * 300, max_tokens=40, temperature=0
         )
+        assert answer.usage is not None
         assert answer.usage.prompt_tokens == 300 and answer.usage.completion_tokens == 40
 
 

@@ -3,12 +3,15 @@
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
 from kvfence_engine.tools.localproc import LocalProcess
 
 pytestmark = pytest.mark.slow
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France?"}
+]
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +23,7 @@ def test_greedy_chat_knows_the_capital_of_france(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model="smollm2-135m-instruct", messages=QUESTION, temperature=0
     )
-    assert "Paris" in r.choices[0].message.content
+    assert "Paris" in (r.choices[0].message.content or "")
     assert r.choices[0].finish_reason == "stop"
 
 
@@ -42,7 +45,7 @@ def test_usage_counts_prompt_tokens_like_the_reference_tokenizer(client: openai.
     r = client.chat.completions.create(
         model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=3
     )
-    assert r.usage.prompt_tokens == len(expected)
+    assert r.usage is not None and r.usage.prompt_tokens == len(expected)
 
 
 def test_by_default_it_serves_the_files_own_4bit_weights(smollm2_server: LocalProcess) -> None:

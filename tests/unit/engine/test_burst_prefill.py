@@ -18,7 +18,7 @@ ATTEMPTS = 3  # a burst split by a scheduling hiccup of this shared machine is t
 def prefill_batches(engine: LLMEngine) -> tuple[float, float]:
     """(prefill steps, requests prefilled) so far, from the engine's own histogram."""
     histogram = engine.metrics.prefill_batch
-    samples = {s.name: s.value for s in histogram.collect()[0].samples}
+    samples = {s.name: s.value for s in next(iter(histogram.collect())).samples}
     return samples["kvfence_prefill_batch_requests_count"], samples[
         "kvfence_prefill_batch_requests_sum"
     ]

@@ -65,5 +65,6 @@ def test_target_means_a_running_kvfence_server_in_every_subcommand():
                 targets[name] = action
     assert set(targets) == {"canary", "preflight"}
     for name, action in targets.items():
-        assert action.help.startswith(TARGET_HELP), name
+        assert action.help is not None and action.help.startswith(TARGET_HELP), name
+        assert callable(action.type), name
         assert action.type("127.0.0.1:8000/v1/") == "http://127.0.0.1:8000", name

@@ -2,6 +2,7 @@
 wire as before they were typed, unknown keys refused where kvfence writes both ends, and the
 /v1/kvpool readers as tolerant as they always were."""
 
+import argparse
 import json
 
 import pytest
@@ -262,7 +263,9 @@ def test_a_decode_stream_line_is_the_same_bytes_as_before_and_reads_back() -> No
 
 
 def test_kvfence_serve_offers_exactly_the_engine_roles() -> None:
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    actions = build_parser()._actions
+    (subparsers,) = [a for a in actions if isinstance(a, argparse._SubParsersAction)]
+    serve = subparsers.choices["serve"]
     role = next(a for a in serve._actions if a.dest == "role")
     assert role.choices == [str(r) for r in Role] and role.default == Role.COMBINED
 

@@ -7,8 +7,10 @@ receiver thread per transfer), without sockets."""
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import fields
+from types import TracebackType
+from unittest import mock
 
 import pytest
 
@@ -281,18 +283,25 @@ def test_a_reservation_is_not_expired_while_its_transfer_is_writing() -> None:
 class WatchedLock:
     """Wraps a lock and records, per acquisition, which watched locks the thread held."""
 
-    def __init__(self, inner: object, name: str, log: list, held: threading.local) -> None:
+    def __init__(
+        self, inner: AbstractContextManager[object], name: str, log: list, held: threading.local
+    ) -> None:
         self.inner, self.name, self.log, self.held = inner, name, log, held
 
     def __enter__(self) -> None:
-        self.inner.__enter__()  # type: ignore[attr-defined]
+        self.inner.__enter__()
         stack = self.held.__dict__.setdefault("stack", [])
         self.log.append((self.name, tuple(stack)))
         stack.append(self.name)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
         self.held.stack.pop()
-        self.inner.__exit__(*exc)  # type: ignore[attr-defined]
+        self.inner.__exit__(kind, error, trace)
 
 
 @contextmanager
@@ -300,11 +309,11 @@ def watched(book: DecodeReservations) -> Iterator[list[tuple[str, tuple[str, ...
     log: list[tuple[str, tuple[str, ...]]] = []
     held = threading.local()
     pages = book.engine.pages
-    book._lock, pages.lock = (  # type: ignore[method-assign]
-        WatchedLock(book._lock, "reservations", log, held),
-        WatchedLock(pages.lock, "pool", log, held),
-    )
-    yield log
+    with (  # each lock swapped for one that records its acquisitions, for the block
+        mock.patch.object(book, "_lock", WatchedLock(book._lock, "reservations", log, held)),
+        mock.patch.object(pages, "lock", WatchedLock(pages.lock, "pool", log, held)),
+    ):
+        yield log
 
 
 def test_the_pool_lock_is_only_ever_taken_inside_the_reservations_lock_never_around_it() -> None:

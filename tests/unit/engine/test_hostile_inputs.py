@@ -42,7 +42,7 @@ def _params(**kwargs: Any) -> SamplingParams:
 @pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-38, 1e-8, MIN_TEMPERATURE / 2])
 def test_a_temperature_below_the_floor_is_greedy(temperature: float) -> None:
     logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0)) * 10
-    generators = [torch.Generator().manual_seed(i) for i in range(3)]
+    generators: list[torch.Generator | None] = [torch.Generator().manual_seed(i) for i in range(3)]
     tokens, _ = sample(logits, [_params(temperature=temperature, seed=1)] * 3, generators)
     assert tokens == logits.argmax(dim=-1).tolist()
 

@@ -32,7 +32,7 @@ import torch
 from helpers.engines import generate, make_tiny_engine, prompt_of, run_until_done, submit
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.quantization import Float16Linear, Int8Linear, resolve_precision
-from kvfence_engine.core.request import SamplingParams
+from kvfence_engine.core.request import Request, SamplingParams
 from kvfence_engine.loading.loader import load_model
 from kvfence_engine.loading.tokenizer_source import SMOLLM2
 
@@ -111,7 +111,7 @@ def test_packed_engine_still_fails_a_reassigned_page_closed(weight_dtype: str) -
     """The early-release fault hands a running victim's first page to an intruder: the read
     check must still catch it; with the check off too, the victim reads the intruder's KV."""
 
-    def victim_logprobs(faults: tuple[str, ...], intruder_seed: int) -> tuple[LLMEngine, list]:
+    def victim_logprobs(faults: tuple[str, ...], intruder_seed: int) -> tuple[LLMEngine, Request]:
         engine = make_tiny_engine(weight_dtype=weight_dtype, faults=faults)
         victim = submit(engine, prompt_of(40, seed=5), 12, ignore_eos=True, logprobs=0)
         engine.step()  # prefilled; the fault releases its first page
@@ -122,7 +122,8 @@ def test_packed_engine_still_fails_a_reassigned_page_closed(weight_dtype: str) -
 
     engine, victim = victim_logprobs(("early-release",), 6)
     assert victim.error is not None and victim.error.code == "kv_isolation_violation"
-    assert engine.metrics.registry.get_sample_value("kvfence_kv_tag_mismatch_total") >= 1
+    mismatches = engine.metrics.registry.get_sample_value("kvfence_kv_tag_mismatch_total")
+    assert mismatches is not None and mismatches >= 1
     _, read_a = victim_logprobs(("early-release", "no-tag-check"), 6)
     _, read_b = victim_logprobs(("early-release", "no-tag-check"), 7)
     lp = lambda s: torch.tensor([x.logprob for x in s.output_logprobs])  # noqa: E731

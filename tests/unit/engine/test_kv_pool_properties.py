@@ -107,7 +107,11 @@ class PoolMachine(RuleBasedStateMachine):
         keys = keys[: tokens // PAGE]  # a key per full page of the prompt
         seq = request(next(self.ids), tokens, keys)
         usable = keys[: (tokens - 1) // PAGE]  # at least one token is left to compute
-        hits = list(itertools.takewhile(lambda p: p is not None, map(self.key_page, usable)))
+        hits: list[int] = []  # the cached pages of the prompt's leading keys, up to a miss
+        for key in usable:
+            if (hit := self.key_page(key)) is None:
+                break
+            hits.append(hit)
         free_before = self.pages.num_free
         free_after_hits = free_before - sum(p in self.lru for p in hits)
         needed = -(-tokens // PAGE) - len(hits)

@@ -6,6 +6,7 @@ shows a tenant's /v1/kvpool without addresses; a backend's server-side error rea
 with a generic message."""
 
 from pathlib import Path
+from typing import Any, Protocol
 
 import httpx
 import pytest
@@ -33,7 +34,17 @@ def engine(token: str | None) -> TestClient:
     return TestClient(create_app(ServerState(role=Role.DECODE, internal_token=token)))
 
 
-def passed_the_check(path: str, r) -> bool:  # type: ignore[no-untyped-def]
+class Answer(Protocol):
+    """What the check reads of a TestClient's response (httpx2's, or httpx's without it)."""
+
+    @property
+    def status_code(self) -> int: ...
+    @property
+    def text(self) -> str: ...
+    def json(self) -> Any: ...
+
+
+def passed_the_check(path: str, r: Answer) -> bool:
     if path == "/metrics":
         return r.status_code == 200 and "kvfence_" in r.text
     return r.status_code == 503 and r.json()["error"]["code"] == "not_ready"

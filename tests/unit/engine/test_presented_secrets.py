@@ -57,7 +57,9 @@ def decode_app() -> TestClient:
 def test_a_wrong_internal_token_of_any_bytes_is_a_401(
     decode_app: TestClient, header: bytes
 ) -> None:
-    r = decode_app.post("/internal/abort", json={"request_id": "x"}, headers={TOKEN_HEADER: header})
+    r = decode_app.post(
+        "/internal/abort", json={"request_id": "x"}, headers={TOKEN_HEADER.encode(): header}
+    )
     assert r.status_code == 401, r.text
     assert r.json() == {
         "error": {
@@ -91,7 +93,7 @@ def router(tmp_path: Path) -> TestClient:
 def test_a_wrong_api_key_of_any_bytes_is_a_401_from_the_router(
     router: TestClient, key: bytes
 ) -> None:
-    r = router.get("/v1/models", headers={"Authorization": b"Bearer " + key})
+    r = router.get("/v1/models", headers={b"Authorization": b"Bearer " + key})
     assert r.status_code == 401, r.text
     assert r.json()["error"] == {
         "message": "missing or invalid API key",

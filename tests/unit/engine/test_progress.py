@@ -23,7 +23,8 @@ def test_counted_units_are_a_line_every_tenth_of_the_way_and_one_at_the_end():
         for _ in range(272):
             loading.advance()
         loading.advance()  # past the end: nothing more to say
-        assert current() is not None and current().label == "converting weights"
+        report = current()
+        assert report is not None and report.label == "converting weights"
     assert current() is None
     assert len(lines) == 11, lines
     assert lines[0] == "converting weights: 27/272 tensors"

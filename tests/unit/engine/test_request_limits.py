@@ -39,7 +39,16 @@ CONTEXT = 512
 NOWHERE = "http://127.0.0.1:9"  # the router's backends: nothing here is ever reached
 _, TOKENIZER = load_tokenizer(TINY_RANDOM)  # SmolLM2's byte-level BPE
 LONGEST = max(TOKENIZER.backend.get_vocab(), key=len)  # "\n" and 80 spaces, one token
-LONGEST_TEXT = TOKENIZER.backend.decode([TOKENIZER.backend.token_to_id(LONGEST)])
+
+
+def token_text(token: str) -> str:
+    """What the tokenizer decodes one vocabulary token to."""
+    token_id = TOKENIZER.backend.token_to_id(token)
+    assert token_id is not None, token
+    return TOKENIZER.backend.decode([token_id])
+
+
+LONGEST_TEXT = token_text(LONGEST)
 
 
 # --- the body cap, as an ASGI middleware -----------------------------------------------------

@@ -42,7 +42,7 @@ def failing_steps(
         batches[id(step)] = (step, list(seqs), is_prefill)
         return step
 
-    def run_or_fail(step: PreparedStep) -> object:
+    def run_or_fail(step: PreparedStep) -> torch.Tensor:
         # a step the engine thread prepared before this was installed runs as it would have
         _, seqs, is_prefill = batches.pop(id(step), (step, [], False))
         if seqs and when(seqs, is_prefill):
@@ -121,7 +121,7 @@ def test_a_finish_decided_by_a_step_that_then_failed_is_void() -> None:
     seq = submit(engine, prompt_of(8), 1, ignore_eos=True)
     seq.export_kv = True  # as the prefill role asks: its KV is copied out after sampling
 
-    def broken(_seq: Request, _tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def broken(seq: Request, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise InjectedFault("injected: after sampling")
 
     engine.pages.export = broken  # type: ignore[method-assign]

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from helpers.engines import make_tiny_engine, prompt_of, run_until_done
@@ -18,6 +19,7 @@ from kvfence_engine.contracts import Role
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import Request, SamplingParams, TokenLogprob, is_terminal
+from kvfence_engine.core.runner import PreparedStep
 from kvfence_engine.disagg.internal_api import internal_router
 from kvfence_engine.disagg.reservations import DecodeReservations
 from kvfence_engine.serving.app import create_app
@@ -147,7 +149,7 @@ def test_reservations_come_back_to_zero_after_finished_aborted_and_failed_reques
     failing = started(engine, "d")
     run = engine.runner.run
 
-    def fail_once(step: object) -> object:
+    def fail_once(step: PreparedStep) -> torch.Tensor:
         engine.runner.run = run  # type: ignore[method-assign]
         raise RuntimeError("injected: the forward pass failed")
 

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from helpers.memory_kube import MemoryKube
-from helpers.reconciling import body, sufficient
+from helpers.reconciling import body, run_timer, sufficient
 from kvfence_operator.cluster.cache import CACHE_LABELS, WATCHED, CachedKube, Store
 from kvfence_operator.cluster.prober import PROBING, PoolProber, Probe
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
@@ -74,7 +74,7 @@ def test_a_steady_pass_makes_no_api_request_and_secrets_cost_two_creates_a_minut
     clock = Clock()
     store = filled_store(kube)
     reconciler = Reconciler(  # as the chart runs it: with a credentials key
-        CachedKube(kube, store, clock=clock),  # type: ignore[arg-type]
+        CachedKube(kube, store, clock=clock),
         "kvfence-system",
         read_pool=sufficient,
         push_backends=lambda *_: None,
@@ -191,7 +191,7 @@ def test_a_pass_with_a_hanging_probe_returns_and_judges_the_pod_unknown():
     store = filled_store(kube)
     prober = PoolProber(reader, wait_seconds=0.2)
     reconciler = Reconciler(
-        CachedKube(kube, store),  # type: ignore[arg-type]
+        CachedKube(kube, store),
         "kvfence-system",
         push_backends=lambda *_: None,
         prober=prober,
@@ -220,33 +220,25 @@ def test_a_pass_with_a_hanging_probe_returns_and_judges_the_pod_unknown():
 def test_an_unchanged_status_is_not_patched_and_a_changed_one_is():
     import kopf
 
-    from kvfence_operator.app import handlers
     from kvfence_operator.app.metrics import PassMetrics
 
     kube = MemoryKube(KEYS)
     reconciler = Reconciler(
-        CachedKube(kube, filled_store(kube)),  # type: ignore[arg-type]
+        CachedKube(kube, filled_store(kube)),
         "kvfence-system",
         read_pool=sufficient,
         push_backends=lambda *_: None,
     )
     memo = kopf.Memo(reconciler=reconciler, metrics=PassMetrics())
 
-    def run(obj: dict[str, Any]) -> kopf.Patch:
-        patch = kopf.Patch()
-        handlers.reconcile(
-            body=kopf.Body(obj), patch=patch, memo=memo, logger=kopf.LocalObjectLogger(
-                body=kopf.Body(obj), settings=kopf.OperatorSettings()),
-        )  # fmt: skip
-        return patch
-
     obj, writes = body(), 0
-    while written := run(obj):  # a new object, its children appearing: status is written
+    # a new object, its children appearing: status is written
+    while written := run_timer(memo, obj):
         obj = {**obj, "status": merged(obj.get("status"), dict(written["status"]))}
         writes += 1
         assert writes < 5, "the status never settles"
     assert writes >= 1
-    assert not run(obj)  # nothing changed since: nothing to write, pass after pass
+    assert not run_timer(memo, obj)  # nothing changed since: nothing to write, pass after pass
     assert status_changes(obj["status"], {"observedGeneration": 2})
     assert not status_changes(obj["status"], {"observedGeneration": 1, "gone": None})
 
@@ -255,10 +247,10 @@ def test_a_name_taken_by_someone_elses_object_is_read_from_the_api_and_posted_on
     """The caches hold only objects labelled as the operator's children: a user's Service
     named like the deployment is not among them, and must still be seen (a NameConflict)."""
     meta = {"name": "tiny", "namespace": "default", "labels": {"team": "web"}}
-    theirs = {"apiVersion": "v1", "kind": "Service", "metadata": meta}
+    theirs: dict[str, Any] = {"apiVersion": "v1", "kind": "Service", "metadata": meta}
     ours = {**theirs, "metadata": {**theirs["metadata"], "labels": dict(CACHE_LABELS)}}
     kube = MemoryKube(theirs)
-    cached = CachedKube(kube, filled_store(kube))  # type: ignore[arg-type]
+    cached = CachedKube(kube, filled_store(kube))
     assert cached.get("v1", "Service", "default", "tiny") is None  # not a child: not cached
     for _ in range(3):
         assert cached.create(ours) is False
@@ -277,7 +269,7 @@ def test_a_name_taken_by_someone_elses_object_is_read_from_the_api_and_posted_on
 def test_reads_wait_for_a_kinds_first_list_then_go_to_the_api_without_waiting():
     kube = MemoryKube(KEYS)
     store = Store(["default"])  # no LIST has come in
-    cached = CachedKube(kube, store, sync_timeout=0.3)  # type: ignore[arg-type]
+    cached = CachedKube(kube, store, sync_timeout=0.3)
     started = time.monotonic()
     assert cached.get("apps/v1", "Deployment", "default", "x") is None
     assert 0.25 < time.monotonic() - started < 2  # waited for the first LIST, then the API
@@ -296,7 +288,7 @@ def test_a_missing_secret_is_asked_for_again_and_a_present_one_is_kept_for_the_t
     """A missing apiKeysSecret is an error the user fixes by creating it: the next pass must
     see it (Degraded must not outlive the cause by a TTL). A present one is kept 60 s."""
     kube, clock = MemoryKube(), Clock()
-    cached = CachedKube(kube, filled_store(kube), clock=clock)  # type: ignore[arg-type]
+    cached = CachedKube(kube, filled_store(kube), clock=clock)
     assert cached.get("v1", "Secret", "default", "keys") is None
     kube.objects[("Secret", "keys")] = KEYS
     assert cached.get("v1", "Secret", "default", "keys") is not None

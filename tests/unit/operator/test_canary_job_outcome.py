@@ -158,7 +158,7 @@ def test_a_canary_that_could_not_run_is_degraded_but_not_a_failed_canary():
     assert c["Ready"] == ("False", "CanaryCouldNotRun", "revision r2 could not run its canary; "
                           "revision r1 keeps serving")  # fmt: skip
     assert c["Progressing"][:2] == ("False", "CanaryCouldNotRun")
-    assert status.canary.result == "CouldNotRun"
+    assert status.canary is not None and status.canary.result == "CouldNotRun"
 
 
 def test_the_job_records_the_rerun_value_it_ran_with():

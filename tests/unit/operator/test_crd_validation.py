@@ -380,6 +380,7 @@ def test_allowed_model_volume_types_are_accepted_and_reach_the_pod_unchanged(vol
     manifest["spec"]["model"] = {"source": "/models/m.gguf", "volume": volume}
     assert crd_admission().refusals(manifest) == []
     spec = InferenceDeployment.model_validate(manifest).spec
+    assert spec.model.volume is not None
     assert {**spec.model.volume, "name": "model"} == {**volume, "name": "model"}
 
 

@@ -203,7 +203,7 @@ def test_headless_service_publishes_only_ready_pods_of_one_revision(role):
 @pytest.mark.parametrize("builder", [build_engine_deployment, engine_args])
 def test_router_is_not_an_engine_role(builder):
     spec = sample_spec("minimal")
-    args = (spec, Role.ROUTER, REVISION, "cpu")
+    args: tuple[object, ...] = (spec, Role.ROUTER, REVISION, "cpu")
     if builder is build_engine_deployment:
         args = (spec, instance_for("minimal"), REVISION, Role.ROUTER)
     with pytest.raises(ValueError, match="prefill or decode"):

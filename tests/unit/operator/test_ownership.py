@@ -161,7 +161,7 @@ def test_a_name_conflict_is_ready_false_and_degraded_naming_the_object_and_its_o
 
 def test_a_revision_secret_name_someone_else_has_stops_the_revision_before_any_pod():
     revision = revision_of(spec())
-    foreign = {
+    foreign: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {"name": secret_name(INSTANCE, revision), "uid": "x"},
@@ -207,11 +207,15 @@ def test_a_pass_running_when_its_owner_is_reported_deleted_creates_nothing():
     keys = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys"}, "data": {}}
     for deleted, creates in ((False, True), (True, False)):
         kube = MemoryKube(keys)
+
+        def owner_deleted(uid: str, deleted: bool = deleted) -> bool:
+            return deleted and uid == "uid-infd"
+
         Reconciler(
             kube,  # type: ignore[arg-type]
             "kvfence-system",
             read_pool=never_probed,
-            owner_deleted=lambda uid, deleted=deleted: deleted and uid == "uid-infd",
+            owner_deleted=owner_deleted,
         ).reconcile(body())
         created = [w for w in kube.writes if w[0] == "create"]
         assert bool(created) is creates, created

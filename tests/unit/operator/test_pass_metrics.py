@@ -12,9 +12,8 @@ from kopf._core.engines import posting
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.memory_kube import MemoryKube
-from helpers.reconciling import body, never_probed
+from helpers.reconciling import body, never_probed, run_timer
 from kvfence_engine.tools.localproc import free_port
-from kvfence_operator.app import handlers
 from kvfence_operator.app.metrics import (
     PASS_SECONDS,
     PASSES,
@@ -49,13 +48,6 @@ class Raising:
         raise self.error
 
 
-def run_pass(memo: kopf.Memo, obj: dict[str, Any]) -> kopf.Patch:
-    patch = kopf.Patch()
-    logger = kopf.LocalObjectLogger(body=kopf.Body(obj), settings=kopf.OperatorSettings())
-    handlers.reconcile(body=kopf.Body(obj), patch=patch, memo=memo, logger=logger)
-    return patch
-
-
 def samples(metrics: PassMetrics, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     found = {}
     for family in metrics.registry.collect():
@@ -79,8 +71,8 @@ def test_every_pass_is_counted_for_its_object_whatever_its_outcome():
     reconciler = Reconciler(MemoryKube(KEYS), "kvfence-system", read_pool=never_probed)  # type: ignore[arg-type]
     memo = kopf.Memo(reconciler=reconciler, metrics=metrics)
 
-    run_pass(memo, body())
-    run_pass(memo, body())
+    run_timer(memo, body())
+    run_timer(memo, body())
     assert passes(metrics, "default", "tiny") == 2
     assert timed(metrics, "reconciled") == 2
 
@@ -88,7 +80,7 @@ def test_every_pass_is_counted_for_its_object_whatever_its_outcome():
     invalid = body()
     invalid["spec"]["contextLength"] = "long"
     with pytest.raises(kopf.PermanentError, match="invalid spec"):
-        run_pass(memo, invalid)
+        run_timer(memo, invalid)
     assert passes(metrics, "default", "tiny") == 3
     assert timed(metrics, "invalid_spec") == 1
 
@@ -96,14 +88,14 @@ def test_every_pass_is_counted_for_its_object_whatever_its_outcome():
     other = body()
     other["metadata"] = {**other["metadata"], "name": "other", "namespace": "team-a"}
     unreadable = CredentialsUnreadable("0123456789", "tiny-0123456789-credentials")
-    patch = run_pass(kopf.Memo(reconciler=Raising(unreadable), metrics=metrics), other)
+    patch = run_timer(kopf.Memo(reconciler=Raising(unreadable), metrics=metrics), other)
     assert patch.status["conditions"], "Degraded says CredentialsUnreadable"
     assert passes(metrics, "team-a", "other") == 1
     assert timed(metrics, "credentials_unreadable") == 1
 
     # a pass that breaks (kopf retries it) ended too
     with pytest.raises(RuntimeError, match="the API went away"):
-        run_pass(kopf.Memo(reconciler=Raising(RuntimeError("the API went away")), metrics=metrics),
+        run_timer(kopf.Memo(reconciler=Raising(RuntimeError("the API went away")), metrics=metrics),
                  other)  # fmt: skip
     assert passes(metrics, "team-a", "other") == 2
     assert timed(metrics, "error") == 1

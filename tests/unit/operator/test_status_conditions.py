@@ -54,7 +54,7 @@ def test_a_refused_pool_says_why_once_with_the_remedy_and_its_canary_is_not_run(
     c = conditions(status)
     assert c["Ready"] == ("False", "PoolInsufficient")
     assert c["CanaryPassed"] == ("Unknown", "CanaryNotRun")
-    assert status.canary.result == "NotRun"
+    assert status.canary is not None and status.canary.result == "NotRun"
     ready = next(cond for cond in status.conditions if cond.type == "Ready")
     assert ready.message == (
         "pod r1-d (decode) has a KV pool of 256 tokens, smaller than contextLength 512; "

@@ -4,6 +4,7 @@ the reconcile pass against an in-memory API server for the errors it meets."""
 import copy
 import json
 import logging
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -238,7 +239,7 @@ class RefusingKube(MemoryKube):
         super().__init__(*objects)
         self.refused, self.status, self.message = kind, status, message
 
-    def create(self, obj: dict[str, Any], dry_run: bool = False) -> bool:
+    def create(self, obj: Mapping[str, Any], dry_run: bool = False) -> bool:
         if obj["kind"] == self.refused:
             answer = {"kind": "Status", "status": "Failure", "message": self.message}
             raise KubeError(self.status, "POST", "/apis/apps/v1/...", json.dumps(answer))

@@ -37,7 +37,8 @@ def test_streaming_chat_delivers_the_same_answer(client: openai.OpenAI) -> None:
 
 
 def test_usage_counts_prompt_tokens_like_the_reference_tokenizer(client: openai.OpenAI) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the reference tokenizer (test extra)
+
     path = smollm2_gguf_path()
     reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     text = reference.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 
 from helpers.transformers_reference import our_greedy, our_prefill_logits, their_greedy
@@ -21,8 +22,6 @@ from kvfence_engine.loading.loader import (
     tiny_random,
 )
 from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
-
-transformers = pytest.importorskip("transformers")
 
 
 def save_hf_folder(loaded: LoadedModel, folder: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 from gguf import GGUFWriter
 from safetensors.torch import load_file, save_file
 
@@ -25,8 +26,6 @@ from kvfence_engine.loading.config import load_config
 from kvfence_engine.loading.gguf_config import gguf_config
 from kvfence_engine.loading.hf_config import read_hf_config
 from kvfence_engine.loading.loader import load_model
-
-transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[3]
 HUB = {
@@ -207,6 +206,7 @@ def test_fields_that_change_nothing_load() -> None:
 # --- at load and at start, through the real loader and engine --------------------------------
 
 
+@pytest.mark.slow  # builds and saves a transformers model
 def test_a_refusal_reaches_kvfence_preflight_as_one_line(tmp_path: Path, capsys) -> None:
     hf_model(tmp_path, "LlamaConfig")
     config = json.loads((tmp_path / "config.json").read_text())
@@ -360,7 +360,7 @@ def test_gguf_linear_rope_scaling_is_transformers_linear(tmp_path: Path) -> None
     assert load_config(str(path)).rope.factor == 4.0
 
 
-GGUF_REFUSED = {
+GGUF_REFUSED: dict[str, tuple[dict[str, Any], tuple[str, ...], str]] = {
     "yarn": (
         {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
          "llama.rope.scaling.attn_factor": 1.0},
@@ -405,6 +405,7 @@ def test_gguf_metadata_kvfence_does_not_implement_is_refused_by_name(
     case: str, tmp_path: Path
 ) -> None:
     metadata, tensors, message = GGUF_REFUSED[case]
+    metadata = dict(metadata)  # the case stays as written for the next run
     arch = metadata.pop("general.architecture", "llama")
     path = write_gguf(tmp_path / "m.gguf", metadata, tensors, arch)
     with pytest.raises(ValueError) as refused:

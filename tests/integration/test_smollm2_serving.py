@@ -9,9 +9,8 @@ from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
 from kvfence_engine.tools.localproc import LocalProcess
 
 pytestmark = pytest.mark.slow
-QUESTION: list[ChatCompletionMessageParam] = [
-    {"role": "user", "content": "What is the capital of France?"}
-]
+ASKED = {"role": "user", "content": "What is the capital of France?"}
+QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": ASKED["content"]}]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,7 @@ def test_usage_counts_prompt_tokens_like_the_reference_tokenizer(client: openai.
 
     path = smollm2_gguf_path()
     reference = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    text = reference.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    text = reference.apply_chat_template([ASKED], add_generation_prompt=True, tokenize=False)
     expected = reference.encode(text, add_special_tokens=False)
     r = client.chat.completions.create(
         model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=3

@@ -61,6 +61,7 @@ def test_hub_configs_are_read_as_transformers_reads_them(name: str) -> None:
     model_type = raw["model_type"]
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     prefix = transformers.models.auto.modeling_auto.MODEL_MAPPING_NAMES[model_type]
+    assert isinstance(prefix, str)  # one model class for these families
     rotary = getattr(modeling, prefix.removesuffix("Model") + "RotaryEmbedding")(theirs)
     inv_freq, attention = rope_frequencies(
         ours.head_dim, ours.rope_theta, ours.rope, ours.max_positions

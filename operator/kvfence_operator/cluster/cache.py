@@ -52,13 +52,14 @@ WATCH_SECONDS = 300
 RELIST_PAUSE_SECONDS = 1.0
 
 
-class KubeVerbs(Protocol):
+class ClusterVerbs(Protocol):
+    """What a reconcile pass asks of the cluster: Kube, CachedKube, or a test's in-memory one."""
+
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any: ...
     def list(
         self, api_version: str, kind: str, namespace: str, labels: Mapping[str, str]
     ) -> Any: ...
     def create(self, obj: Mapping[str, Any], dry_run: bool = False) -> bool: ...
-    def create_object(self, obj: Mapping[str, Any]) -> dict[str, Any] | None: ...
     def patch(
         self,
         api_version: str,
@@ -69,6 +70,13 @@ class KubeVerbs(Protocol):
         subresource: str = "",
     ) -> Any: ...
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None: ...
+
+
+class KubeVerbs(ClusterVerbs, Protocol):
+    """What the cache needs of the API client beneath it: the verbs, and a create that returns
+    the created object (its resourceVersion goes into the store)."""
+
+    def create_object(self, obj: Mapping[str, Any]) -> dict[str, Any] | None: ...
 
 
 def _rv(obj: Mapping[str, Any]) -> int | None:

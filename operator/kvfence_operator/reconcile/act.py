@@ -22,8 +22,8 @@ from kvfence_operator.builders.secret import (
     derived_mark,
     secret_name,
 )
-from kvfence_operator.cluster.cache import CachedKube
-from kvfence_operator.cluster.kube import Kube, KubeError, api_message
+from kvfence_operator.cluster.cache import ClusterVerbs
+from kvfence_operator.cluster.kube import KubeError, api_message
 from kvfence_operator.cluster.router_push import BackendsPusher
 from kvfence_operator.decisions.drift import drift_patch, is_subset
 from kvfence_operator.decisions.findings import Conflict, Findings, create_problem
@@ -48,7 +48,7 @@ class Acted:
 class Act:
     """One pass's writes for one InferenceDeployment; `found` is the pass's own Findings."""
 
-    kube: Kube | CachedKube
+    kube: ClusterVerbs
     instance: Instance
     found: Findings
     operator_namespace: str

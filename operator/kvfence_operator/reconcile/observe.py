@@ -24,8 +24,8 @@ from kvfence_operator.builders.secret import (
     internal_token_of,
     secret_name,
 )
-from kvfence_operator.cluster.cache import CachedKube
-from kvfence_operator.cluster.kube import Kube, KubeError
+from kvfence_operator.cluster.cache import ClusterVerbs
+from kvfence_operator.cluster.kube import KubeError
 from kvfence_operator.cluster.prober import PoolProber, Probe
 from kvfence_operator.cluster.router_push import written_backends
 from kvfence_operator.crd.types import Role
@@ -78,7 +78,7 @@ class Observer:
     """The reads of a pass. `prober`: pools read once per container instance, off the pass
     (cluster/prober.py); None: `read_pool` is called in the pass (unit tests)."""
 
-    kube: Kube | CachedKube
+    kube: ClusterVerbs
     read_pool: PoolReader
     prober: PoolProber | None
     credentials_key: bytes | None

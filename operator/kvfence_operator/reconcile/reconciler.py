@@ -17,8 +17,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvfence_operator.builders.metrics import NO_METRICS_ACCESS, MetricsAccess
-from kvfence_operator.cluster.cache import CachedKube
-from kvfence_operator.cluster.kube import Kube
+from kvfence_operator.cluster.cache import ClusterVerbs
 from kvfence_operator.cluster.prober import PoolProber, read_pool
 from kvfence_operator.cluster.router_push import BackendsPusher, now_ms, push_backends
 from kvfence_operator.crd.types import InferenceDeploymentSpec, InferenceDeploymentStatus
@@ -47,7 +46,7 @@ class Outcome:
 
 @dataclass
 class Reconciler:
-    kube: Kube | CachedKube
+    kube: ClusterVerbs
     operator_namespace: str
     read_pool: PoolReader = read_pool
     unsafe_faults_allowed: bool = False  # tests only: a pod's unsafe faults pass the pool gate

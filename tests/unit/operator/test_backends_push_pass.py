@@ -120,7 +120,7 @@ def test_each_pass_pushes_its_set_to_the_revisions_live_routers_only() -> None:
     )
     pushes: list[tuple[list[str], BackendsFile, str | None]] = []
     reconciler = Reconciler(
-        cluster,  # type: ignore[arg-type]
+        cluster,
         "kvfence-system",
         read_pool=sufficient,
         push_backends=lambda urls, file, token: pushes.append((list(urls), file, token)),

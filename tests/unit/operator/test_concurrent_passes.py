@@ -56,7 +56,7 @@ def test_two_objects_passes_at_once_keep_their_own_problems_and_conflicts():
     foreign = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": taken, "uid": "x"}}
     b_keys = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "b-keys"}, "data": {}}
     kube = PausingKube(foreign, b_keys, pause_at=("Service", "b"))
-    reconciler = Reconciler(kube, "kvfence-system", read_pool=never_probed)  # type: ignore[arg-type]
+    reconciler = Reconciler(kube, "kvfence-system", read_pool=never_probed)
 
     outcomes: dict[str, Any] = {}
     b = threading.Thread(target=lambda: outcomes.update(b=reconciler.reconcile(body("b"))))

@@ -94,7 +94,7 @@ def test_a_pass_with_the_credentials_key_reads_no_secret_and_probes_with_the_der
     kube = MemoryKube(KEYS)
     seen: list[str | None] = []
     reconciler = Reconciler(
-        kube,  # type: ignore[arg-type]
+        kube,
         "kvfence-system",
         read_pool=pool_reader(seen),
         push_backends=lambda *_: None,
@@ -117,7 +117,7 @@ def test_a_pass_with_the_credentials_key_reads_no_secret_and_probes_with_the_der
 
 def test_a_missing_api_keys_secret_is_still_reported_without_reading_secrets():
     kube = MemoryKube()
-    reconciler = Reconciler(kube, "kvfence-system", read_pool=pool_reader([]), credentials_key=KEY)  # type: ignore[arg-type]
+    reconciler = Reconciler(kube, "kvfence-system", read_pool=pool_reader([]), credentials_key=KEY)
     outcome = reconciler.reconcile(body())
     degraded = next(c for c in outcome.status.conditions if c.type == "Degraded")
     assert (degraded.status, degraded.reason) == ("True", "ApiKeysSecretMissing")
@@ -128,12 +128,12 @@ def test_a_missing_api_keys_secret_is_still_reported_without_reading_secrets():
 def test_a_revision_made_by_an_older_operator_is_probed_with_the_token_in_its_secret():
     legacy = MemoryKube(KEYS)
     seen: list[str | None] = []
-    Reconciler(legacy, "kvfence-system", read_pool=pool_reader(seen)).reconcile(body())  # type: ignore[arg-type]
+    Reconciler(legacy, "kvfence-system", read_pool=pool_reader(seen)).reconcile(body())
     with_engine_pods(legacy)
     secret = legacy.objects[("Secret", secret_name(INSTANCE, REVISION))]
     random_token = base64.b64decode(secret["data"][INTERNAL_TOKEN_KEY]).decode()
     upgraded = Reconciler(
-        legacy,  # type: ignore[arg-type]
+        legacy,
         "kvfence-system",
         read_pool=pool_reader(seen),
         push_backends=lambda *_: None,
@@ -155,13 +155,13 @@ class NoSecretReads(MemoryKube):
 
 def test_an_older_operators_revision_without_secret_get_stops_the_pass_before_any_gate():
     kube = MemoryKube(KEYS)
-    Reconciler(kube, "kvfence-system", read_pool=pool_reader([])).reconcile(body())  # type: ignore[arg-type]
+    Reconciler(kube, "kvfence-system", read_pool=pool_reader([])).reconcile(body())
     with_engine_pods(kube)
     forbidden = NoSecretReads()
     forbidden.objects = kube.objects
     seen: list[str | None] = []
     upgraded = Reconciler(
-        forbidden,  # type: ignore[arg-type]
+        forbidden,
         "kvfence-system",
         read_pool=pool_reader(seen),
         push_backends=lambda *_: None,

@@ -41,7 +41,7 @@ def test_a_rollout_keeps_the_serving_revision_as_its_own_spec_declares_it():
         serving, INSTANCE, old, CREDENTIALS, OPERATOR_NAMESPACE, serving=True
     )
     kube = MemoryKube(*built, build_stable_service(serving, INSTANCE, old))
-    reconciler = Reconciler(kube, OPERATOR_NAMESPACE, read_pool=never_probed)  # type: ignore[arg-type]
+    reconciler = Reconciler(kube, OPERATOR_NAMESPACE, read_pool=never_probed)
 
     reconciler.reconcile(body(new, old))
     old_prefill = ("Deployment", child_name(INSTANCE, old, Role.PREFILL))
@@ -80,7 +80,7 @@ def test_the_serving_routers_stay_open_without_a_stable_service_of_ours():
     built = build_revision_children(spec, INSTANCE, revision, CREDENTIALS, OPERATOR_NAMESPACE)
     theirs = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": INSTANCE.name}}
     kube = MemoryKube(*built, theirs)
-    reconciler = Reconciler(kube, OPERATOR_NAMESPACE, read_pool=never_probed)  # type: ignore[arg-type]
+    reconciler = Reconciler(kube, OPERATOR_NAMESPACE, read_pool=never_probed)
     reconciler.reconcile(body(spec, revision))  # promoted before the name was taken
     policy = ("NetworkPolicy", child_name(INSTANCE, revision, Role.ROUTER))
     opened = build_router_network_policy(INSTANCE, revision, OPERATOR_NAMESPACE, serving=True)

@@ -169,7 +169,7 @@ def test_a_revision_secret_name_someone_else_has_stops_the_revision_before_any_p
     }
     keys = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys"}, "data": {}}
     kube = MemoryKube(foreign, keys)  # the user's apiKeysSecret exists: only the conflict
-    outcome = Reconciler(kube, "kvfence-system", read_pool=never_probed).reconcile(body())  # type: ignore[arg-type]
+    outcome = Reconciler(kube, "kvfence-system", read_pool=never_probed).reconcile(body())
     assert not [w for w in kube.writes if w[1] == "Deployment"], kube.writes
     assert kube.objects[("Secret", foreign["metadata"]["name"])] == foreign
     ready = next(c for c in outcome.status.conditions if c.type == "Ready")
@@ -196,7 +196,7 @@ def test_retirement_never_deletes_an_object_labelled_like_a_child_that_is_not_ou
         },
     }
     kube = MemoryKube(theirs, stale)
-    Reconciler(kube, "kvfence-system", read_pool=never_probed).reconcile(body())  # type: ignore[arg-type]
+    Reconciler(kube, "kvfence-system", read_pool=never_probed).reconcile(body())
     assert ("ConfigMap", "theirs") in kube.objects
     assert ("delete", "ConfigMap", "ours-old") in kube.writes
 
@@ -212,7 +212,7 @@ def test_a_pass_running_when_its_owner_is_reported_deleted_creates_nothing():
             return deleted and uid == "uid-infd"
 
         Reconciler(
-            kube,  # type: ignore[arg-type]
+            kube,
             "kvfence-system",
             read_pool=never_probed,
             owner_deleted=owner_deleted,

@@ -68,7 +68,7 @@ def timed(metrics: PassMetrics, outcome: str) -> float:
 
 def test_every_pass_is_counted_for_its_object_whatever_its_outcome():
     metrics = PassMetrics()
-    reconciler = Reconciler(MemoryKube(KEYS), "kvfence-system", read_pool=never_probed)  # type: ignore[arg-type]
+    reconciler = Reconciler(MemoryKube(KEYS), "kvfence-system", read_pool=never_probed)
     memo = kopf.Memo(reconciler=reconciler, metrics=metrics)
 
     run_timer(memo, body())

@@ -257,7 +257,7 @@ def no_pods(pod: str, *_: Any) -> Any:
 
 def test_a_refused_create_is_degraded_with_the_apis_message_and_one_event():
     kube = RefusingKube("Deployment", 403, QUOTA, KEYS)
-    reconciler = Reconciler(kube, "kvfence-system", read_pool=no_pods)  # type: ignore[arg-type]
+    reconciler = Reconciler(kube, "kvfence-system", read_pool=no_pods)
     outcome = reconciler.reconcile(body())
     degraded = next(c for c in outcome.status.conditions if c.type == "Degraded")
     assert (degraded.status, degraded.reason) == ("True", "CreateFailed")
@@ -277,14 +277,14 @@ def test_a_refused_create_is_degraded_with_the_apis_message_and_one_event():
 def test_a_create_the_api_rejects_as_invalid_is_a_terminal_stall():
     message = 'Deployment.apps "x" is invalid: spec.template.spec.tolerations[0].operator'
     kube = RefusingKube("Deployment", 422, message, KEYS)
-    outcome = Reconciler(kube, "kvfence-system", read_pool=no_pods).reconcile(body())  # type: ignore[arg-type]
+    outcome = Reconciler(kube, "kvfence-system", read_pool=no_pods).reconcile(body())
     c = conditions(outcome.status)
     assert c["Degraded"] == ("True", "CreateRejected") == c["Stalled"]
 
 
 def test_a_missing_api_keys_secret_is_degraded_naming_it_and_the_pass_goes_on():
     kube = MemoryKube()
-    outcome = Reconciler(kube, "kvfence-system", read_pool=no_pods).reconcile(body())  # type: ignore[arg-type]
+    outcome = Reconciler(kube, "kvfence-system", read_pool=no_pods).reconcile(body())
     degraded = next(c for c in outcome.status.conditions if c.type == "Degraded")
     assert (degraded.status, degraded.reason) == ("True", "ApiKeysSecretMissing")
     assert degraded.message.startswith("Secret keys (spec.router.apiKeysSecret) does not exist")
@@ -296,7 +296,7 @@ def test_a_status_that_does_not_parse_is_dropped_with_a_log_line_not_invalid_spe
     kube = MemoryKube(KEYS)
     garbage = {"conditions": [{"type": "Ready", "status": "Maybe"}], "revision": "r1"}
     with caplog.at_level(logging.WARNING):
-        outcome = Reconciler(kube, "kvfence-system", read_pool=no_pods).reconcile(  # type: ignore[arg-type]
+        outcome = Reconciler(kube, "kvfence-system", read_pool=no_pods).reconcile(
             {**body(), "status": garbage}
         )
     assert "the stored status does not parse" in caplog.text
@@ -306,4 +306,4 @@ def test_a_status_that_does_not_parse_is_dropped_with_a_log_line_not_invalid_spe
     broken = copy.deepcopy(body())
     broken["spec"]["contextLength"] = 0
     with pytest.raises(InvalidSpec, match="contextLength"):
-        Reconciler(kube, "kvfence-system", read_pool=no_pods).reconcile(broken)  # type: ignore[arg-type]
+        Reconciler(kube, "kvfence-system", read_pool=no_pods).reconcile(broken)

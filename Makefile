@@ -4,9 +4,6 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.kvfence-installed
-# Python may cache compiled modules (tests spawn hundreds of processes that import the same
-# code; an environment that forbids .pyc files makes each compile it again).
-unexport PYTHONDONTWRITEBYTECODE
 MODEL  ?= builtin:smollm2-135m-instruct
 PORT   ?= 8000
 

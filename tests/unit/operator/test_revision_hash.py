@@ -150,3 +150,25 @@ def test_the_release_that_adds_engine_prefix_cache_rolls_no_existing_object(name
     explicit = load_sample(name)["spec"]
     explicit.setdefault("engine", {})["prefixCache"] = {"enabled": False}
     assert revision_of(InferenceDeploymentSpec.model_validate(explicit)) == before
+
+
+def test_the_spec_schema_is_built_once_not_on_every_pass(monkeypatch):
+    """Issue 26, item 13: revision_of fills the CRD schema's defaults in; building that schema
+    was most of a steady pass's CPU. Built once, a second call does not rebuild it."""
+    from kvfence_operator.crd import schema
+
+    getattr(schema.spec_schema, "cache_clear", lambda: None)()  # a fresh start
+    built = []
+    real = schema._model_schema
+    monkeypatch.setattr(
+        schema, "_model_schema", lambda *args: built.append(args) or real(*args)
+    )
+    first = schema.spec_schema()
+    spec = InferenceDeploymentSpec.model_validate(
+        {"model": {"source": "builtin:tiny-random"}, "contextLength": 512,
+         "router": {"apiKeysSecret": "k"}}  # fmt: skip
+    )
+    revision_of(spec)
+    revision_of(spec)
+    assert schema.spec_schema() is first
+    assert len(built) == 1

@@ -599,6 +599,8 @@ class EventReason(StrEnum):
     CANARY_RERUN = "CanaryRerun"
     PROMOTED = "Promoted"
     RETIRED = "Retired"
+    # the stable Service's selector named a revision that does not serve: put back (drift)
+    SELECTOR_REPAIRED = "SelectorRepaired"
 
 
 class Condition(_LenientModel):

@@ -5,24 +5,25 @@ canary's result), so an operator restarted at any point makes the same decision 
 kopf handlers and `kvfence up` both call `plan_rollout`; neither decides on its own.
 """
 
-from collections.abc import Mapping
+import hmac
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+from kvfence_operator.builders.secret import serving_seal
 from kvfence_operator.crd.types import (
     CanaryResult,
     CanaryStatus,
     ConditionReason,
     EventReason,
-    RetiringRevision,
     RevisionStatus,
     RoleReplicas,
 )
 from kvfence_operator.decisions.canary import CanaryOutcome, JobPhase
 from kvfence_operator.decisions.pool_gate import PoolDecision
 from kvfence_operator.decisions.retirement import drain
-from kvfence_operator.meta import LABEL_REVISION
+from kvfence_operator.meta import ANNOTATION_SERVING, LABEL_REVISION, Instance, controlled_by
 
 DISABLED = "canary disabled in spec"
 REFUSED = "not run: the pool check refused this revision"
@@ -88,26 +89,44 @@ def selected_revision(service: Mapping[str, Any] | None, uid: str) -> str | None
     return ((service.get("spec") or {}).get("selector") or {}).get(LABEL_REVISION)
 
 
-def serving_revision(
-    status: RevisionStatus | None, selected: str | None, now: datetime | None = None
-) -> RevisionStatus | None:
-    """The revision status a pass starts from. The stable Service's selector (`selected`, None
-    when there is no stable Service of this InferenceDeployment's) is where the cluster itself
-    records which revision serves; `status.revision.current` is a copy of it, lost with status
-    (a backup restored without it) or stale after a crash between switching the Service and
-    writing status. So the selector wins, and status counts only without a stable Service:
-    what the Service selects is always `current`, and `current` is always kept. A `current`
-    in status that the Service no longer selects (the crash case) drains from `now` on."""
-    if selected is None or (status is not None and status.current == selected):
+def sealed_revision(
+    service: Mapping[str, Any] | None,
+    instance: Instance,
+    secret: Callable[[str], bytes | None],
+) -> str | None:
+    """The revision the operator's seal on its stable Service names (meta.ANNOTATION_SERVING),
+    if the Service is this InferenceDeployment's and the seal verifies: `secret(revision)` is
+    what sealed it (the credentials key, or that revision's internal token; None: it cannot be
+    verified). The selector says nothing here: anyone who may patch the Service can write it,
+    no one but the operator can seal."""
+    if service is None or not controlled_by(service, instance.uid):
+        return None
+    annotations = (service.get("metadata") or {}).get("annotations") or {}
+    seal = str(annotations.get(ANNOTATION_SERVING) or "")
+    revision, colon, _ = seal.partition(":")
+    if not colon or not revision:
+        return None
+    key = secret(revision)
+    if key is None:
+        return None
+    return revision if hmac.compare_digest(seal, serving_seal(key, instance, revision)) else None
+
+
+def serving_revision(status: RevisionStatus | None, sealed: str | None) -> RevisionStatus | None:
+    """The revision status a pass starts from. Status is the operator's record of which
+    revision serves: the stable Service's selector is not (anyone who may patch the Service
+    could otherwise promote a candidate its canary never passed); a selector that disagrees is
+    drift, put back. Only a status that names no serving revision (lost: a backup restored
+    without it) is recovered, from what the operator itself wrote and can verify: `sealed`,
+    the revision its seal on the stable Service names (sealed_revision). A candidate in the
+    status is kept as it is. Without a seal nothing is recovered (the first rollout again)."""
+    if sealed is None or (status is not None and status.current is not None):
         return status
     candidate = status.candidate if status is not None else None
-    retiring = list((status.retiring if status is not None else None) or [])
-    if status is not None and status.current is not None and now is not None:
-        retiring.append(RetiringRevision(revision=status.current, since=now))
     return RevisionStatus(
-        current=selected,
-        candidate=candidate if candidate != selected else None,
-        retiring=retiring or None,
+        current=sealed,
+        candidate=candidate if candidate != sealed else None,
+        retiring=status.retiring if status is not None else None,
     )
 
 

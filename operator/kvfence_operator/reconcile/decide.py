@@ -9,7 +9,7 @@ one's own spec, with the object's replica counts (drift.declaring_spec, replicas
 """
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -21,7 +21,7 @@ from kvfence_operator.builders.router_deployment import (
     build_stable_service,
     router_backends,
 )
-from kvfence_operator.builders.secret import derived_mark
+from kvfence_operator.builders.secret import derived_mark, serving_seal
 from kvfence_operator.cluster.router_push import versioned
 from kvfence_operator.crd.types import (
     EventReason,
@@ -36,7 +36,13 @@ from kvfence_operator.decisions.pods import may_serve, pod_url
 from kvfence_operator.decisions.pool_gate import PodGate, PodPool, judge_pools
 from kvfence_operator.decisions.replicas import with_replicas_of
 from kvfence_operator.decisions.retirement import Retirement, retirement
-from kvfence_operator.decisions.rollout import Event, RevisionObservation, RolloutPlan, plan_rollout
+from kvfence_operator.decisions.rollout import (
+    Event,
+    RevisionObservation,
+    RolloutPlan,
+    plan_rollout,
+    selected_revision,
+)
 from kvfence_operator.meta import ANNOTATION_RERUN_CANARY, Instance
 from kvfence_operator.reconcile.observe import Frame, RevisionSeen
 from kvfence_operator.revision import judged_spec
@@ -92,6 +98,9 @@ class PassInputs:
     frame: Frame
     seen: Mapping[str, RevisionSeen]  # every revision the pass keeps, by revision
     rerun_value: str  # the InferenceDeployment's kvfence.dev/rerun-canary
+    # with no serving revision known: the one the stable Service (ours) selects, kept from
+    # retirement (never served, promoted or judged by the selector) until one is promoted
+    held: str | None = None
 
 
 def decide(
@@ -142,11 +151,19 @@ def decide(
         canary_job = build_canary_job(spec, instance, plan.start_canary, context, given.rerun_value)
     open_routers: frozenset[str] = frozenset()
     stable = None
+    events: list[Event] = []
     if plan.serve is not None:
         # open: the revision about to serve, and those draining (their clients finish there)
         open_routers = frozenset({plan.serve, *(r.revision for r in plan.revision.retiring or [])})
-        stable = build_stable_service(spec, instance, plan.serve)
+        token = given.seen[plan.serve].token
+        secret = credentials_key if credentials_key is not None else _encoded(token)
+        seal = serving_seal(secret, instance, plan.serve) if secret is not None else None
+        stable = build_stable_service(spec, instance, plan.serve, seal)
+        events += _selector_drift(given, plan.serve)
     mark = derived_mark(credentials_key) if credentials_key is not None else None
+    keep = {*plan.keep, *((given.held,) if given.held is not None else ())}
+    if events:
+        plan = replace(plan, events=[*events, *plan.events])
     return PassPlan(
         tuple(ensure),
         rerun,
@@ -158,8 +175,32 @@ def decide(
         canary_job,
         open_routers,
         stable,
-        retirement(given.frame.children, set(plan.keep), instance.uid, mark),
+        retirement(given.frame.children, keep, instance.uid, mark),
     )
+
+
+def _encoded(token: str | None) -> bytes | None:
+    return token.encode() if token is not None else None
+
+
+def _selector_drift(given: PassInputs, serving: str) -> list[Event]:
+    """A Warning when the stable Service (ours) selects another revision than the one status
+    says serves and this pass serves: someone else's edit (a promotion this pass makes is
+    not drift: the Service selected the revision serving until now)."""
+    selected = selected_revision(given.frame.stable, given.instance.uid)
+    current = given.revision_status.current if given.revision_status else None
+    if selected is None or selected in (serving, current):
+        return []
+    name = given.instance.name
+    return [
+        Event(
+            "Warning",
+            EventReason.SELECTOR_REPAIRED,
+            f"Service {name} selected revision {selected}, which does not serve: put back to "
+            f"revision {serving} (status.revision.current). Only a candidate whose canary "
+            "passed is promoted; a selector edit promotes nothing and retires nothing",
+        )
+    ]
 
 
 def _revision(

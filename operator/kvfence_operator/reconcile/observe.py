@@ -160,6 +160,16 @@ class Observer:
             job,
         )
 
+    def token(self, instance: Instance, revision: str) -> str | None:
+        """A revision's internal token, as `revision` would find it (None: none readable)."""
+        configmap = self._ours(
+            instance,
+            self.kube.get(
+                "v1", "ConfigMap", instance.namespace, child_name(instance, revision, Role.ROUTER)
+            ),
+        )
+        return self._internal_token(instance, revision, configmap, made_now=False)
+
     def _ours(self, instance: Instance, obj: dict[str, Any] | None) -> dict[str, Any] | None:
         return obj if obj is not None and controlled_by(obj, instance.uid) else None
 

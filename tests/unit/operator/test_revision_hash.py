@@ -160,14 +160,10 @@ def test_the_spec_schema_is_built_once_not_on_every_pass(monkeypatch):
     getattr(schema.spec_schema, "cache_clear", lambda: None)()  # a fresh start
     built = []
     real = schema._model_schema
-    monkeypatch.setattr(
-        schema, "_model_schema", lambda *args: built.append(args) or real(*args)
-    )
+    monkeypatch.setattr(schema, "_model_schema", lambda *args: built.append(args) or real(*args))
     first = schema.spec_schema()
-    spec = InferenceDeploymentSpec.model_validate(
-        {"model": {"source": "builtin:tiny-random"}, "contextLength": 512,
-         "router": {"apiKeysSecret": "k"}}  # fmt: skip
-    )
+    tiny = {"model": {"source": "builtin:tiny-random"}, "contextLength": 512}
+    spec = InferenceDeploymentSpec.model_validate({**tiny, "router": {"apiKeysSecret": "k"}})
     revision_of(spec)
     revision_of(spec)
     assert schema.spec_schema() is first

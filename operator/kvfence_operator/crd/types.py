@@ -571,6 +571,8 @@ class ConditionReason(StrEnum):
     CREATE_FAILED = "CreateFailed"  # the API refused to create a child (quota 403, webhook)
     CREATE_REJECTED = "CreateRejected"  # 422: the spec makes children the API server rejects
     API_KEYS_SECRET_MISSING = "ApiKeysSecretMissing"
+    # a kept revision with no record of its spec that hashes to it (revision.recorded_spec)
+    REVISION_RECORD_REFUSED = "RevisionRecordRefused"
     # Stalled
     PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
     # CanaryPassed
@@ -601,6 +603,8 @@ class EventReason(StrEnum):
     RETIRED = "Retired"
     # the stable Service's selector named a revision that does not serve: put back (drift)
     SELECTOR_REPAIRED = "SelectorRepaired"
+    # a revision's spec record missing or not its own on one of its objects: put back
+    RECORD_REPAIRED = "RecordRepaired"
 
 
 class Condition(_LenientModel):

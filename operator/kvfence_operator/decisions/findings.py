@@ -95,3 +95,16 @@ def summary(problems: Sequence[Problem]) -> tuple[ConditionReason, str] | None:
     if not problems:
         return None
     return problems[0].reason, "; ".join(dict.fromkeys(p.message for p in problems))
+
+
+def record_refused(revision: str, refused: Sequence[str]) -> Problem:
+    """A revision other than the spec's with no record of its spec that hashes to it: it is
+    neither judged nor declared by any spec (the object's would be the candidate's)."""
+    where = f" (refused on {', '.join(refused)})" if refused else ""
+    return Problem(
+        ConditionReason.REVISION_RECORD_REFUSED,
+        f"revision {revision} has no record of its spec that hashes to it{where}: its "
+        f"children, gates and backends are left as they are, neither judged nor put back by "
+        "another revision's spec. Restore its kvfence.dev/spec annotation, or roll out a new "
+        "revision",
+    )

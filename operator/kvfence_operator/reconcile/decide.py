@@ -32,6 +32,7 @@ from kvfence_operator.crd.types import (
 )
 from kvfence_operator.decisions.canary import CanaryOutcome, rerun_requested
 from kvfence_operator.decisions.drift import declaring_spec
+from kvfence_operator.decisions.findings import Problem, record_refused
 from kvfence_operator.decisions.pods import may_serve, pod_url
 from kvfence_operator.decisions.pool_gate import PodGate, PodPool, judge_pools
 from kvfence_operator.decisions.replicas import with_replicas_of
@@ -43,7 +44,7 @@ from kvfence_operator.decisions.rollout import (
     plan_rollout,
     selected_revision,
 )
-from kvfence_operator.meta import ANNOTATION_RERUN_CANARY, Instance
+from kvfence_operator.meta import ANNOTATION_RERUN_CANARY, ANNOTATION_SPEC, Instance
 from kvfence_operator.reconcile.observe import Frame, RevisionSeen
 from kvfence_operator.revision import judged_spec
 
@@ -84,6 +85,7 @@ class PassPlan:
     open_routers: frozenset[str]  # the kept revisions whose routers admit clients
     stable_service: dict[str, Any] | None  # what the stable Service must be (None: untouched)
     retirement: Retirement
+    problems: tuple[Problem, ...] = ()  # what the pass met in what it observed (Degraded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,14 +129,22 @@ def decide(
     observed: dict[str, RevisionObservation] = {}
     pools_of: dict[str, list[PodPool]] = {}
     writes = []
+    problems: list[Problem] = []
+    events: list[Event] = []
     for revision, seen in given.seen.items():
         judged = judged_spec(revision, desired, spec, seen.record)
         canary = None if revision == rerun else seen.canary
+        # a revision without a record of its own is observed (by the object's spec, for the
+        # status alone) but nothing of it is written: its gates and backends stay as they are
         observed[revision], written = _revision(
-            judged, instance, seen, canary, now_ms, unsafe_faults_allowed
+            judged or spec, instance, seen, canary, now_ms, unsafe_faults_allowed
         )
         pools_of[revision] = list(seen.pools)
-        writes.append(written)
+        if judged is None:
+            problems.append(record_refused(revision, seen.records_refused))
+        else:
+            writes.append(written)
+            events += _record_repaired(revision, seen.records_refused)
 
     plan = plan_rollout(
         desired,
@@ -151,7 +161,6 @@ def decide(
         canary_job = build_canary_job(spec, instance, plan.start_canary, context, given.rerun_value)
     open_routers: frozenset[str] = frozenset()
     stable = None
-    events: list[Event] = []
     if plan.serve is not None:
         # open: the revision about to serve, and those draining (their clients finish there)
         open_routers = frozenset({plan.serve, *(r.revision for r in plan.revision.retiring or [])})
@@ -176,7 +185,22 @@ def decide(
         open_routers,
         stable,
         retirement(given.frame.children, keep, instance.uid, mark),
+        tuple(problems),
     )
+
+
+def _record_repaired(revision: str, refused: Sequence[str]) -> list[Event]:
+    if not refused:
+        return []
+    return [
+        Event(
+            "Warning",
+            EventReason.RECORD_REPAIRED,
+            f"the record of revision {revision}'s spec ({ANNOTATION_SPEC}) on "
+            f"{', '.join(refused)} was missing or is not revision {revision}'s (it does not "
+            "hash to it): refused, and put back from a copy that does",
+        )
+    ]
 
 
 def _encoded(token: str | None) -> bytes | None:

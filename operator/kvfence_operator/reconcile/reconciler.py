@@ -126,6 +126,8 @@ class Reconciler:
             credentials_key=self.credentials_key,
         )
 
+        found.problems.extend(plan.problems)
+
         # act
         acted = Act(
             self.kube,

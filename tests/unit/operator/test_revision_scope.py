@@ -19,7 +19,7 @@ from kvfence_operator.decisions.rollout import (
     serving_revision,
 )
 from kvfence_operator.meta import ANNOTATION_SERVING, LABEL_REVISION, owner_reference
-from kvfence_operator.revision import judged_spec, revision_of, spec_record
+from kvfence_operator.revision import judged_spec, recorded_spec, revision_of, spec_record
 
 
 def _with(change: dict) -> InferenceDeploymentSpec:
@@ -38,9 +38,13 @@ def test_a_revision_is_judged_by_the_spec_recorded_on_it():
     # the desired revision takes in-place changes (minContextLength) from the object's spec
     in_place = _with({"minContextLength": 1024})
     assert judged_spec(old, old, in_place, record) == in_place
-    # a revision an older operator created has no record: the object's spec, as before
-    assert judged_spec(old, new, wider, None) == wider
-    assert judged_spec(old, new, wider, "{not json") == wider
+    # no record, or one that is not the revision's (issue 26, item 2): judged by no spec,
+    # never by the object's, which is the candidate's (before: the object's spec)
+    assert judged_spec(old, new, wider, None) is None
+    assert judged_spec(old, new, wider, "{not json") is None
+    assert judged_spec(old, new, wider, spec_record(wider)) is None
+    assert recorded_spec(old, record) == serving
+    assert recorded_spec(old, spec_record(wider)) is None
 
 
 def test_a_lost_status_mid_rollout_keeps_the_revision_the_operators_seal_names():

@@ -2,12 +2,17 @@
 Reconciler against the in-memory API server (helpers/gate.py): a selector edit, a record
 removed from the serving revision, a hand-made canary Job, a failed canary's Job removed."""
 
+import json
+
 import pytest
 
 from helpers.gate import INSTANCE, Gate, serving_then_rolling
+from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import (
+    ANNOTATION_SPEC,
     LABEL_REVISION,
 )
+from kvfence_operator.revision import revision_of
 
 # ---- 1. the Service's selector is not a record -----------------------------------------------
 
@@ -54,3 +59,78 @@ def test_a_lost_status_is_recovered_from_the_operators_own_seal_not_from_the_sel
     gate.reconcile(2)
     assert gate.status["revision"] == {"current": r1, "candidate": r2}
     assert gate.selected() == r1 and gate.exists(r1) and not gate.routers_open(r2)
+
+
+# ---- 2. the records the operator relies on are kept as declared -------------------------------
+
+
+def test_a_record_removed_from_the_serving_revision_is_put_back_and_set_image_still_reverts():
+    gate = Gate()
+    r1, r2 = serving_then_rolling(gate)
+    configmap = gate.child("ConfigMap", r1, Role.ROUTER)
+    assert configmap is not None
+    record = configmap["metadata"]["annotations"].pop(ANNOTATION_SPEC)
+    gate.reconcile()
+    restored = gate.child("ConfigMap", r1, Role.ROUTER)
+    assert restored is not None
+    assert restored["metadata"]["annotations"].get(ANNOTATION_SPEC) == record
+    prefill = gate.child("Deployment", r1, Role.PREFILL)
+    assert prefill is not None
+    image = prefill["spec"]["template"]["spec"]["containers"][0]["image"]
+    prefill["spec"]["template"]["spec"]["containers"][0]["image"] = "evil/engine:1"
+    gate.reconcile()
+    prefill = gate.child("Deployment", r1, Role.PREFILL)
+    assert prefill is not None
+    assert prefill["spec"]["template"]["spec"]["containers"][0]["image"] == image
+    assert gate.status["revision"] == {"current": r1, "candidate": r2}
+    (warning,) = gate.events_of("RecordRepaired")
+    assert warning.type == "Warning" and r1 in warning.message
+
+
+def test_a_record_that_does_not_hash_to_its_revision_is_refused_and_put_back():
+    """The candidate's spec written into the serving revision's record: refused (it is not
+    r1's), and r1's own record comes back."""
+    gate = Gate()
+    r1, r2 = serving_then_rolling(gate)
+    configmap = gate.child("ConfigMap", r1, Role.ROUTER)
+    candidate = gate.child("ConfigMap", r2, Role.ROUTER)
+    assert configmap is not None and candidate is not None
+    record = configmap["metadata"]["annotations"][ANNOTATION_SPEC]
+    forged = candidate["metadata"]["annotations"][ANNOTATION_SPEC]
+    assert revision_of(InferenceDeploymentSpec.model_validate(json.loads(forged))) == r2
+    configmap["metadata"]["annotations"][ANNOTATION_SPEC] = forged
+    gate.reconcile()
+    restored = gate.child("ConfigMap", r1, Role.ROUTER)
+    assert restored is not None
+    assert restored["metadata"]["annotations"][ANNOTATION_SPEC] == record
+    backends = json.loads(restored["data"]["backends.json"])
+    assert backends["contextLength"] == 1024, "r1's backends were judged by the candidate's spec"
+    (warning,) = gate.events_of("RecordRepaired")
+    assert warning.type == "Warning" and configmap["metadata"]["name"] in warning.message
+
+
+def test_a_revision_with_no_record_of_its_own_is_left_as_it_is_and_said_so():
+    """Every copy of r1's record removed: r1 is judged and declared by no spec (the object's
+    is the candidate's), its backends are not rewritten, and Degraded says why."""
+    gate = Gate()
+    r1, r2 = serving_then_rolling(gate)
+    configmap = gate.child("ConfigMap", r1, Role.ROUTER)
+    assert configmap is not None
+    served = configmap["data"]["backends.json"]
+    for kind, role in [("ConfigMap", Role.ROUTER)] + [
+        ("Deployment", role) for role in (Role.PREFILL, Role.DECODE, Role.ROUTER)
+    ]:
+        child = gate.child(kind, r1, role)
+        assert child is not None
+        del child["metadata"]["annotations"][ANNOTATION_SPEC]
+    gate.reconcile(2)
+    configmap = gate.child("ConfigMap", r1, Role.ROUTER)
+    assert configmap is not None
+    assert ANNOTATION_SPEC not in configmap["metadata"]["annotations"], "a spec not r1's"
+    assert configmap["data"]["backends.json"] == served
+    assert gate.status["revision"] == {"current": r1, "candidate": r2}
+    assert gate.selected() == r1 and gate.exists(r1)
+    degraded = gate.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "RevisionRecordRefused")
+    assert r1 in degraded["message"]
+    assert len(gate.events_of("RevisionRecordRefused")) == 1

@@ -682,6 +682,14 @@ class CanaryResult(StrEnum):
 class CanaryStatus(_LenientModel):
     revision: str | None = None
     job: str | None = None
+    job_uid: str | None = Field(
+        None,
+        description="UID of the Job the result was read from: a verdict is kept when that "
+        "Job is gone, and another Job of the same name does not change it.",
+    )
+    rerun: str | None = Field(
+        None, description="The kvfence.dev/rerun-canary value that Job was created with."
+    )
     result: CanaryResult | None = None
     message: str | None = None
 

@@ -50,13 +50,24 @@ class Conflict:
     kind: str
     name: str
     owner: str  # owner_description of the existing object
+    # why an object this InferenceDeployment controls is still not the operator's (a canary
+    # Job someone else made with its ownerReference); "": it is not controlled by it
+    not_built: str = ""
 
     @classmethod
-    def of(cls, existing: Mapping[str, Any]) -> "Conflict":
-        return cls(existing["kind"], existing["metadata"]["name"], owner_description(existing))
+    def of(cls, existing: Mapping[str, Any], not_built: str = "") -> "Conflict":
+        name = existing["metadata"]["name"]
+        return cls(existing["kind"], name, owner_description(existing), not_built)
 
     @property
     def message(self) -> str:
+        if self.not_built:
+            return (
+                f"{self.kind} {self.name} is not the one the operator built ({self.not_built}), "
+                "though it names this InferenceDeployment as its controller; it is left "
+                "untouched and has no verdict: delete it, or give kvfence.dev/rerun-canary a "
+                "new value"
+            )
         return (
             f"{self.kind} {self.name} exists and is not controlled by this "
             f"InferenceDeployment (its controller: {self.owner}); it is left untouched: "

@@ -213,6 +213,18 @@ def _plan_serving(
         assert canary is not None  # NotRun, set above
         return _promote(candidate, current, canary, events, retire_after_seconds)
     outcome = seen.canary
+    if kept_verdict(canary, outcome):
+        return stay(canary)
+    if outcome is not None and outcome.phase is JobPhase.NOT_BUILT_HERE:
+        return stay(
+            CanaryStatus(
+                revision=candidate,
+                job=outcome.job,
+                result=CanaryResult.PENDING,
+                message=f"Job {outcome.job} is not the canary Job the operator built "
+                f"({outcome.message}): it has no verdict; delete it",
+            )
+        )
     if outcome is None:
         events.append(
             Event("Normal", EventReason.CANARY_STARTED, f"canary job for revision {candidate}")
@@ -221,20 +233,19 @@ def _plan_serving(
             CanaryStatus(revision=candidate, result=CanaryResult.RUNNING, message="starting"),
             start=candidate,
         )
+    ids = {"job": outcome.job, "job_uid": outcome.uid, "rerun": outcome.rerun}
     if outcome.phase is JobPhase.RUNNING:
         return stay(
-            CanaryStatus(
-                revision=candidate, job=outcome.job, result=CanaryResult.RUNNING, message="running"
-            )
+            CanaryStatus(revision=candidate, result=CanaryResult.RUNNING, message="running", **ids)
         )
     if outcome.phase in STOPPED_BY:
         result = STOPPED_BY[outcome.phase]
         reason, what = STOPPED[result]
         stopped = CanaryStatus(
             revision=candidate,
-            job=outcome.job,
             result=result,
             message=outcome.message or "the canary job failed",
+            **ids,
         )
         if canary is None or canary.result is not result:
             events.append(
@@ -247,15 +258,25 @@ def _plan_serving(
             )
         return stay(stopped)
     passed = CanaryStatus(
-        revision=candidate,
-        job=outcome.job,
-        result=CanaryResult.PASSED,
-        message=outcome.message or "passed",
+        revision=candidate, result=CanaryResult.PASSED, message=outcome.message or "passed", **ids
     )
     events.append(
         Event("Normal", EventReason.CANARY_PASSED, f"revision {candidate} passed its canary")
     )
     return _promote(candidate, current, passed, events, retire_after_seconds)
+
+
+def kept_verdict(canary: CanaryStatus | None, outcome: CanaryOutcome | None) -> bool:
+    """Whether the candidate's verdict in status stands whatever its Job says now: a failed
+    canary, or one that could not run, is never forgotten because its Job is gone (the TTL
+    controller, a cleanup) nor changed by another Job of the same name (its uid is not the
+    one the verdict came from). Only a new revision or a new kvfence.dev/rerun-canary value
+    (decide: the verdict is then not carried) runs the canary again."""
+    if canary is None or canary.result not in STOPPED:
+        return False
+    if outcome is None:
+        return True
+    return canary.job_uid is not None and outcome.uid != canary.job_uid
 
 
 def _not_started(canary: CanaryStatus | None) -> bool:

@@ -24,20 +24,29 @@ from kvfence_operator.builders.router_deployment import (
 from kvfence_operator.builders.secret import derived_mark, serving_seal
 from kvfence_operator.cluster.router_push import versioned
 from kvfence_operator.crd.types import (
+    CanaryStatus,
     EventReason,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
+    PoolPolicy,
     RevisionStatus,
     RoleReplicas,
 )
-from kvfence_operator.decisions.canary import CanaryOutcome, rerun_requested
+from kvfence_operator.decisions.canary import (
+    CanaryOutcome,
+    JobPhase,
+    job_context_length,
+    job_mismatch,
+    rerun_value,
+)
 from kvfence_operator.decisions.drift import declaring_spec
-from kvfence_operator.decisions.findings import Problem, record_refused
+from kvfence_operator.decisions.findings import Conflict, Problem, record_refused
 from kvfence_operator.decisions.pods import may_serve, pod_url
 from kvfence_operator.decisions.pool_gate import PodGate, PodPool, judge_pools
 from kvfence_operator.decisions.replicas import with_replicas_of
 from kvfence_operator.decisions.retirement import Retirement, retirement
 from kvfence_operator.decisions.rollout import (
+    STOPPED,
     Event,
     RevisionObservation,
     RolloutPlan,
@@ -86,6 +95,7 @@ class PassPlan:
     stable_service: dict[str, Any] | None  # what the stable Service must be (None: untouched)
     retirement: Retirement
     problems: tuple[Problem, ...] = ()  # what the pass met in what it observed (Degraded)
+    conflicts: tuple[Conflict, ...] = ()  # names taken by what the operator did not build
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +134,23 @@ def decide(
             ensure.append(Ensure(revision, declaring, scaled, revision == current))
     # a candidate's canary only: the serving one's is never re-run
     job = given.seen[desired].canary_job if desired != current else None
-    rerun = desired if job is not None and rerun_requested(job, given.rerun_value) else None
+    verdict = given.previous.canary
+    if verdict is not None and (desired == current or verdict.revision != desired):
+        verdict = None  # about another revision: says nothing of the candidate's canary
+    ran_with = _ran_with(verdict, job)
+    rerun = desired if ran_with is not None and ran_with != given.rerun_value else None
+    # the candidate's Job has a verdict only if it is the one the operator builds
+    conflicts: list[Conflict] = []
+    foreign = None
+    if job is not None and rerun is None:
+        built = build_canary_job(
+            spec, instance, desired, _built_context(job, spec), rerun_value(job)
+        )
+        if (why := job_mismatch(job, built)) is not None:
+            conflicts.append(Conflict.of({**job, "kind": "Job"}, why))
+            foreign = CanaryOutcome(
+                job["metadata"]["name"], JobPhase.NOT_BUILT_HERE, why, job["metadata"].get("uid")
+            )
 
     observed: dict[str, RevisionObservation] = {}
     pools_of: dict[str, list[PodPool]] = {}
@@ -134,6 +160,8 @@ def decide(
     for revision, seen in given.seen.items():
         judged = judged_spec(revision, desired, spec, seen.record)
         canary = None if revision == rerun else seen.canary
+        if revision == desired and foreign is not None:
+            canary = foreign
         # a revision without a record of its own is observed (by the object's spec, for the
         # status alone) but nothing of it is written: its gates and backends stay as they are
         observed[revision], written = _revision(
@@ -149,7 +177,8 @@ def decide(
     plan = plan_rollout(
         desired,
         given.revision_status,
-        given.previous.canary,
+        # a rerun forgets the verdict the candidate's canary had
+        None if rerun is not None else given.previous.canary,
         observed,
         spec.canary.enabled,
         now=now,
@@ -186,7 +215,32 @@ def decide(
         stable,
         retirement(given.frame.children, keep, instance.uid, mark),
         tuple(problems),
+        tuple(conflicts),
     )
+
+
+def _ran_with(verdict: CanaryStatus | None, job: Mapping[str, Any] | None) -> str | None:
+    """The kvfence.dev/rerun-canary value the candidate's canary ran with: its verdict's in
+    status when it has a verdict that stopped the rollout (its Job may be gone), else its
+    Job's; None with neither (nothing ran yet, or a status from before the value was kept
+    and no Job: no rerun is inferred)."""
+    if verdict is not None and verdict.result in STOPPED and verdict.rerun is not None:
+        return verdict.rerun
+    return rerun_value(job) if job is not None else None
+
+
+def _built_context(job: Mapping[str, Any], spec: InferenceDeploymentSpec) -> int:
+    """The context a canary Job of this spec may have been built with: the one it records,
+    if the spec allows it (its effective context lies between minContextLength, under
+    LowerContext, and contextLength); else contextLength, so a Job claiming another fails
+    the compare."""
+    context = job_context_length(job)
+    lowest = spec.context_length
+    if spec.pool_policy is PoolPolicy.LOWER_CONTEXT:
+        lowest = spec.min_context_length or 1
+    if context is None or not lowest <= context <= spec.context_length:
+        return spec.context_length
+    return context
 
 
 def _record_repaired(revision: str, refused: Sequence[str]) -> list[Event]:

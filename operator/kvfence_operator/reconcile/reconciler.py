@@ -127,6 +127,7 @@ class Reconciler:
         )
 
         found.problems.extend(plan.problems)
+        found.conflicts.extend(plan.conflicts)
 
         # act
         acted = Act(

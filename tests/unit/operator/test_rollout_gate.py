@@ -6,11 +6,14 @@ import json
 
 import pytest
 
-from helpers.gate import INSTANCE, Gate, serving_then_rolling
+from helpers.gate import COMPLETE, FINDING, INSTANCE, Gate, serving_then_rolling
+from kvfence_operator.builders.canary_job import build_canary_job
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import (
+    ANNOTATION_RERUN_CANARY,
     ANNOTATION_SPEC,
     LABEL_REVISION,
+    child_name,
 )
 from kvfence_operator.revision import revision_of
 
@@ -134,3 +137,106 @@ def test_a_revision_with_no_record_of_its_own_is_left_as_it_is_and_said_so():
     assert (degraded["status"], degraded["reason"]) == ("True", "RevisionRecordRefused")
     assert r1 in degraded["message"]
     assert len(gate.events_of("RevisionRecordRefused")) == 1
+
+
+# ---- 3. only the Job the operator built has a verdict ----------------------------------------
+
+
+def hand_made_job(gate: Gate, revision: str) -> dict:
+    job = build_canary_job(
+        InferenceDeploymentSpec.model_validate(gate.obj["spec"]), INSTANCE, revision
+    )
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    container.update(image="busybox:1", command=["true"], args=[], env=[])
+    job["metadata"]["uid"] = "u-hand-made"
+    job["status"] = {"conditions": [COMPLETE]}
+    return job
+
+
+def test_a_hand_made_job_with_the_canarys_name_and_owner_is_a_name_conflict_not_a_pass():
+    gate = Gate()
+    r1 = gate.revision
+    gate.verdicts[r1] = COMPLETE
+    gate.reconcile(6)
+    r2 = gate.set_spec(contextLength=2048)
+    gate.reconcile()  # r2's children, no Job yet (its pods are not Ready before this pass)
+    name = child_name(INSTANCE, r2, Role.CANARY)
+    gate.kube.objects.pop(("Job", name), None)
+    gate.kube.objects[("Job", name)] = hand_made_job(gate, r2)
+    gate.reconcile(3)
+    assert gate.status["revision"] == {"current": r1, "candidate": r2}
+    assert gate.selected() == r1 and not gate.routers_open(r2)
+    degraded = gate.condition("Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "NameConflict")
+    assert name in degraded["message"]
+    (warning,) = [e for e in gate.events_of("NameConflict") if name in e.message]
+    assert warning.type == "Warning"
+    assert gate.status["canary"]["result"] != "Passed"
+    assert not [e for e in gate.events_of("Promoted") if r2 in e.message]
+
+
+def test_the_operators_own_job_with_the_servers_defaults_still_counts():
+    gate = Gate()
+    r1 = gate.revision
+    gate.verdicts[r1] = COMPLETE
+    gate.reconcile(3)
+    job = gate.child("Job", r1, Role.CANARY)
+    assert job is not None
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    container.update(imagePullPolicy="IfNotPresent", terminationMessagePath="/dev/termination-log")
+    job["spec"].update(completions=1, parallelism=1, suspend=False)
+    job["spec"]["template"]["spec"].update(dnsPolicy="ClusterFirst", schedulerName="default")
+    gate.reconcile(3)
+    assert gate.status["revision"] == {"current": r1}
+    assert gate.condition("Ready")["status"] == "True"
+
+
+# ---- 4. a verdict is kept when its Job goes ----------------------------------------------------
+
+
+def test_a_failed_canary_stays_failed_when_its_job_is_removed_until_a_rerun_is_asked():
+    gate = Gate()
+    r1 = gate.revision
+    gate.verdicts[r1] = COMPLETE
+    gate.reconcile(6)
+    r2 = gate.set_spec(contextLength=2048)
+    gate.verdicts[r2] = FINDING
+    gate.reconcile(4)
+    job = gate.child("Job", r2, Role.CANARY)
+    assert job is not None
+    assert gate.status["canary"]["result"] == "Failed"
+
+    gate.kube.objects.pop(("Job", job["metadata"]["name"]))  # the TTL controller
+    gate.verdicts[r2] = COMPLETE  # were it run again, it would pass
+    gate.reconcile(3)
+    assert gate.child("Job", r2, Role.CANARY) is None, "the failed canary ran again by itself"
+    assert gate.status["canary"]["result"] == "Failed"
+    assert gate.status["canary"].get("jobUid") == job["metadata"]["uid"]
+    assert gate.status["revision"] == {"current": r1, "candidate": r2}
+    assert gate.condition("Degraded")["reason"] == "CanaryFailed"
+
+    gate.annotate(ANNOTATION_RERUN_CANARY, "2026-11-30")  # the explicit request
+    gate.reconcile(4)
+    assert gate.child("Job", r2, Role.CANARY) is not None
+    assert gate.status["revision"] == {"current": r2}
+    assert gate.events_of("CanaryRerun")
+
+
+def test_a_failed_canarys_job_replaced_by_another_does_not_change_the_verdict():
+    gate = Gate()
+    r1 = gate.revision
+    gate.verdicts[r1] = COMPLETE
+    gate.reconcile(6)
+    r2 = gate.set_spec(contextLength=2048)
+    gate.verdicts[r2] = FINDING
+    gate.reconcile(4)
+    job = gate.child("Job", r2, Role.CANARY)
+    assert job is not None and gate.status["canary"]["result"] == "Failed"
+    # deleted and made again as the operator would make it (same spec), then passing
+    again = json.loads(json.dumps(job))
+    again["metadata"]["uid"] = "u-again"
+    again["status"] = {"conditions": [COMPLETE]}
+    gate.kube.objects[("Job", job["metadata"]["name"])] = again
+    gate.reconcile(3)
+    assert gate.status["canary"]["result"] == "Failed"
+    assert gate.status["revision"] == {"current": r1, "candidate": r2}

@@ -6,6 +6,7 @@ kopf handlers and `kvfence up` both call `plan_rollout`; neither decides on its 
 """
 
 import hmac
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -24,6 +25,7 @@ from kvfence_operator.decisions.canary import CanaryOutcome, JobPhase
 from kvfence_operator.decisions.pool_gate import PoolDecision
 from kvfence_operator.decisions.retirement import drain
 from kvfence_operator.meta import ANNOTATION_SERVING, LABEL_REVISION, Instance, controlled_by
+from kvfence_operator.revision import REVISION_LENGTH
 
 DISABLED = "canary disabled in spec"
 REFUSED = "not run: the pool check refused this revision"
@@ -104,8 +106,8 @@ def sealed_revision(
     annotations = (service.get("metadata") or {}).get("annotations") or {}
     seal = str(annotations.get(ANNOTATION_SERVING) or "")
     revision, colon, _ = seal.partition(":")
-    if not colon or not revision:
-        return None
+    if not colon or not re.fullmatch(f"[0-9a-f]{{{REVISION_LENGTH}}}", revision):
+        return None  # not a revision's name: nothing is read for it
     key = secret(revision)
     if key is None:
         return None

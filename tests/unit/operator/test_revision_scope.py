@@ -87,6 +87,7 @@ def test_without_a_seal_status_is_the_record(status):
 
 
 KEY = b"the credentials key"
+R1, R2 = "a1b2c3d4e5", "f6a7b8c9d0"  # revisions, as revision_of names them
 
 
 def _sealed_service(revision: str, selected: str, seal_key: bytes = KEY, **owner: Any) -> dict:
@@ -101,21 +102,26 @@ def _sealed_service(revision: str, selected: str, seal_key: bytes = KEY, **owner
 def test_only_the_operators_seal_on_its_own_service_names_the_serving_revision():
     instance = instance_for("full")
     key = lambda _revision: KEY  # noqa: E731
-    assert sealed_revision(_sealed_service("r1", "r1"), instance, key) == "r1"
+    assert sealed_revision(_sealed_service(R1, R1), instance, key) == R1
     # the selector says nothing: the seal names r1 whatever the Service selects
-    assert sealed_revision(_sealed_service("r1", "r2"), instance, key) == "r1"
+    assert sealed_revision(_sealed_service(R1, R2), instance, key) == R1
     assert sealed_revision(None, instance, key) is None
-    assert sealed_revision(_sealed_service("r1", "r1", b"another key"), instance, key) is None
-    assert sealed_revision(_sealed_service("r1", "r1", uid="someone"), instance, key) is None
-    assert sealed_revision(_sealed_service("r1", "r1", controller=False), instance, key) is None
-    assert sealed_revision(_sealed_service("r1", "r1"), instance, lambda _r: None) is None
+    assert sealed_revision(_sealed_service(R1, R1, b"another key"), instance, key) is None
+    assert sealed_revision(_sealed_service(R1, R1, uid="someone"), instance, key) is None
+    assert sealed_revision(_sealed_service(R1, R1, controller=False), instance, key) is None
+    assert sealed_revision(_sealed_service(R1, R1), instance, lambda _r: None) is None
     # a seal copied onto another revision's name does not verify
-    forged = _sealed_service("r1", "r2")
+    forged = _sealed_service(R1, R2)
     seal = forged["metadata"]["annotations"][ANNOTATION_SERVING]
-    forged["metadata"]["annotations"][ANNOTATION_SERVING] = "r2" + seal.removeprefix("r1")
+    forged["metadata"]["annotations"][ANNOTATION_SERVING] = R2 + seal.removeprefix(R1)
     assert sealed_revision(forged, instance, key) is None
-    forged["metadata"]["annotations"][ANNOTATION_SERVING] = "r2"
+    forged["metadata"]["annotations"][ANNOTATION_SERVING] = R2
     assert sealed_revision(forged, instance, key) is None
+    # what is not a revision's name is not looked up at all
+    looked_up: list[str] = []
+    forged["metadata"]["annotations"][ANNOTATION_SERVING] = "../x:" + seal.partition(":")[2]
+    assert sealed_revision(forged, instance, lambda r: looked_up.append(r) or KEY) is None
+    assert looked_up == []
 
 
 def _service(uid: str, revision: str | None, controller: bool = True) -> dict:

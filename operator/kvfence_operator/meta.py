@@ -27,6 +27,10 @@ KV_POOL_GATE = f"{API_GROUP}/kv-pool"
 # On the stable Service: the annotation keys that came from spec.router.service.annotations,
 # so that a key removed from the spec is removed from the Service, and no one else's is.
 MANAGED_ANNOTATIONS = f"{API_GROUP}/managed-annotations"
+# On the stable Service: which revision the operator made it serve, sealed with an HMAC only
+# the operator can make (builders/secret.py::serving_seal). Status is the record of what
+# serves; this seal is where a lost status is recovered from (decisions/rollout.py).
+ANNOTATION_SERVING = f"{API_GROUP}/serving"
 # On a revision's router ConfigMap: the spec that revision is judged by (revision.spec_record).
 ANNOTATION_SPEC = f"{API_GROUP}/spec"
 # On the InferenceDeployment, and recorded on its canary Job: a new value asks for a new run of

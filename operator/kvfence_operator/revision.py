@@ -134,17 +134,29 @@ def spec_record(spec: InferenceDeploymentSpec) -> str:
     return json.dumps(dump, sort_keys=True, separators=(",", ":"))
 
 
+def recorded_spec(revision: str, record: str | None) -> InferenceDeploymentSpec | None:
+    """The spec a record (spec_record) holds, if it is `revision`'s: one that does not parse,
+    or whose spec does not hash to `revision`, is refused (None). Anyone who may edit the
+    object can write a record; only one that hashes to the revision can be trusted to be its
+    spec, since the revision is that hash."""
+    if record is None:
+        return None
+    try:
+        recorded = InferenceDeploymentSpec.model_validate(json.loads(record))
+    except (ValueError, ValidationError):
+        return None
+    return recorded if revision_of(recorded) == revision else None
+
+
 def judged_spec(
     revision: str, desired: str, spec: InferenceDeploymentSpec, record: str | None
-) -> InferenceDeploymentSpec:
-    """The spec a revision's pools, gates and backends file are computed from. The desired
-    revision: the object's spec (same pod-shaping parts by the hash; in-place changes such as
-    minContextLength apply). Any other revision (the one still serving during a rollout): the
-    spec recorded on its objects, so a new spec never changes what it serves. Without a
-    readable record (a revision an older operator created) the object's spec, as before."""
-    if revision == desired or record is None:
+) -> InferenceDeploymentSpec | None:
+    """The spec a revision's pools, gates, backends file and children are computed from. The
+    desired revision: the object's spec (same pod-shaping parts by the hash; in-place changes
+    such as minContextLength apply). Any other revision (the one still serving during a
+    rollout): the spec recorded on its objects, so a new spec never changes what it serves.
+    None when it has no record that hashes to it (recorded_spec): never the object's spec,
+    which would judge and declare the serving revision by the candidate's."""
+    if revision == desired:
         return spec
-    try:
-        return InferenceDeploymentSpec.model_validate(json.loads(record))
-    except (ValueError, ValidationError):
-        return spec
+    return recorded_spec(revision, record)

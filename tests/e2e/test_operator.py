@@ -449,7 +449,8 @@ def test_the_serving_revision_keeps_serving_through_a_refused_candidate_and_a_lo
     serving revision is still judged against the spec it was created from (gates True, its
     router's backends file unchanged, its router routing to its engines). Then status is lost
     mid-rollout (a backup restore without it): the serving revision is read back from the
-    stable Service and nothing of it is removed."""
+    operator's own seal on the stable Service (kvfence.dev/serving, an HMAC only it can make;
+    never from the selector) and nothing of it is removed."""
     first = cluster.create(manifest())
     r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
     check_first_rollout(cluster, first, r1)

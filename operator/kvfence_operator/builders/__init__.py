@@ -26,7 +26,8 @@ from kvfence_operator.builders.router_deployment import (
 )
 from kvfence_operator.builders.secret import RevisionCredentials, build_revision_secret
 from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.meta import Instance
+from kvfence_operator.meta import ANNOTATION_SPEC, Instance
+from kvfence_operator.revision import spec_record
 
 
 def build_revision_children(
@@ -47,6 +48,15 @@ def build_revision_children(
     credentials_mark: what the router ConfigMap records of the key that derived the
     credentials (secret.derived_mark), None for generated ones."""
     scaled = deployments_spec or spec
+    deployments = [
+        *(
+            build_engine_deployment(scaled, instance, revision, role, metrics)
+            for role in ENGINE_ROLES
+        ),
+        build_router_deployment(scaled, instance, revision, metrics),
+    ]
+    for deployment in deployments:  # copies of the record: see with_record
+        with_record(deployment, spec)
     return [
         build_revision_secret(instance, revision, credentials),
         build_router_configmap(spec, instance, revision, context_length, mark=credentials_mark),
@@ -55,9 +65,14 @@ def build_revision_children(
         *(build_engine_service(instance, revision, role) for role in ENGINE_ROLES),
         build_router_service(instance, revision),
         *build_disruption_budgets(instance, revision),
-        *(
-            build_engine_deployment(scaled, instance, revision, role, metrics)
-            for role in ENGINE_ROLES
-        ),
-        build_router_deployment(scaled, instance, revision, metrics),
+        *deployments,
     ]
+
+
+def with_record(deployment: dict[str, Any], spec: InferenceDeploymentSpec) -> dict[str, Any]:
+    """The revision's spec record (meta.ANNOTATION_SPEC, revision.spec_record) on one of its
+    Deployments, beside the one on its router ConfigMap: a copy a pass can judge and declare
+    the revision from when another is removed or does not hash to the revision, and puts back
+    (a metadata annotation: declared, so drift repair restores it; no pod restarts)."""
+    deployment["metadata"].setdefault("annotations", {})[ANNOTATION_SPEC] = spec_record(spec)
+    return deployment

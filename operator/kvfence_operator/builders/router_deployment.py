@@ -30,6 +30,7 @@ from kvfence_operator.builders.secret import (
 )
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import (
+    ANNOTATION_SERVING,
     ANNOTATION_SPEC,
     HTTP_PORT,
     MANAGED_ANNOTATIONS,
@@ -221,16 +222,18 @@ def build_router_service(instance: Instance, revision: str) -> dict[str, Any]:
 
 
 def build_stable_service(
-    spec: InferenceDeploymentSpec, instance: Instance, revision: str
+    spec: InferenceDeploymentSpec, instance: Instance, revision: str, seal: str | None = None
 ) -> dict[str, Any]:
     """The Service <name> clients use; promotion is switching its selector to a new revision.
     Its annotations are spec.router.service.annotations plus the list of their keys (so that
-    a key dropped from the spec can be removed, and only such a key)."""
+    a key dropped from the spec can be removed, and only such a key), and `seal`
+    (secret.serving_seal: the operator's mark of the revision it serves) when there is one."""
     service = spec.router.service
     metadata = object_meta(instance, instance.name, labels(instance))
     metadata["annotations"] = {
         **service.annotations,
         MANAGED_ANNOTATIONS: ",".join(sorted(service.annotations)),
+        **({ANNOTATION_SERVING: seal} if seal is not None else {}),
     }
     return {
         "apiVersion": "v1",

@@ -122,6 +122,17 @@ def derived_mark(key: bytes) -> str:
     return "hmac-sha256:" + hashlib.sha256(b"kvfence credentials key\0" + key).hexdigest()[:16]
 
 
+def serving_seal(secret: bytes, instance: Instance, revision: str) -> str:
+    """What meta.ANNOTATION_SERVING holds on the stable Service the operator pointed at
+    `revision`: the revision and an HMAC-SHA256 over (namespace, name, uid, revision). `secret`
+    is the operator's credentials key, or without one the revision's internal token: whoever
+    may patch the Service but holds neither cannot seal another revision."""
+    who = (instance.namespace, instance.name, instance.uid, revision)
+    message = "\0".join(("kvfence serving revision v1", *who)).encode()
+    digest = hmac.new(secret, message, hashlib.sha256).digest()
+    return f"{revision}:" + base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
 def internal_token_of(secret: dict[str, Any] | None) -> str | None:
     """The internal token in a revision Secret as the API server returns it (base64 data)."""
     data = (secret or {}).get("data") or {}

@@ -6,6 +6,8 @@ exclusiveMinimum. `structural()` converts one into the other and refuses any key
 know how to express, so a model change the CRD cannot carry fails loudly instead of silently.
 """
 
+import copy
+import functools
 from typing import Any
 
 import yaml
@@ -154,9 +156,14 @@ def printer_columns() -> list[dict[str, Any]]:
     ]
 
 
+@functools.cache
 def spec_schema() -> dict[str, Any]:
     """The structural schema of `spec`: its `default`s are what the API server writes into an
-    object that omits them (kvfence_operator/revision.py applies the same ones)."""
+    object that omits them (kvfence_operator/revision.py applies the same ones).
+
+    Built once per process: it depends on the models alone, and every pass hashes revisions
+    with it (building it was most of a steady pass's CPU). The one dict is shared: read it,
+    never change it (build_crd hands out a copy)."""
     return _model_schema(InferenceDeploymentSpec, "validation")
 
 
@@ -179,7 +186,7 @@ def build_crd() -> dict[str, Any]:
                     }
                 },
             },
-            "spec": spec_schema(),
+            "spec": copy.deepcopy(spec_schema()),
             "status": _model_schema(InferenceDeploymentStatus, "serialization"),
         },
     }

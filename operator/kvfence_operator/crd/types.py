@@ -571,6 +571,8 @@ class ConditionReason(StrEnum):
     CREATE_FAILED = "CreateFailed"  # the API refused to create a child (quota 403, webhook)
     CREATE_REJECTED = "CreateRejected"  # 422: the spec makes children the API server rejects
     API_KEYS_SECRET_MISSING = "ApiKeysSecretMissing"
+    # a kept revision with no record of its spec that hashes to it (revision.recorded_spec)
+    REVISION_RECORD_REFUSED = "RevisionRecordRefused"
     # Stalled
     PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
     # CanaryPassed
@@ -599,6 +601,10 @@ class EventReason(StrEnum):
     CANARY_RERUN = "CanaryRerun"
     PROMOTED = "Promoted"
     RETIRED = "Retired"
+    # the stable Service's selector named a revision that does not serve: put back (drift)
+    SELECTOR_REPAIRED = "SelectorRepaired"
+    # a revision's spec record missing or not its own on one of its objects: put back
+    RECORD_REPAIRED = "RecordRepaired"
 
 
 class Condition(_LenientModel):
@@ -676,6 +682,14 @@ class CanaryResult(StrEnum):
 class CanaryStatus(_LenientModel):
     revision: str | None = None
     job: str | None = None
+    job_uid: str | None = Field(
+        None,
+        description="UID of the Job the result was read from: a verdict is kept when that "
+        "Job is gone, and another Job of the same name does not change it.",
+    )
+    rerun: str | None = Field(
+        None, description="The kvfence.dev/rerun-canary value that Job was created with."
+    )
     result: CanaryResult | None = None
     message: str | None = None
 

@@ -11,6 +11,7 @@ and starts a fresh one. Only a candidate's canary is re-run: the serving revisio
 canary never is.
 """
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -18,6 +19,7 @@ from typing import Any
 
 from kvfence_operator.builders.canary_job import CONTAINER as CANARY_CONTAINER
 from kvfence_operator.builders.canary_job import EXIT_FINDING
+from kvfence_operator.decisions.drift import holds
 from kvfence_operator.meta import ANNOTATION_RERUN_CANARY
 
 
@@ -26,6 +28,9 @@ class JobPhase(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"  # a finding: the canary saw an isolation or status failure
     COULD_NOT_RUN = "CouldNotRun"  # no verdict, after the Job's retries: not a finding
+    # a Job with the canary's name and this InferenceDeployment's ownerReference that is not
+    # the one the operator builds (job_mismatch): never a verdict, a NameConflict
+    NOT_BUILT_HERE = "NotBuiltHere"
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +38,8 @@ class CanaryOutcome:
     job: str
     phase: JobPhase
     message: str = ""
+    uid: str | None = None  # the Job's: a verdict in status names the Job it came from
+    rerun: str = ""  # the kvfence.dev/rerun-canary value the Job was created with
 
 
 def rerun_value(obj: Mapping[str, Any] | None) -> str:
@@ -57,6 +64,7 @@ def canary_outcome(job: Mapping[str, Any], pods: list[dict[str, Any]]) -> Canary
     stuck Pending on its image, a canary slower than its timeout). A Job from before the
     podFailurePolicy (backoffLimit 0) is judged by its pod's exit code."""
     name = job["metadata"]["name"]
+    ids = {"uid": job["metadata"].get("uid"), "rerun": rerun_value(job)}
     conditions = {
         c.get("type"): c
         for c in (job.get("status") or {}).get("conditions") or []
@@ -65,15 +73,16 @@ def canary_outcome(job: Mapping[str, Any], pods: list[dict[str, Any]]) -> Canary
     tries = sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "")
     message = next((m for pod in reversed(tries) if (m := _termination_message(pod))), "")
     if "Complete" in conditions:
-        return CanaryOutcome(name, JobPhase.SUCCEEDED, message)
+        return CanaryOutcome(name, JobPhase.SUCCEEDED, message, **ids)
     if "Failed" not in conditions:
-        return CanaryOutcome(name, JobPhase.RUNNING, message)
+        return CanaryOutcome(name, JobPhase.RUNNING, message, **ids)
     failed = conditions["Failed"]
     reason = failed.get("reason") or ""
     findings = [pod for pod in tries if _exit(pod) == EXIT_FINDING]
     if reason == "PodFailurePolicy" or findings:
         found = _termination_message(findings[-1]) if findings else message
-        return CanaryOutcome(name, JobPhase.FAILED, found or f"job failed: {failed.get('message')}")
+        why = found or f"job failed: {failed.get('message')}"
+        return CanaryOutcome(name, JobPhase.FAILED, why, **ids)
     attempts = sum((p.get("status") or {}).get("phase") == "Failed" for p in tries)
     why = {
         "BackoffLimitExceeded": f"no verdict in {attempts} tries",
@@ -85,7 +94,54 @@ def canary_outcome(job: Mapping[str, Any], pods: list[dict[str, Any]]) -> Canary
         name,
         JobPhase.COULD_NOT_RUN,
         f"could not run ({reason or 'Failed'}): {why}" + (f"; last try: {last}" if last else ""),
+        **ids,
     )
+
+
+# ---- is it the Job the operator built? ----------------------------------------------------------
+
+
+def job_context_length(job: Mapping[str, Any]) -> int | None:
+    """The --context-length a canary Job's container was given (the revision's effective
+    context when the Job was built), if it reads as one."""
+    containers = _pod_spec(job).get("containers") or []
+    args = next((c.get("args") or [] for c in containers if c.get("name") == CANARY_CONTAINER), [])
+    for flag, value in itertools.pairwise(args):
+        if flag == "--context-length":
+            try:
+                return int(value)
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def job_mismatch(live: Mapping[str, Any], built: Mapping[str, Any]) -> str | None:
+    """Why `live` is not the canary Job the operator builds (`built`: build_canary_job for
+    the same revision, with the context and rerun value `live` records), or None when it is.
+    The compare is drift's (`declared ⊆ live`: fields the API server defaults are not a
+    difference; lists element by element, so an added container or env var is one), over the
+    whole Job spec, and no init container the operator does not declare. Anyone who may
+    create a Job can give it the canary's name, labels and ownerReference: only its spec
+    says whether what ran was the canary."""
+    built_pod, live_pod = _pod_spec(built), _pod_spec(live)
+    (wanted,) = built_pod["containers"]
+    container: Mapping[str, Any] = next(
+        (c for c in live_pod.get("containers") or [] if c.get("name") == CANARY_CONTAINER), {}
+    )
+    for field in ("image", "command", "args", "env"):
+        if not holds(wanted.get(field), container.get(field)):
+            return f"its {CANARY_CONTAINER} container's {field} is not the canary's"
+    if live_pod.get("initContainers") and not holds(
+        built_pod.get("initContainers"), live_pod["initContainers"]
+    ):
+        return "it has init containers the canary does not"
+    if not holds(built["spec"], live.get("spec")):
+        return "its spec is not the canary Job's"
+    return None
+
+
+def _pod_spec(job: Mapping[str, Any]) -> Mapping[str, Any]:
+    return ((job.get("spec") or {}).get("template") or {}).get("spec") or {}
 
 
 def _canary_container(pod: Mapping[str, Any]) -> dict[str, Any]:

@@ -166,6 +166,6 @@ def declaring_spec(
     revision, the spec recorded on the revision for any other (revision.judged_spec), never
     the new spec, which would change a serving revision's pods without a canary. None when no
     spec of that revision can be read (no record, or one that does not hash to it): its
-    children are then left as they are."""
+    children are then left as they are, and the pass says so (RevisionRecordRefused)."""
     judged = judged_spec(revision, desired, spec, record)
-    return judged if revision_of(judged) == revision else None
+    return judged if judged is not None and revision_of(judged) == revision else None

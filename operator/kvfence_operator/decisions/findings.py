@@ -50,13 +50,24 @@ class Conflict:
     kind: str
     name: str
     owner: str  # owner_description of the existing object
+    # why an object this InferenceDeployment controls is still not the operator's (a canary
+    # Job someone else made with its ownerReference); "": it is not controlled by it
+    not_built: str = ""
 
     @classmethod
-    def of(cls, existing: Mapping[str, Any]) -> "Conflict":
-        return cls(existing["kind"], existing["metadata"]["name"], owner_description(existing))
+    def of(cls, existing: Mapping[str, Any], not_built: str = "") -> "Conflict":
+        name = existing["metadata"]["name"]
+        return cls(existing["kind"], name, owner_description(existing), not_built)
 
     @property
     def message(self) -> str:
+        if self.not_built:
+            return (
+                f"{self.kind} {self.name} is not the one the operator built ({self.not_built}), "
+                "though it names this InferenceDeployment as its controller; it is left "
+                "untouched and has no verdict: delete it, or give kvfence.dev/rerun-canary a "
+                "new value"
+            )
         return (
             f"{self.kind} {self.name} exists and is not controlled by this "
             f"InferenceDeployment (its controller: {self.owner}); it is left untouched: "
@@ -95,3 +106,16 @@ def summary(problems: Sequence[Problem]) -> tuple[ConditionReason, str] | None:
     if not problems:
         return None
     return problems[0].reason, "; ".join(dict.fromkeys(p.message for p in problems))
+
+
+def record_refused(revision: str, refused: Sequence[str]) -> Problem:
+    """A revision other than the spec's with no record of its spec that hashes to it: it is
+    neither judged nor declared by any spec (the object's would be the candidate's)."""
+    where = f" (refused on {', '.join(refused)})" if refused else ""
+    return Problem(
+        ConditionReason.REVISION_RECORD_REFUSED,
+        f"revision {revision} has no record of its spec that hashes to it{where}: its "
+        f"children, gates and backends are left as they are, neither judged nor put back by "
+        "another revision's spec. Restore its kvfence.dev/spec annotation, or roll out a new "
+        "revision",
+    )

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvfence_operator.decisions.drift import is_subset
 from kvfence_operator.meta import (
+    ANNOTATION_SERVING,
     MANAGED_ANNOTATIONS,
     controlled_by,
     controller_reference,
@@ -46,13 +47,15 @@ def stable_service_patch(
     existing: Mapping[str, Any], wanted: Mapping[str, Any]
 ) -> dict[str, Any] | None:
     """The merge patch that makes the existing stable Service what `wanted` (the builder's
-    Service) declares: type, ports, selector (keys someone added are removed), labels and the
-    spec's annotations (keys the spec dropped are removed; others' annotations stay). None
-    when it already is."""
+    Service) declares: type, ports, selector (keys someone added are removed; a revision
+    someone else wrote is put back), labels, the spec's annotations (keys the spec dropped are
+    removed; others' annotations stay) and the operator's serving seal. None when it already
+    is."""
     current_meta = existing.get("metadata") or {}
     current_annotations = current_meta.get("annotations") or {}
     wanted_annotations = dict(wanted["metadata"].get("annotations") or {})
     before = {k for k in current_annotations.get(MANAGED_ANNOTATIONS, "").split(",") if k}
+    before.add(ANNOTATION_SERVING)  # the operator's own: a seal it no longer makes goes
     dropped = {
         k: None
         for k in before - wanted_annotations.keys()

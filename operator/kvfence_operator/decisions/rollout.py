@@ -5,24 +5,27 @@ canary's result), so an operator restarted at any point makes the same decision 
 kopf handlers and `kvfence up` both call `plan_rollout`; neither decides on its own.
 """
 
-from collections.abc import Mapping
+import hmac
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+from kvfence_operator.builders.secret import serving_seal
 from kvfence_operator.crd.types import (
     CanaryResult,
     CanaryStatus,
     ConditionReason,
     EventReason,
-    RetiringRevision,
     RevisionStatus,
     RoleReplicas,
 )
 from kvfence_operator.decisions.canary import CanaryOutcome, JobPhase
 from kvfence_operator.decisions.pool_gate import PoolDecision
 from kvfence_operator.decisions.retirement import drain
-from kvfence_operator.meta import LABEL_REVISION
+from kvfence_operator.meta import ANNOTATION_SERVING, LABEL_REVISION, Instance, controlled_by
+from kvfence_operator.revision import REVISION_LENGTH
 
 DISABLED = "canary disabled in spec"
 REFUSED = "not run: the pool check refused this revision"
@@ -88,26 +91,44 @@ def selected_revision(service: Mapping[str, Any] | None, uid: str) -> str | None
     return ((service.get("spec") or {}).get("selector") or {}).get(LABEL_REVISION)
 
 
-def serving_revision(
-    status: RevisionStatus | None, selected: str | None, now: datetime | None = None
-) -> RevisionStatus | None:
-    """The revision status a pass starts from. The stable Service's selector (`selected`, None
-    when there is no stable Service of this InferenceDeployment's) is where the cluster itself
-    records which revision serves; `status.revision.current` is a copy of it, lost with status
-    (a backup restored without it) or stale after a crash between switching the Service and
-    writing status. So the selector wins, and status counts only without a stable Service:
-    what the Service selects is always `current`, and `current` is always kept. A `current`
-    in status that the Service no longer selects (the crash case) drains from `now` on."""
-    if selected is None or (status is not None and status.current == selected):
+def sealed_revision(
+    service: Mapping[str, Any] | None,
+    instance: Instance,
+    secret: Callable[[str], bytes | None],
+) -> str | None:
+    """The revision the operator's seal on its stable Service names (meta.ANNOTATION_SERVING),
+    if the Service is this InferenceDeployment's and the seal verifies: `secret(revision)` is
+    what sealed it (the credentials key, or that revision's internal token; None: it cannot be
+    verified). The selector says nothing here: anyone who may patch the Service can write it,
+    no one but the operator can seal."""
+    if service is None or not controlled_by(service, instance.uid):
+        return None
+    annotations = (service.get("metadata") or {}).get("annotations") or {}
+    seal = str(annotations.get(ANNOTATION_SERVING) or "")
+    revision, colon, _ = seal.partition(":")
+    if not colon or not re.fullmatch(f"[0-9a-f]{{{REVISION_LENGTH}}}", revision):
+        return None  # not a revision's name: nothing is read for it
+    key = secret(revision)
+    if key is None:
+        return None
+    return revision if hmac.compare_digest(seal, serving_seal(key, instance, revision)) else None
+
+
+def serving_revision(status: RevisionStatus | None, sealed: str | None) -> RevisionStatus | None:
+    """The revision status a pass starts from. Status is the operator's record of which
+    revision serves: the stable Service's selector is not (anyone who may patch the Service
+    could otherwise promote a candidate its canary never passed); a selector that disagrees is
+    drift, put back. Only a status that names no serving revision (lost: a backup restored
+    without it) is recovered, from what the operator itself wrote and can verify: `sealed`,
+    the revision its seal on the stable Service names (sealed_revision). A candidate in the
+    status is kept as it is. Without a seal nothing is recovered (the first rollout again)."""
+    if sealed is None or (status is not None and status.current is not None):
         return status
     candidate = status.candidate if status is not None else None
-    retiring = list((status.retiring if status is not None else None) or [])
-    if status is not None and status.current is not None and now is not None:
-        retiring.append(RetiringRevision(revision=status.current, since=now))
     return RevisionStatus(
-        current=selected,
-        candidate=candidate if candidate != selected else None,
-        retiring=retiring or None,
+        current=sealed,
+        candidate=candidate if candidate != sealed else None,
+        retiring=status.retiring if status is not None else None,
     )
 
 
@@ -194,6 +215,18 @@ def _plan_serving(
         assert canary is not None  # NotRun, set above
         return _promote(candidate, current, canary, events, retire_after_seconds)
     outcome = seen.canary
+    if kept_verdict(canary, outcome):
+        return stay(canary)
+    if outcome is not None and outcome.phase is JobPhase.NOT_BUILT_HERE:
+        return stay(
+            CanaryStatus(
+                revision=candidate,
+                job=outcome.job,
+                result=CanaryResult.PENDING,
+                message=f"Job {outcome.job} is not the canary Job the operator built "
+                f"({outcome.message}): it has no verdict; delete it",
+            )
+        )
     if outcome is None:
         events.append(
             Event("Normal", EventReason.CANARY_STARTED, f"canary job for revision {candidate}")
@@ -202,20 +235,19 @@ def _plan_serving(
             CanaryStatus(revision=candidate, result=CanaryResult.RUNNING, message="starting"),
             start=candidate,
         )
+    ids = {"job": outcome.job, "job_uid": outcome.uid, "rerun": outcome.rerun}
     if outcome.phase is JobPhase.RUNNING:
         return stay(
-            CanaryStatus(
-                revision=candidate, job=outcome.job, result=CanaryResult.RUNNING, message="running"
-            )
+            CanaryStatus(revision=candidate, result=CanaryResult.RUNNING, message="running", **ids)
         )
     if outcome.phase in STOPPED_BY:
         result = STOPPED_BY[outcome.phase]
         reason, what = STOPPED[result]
         stopped = CanaryStatus(
             revision=candidate,
-            job=outcome.job,
             result=result,
             message=outcome.message or "the canary job failed",
+            **ids,
         )
         if canary is None or canary.result is not result:
             events.append(
@@ -228,15 +260,25 @@ def _plan_serving(
             )
         return stay(stopped)
     passed = CanaryStatus(
-        revision=candidate,
-        job=outcome.job,
-        result=CanaryResult.PASSED,
-        message=outcome.message or "passed",
+        revision=candidate, result=CanaryResult.PASSED, message=outcome.message or "passed", **ids
     )
     events.append(
         Event("Normal", EventReason.CANARY_PASSED, f"revision {candidate} passed its canary")
     )
     return _promote(candidate, current, passed, events, retire_after_seconds)
+
+
+def kept_verdict(canary: CanaryStatus | None, outcome: CanaryOutcome | None) -> bool:
+    """Whether the candidate's verdict in status stands whatever its Job says now: a failed
+    canary, or one that could not run, is never forgotten because its Job is gone (the TTL
+    controller, a cleanup) nor changed by another Job of the same name (its uid is not the
+    one the verdict came from). Only a new revision or a new kvfence.dev/rerun-canary value
+    (decide: the verdict is then not carried) runs the canary again."""
+    if canary is None or canary.result not in STOPPED:
+        return False
+    if outcome is None:
+        return True
+    return canary.job_uid is not None and outcome.uid != canary.job_uid
 
 
 def _not_started(canary: CanaryStatus | None) -> bool:

@@ -56,6 +56,7 @@ TERMINAL = frozenset(
         R.INVALID_SPEC,
         R.CREATE_REJECTED,
         R.CANARY_COULD_NOT_RUN,
+        R.REVISION_RECORD_REFUSED,
     }
 )
 MESSAGE_LIMIT = 1000  # a condition message the operator writes from an error's text

@@ -9,7 +9,7 @@ one's own spec, with the object's replica counts (drift.declaring_spec, replicas
 """
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -21,23 +21,39 @@ from kvfence_operator.builders.router_deployment import (
     build_stable_service,
     router_backends,
 )
-from kvfence_operator.builders.secret import derived_mark
+from kvfence_operator.builders.secret import derived_mark, serving_seal
 from kvfence_operator.cluster.router_push import versioned
 from kvfence_operator.crd.types import (
+    CanaryStatus,
     EventReason,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
+    PoolPolicy,
     RevisionStatus,
     RoleReplicas,
 )
-from kvfence_operator.decisions.canary import CanaryOutcome, rerun_requested
+from kvfence_operator.decisions.canary import (
+    CanaryOutcome,
+    JobPhase,
+    job_context_length,
+    job_mismatch,
+    rerun_value,
+)
 from kvfence_operator.decisions.drift import declaring_spec
+from kvfence_operator.decisions.findings import Conflict, Problem, record_refused
 from kvfence_operator.decisions.pods import may_serve, pod_url
 from kvfence_operator.decisions.pool_gate import PodGate, PodPool, judge_pools
 from kvfence_operator.decisions.replicas import with_replicas_of
 from kvfence_operator.decisions.retirement import Retirement, retirement
-from kvfence_operator.decisions.rollout import Event, RevisionObservation, RolloutPlan, plan_rollout
-from kvfence_operator.meta import ANNOTATION_RERUN_CANARY, Instance
+from kvfence_operator.decisions.rollout import (
+    STOPPED,
+    Event,
+    RevisionObservation,
+    RolloutPlan,
+    plan_rollout,
+    selected_revision,
+)
+from kvfence_operator.meta import ANNOTATION_RERUN_CANARY, ANNOTATION_SPEC, Instance
 from kvfence_operator.reconcile.observe import Frame, RevisionSeen
 from kvfence_operator.revision import judged_spec
 
@@ -78,6 +94,8 @@ class PassPlan:
     open_routers: frozenset[str]  # the kept revisions whose routers admit clients
     stable_service: dict[str, Any] | None  # what the stable Service must be (None: untouched)
     retirement: Retirement
+    problems: tuple[Problem, ...] = ()  # what the pass met in what it observed (Degraded)
+    conflicts: tuple[Conflict, ...] = ()  # names taken by what the operator did not build
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +110,9 @@ class PassInputs:
     frame: Frame
     seen: Mapping[str, RevisionSeen]  # every revision the pass keeps, by revision
     rerun_value: str  # the InferenceDeployment's kvfence.dev/rerun-canary
+    # with no serving revision known: the one the stable Service (ours) selects, kept from
+    # retirement (never served, promoted or judged by the selector) until one is promoted
+    held: str | None = None
 
 
 def decide(
@@ -113,24 +134,51 @@ def decide(
             ensure.append(Ensure(revision, declaring, scaled, revision == current))
     # a candidate's canary only: the serving one's is never re-run
     job = given.seen[desired].canary_job if desired != current else None
-    rerun = desired if job is not None and rerun_requested(job, given.rerun_value) else None
+    verdict = given.previous.canary
+    if verdict is not None and (desired == current or verdict.revision != desired):
+        verdict = None  # about another revision: says nothing of the candidate's canary
+    ran_with = _ran_with(verdict, job)
+    rerun = desired if ran_with is not None and ran_with != given.rerun_value else None
+    # the candidate's Job has a verdict only if it is the one the operator builds
+    conflicts: list[Conflict] = []
+    foreign = None
+    if job is not None and rerun is None:
+        built = build_canary_job(
+            spec, instance, desired, _built_context(job, spec), rerun_value(job)
+        )
+        if (why := job_mismatch(job, built)) is not None:
+            conflicts.append(Conflict.of({**job, "kind": "Job"}, why))
+            foreign = CanaryOutcome(
+                job["metadata"]["name"], JobPhase.NOT_BUILT_HERE, why, job["metadata"].get("uid")
+            )
 
     observed: dict[str, RevisionObservation] = {}
     pools_of: dict[str, list[PodPool]] = {}
     writes = []
+    problems: list[Problem] = []
+    events: list[Event] = []
     for revision, seen in given.seen.items():
         judged = judged_spec(revision, desired, spec, seen.record)
         canary = None if revision == rerun else seen.canary
+        if revision == desired and foreign is not None:
+            canary = foreign
+        # a revision without a record of its own is observed (by the object's spec, for the
+        # status alone) but nothing of it is written: its gates and backends stay as they are
         observed[revision], written = _revision(
-            judged, instance, seen, canary, now_ms, unsafe_faults_allowed
+            judged or spec, instance, seen, canary, now_ms, unsafe_faults_allowed
         )
         pools_of[revision] = list(seen.pools)
-        writes.append(written)
+        if judged is None:
+            problems.append(record_refused(revision, seen.records_refused))
+        else:
+            writes.append(written)
+            events += _record_repaired(revision, seen.records_refused)
 
     plan = plan_rollout(
         desired,
         given.revision_status,
-        given.previous.canary,
+        # a rerun forgets the verdict the candidate's canary had
+        None if rerun is not None else given.previous.canary,
         observed,
         spec.canary.enabled,
         now=now,
@@ -145,8 +193,15 @@ def decide(
     if plan.serve is not None:
         # open: the revision about to serve, and those draining (their clients finish there)
         open_routers = frozenset({plan.serve, *(r.revision for r in plan.revision.retiring or [])})
-        stable = build_stable_service(spec, instance, plan.serve)
+        token = given.seen[plan.serve].token
+        secret = credentials_key if credentials_key is not None else _encoded(token)
+        seal = serving_seal(secret, instance, plan.serve) if secret is not None else None
+        stable = build_stable_service(spec, instance, plan.serve, seal)
+        events += _selector_drift(given, plan.serve)
     mark = derived_mark(credentials_key) if credentials_key is not None else None
+    keep = {*plan.keep, *((given.held,) if given.held is not None else ())}
+    if events:
+        plan = replace(plan, events=[*events, *plan.events])
     return PassPlan(
         tuple(ensure),
         rerun,
@@ -158,8 +213,72 @@ def decide(
         canary_job,
         open_routers,
         stable,
-        retirement(given.frame.children, set(plan.keep), instance.uid, mark),
+        retirement(given.frame.children, keep, instance.uid, mark),
+        tuple(problems),
+        tuple(conflicts),
     )
+
+
+def _ran_with(verdict: CanaryStatus | None, job: Mapping[str, Any] | None) -> str | None:
+    """The kvfence.dev/rerun-canary value the candidate's canary ran with: its verdict's in
+    status when it has a verdict that stopped the rollout (its Job may be gone), else its
+    Job's; None with neither (nothing ran yet, or a status from before the value was kept
+    and no Job: no rerun is inferred)."""
+    if verdict is not None and verdict.result in STOPPED and verdict.rerun is not None:
+        return verdict.rerun
+    return rerun_value(job) if job is not None else None
+
+
+def _built_context(job: Mapping[str, Any], spec: InferenceDeploymentSpec) -> int:
+    """The context a canary Job of this spec may have been built with: the one it records,
+    if the spec allows it (its effective context lies between minContextLength, under
+    LowerContext, and contextLength); else contextLength, so a Job claiming another fails
+    the compare."""
+    context = job_context_length(job)
+    lowest = spec.context_length
+    if spec.pool_policy is PoolPolicy.LOWER_CONTEXT:
+        lowest = spec.min_context_length or 1
+    if context is None or not lowest <= context <= spec.context_length:
+        return spec.context_length
+    return context
+
+
+def _record_repaired(revision: str, refused: Sequence[str]) -> list[Event]:
+    if not refused:
+        return []
+    return [
+        Event(
+            "Warning",
+            EventReason.RECORD_REPAIRED,
+            f"the record of revision {revision}'s spec ({ANNOTATION_SPEC}) on "
+            f"{', '.join(refused)} was missing or is not revision {revision}'s (it does not "
+            "hash to it): refused, and put back from a copy that does",
+        )
+    ]
+
+
+def _encoded(token: str | None) -> bytes | None:
+    return token.encode() if token is not None else None
+
+
+def _selector_drift(given: PassInputs, serving: str) -> list[Event]:
+    """A Warning when the stable Service (ours) selects another revision than the one status
+    says serves and this pass serves: someone else's edit (a promotion this pass makes is
+    not drift: the Service selected the revision serving until now)."""
+    selected = selected_revision(given.frame.stable, given.instance.uid)
+    current = given.revision_status.current if given.revision_status else None
+    if selected is None or selected in (serving, current):
+        return []
+    name = given.instance.name
+    return [
+        Event(
+            "Warning",
+            EventReason.SELECTOR_REPAIRED,
+            f"Service {name} selected revision {selected}, which does not serve: put back to "
+            f"revision {serving} (status.revision.current). Only a candidate whose canary "
+            "passed is promoted; a selector edit promotes nothing and retires nothing",
+        )
+    ]
 
 
 def _revision(

@@ -42,6 +42,7 @@ from kvfence_operator.meta import (
     controlled_by,
     selector,
 )
+from kvfence_operator.revision import recorded_spec
 
 PoolReader = Callable[[str, str, str, str | None, str | None], PodPool]
 Objects = Mapping[tuple[str, str], Sequence[dict[str, Any]]]
@@ -62,7 +63,9 @@ class RevisionSeen:
     """One revision as a pass finds it."""
 
     revision: str
-    record: str | None  # the spec recorded on its router ConfigMap (revision.judged_spec)
+    # the spec recorded on its objects (revision.judged_spec): the first copy that hashes to
+    # the revision, its router ConfigMap's, else one of its Deployments' (None: none does)
+    record: str | None
     backends: BackendsFile | None  # what its router ConfigMap (if ours) holds
     token: str | None  # its internal token (the engines require it on /v1/kvpool)
     deployments: Mapping[Role, dict[str, Any] | None]  # ours, by role (prefill, decode, router)
@@ -71,6 +74,9 @@ class RevisionSeen:
     router_pods: tuple[dict[str, Any], ...]  # every one its router Deployment controls
     canary: CanaryOutcome | None  # its canary Job's verdict; None without a Job of ours
     canary_job: dict[str, Any] | None  # that Job
+    # "Kind name" of each of its objects (ours) whose record is present but refused, or, on
+    # the router ConfigMap, missing: put back from `record` (drift)
+    records_refused: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,6 @@ class Observer:
         ours = (
             configmap if configmap is not None and controlled_by(configmap, instance.uid) else None
         )
-        annotations = ((configmap or {}).get("metadata") or {}).get("annotations") or {}
         token = self._internal_token(instance, revision, ours, configmap is None and desired)
         deployments = {
             role: self._ours(
@@ -147,9 +152,19 @@ class Observer:
         routers = self._revision_pods(
             ns, deployments[Role.ROUTER], selector(instance, revision, Role.ROUTER)
         )
+        record, refused = _record(
+            revision,
+            [
+                (f"ConfigMap {child_name(instance, revision, Role.ROUTER)}", ours),
+                *(
+                    (f"Deployment {child_name(instance, revision, role)}", deployment)
+                    for role, deployment in deployments.items()
+                ),
+            ],
+        )
         return RevisionSeen(
             revision,
-            annotations.get(ANNOTATION_SPEC),
+            record,
             written_backends(((ours or {}).get("data") or {}).get(BACKENDS_FILE_NAME)),
             token,
             deployments,
@@ -158,7 +173,18 @@ class Observer:
             tuple(routers),
             canary,
             job,
+            refused,
         )
+
+    def token(self, instance: Instance, revision: str) -> str | None:
+        """A revision's internal token, as `revision` would find it (None: none readable)."""
+        configmap = self._ours(
+            instance,
+            self.kube.get(
+                "v1", "ConfigMap", instance.namespace, child_name(instance, revision, Role.ROUTER)
+            ),
+        )
+        return self._internal_token(instance, revision, configmap, made_now=False)
 
     def _ours(self, instance: Instance, obj: dict[str, Any] | None) -> dict[str, Any] | None:
         return obj if obj is not None and controlled_by(obj, instance.uid) else None
@@ -226,3 +252,23 @@ class Observer:
             for pod in self.kube.list("v1", "Pod", namespace, labels)
             if pod_controlled_by_deployment(pod, deployment, replicaset)
         ]
+
+
+def _record(
+    revision: str, holders: Sequence[tuple[str, Mapping[str, Any] | None]]
+) -> tuple[str | None, tuple[str, ...]]:
+    """The revision's record (the first copy among `holders`, each (name, object or None),
+    that hashes to it) and the names of those whose copy is refused: present but not the
+    revision's, or missing from the first holder (the router ConfigMap, which always had one).
+    A Deployment made before it carried a copy is given one without a word."""
+    record = None
+    refused = []
+    for index, (name, obj) in enumerate(holders):
+        if obj is None:
+            continue
+        copy = ((obj.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SPEC)
+        if recorded_spec(revision, copy) is not None:
+            record = record or copy
+        elif copy is not None or index == 0:
+            refused.append(name)
+    return record, tuple(refused)

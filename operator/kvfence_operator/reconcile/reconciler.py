@@ -23,7 +23,12 @@ from kvfence_operator.cluster.router_push import BackendsPusher, now_ms, push_ba
 from kvfence_operator.crd.types import InferenceDeploymentSpec, InferenceDeploymentStatus
 from kvfence_operator.decisions.canary import rerun_value
 from kvfence_operator.decisions.findings import Findings, InvalidSpec, keys_secret_problem
-from kvfence_operator.decisions.rollout import Event, selected_revision, serving_revision
+from kvfence_operator.decisions.rollout import (
+    Event,
+    sealed_revision,
+    selected_revision,
+    serving_revision,
+)
 from kvfence_operator.decisions.status import (
     compute_status,
     conflict_events,
@@ -81,10 +86,21 @@ class Reconciler:
         if not frame.keys_secret_exists:
             found.problems.append(keys_secret_problem(keys, instance.namespace))
         now = datetime.now(UTC)
-        revision_status = serving_revision(
-            previous.revision, selected_revision(frame.stable, instance.uid), now=now
-        )
+        # status says which revision serves; a status that lost it is recovered from the
+        # operator's seal on the stable Service, never from its selector (rollout.py)
+        sealed = None
+        if previous.revision is None or previous.revision.current is None:
+            key = self.credentials_key
+            sealed = sealed_revision(
+                frame.stable,
+                instance,
+                lambda r: key if key is not None else _encoded(observer.token(instance, r)),
+            )
+        revision_status = serving_revision(previous.revision, sealed)
         current = revision_status.current if revision_status else None
+        # none known: what the Service selects is kept (not served, not judged) until a
+        # revision is promoted, so a lost status and seal never remove what may be serving
+        held = selected_revision(frame.stable, instance.uid) if current is None else None
         # a retiring revision keeps its gates and backends while it drains
         retiring = [r.revision for r in (revision_status.retiring if revision_status else []) or []]
         kept = dict.fromkeys(r for r in (current, desired, *retiring) if r is not None)
@@ -93,13 +109,24 @@ class Reconciler:
         # decide
         plan = decide(
             PassInputs(
-                spec, instance, desired, revision_status, previous, frame, seen, rerun_value(body)
+                spec,
+                instance,
+                desired,
+                revision_status,
+                previous,
+                frame,
+                seen,
+                rerun_value(body),
+                held,
             ),
             now=now,
             now_ms=now_ms(),
             unsafe_faults_allowed=self.unsafe_faults_allowed,
             credentials_key=self.credentials_key,
         )
+
+        found.problems.extend(plan.problems)
+        found.conflicts.extend(plan.conflicts)
 
         # act
         acted = Act(
@@ -131,3 +158,7 @@ class Reconciler:
         events = [*acted.events, *plan.rollout.events, *problem_events(previous, status, found)]
         status = with_conflicts(status, found.unique_conflicts(), generation, now=datetime.now(UTC))
         return Outcome(status, [*events, *conflict_events(previous, status, found)])
+
+
+def _encoded(token: str | None) -> bytes | None:
+    return token.encode() if token is not None else None

@@ -2,8 +2,11 @@
 then reported as CouldNotRun (no verdict, not promoted, not a finding); a new value of the
 re-run annotation runs a candidate's canary again."""
 
+import copy
 from datetime import UTC, datetime
 from typing import Any
+
+import pytest
 
 from helpers.builders import instance_for, sample_spec
 from helpers.rollout import observation
@@ -11,6 +14,7 @@ from kvfence_engine.canary import EXIT_CANNOT_RUN, EXIT_FAIL
 from kvfence_operator.builders.canary_job import build_canary_job
 from kvfence_operator.crd.types import (
     CanaryResult,
+    CanaryStatus,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
     RevisionStatus,
@@ -20,11 +24,14 @@ from kvfence_operator.decisions.canary import (
     CanaryOutcome,
     JobPhase,
     canary_outcome,
+    job_context_length,
+    job_mismatch,
     rerun_requested,
     rerun_value,
 )
-from kvfence_operator.decisions.rollout import plan_rollout
+from kvfence_operator.decisions.rollout import kept_verdict, plan_rollout
 from kvfence_operator.decisions.status import compute_status
+from kvfence_operator.reconcile.decide import _built_context, _ran_with
 
 JOB = "tiny-r2-canary"
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -173,3 +180,119 @@ def test_the_job_records_the_rerun_value_it_ran_with():
     assert rerun_requested(again, "")  # the annotation removed: a new value too
     idf = {"metadata": {"annotations": {ANNOTATION_RERUN_CANARY: "2026-11-30"}}}
     assert rerun_value(idf) == "2026-11-30"
+
+
+# ---- issue 26: only the Job the operator built has a verdict, and a verdict is kept ----------
+
+
+def built(context: int | None = None, rerun: str = "") -> dict[str, Any]:
+    return build_canary_job(SPEC, instance_for("minimal"), "r2", context, rerun)
+
+
+def served_back(job_: dict[str, Any]) -> dict[str, Any]:
+    """The Job as the API server returns it: its defaults filled in, its labels added to."""
+    live = copy.deepcopy(job_)
+    live["metadata"]["uid"] = "u-job"
+    live["spec"].update(completions=1, parallelism=1, suspend=False, completionMode="NonIndexed")
+    live["spec"]["selector"] = {"matchLabels": {"batch.kubernetes.io/controller-uid": "u-job"}}
+    template = live["spec"]["template"]
+    template["metadata"]["labels"]["batch.kubernetes.io/job-name"] = JOB
+    pod_spec = template["spec"]
+    pod_spec.update(dnsPolicy="ClusterFirst", schedulerName="default-scheduler")
+    for c in pod_spec["containers"]:
+        c.update(imagePullPolicy="IfNotPresent", terminationMessagePath="/dev/termination-log")
+        for requests in c["resources"].values():
+            requests["cpu"] = "0.1" if requests.get("cpu") == "100m" else requests.get("cpu")
+    return live
+
+
+def test_the_operators_job_as_the_server_returns_it_is_its_own():
+    assert job_mismatch(served_back(built()), built()) is None
+    assert job_mismatch(served_back(built(384, "x")), built(384, "x")) is None
+
+
+def edited(change) -> dict[str, Any]:
+    live = served_back(built())
+    change(live["spec"]["template"]["spec"]["containers"][0], live)
+    return live
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (lambda c, _: c.update(image="busybox:1"), "image"),
+        (lambda c, _: c.update(command=["true"]), "command"),
+        (lambda c, _: c["args"].remove("--termination-log"), "args"),
+        (lambda c, _: c["env"].append({"name": "X", "value": "1"}), "env"),
+        (lambda c, _: c["env"][-1].update(value="my own key", valueFrom=None), "env"),
+        (
+            lambda _, j: j["spec"]["template"]["spec"].update(
+                initContainers=[{"name": "x", "image": "busybox:1"}]
+            ),
+            "init containers",
+        ),
+        (lambda _, j: j["spec"].update(podFailurePolicy={"rules": []}), "spec"),
+        (lambda _, j: j["spec"]["template"]["spec"]["volumes"].pop(), "spec"),
+    ],
+)
+def test_a_job_with_the_canarys_name_but_not_its_spec_is_not_the_operators(change, why):
+    reason = job_mismatch(edited(change), built())
+    assert reason is not None and why in reason
+
+
+def test_the_context_a_job_records_must_be_one_the_spec_allows():
+    lowered = {**SPEC.model_dump(by_alias=True, exclude_none=True), "poolPolicy": "LowerContext",
+               "minContextLength": 256}  # fmt: skip
+    assert job_context_length(built(384)) == 384
+    assert job_context_length({"spec": {}}) is None
+    spec = InferenceDeploymentSpec.model_validate(lowered)
+    assert _built_context(built(384), spec) == 384
+    assert _built_context(built(128), spec) == 512  # below minContextLength: fails the compare
+    assert _built_context(built(384), SPEC) == 512  # Refuse serves contextLength or nothing
+
+
+FAILED_R2 = CanaryStatus(
+    revision="r2", job=JOB, job_uid="u-1", rerun="", result=CanaryResult.FAILED, message="leak"
+)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "kept"),
+    [
+        (None, True),  # the Job is gone
+        (CanaryOutcome(JOB, JobPhase.SUCCEEDED, uid="u-2"), True),  # another Job of the name
+        (CanaryOutcome(JOB, JobPhase.FAILED, "leak", uid="u-1"), False),  # the same Job
+    ],
+)
+def test_a_verdict_that_stopped_the_rollout_is_kept_when_its_job_goes_or_is_replaced(outcome, kept):
+    assert kept_verdict(FAILED_R2, outcome) is kept
+    observed = {"r1": observation("r1"), "r2": observation("r2", canary=outcome)}
+    previous = RevisionStatus(current="r1", candidate="r2")
+    plan = plan_rollout("r2", previous, FAILED_R2, observed, True)
+    assert plan.serve == "r1" and plan.start_canary is None and plan.events == []
+    assert plan.canary == FAILED_R2
+
+
+def test_a_could_not_run_verdict_is_kept_too_and_a_running_one_is_not():
+    could_not = FAILED_R2.model_copy(update={"result": CanaryResult.COULD_NOT_RUN})
+    assert kept_verdict(could_not, None)
+    running = FAILED_R2.model_copy(update={"result": CanaryResult.RUNNING})
+    assert not kept_verdict(running, None)  # a Job gone before its verdict is started again
+    observed = {"r1": observation("r1"), "r2": observation("r2")}
+    previous = RevisionStatus(current="r1", candidate="r2")
+    plan = plan_rollout("r2", previous, running, observed, True)
+    assert plan.start_canary == "r2"
+    # a status from before the uid was kept: the Job there is the one it came from
+    older = FAILED_R2.model_copy(update={"job_uid": None})
+    assert kept_verdict(older, None)
+    assert not kept_verdict(older, CanaryOutcome(JOB, JobPhase.SUCCEEDED, uid="u-2"))
+
+
+def test_the_rerun_value_a_canary_ran_with_is_its_verdicts_when_its_job_is_gone():
+    annotated = build_canary_job(SPEC, instance_for("minimal"), "r2", rerun="b")
+    assert _ran_with(FAILED_R2.model_copy(update={"rerun": "a"}), None) == "a"
+    assert _ran_with(FAILED_R2.model_copy(update={"rerun": "a"}), annotated) == "a"
+    assert _ran_with(FAILED_R2.model_copy(update={"rerun": None}), annotated) == "b"
+    assert _ran_with(FAILED_R2.model_copy(update={"rerun": None}), None) is None
+    assert _ran_with(None, annotated) == "b"
+    assert _ran_with(None, None) is None

@@ -10,6 +10,7 @@ from helpers.reconciling import never_probed
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.network_policy import build_router_network_policy
 from kvfence_operator.builders.router_deployment import build_stable_service
+from kvfence_operator.builders.secret import serving_seal
 from kvfence_operator.crd.types import InferenceDeployment, InferenceDeploymentSpec, Role
 from kvfence_operator.meta import child_name
 from kvfence_operator.reconcile.reconciler import Reconciler
@@ -40,7 +41,10 @@ def test_a_rollout_keeps_the_serving_revision_as_its_own_spec_declares_it():
     built = build_revision_children(
         serving, INSTANCE, old, CREDENTIALS, OPERATOR_NAMESPACE, serving=True
     )
-    kube = MemoryKube(*built, build_stable_service(serving, INSTANCE, old))
+    # the stable Service as the operator keeps it: serving `old`, with its seal (legacy
+    # credentials, read from the Secret: sealed with the revision's token)
+    seal = serving_seal(CREDENTIALS.internal_token.encode(), INSTANCE, old)
+    kube = MemoryKube(*built, build_stable_service(serving, INSTANCE, old, seal))
     reconciler = Reconciler(kube, OPERATOR_NAMESPACE, read_pool=never_probed)
 
     reconciler.reconcile(body(new, old))

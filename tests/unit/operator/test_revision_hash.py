@@ -1,6 +1,7 @@
 """A revision changes exactly when the pods would change; scaling or re-pointing does not roll."""
 
 import re
+from typing import Any
 
 import pytest
 
@@ -150,3 +151,26 @@ def test_the_release_that_adds_engine_prefix_cache_rolls_no_existing_object(name
     explicit = load_sample(name)["spec"]
     explicit.setdefault("engine", {})["prefixCache"] = {"enabled": False}
     assert revision_of(InferenceDeploymentSpec.model_validate(explicit)) == before
+
+
+def test_the_spec_schema_is_built_once_not_on_every_pass(monkeypatch):
+    """Issue 26, item 13: revision_of fills the CRD schema's defaults in; building that schema
+    was most of a steady pass's CPU. Built once, a second call does not rebuild it."""
+    from kvfence_operator.crd import schema
+
+    getattr(schema.spec_schema, "cache_clear", lambda: None)()  # a fresh start
+    built = []
+    real = schema._model_schema
+
+    def counted(*args: Any) -> Any:
+        built.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(schema, "_model_schema", counted)
+    first = schema.spec_schema()
+    tiny = {"model": {"source": "builtin:tiny-random"}, "contextLength": 512}
+    spec = InferenceDeploymentSpec.model_validate({**tiny, "router": {"apiKeysSecret": "k"}})
+    revision_of(spec)
+    revision_of(spec)
+    assert schema.spec_schema() is first
+    assert len(built) == 1

@@ -1,15 +1,25 @@
 """Each revision is judged by the spec it was created from (recorded on its router ConfigMap),
-and the revision that serves is found from the cluster when status is lost."""
+and the revision that serves is status's record, recovered from the operator's own seal on the
+stable Service when status is lost (never from the selector)."""
+
+from typing import Any
 
 import pytest
 
 from helpers.builders import instance_for, sample_spec
 from helpers.crd_admission import load_sample
 from helpers.rollout import observation
+from kvfence_operator.builders.router_deployment import build_stable_service
+from kvfence_operator.builders.secret import serving_seal
 from kvfence_operator.crd.types import InferenceDeployment, InferenceDeploymentSpec, RevisionStatus
-from kvfence_operator.decisions.rollout import plan_rollout, selected_revision, serving_revision
-from kvfence_operator.meta import LABEL_REVISION, owner_reference
-from kvfence_operator.revision import judged_spec, revision_of, spec_record
+from kvfence_operator.decisions.rollout import (
+    plan_rollout,
+    sealed_revision,
+    selected_revision,
+    serving_revision,
+)
+from kvfence_operator.meta import ANNOTATION_SERVING, LABEL_REVISION, owner_reference
+from kvfence_operator.revision import judged_spec, recorded_spec, revision_of, spec_record
 
 
 def _with(change: dict) -> InferenceDeploymentSpec:
@@ -28,14 +38,19 @@ def test_a_revision_is_judged_by_the_spec_recorded_on_it():
     # the desired revision takes in-place changes (minContextLength) from the object's spec
     in_place = _with({"minContextLength": 1024})
     assert judged_spec(old, old, in_place, record) == in_place
-    # a revision an older operator created has no record: the object's spec, as before
-    assert judged_spec(old, new, wider, None) == wider
-    assert judged_spec(old, new, wider, "{not json") == wider
+    # no record, or one that is not the revision's (issue 26, item 2): judged by no spec,
+    # never by the object's, which is the candidate's (before: the object's spec)
+    assert judged_spec(old, new, wider, None) is None
+    assert judged_spec(old, new, wider, "{not json") is None
+    assert judged_spec(old, new, wider, spec_record(wider)) is None
+    assert recorded_spec(old, record) == serving
+    assert recorded_spec(old, spec_record(wider)) is None
 
 
-def test_a_lost_status_mid_rollout_keeps_the_revision_the_stable_service_selects():
-    """Status wiped while r2 is a candidate that is not ready: r1, which the Service selects,
-    is current again, keeps serving and is kept; r2 stays the candidate."""
+def test_a_lost_status_mid_rollout_keeps_the_revision_the_operators_seal_names():
+    """Status wiped while r2 is a candidate that is not ready: r1, which the operator's seal on
+    the stable Service names, is current again, keeps serving and is kept; r2 stays the
+    candidate."""
     recovered = serving_revision(None, "r1")
     assert recovered == RevisionStatus(current="r1", candidate=None)
     plan = plan_rollout("r2", recovered, None, {"r2": observation("r2", ready=0)}, True)
@@ -44,25 +59,74 @@ def test_a_lost_status_mid_rollout_keeps_the_revision_the_stable_service_selects
     assert plan.revision == RevisionStatus(current="r1", candidate="r2")
 
 
-def test_the_stable_service_wins_over_a_stale_status():
-    """A crash between switching the Service to r2 and writing status: r2 serves."""
+def test_status_is_the_record_the_stable_service_never_wins_over_it():
+    """Issue 26, item 1. The stable Service selecting (and even sealed for) another revision
+    than status says serves does not make it current: status wins, the Service is put back.
+    (Before, the selector won, so `kubectl patch svc` promoted a candidate.) A crash between
+    the switch and the status write: r2 is promoted again by its own passed canary
+    (test_rollout_plan.py::test_a_crash_between_the_switch_and_the_status_write_still_drains_the_old_revision)."""
     stale = RevisionStatus(current="r1", candidate="r2")
-    assert serving_revision(stale, "r2") == RevisionStatus(current="r2", candidate=None)
-    plan = plan_rollout("r2", serving_revision(stale, "r2"), None, {}, True)
-    assert plan.serve == "r2" and plan.keep == ("r2",)
-    # an older status restored from a backup, the Service on r1: r1 serves, r2 stays candidate
+    assert serving_revision(stale, "r2") == stale
     restored = RevisionStatus(current="r0", candidate="r2")
-    assert serving_revision(restored, "r1") == RevisionStatus(current="r1", candidate="r2")
+    assert serving_revision(restored, "r1") == restored
+    # a status that lost only its current revision keeps its candidate
+    assert serving_revision(RevisionStatus(candidate="r2"), "r1") == RevisionStatus(
+        current="r1", candidate="r2"
+    )
+    assert serving_revision(RevisionStatus(candidate="r1"), "r1") == RevisionStatus(current="r1")
 
 
 @pytest.mark.parametrize(
     "status",
     [None, RevisionStatus(current="r1", candidate="r2"), RevisionStatus(candidate="r1")],
 )
-def test_without_a_stable_service_status_is_the_record(status):
+def test_without_a_seal_status_is_the_record(status):
     assert serving_revision(status, None) == status
     if status is not None and status.current == "r1":
         assert serving_revision(status, "r1") == status
+
+
+KEY = b"the credentials key"
+R1, R2 = "a1b2c3d4e5", "f6a7b8c9d0"  # revisions, as revision_of names them
+
+
+def _sealed_service(revision: str, selected: str, seal_key: bytes = KEY, **owner: Any) -> dict:
+    instance = instance_for("full")
+    service = build_stable_service(
+        sample_spec("full"), instance, selected, serving_seal(seal_key, instance, revision)
+    )
+    service["metadata"]["ownerReferences"][0].update(owner)
+    return service
+
+
+def test_only_the_operators_seal_on_its_own_service_names_the_serving_revision():
+    instance = instance_for("full")
+    key = lambda _revision: KEY  # noqa: E731
+    assert sealed_revision(_sealed_service(R1, R1), instance, key) == R1
+    # the selector says nothing: the seal names r1 whatever the Service selects
+    assert sealed_revision(_sealed_service(R1, R2), instance, key) == R1
+    assert sealed_revision(None, instance, key) is None
+    assert sealed_revision(_sealed_service(R1, R1, b"another key"), instance, key) is None
+    assert sealed_revision(_sealed_service(R1, R1, uid="someone"), instance, key) is None
+    assert sealed_revision(_sealed_service(R1, R1, controller=False), instance, key) is None
+    assert sealed_revision(_sealed_service(R1, R1), instance, lambda _r: None) is None
+    # a seal copied onto another revision's name does not verify
+    forged = _sealed_service(R1, R2)
+    seal = forged["metadata"]["annotations"][ANNOTATION_SERVING]
+    forged["metadata"]["annotations"][ANNOTATION_SERVING] = R2 + seal.removeprefix(R1)
+    assert sealed_revision(forged, instance, key) is None
+    forged["metadata"]["annotations"][ANNOTATION_SERVING] = R2
+    assert sealed_revision(forged, instance, key) is None
+    # what is not a revision's name is not looked up at all
+    looked_up: list[str] = []
+    forged["metadata"]["annotations"][ANNOTATION_SERVING] = "../x:" + seal.partition(":")[2]
+
+    def key_of(revision: str) -> bytes:
+        looked_up.append(revision)
+        return KEY
+
+    assert sealed_revision(forged, instance, key_of) is None
+    assert looked_up == []
 
 
 def _service(uid: str, revision: str | None, controller: bool = True) -> dict:

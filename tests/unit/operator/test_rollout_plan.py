@@ -194,19 +194,20 @@ def test_a_spec_reverted_to_the_draining_revision_makes_it_a_candidate_again_not
 
 
 def test_a_crash_between_the_switch_and_the_status_write_still_drains_the_old_revision():
-    """Status still says r1 serves; the Service selects r2: r1 drains from this pass on."""
+    """Status still says r1 serves; the crashed pass had switched the Service (and its seal) to
+    r2. Status is the record, so the pass starts from r1, and r2 is promoted again from its
+    own passed canary: r1 drains from this pass on."""
     stale = RevisionStatus(current="r1", candidate="r2")
-    start = serving_revision(stale, "r2", now=T0)
-    assert start == RevisionStatus(
-        current="r2", candidate=None, retiring=[RetiringRevision(revision="r1", since=T0)]
-    )
+    start = serving_revision(stale, "r2")
+    assert start == stale
     observed = {"r2": observation("r2", canary=PASSED_R2), "r1": observation("r1")}
     plan = plan_rollout("r2", start, None, observed, True, now=T0, retire_after_seconds=30)
     assert plan.keep == ("r2", "r1") and plan.serve == "r2"
+    assert plan.revision.retiring == [RetiringRevision(revision="r1", since=T0)]
 
 
 def test_a_lost_status_forgets_the_drain_and_the_old_revision_is_retired_at_once():
-    start = serving_revision(None, "r2", now=T0)
+    start = serving_revision(None, "r2")  # recovered from the operator's seal
     observed = {"r2": observation("r2", canary=PASSED_R2)}
     plan = plan_rollout("r2", start, None, observed, True, now=T0, retire_after_seconds=30)
     assert plan.keep == ("r2",)

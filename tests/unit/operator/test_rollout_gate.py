@@ -3,6 +3,7 @@ Reconciler against the in-memory API server (helpers/gate.py): a selector edit, 
 removed from the serving revision, a hand-made canary Job, a failed canary's Job removed."""
 
 import json
+from typing import Any
 
 import pytest
 
@@ -194,7 +195,9 @@ def test_the_operators_own_job_with_the_servers_defaults_still_counts():
 # ---- 4. a verdict is kept when its Job goes ----------------------------------------------------
 
 
-def test_a_failed_canary_stays_failed_when_its_job_is_removed_until_a_rerun_is_asked():
+def failed_candidate() -> tuple[Gate, str, str, dict[str, Any] | None]:
+    """r1 serving after its canary passed; r2 the candidate, its canary failed on a finding:
+    the gate, both revisions and r2's canary Job."""
     gate = Gate()
     r1 = gate.revision
     gate.verdicts[r1] = COMPLETE
@@ -202,7 +205,11 @@ def test_a_failed_canary_stays_failed_when_its_job_is_removed_until_a_rerun_is_a
     r2 = gate.set_spec(contextLength=2048)
     gate.verdicts[r2] = FINDING
     gate.reconcile(4)
-    job = gate.child("Job", r2, Role.CANARY)
+    return gate, r1, r2, gate.child("Job", r2, Role.CANARY)
+
+
+def test_a_failed_canary_stays_failed_when_its_job_is_removed_until_a_rerun_is_asked():
+    gate, r1, r2, job = failed_candidate()
     assert job is not None
     assert gate.status["canary"]["result"] == "Failed"
 
@@ -223,14 +230,7 @@ def test_a_failed_canary_stays_failed_when_its_job_is_removed_until_a_rerun_is_a
 
 
 def test_a_failed_canarys_job_replaced_by_another_does_not_change_the_verdict():
-    gate = Gate()
-    r1 = gate.revision
-    gate.verdicts[r1] = COMPLETE
-    gate.reconcile(6)
-    r2 = gate.set_spec(contextLength=2048)
-    gate.verdicts[r2] = FINDING
-    gate.reconcile(4)
-    job = gate.child("Job", r2, Role.CANARY)
+    gate, r1, r2, job = failed_candidate()
     assert job is not None and gate.status["canary"]["result"] == "Failed"
     # deleted and made again as the operator would make it (same spec), then passing
     again = json.loads(json.dumps(job))

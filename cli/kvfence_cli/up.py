@@ -75,7 +75,6 @@ def engine_start_problem(source: str, context_length: int, device: str) -> str |
     starts: a model source that does not resolve, a context beyond the model's positions
     (preflight's rule), a device this machine does not have. Here, not in the operator
     package: it may not import the engine's dependencies."""
-    from kvfence_engine.core.model_config import window_problem
     from kvfence_engine.loading.config import load_config
     from kvfence_engine.preflight import positions_problem
 
@@ -84,7 +83,7 @@ def engine_start_problem(source: str, context_length: int, device: str) -> str |
     except (OSError, ValueError, KeyError) as exc:
         return f"spec.model.source: {exc}"
     problem = positions_problem(context_length, config.max_positions)
-    if problem or (problem := window_problem(config, context_length)):
+    if problem:
         return f"spec.contextLength: {problem}"
     if device != "cpu":  # torch takes seconds to import; cpu needs no check
         from kvfence_engine.core.device import resolve_device

@@ -17,7 +17,6 @@ from kvfence_engine.contracts import (
     PoolSize,
     RouterPoolSizes,
 )
-from kvfence_engine.core.model_config import window_problem
 from kvfence_engine.core.pool_plan import (
     ContextPolicy,
     budget_raise_percent,
@@ -71,8 +70,6 @@ def estimate(
         f"pool: {budget_bytes} bytes -> {plan.num_pages} pages x {page_size} tokens = "
         f"{plan.pool_tokens} tokens per engine (prefill and decode alike)",
     ]
-    if problem := window_problem(config, context_length):
-        return Verdict([*lines, f"context {context_length}: CANNOT BE SERVED: {problem}"], False)
     return _verdict(
         lines, context_length, plan.pool_tokens, page_size, lowered, config.max_positions
     )

@@ -138,14 +138,13 @@ def test_a_config_field_the_engine_does_not_implement_exits_1_naming_it(tmp_path
     served as something else (test_model_refusals.py: every refusal)."""
     from helpers.transformers_reference import hf_model
 
-    hf_model(tmp_path, "MistralConfig", sliding_window=32)
+    hf_model(tmp_path, "LlamaConfig", hidden_act="gelu")
     done = kvfence("serve", "--model", str(tmp_path), "--port", "0", "--threads", "1")
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last == (
-        "kvfence serve: engine failed to start: ValueError: config.json: field "
-        "'sliding_window'=32 changes the computation and is not implemented (sliding-window "
-        "attention) for a context of 512; serve --context-length 32 or less, where the window "
-        "changes nothing"
+        "kvfence serve: engine failed to start: ValueError: "
+        f"{tmp_path / 'config.json'}: field 'hidden_act'='gelu' changes the computation and "
+        "is not implemented (kvfence computes silu)"
     )
     assert "Traceback" not in done.stderr

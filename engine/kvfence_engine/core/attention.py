@@ -3,7 +3,7 @@
 The read check (isolation.check_reads) has already run for the step before this is called.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 import torch
@@ -22,6 +22,35 @@ class StepBatch:
     # prefill: per sequence, leading positions already in the pool (a prefix-cache hit), read
     # from its pages rather than computed; None when no sequence of the batch has any
     prefix_lens: list[int] | None = None
+    query_positions: torch.Tensor | None = None  # decode: [B] each row's position
+    # decode: key_mask narrowed to a sliding window, by window (built by the first layer that
+    # slides, shared by the others)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """The keys a decode row attends to: every written position, or within a window only
+        the last `window` of them (itself included)."""
+        assert self.key_mask is not None
+        if window is None:
+            return self.key_mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            assert self.query_positions is not None
+            keys = torch.arange(self.key_mask.shape[-1], device=self.key_mask.device)
+            recent = keys[None, :] > (self.query_positions[:, None] - window)
+            mask = self.window_masks[window] = self.key_mask & recent[:, None, None, :]
+        return mask
+
+
+def band_mask(
+    queries: torch.Tensor, keys: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[len(queries), keys] True = attend: causal, and within `window` of the query."""
+    key_pos = torch.arange(keys, device=device)[None, :]
+    mask = key_pos <= queries[:, None]
+    if window is not None:
+        mask &= key_pos > queries[:, None] - window
+    return mask
 
 
 def paged_attention(
@@ -31,8 +60,11 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: StepBatch,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, Hkv, D]; k_cache/v_cache [pages, page_size, Hkv, D] (one layer)."""
+    """q [T, H, D], k/v [T, Hkv, D]; k_cache/v_cache [pages, page_size, Hkv, D] (one layer).
+    window: this layer's sliding window (a query attends to itself and the window - 1 keys
+    before it), or None. The pool keeps every page of a sequence; a window only masks."""
     _, page_size, kv_heads, head_dim = k_cache.shape
     # The pool may hold KV in a narrower dtype than the model computes in (--kv-cache-dtype).
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
@@ -45,10 +77,15 @@ def paged_attention(
             cached = batch.prefix_lens[row] if batch.prefix_lens else 0
             if cached:
                 outs.append(
-                    _attend_after_prefix(q[start:end], k_cache, v_cache, batch, row, cached)
+                    _attend_after_prefix(q[start:end], k_cache, v_cache, batch, row, cached, window)
                 )
                 continue
-            out = _sdpa(q[start:end], k[start:end], v[start:end], is_causal=True)
+            n = end - start
+            if window is None or n <= window:
+                out = _sdpa(q[start:end], k[start:end], v[start:end], is_causal=True)
+            else:
+                mask = band_mask(torch.arange(n, device=q.device), n, window, q.device)
+                out = _sdpa(q[start:end], k[start:end], v[start:end], attn_mask=mask)
             outs.append(out)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     assert batch.page_table is not None and batch.key_mask is not None
@@ -60,7 +97,7 @@ def paged_attention(
         q.unsqueeze(2),
         keys.transpose(1, 2).to(q.dtype),
         values.transpose(1, 2).to(q.dtype),
-        attn_mask=batch.key_mask,
+        attn_mask=batch.decode_mask(window),
         enable_gqa=True,
     )
     return out.squeeze(2)
@@ -73,6 +110,7 @@ def _attend_after_prefix(
     batch: StepBatch,
     row: int,
     cached: int,
+    window: int | None,
 ) -> torch.Tensor:
     """A prefill whose first `cached` positions come from shared pages: its queries (positions
     cached ..) attend causally to every key of the sequence, read from its pages (this step's
@@ -83,8 +121,7 @@ def _attend_after_prefix(
     pages = batch.page_table[row, : -(-total // page_size)]
     keys = k_cache.index_select(0, pages).view(-1, kv_heads, head_dim)[:total]
     values = v_cache.index_select(0, pages).view(-1, kv_heads, head_dim)[:total]
-    query_pos = torch.arange(cached, total, device=q.device)
-    mask = torch.arange(total, device=q.device)[None, :] <= query_pos[:, None]
+    mask = band_mask(torch.arange(cached, total, device=q.device), total, window, q.device)
     return _sdpa(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
 
 

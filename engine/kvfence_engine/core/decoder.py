@@ -12,10 +12,15 @@ from kvfence_engine.core.layers import DecoderLayer, RMSNorm, Weights, fused_lin
 from kvfence_engine.core.model_config import ModelConfig
 from kvfence_engine.core.rope import Rotary
 
-# a family's layer i, from the config, the weights and the layer's name prefix
-LayerBuilder = Callable[[ModelConfig, Weights, str], DecoderLayer]
+# a family's layer i, from the config, the weights and i
+LayerBuilder = Callable[[ModelConfig, Weights, int], DecoderLayer]
 # tensors a checkpoint may hold that change nothing: old checkpoints saved RoPE's frequencies
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def layer_prefix(i: int) -> str:
+    """Where layer i's weights are, by Hugging Face name."""
+    return f"model.layers.{i}."
 
 
 class Decoder(nn.Module):
@@ -29,9 +34,7 @@ class Decoder(nn.Module):
         self.config = config
         w = Weights(weights, str(config.family))
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
-        self.layers = nn.ModuleList(
-            layer(config, w, f"model.layers.{i}.") for i in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(layer(config, w, i) for i in range(config.num_layers))
         self.norm = RMSNorm(w["model.norm.weight"], config.rms_eps)
         # tied: the embedding table (a tied checkpoint's lm_head.weight, if saved, is a copy
         # transformers ignores too)

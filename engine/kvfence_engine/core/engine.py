@@ -20,7 +20,7 @@ from kvfence_engine.core.faults import EarlyRelease, Fault, Faults
 from kvfence_engine.core.isolation import check_reads
 from kvfence_engine.core.kv_cache import KVCache
 from kvfence_engine.core.metrics import EngineMetrics
-from kvfence_engine.core.model_config import ModelConfig, positions_note, window_problem
+from kvfence_engine.core.model_config import ModelConfig, positions_note
 from kvfence_engine.core.page_manager import PageManager
 from kvfence_engine.core.pool_plan import (
     ContextPolicy,
@@ -160,8 +160,6 @@ class LLMEngine(Generic[TokenizerT]):
             )
         if requested < 1:
             raise ValueError("--context-length must be >= 1")
-        if problem := window_problem(loaded.config, requested):
-            raise ValueError(problem)
         model = build_model(loaded.config, loaded.weights).to(self.device, dtype)
         if self.precision.packed is WeightDtype.INT4:
             pack_int4_linears(model, model.linear_sources, loaded.int4)

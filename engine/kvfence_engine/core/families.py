@@ -4,7 +4,7 @@ family's own weight names: what each family's checkpoints say about its layer, a
 
 import torch
 
-from kvfence_engine.core.decoder import Decoder, LayerBuilder
+from kvfence_engine.core.decoder import Decoder, LayerBuilder, layer_prefix
 from kvfence_engine.core.layers import DecoderLayer, GatedMLP, PagedSelfAttention, Weights
 from kvfence_engine.core.model_config import Family, ModelConfig
 
@@ -12,13 +12,14 @@ from kvfence_engine.core.model_config import Family, ModelConfig
 def _layer(
     c: ModelConfig,
     w: Weights,
-    prefix: str,
+    i: int,
     *,
     qkv_bias: bool,
     o_bias: bool,
     mlp_bias: bool = False,
     qk_norm: bool = False,
 ) -> DecoderLayer:
+    prefix = layer_prefix(i)
     attn = PagedSelfAttention(
         w,
         prefix + "self_attn.",
@@ -26,27 +27,28 @@ def _layer(
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         qk_norm_eps=c.rms_eps if qk_norm else None,
+        window=c.layer_window(i),
     )
     return DecoderLayer(w, prefix, c.rms_eps, attn, GatedMLP(w, prefix + "mlp.", bias=mlp_bias))
 
 
-def llama(c: ModelConfig, w: Weights, prefix: str) -> DecoderLayer:
-    """Llama 2 and 3.x, and Mistral where its window changes nothing: attention_bias is a bias
-    on q, k, v and o; mlp_bias one on gate, up and down."""
+def llama(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
+    """Llama 2 and 3.x, and Mistral (its sliding window): attention_bias is a bias on q, k, v
+    and o; mlp_bias one on gate, up and down."""
     bias = c.attention_bias
-    return _layer(c, w, prefix, qkv_bias=bias, o_bias=bias, mlp_bias=c.mlp_bias)
+    return _layer(c, w, i, qkv_bias=bias, o_bias=bias, mlp_bias=c.mlp_bias)
 
 
-def qwen2(c: ModelConfig, w: Weights, prefix: str) -> DecoderLayer:
+def qwen2(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
     """Qwen2 and Qwen2.5: a bias on q, k and v always, none on o or the MLP."""
-    return _layer(c, w, prefix, qkv_bias=True, o_bias=False)
+    return _layer(c, w, i, qkv_bias=True, o_bias=False)
 
 
-def qwen3(c: ModelConfig, w: Weights, prefix: str) -> DecoderLayer:
+def qwen3(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
     """Qwen3 dense: an RMSNorm over each head of q and of k (q_norm, k_norm: one gain per head
     dim, rms_norm_eps) before RoPE; attention_bias is a bias on q, k, v and o."""
     bias = c.attention_bias
-    return _layer(c, w, prefix, qkv_bias=bias, o_bias=bias, qk_norm=True)
+    return _layer(c, w, i, qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
 LAYERS: dict[Family, LayerBuilder] = {Family.LLAMA: llama, Family.QWEN2: qwen2, Family.QWEN3: qwen3}

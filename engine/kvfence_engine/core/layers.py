@@ -58,7 +58,8 @@ class RMSNorm(nn.Module):
 
 class PagedSelfAttention(nn.Module):
     """Grouped-query attention whose keys and values live in the paged pool. Options, by
-    family: biases on q/k/v and on o; an RMSNorm over each head of q and of k before RoPE."""
+    family: biases on q/k/v and on o; an RMSNorm over each head of q and of k before RoPE; a
+    sliding window."""
 
     def __init__(
         self,
@@ -69,9 +70,11 @@ class PagedSelfAttention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm_eps: float | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shape
+        self.window = window
         qkv = [prefix + f"{p}_proj" for p in "qkv"]
         self.qkv = fused_linear(w, qkv, qkv_bias)
         self.o_proj = fused_linear(w, [prefix + "o_proj"], o_bias)
@@ -99,7 +102,7 @@ class PagedSelfAttention(nn.Module):
         else:
             qk = rope.rotate(heads[:, : self.num_heads + self.num_kv_heads])  # q and k at once
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, k_cache, v_cache, batch)
+        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.window)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 

@@ -8,7 +8,7 @@ from typing import Any
 class Family(StrEnum):
     """Which model definition (core/families.py) runs the weights."""
 
-    LLAMA = "llama"  # Llama 2/3.x, and Mistral served within its window
+    LLAMA = "llama"  # Llama 2/3.x, and Mistral (with or without its sliding window)
     QWEN2 = "qwen2"  # Qwen2/2.5: q/k/v bias
     QWEN3 = "qwen3"  # Qwen3 dense: per-head q/k RMSNorm before RoPE
 
@@ -62,14 +62,24 @@ class ModelConfig:
     mlp_bias: bool = False  # llama: a bias on gate, up and down
     family: Family = Family.LLAMA
     rope: RopeScaling = field(default_factory=RopeScaling)
-    # the smallest attention window of any layer; None: every layer attends to all positions.
-    # Served only where the context fits inside it (context_problem), where it changes nothing.
+    # the attention window of the sliding layers: a token attends to itself and the
+    # window - 1 before it. None: every layer attends to all positions.
     sliding_window: int | None = None
+    # with a window, the layers that still attend to all positions (Qwen's layers below
+    # max_window_layers); every other layer slides
+    full_attention_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(self.family))  # from JSON: a plain string
+        object.__setattr__(self, "full_attention_layers", tuple(self.full_attention_layers))
         assert self.num_heads % self.num_kv_heads == 0, "query heads must group over kv heads"
         assert self.head_dim % 2 == 0, "rotary embedding needs an even head dim"
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window, or None where it attends to all positions."""
+        if self.sliding_window is None or layer in self.full_attention_layers:
+            return None
+        return self.sliding_window
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V, every layer, every KV head: what one token costs in the pool."""
@@ -97,15 +107,3 @@ def positions_note(config: ModelConfig) -> str:
             "table of a paged pool reproduces)"
         )
     return ""
-
-
-def window_problem(config: ModelConfig, context: int) -> str | None:
-    """A sliding window shorter than the served context: refused, named (not implemented)."""
-    window = config.sliding_window
-    if window is None or context <= window:
-        return None
-    return (
-        f"config.json: field 'sliding_window'={window} changes the computation and is not "
-        f"implemented (sliding-window attention) for a context of {context}; serve "
-        f"--context-length {window} or less, where the window changes nothing"
-    )

@@ -93,6 +93,7 @@ class ModelRunner:
             keys = torch.arange(page_table.shape[1] * page)
             batch.page_table = page_table.to(self.device)
             batch.key_mask = (keys[None, :] <= positions[:, None])[:, None, None, :].to(self.device)
+            batch.query_positions = positions.to(self.device)
         return PreparedStep(
             input_ids=input_ids,
             positions=positions,

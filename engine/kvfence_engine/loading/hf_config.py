@@ -131,6 +131,7 @@ def _read(raw: dict[str, Any], where: str) -> ModelConfig:
     heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
     max_positions = int(get("max_position_embeddings"))
     theta, rope = hf_rope(raw, max_positions, where)
+    window, full_layers = _window(raw, model_type, get, where)
     return ModelConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
@@ -147,7 +148,8 @@ def _read(raw: dict[str, Any], where: str) -> ModelConfig:
         mlp_bias=bool(get("mlp_bias", False)),
         family=spec.family,
         rope=rope,
-        sliding_window=_window(raw, model_type, get, where),
+        sliding_window=window,
+        full_attention_layers=full_layers,
     )
 
 
@@ -208,34 +210,34 @@ def _getter(raw: dict[str, Any], spec: FamilySpec) -> Callable[..., Any]:
 
 def _window(
     raw: dict[str, Any], model_type: str, get: Callable[..., Any], where: str
-) -> int | None:
-    """The attention window of the model's sliding layers, or None where every layer attends
-    to all positions. Mistral: sliding_window for every layer. Qwen: sliding_window if
-    use_sliding_window, on the layers layer_types names sliding (by default those from
-    max_window_layers on)."""
+) -> tuple[int | None, tuple[int, ...]]:
+    """The attention window of the model's sliding layers (None where every layer attends to
+    all positions), and the layers that do not slide. Mistral: sliding_window for every
+    layer. Qwen: sliding_window if use_sliding_window, on the layers layer_types names
+    sliding (by default those from max_window_layers on), as transformers' Qwen configs."""
     if model_type == "llama":
-        return None
+        return None, ()
     window = get("sliding_window")
     if model_type == "mistral":
-        return None if window is None else int(window)
+        return (None if window is None else int(window)), ()
     if not get("use_sliding_window"):
         window = None
     layers = int(raw["num_hidden_layers"])
     types = get("layer_types")
     if types is None:
         first = int(get("max_window_layers"))
-        sliding = window is not None and first < layers
-        return int(window) if sliding else None
+        types = ["full_attention" if i < first or window is None else "sliding_attention"
+                 for i in range(layers)]  # fmt: skip
     if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
         raise ValueError(
             f"{where}: field 'layer_types'={json.dumps(types)} is not one of "
             "full_attention or sliding_attention per layer"
         )
     if "sliding_attention" not in types:
-        return None
+        return None, ()
     if window is None:
         raise ValueError(
             f"{where}: field 'layer_types' names sliding_attention layers without a window "
             "(use_sliding_window false or sliding_window null)"
         )
-    return int(window)
+    return int(window), tuple(i for i, t in enumerate(types) if t == "full_attention")

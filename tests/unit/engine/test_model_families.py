@@ -34,6 +34,7 @@ from helpers.transformers_reference import (
 )
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.quantization import pack_int4_linears
+from kvfence_engine.core.request import SamplingParams
 from kvfence_engine.loading.loader import LoadedModel, int4_groups, load_model
 
 # Each case builds and runs transformers' model too: make test runs them, test-fast does not.
@@ -79,6 +80,23 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-no-window": ("MistralConfig", {"sliding_window": None}),
     # a window no shorter than the served context changes nothing
     "mistral-window-past-context": ("MistralConfig", {"sliding_window": 512}),
+    # windows far shorter than the 264 positions: prefill, decode and paging all slide (a
+    # window of 20 ends inside a page of 8)
+    "mistral-window": ("MistralConfig", {"sliding_window": 20}),
+    # Qwen: the layers from max_window_layers on slide; or those layer_types names
+    "qwen2-window": (
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1},
+    ),
+    "qwen3-window-layer-types": (
+        "Qwen3Config",
+        {
+            "head_dim": 32,
+            "use_sliding_window": True,
+            "sliding_window": 48,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
 }
 
 
@@ -180,3 +198,24 @@ def test_packed_weights_find_each_familys_linears(case: str, tmp_path: Path) -> 
     )
     assert diff <= 0.02
     assert top1 >= 0.9
+
+
+@pytest.mark.parametrize("case", ["mistral-window", "qwen2-window"])
+def test_a_sliding_window_after_a_prefix_cache_hit_is_transformers(
+    case: str, tmp_path: Path
+) -> None:
+    """A prompt whose first pages come from the prefix cache: its own queries attend through
+    the window to keys read from the shared pages (attention's after-prefix path), and its
+    greedy tokens are transformers' still."""
+    config_class, overrides = CASES[case]
+    theirs = hf_model(tmp_path, config_class, **overrides)
+    engine = engine_for(tmp_path, prefix_cache=True)
+    ids = random_prompt(PROMPT)
+    our_greedy(engine, ids, 1)  # fills the cache with the prompt's full pages
+    again = engine.admit(ids, SamplingParams(max_tokens=1, ignore_eos=True), max_tokens=NEW)
+    engine.add(again)
+    while engine.has_work():
+        engine.step()
+    assert again.cached_tokens >= PROMPT - PAGE
+    ref_tokens, _ = their_greedy(theirs, ids, NEW)
+    assert again.output_ids == ref_tokens

@@ -17,7 +17,7 @@ import transformers
 from gguf import GGUFWriter
 from safetensors.torch import load_file, save_file
 
-from helpers.transformers_reference import hf_model, our_greedy, random_prompt, their_greedy
+from helpers.transformers_reference import hf_model
 from kvfence_cli.main import main
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.model_config import Family, ModelConfig, RopeScaling, RopeType
@@ -87,7 +87,13 @@ def test_the_windows_of_real_configs() -> None:
     assert read_hf_config(hub("qwen2.5-0.5b-instruct")).sliding_window is None
     assert read_hf_config(hub("qwen3-0.6b")).sliding_window is None
     assert read_hf_config(hub("mistral-7b-v0.1")).sliding_window == 4096
+    assert read_hf_config(hub("mistral-7b-v0.1")).full_attention_layers == ()
     assert read_hf_config(hub("mistral-7b-v0.1")).family is Family.LLAMA
+    qwen = hub("qwen2.5-0.5b-instruct") | {"use_sliding_window": True, "max_window_layers": 21}
+    windowed = read_hf_config(qwen)
+    assert windowed.sliding_window == 32768
+    assert windowed.full_attention_layers == tuple(range(21))
+    assert [windowed.layer_window(i) for i in (20, 21, 23)] == [None, 32768, 32768]
 
 
 # --- config.json refusals --------------------------------------------------------------------
@@ -226,40 +232,23 @@ def test_a_refusal_reaches_kvfence_preflight_as_one_line(tmp_path: Path, capsys)
     )
 
 
-def test_a_window_shorter_than_the_context_is_refused_and_within_it_served(
+def test_a_window_shorter_than_the_context_is_served_and_preflight_sizes_the_whole_context(
     tmp_path: Path, capsys
 ) -> None:
-    """Mistral with sliding_window 32: past 32 tokens of context it would be another model;
-    with --context-length 32 the window changes nothing, and it is served."""
-    theirs = hf_model(tmp_path, "MistralConfig", sliding_window=32)
+    """Mistral with sliding_window 32 at a context of 512 (its attention: the families'
+    conformance cases). The pool keeps every page of a sequence, so preflight sizes it for
+    the whole context, as without a window."""
+    hf_model(tmp_path, "MistralConfig", sliding_window=32)
     loaded = load_model(str(tmp_path))
     assert loaded.config.sliding_window == 32
-    with pytest.raises(ValueError) as refused:
-        LLMEngine(loaded, EngineArgs(kv_cache_memory=1 << 20, page_size=8))
-    assert str(refused.value) == (
-        "config.json: field 'sliding_window'=32 changes the computation and is not implemented "
-        "(sliding-window attention) for a context of 512; serve --context-length 32 or less, "
-        "where the window changes nothing"
-    )
-    args = EngineArgs(kv_cache_memory=1 << 20, page_size=8, context_length=32)
-    engine = LLMEngine(load_model(str(tmp_path)), args)
-    ids = random_prompt(16)
-    assert our_greedy(engine, ids, 16)[0] == their_greedy(theirs, ids, 16)[0]
+    engine = LLMEngine(loaded, EngineArgs(kv_cache_memory=1 << 20, page_size=8))
+    assert engine.context_effective == 512
     code = main(["preflight", "--model", str(tmp_path), "--kv-cache-memory", "1Mi",
-                 "--context-length", "64"])  # fmt: skip
-    assert code == 1
-    assert "context 64: CANNOT BE SERVED: config.json: field 'sliding_window'=32" in (
-        capsys.readouterr().out
-    )
-
-
-def test_qwens_sliding_layers_are_refused_past_their_window(tmp_path: Path) -> None:
-    hf_model(tmp_path, "Qwen2Config", use_sliding_window=True, sliding_window=32,
-             max_window_layers=1)  # fmt: skip
-    loaded = load_model(str(tmp_path))
-    assert loaded.config.sliding_window == 32
-    with pytest.raises(ValueError, match="field 'sliding_window'=32 changes the computation"):
-        LLMEngine(loaded, EngineArgs(kv_cache_memory=1 << 20, page_size=8))
+                 "--context-length", "512"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "KV bytes per token: 512 (float32" in out  # 2 layers x 2 heads x 16 dims x K, V
+    assert "context 512: fits" in out
 
 
 def test_dynamic_rope_is_refused_past_max_position_embeddings_saying_why(tmp_path: Path) -> None:

@@ -145,6 +145,6 @@ def test_a_config_field_the_engine_does_not_implement_exits_1_naming_it(tmp_path
     assert last == (
         "kvfence serve: engine failed to start: ValueError: "
         f"{tmp_path / 'config.json'}: field 'hidden_act'='gelu' changes the computation and "
-        "is not implemented (kvfence computes silu)"
+        "is not implemented (kvfence computes silu and gelu_pytorch_tanh)"
     )
     assert "Traceback" not in done.stderr

@@ -53,6 +53,20 @@ def band_mask(
     return mask
 
 
+@dataclass(frozen=True, slots=True)
+class Scoring:
+    """How a layer scores keys, where a family differs from softmax(q.k / sqrt(head_dim)) over
+    every earlier position: a sliding window (a query attends to itself and the window - 1
+    keys before it), another scale, a tanh soft-cap of the scores (Gemma 2)."""
+
+    window: int | None = None
+    scale: float | None = None  # None: head_dim ** -0.5
+    softcap: float | None = None
+
+
+FULL = Scoring()
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -60,15 +74,15 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: StepBatch,
-    window: int | None = None,
+    scoring: Scoring = FULL,
 ) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D]; k_cache/v_cache [pages, page_size, Hkv, D] (one layer).
-    window: this layer's sliding window (a query attends to itself and the window - 1 keys
-    before it), or None. The pool keeps every page of a sequence; a window only masks."""
+    The pool keeps every page of a sequence; a window only masks."""
     _, page_size, kv_heads, head_dim = k_cache.shape
     # The pool may hold KV in a narrower dtype than the model computes in (--kv-cache-dtype).
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+    window = scoring.window
     if batch.is_prefill:
         # A prefill's keys are exactly the ones it just wrote: attend to them directly.
         outs = []
@@ -77,28 +91,28 @@ def paged_attention(
             cached = batch.prefix_lens[row] if batch.prefix_lens else 0
             if cached:
                 outs.append(
-                    _attend_after_prefix(q[start:end], k_cache, v_cache, batch, row, cached, window)
+                    _attend_after_prefix(
+                        q[start:end], k_cache, v_cache, batch, row, cached, scoring
+                    )
                 )
                 continue
             n = end - start
-            if window is None or n <= window:
-                out = _sdpa(q[start:end], k[start:end], v[start:end], is_causal=True)
-            else:
+            mask = None
+            if window is not None and n > window:
                 mask = band_mask(torch.arange(n, device=q.device), n, window, q.device)
-                out = _sdpa(q[start:end], k[start:end], v[start:end], attn_mask=mask)
-            outs.append(out)
+            outs.append(_one_sequence(q[start:end], k[start:end], v[start:end], scoring, mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     assert batch.page_table is not None and batch.key_mask is not None
     rows, cols = batch.page_table.shape
     flat = batch.page_table.view(-1)  # index_select: several times faster than k_cache[table]
     keys = k_cache.index_select(0, flat).view(rows, cols * page_size, kv_heads, head_dim)
     values = v_cache.index_select(0, flat).view(rows, cols * page_size, kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(
+    out = _attend(
         q.unsqueeze(2),
         keys.transpose(1, 2).to(q.dtype),
         values.transpose(1, 2).to(q.dtype),
-        attn_mask=batch.decode_mask(window),
-        enable_gqa=True,
+        scoring,
+        batch.decode_mask(window),
     )
     return out.squeeze(2)
 
@@ -110,7 +124,7 @@ def _attend_after_prefix(
     batch: StepBatch,
     row: int,
     cached: int,
-    window: int | None,
+    scoring: Scoring,
 ) -> torch.Tensor:
     """A prefill whose first `cached` positions come from shared pages: its queries (positions
     cached ..) attend causally to every key of the sequence, read from its pages (this step's
@@ -121,27 +135,51 @@ def _attend_after_prefix(
     pages = batch.page_table[row, : -(-total // page_size)]
     keys = k_cache.index_select(0, pages).view(-1, kv_heads, head_dim)[:total]
     values = v_cache.index_select(0, pages).view(-1, kv_heads, head_dim)[:total]
-    mask = band_mask(torch.arange(cached, total, device=q.device), total, window, q.device)
-    return _sdpa(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
+    queries = torch.arange(cached, total, device=q.device)
+    mask = band_mask(queries, total, scoring.window, q.device)
+    return _one_sequence(q, keys.to(q.dtype), values.to(q.dtype), scoring, mask)
 
 
-def _sdpa(
+def _one_sequence(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    is_causal: bool = False,
-    attn_mask: torch.Tensor | None = None,
+    scoring: Scoring,
+    mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One sequence's attention: q [T, H, D], k/v [S, Hkv, D] -> [T, H, D]. Given a batch
-    dimension of one: PyTorch's CPU flash kernel takes only 4-D inputs, and 3-D ones fall
-    back to the math path, which materializes the scores (17x slower at 3,000 tokens)."""
-    out = F.scaled_dot_product_attention(
+    """One sequence's attention: q [T, H, D], k/v [S, Hkv, D] -> [T, H, D]; no mask: causal
+    over T = S. Given a batch dimension of one: PyTorch's CPU flash kernel takes only 4-D
+    inputs, and 3-D ones fall back to the math path, which materializes the scores (17x
+    slower at 3,000 tokens)."""
+    out = _attend(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
-        attn_mask=attn_mask,
-        is_causal=is_causal,
-        enable_gqa=True,
+        scoring,
+        mask,
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scoring: Scoring,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, Hkv, S, D]; mask broadcasts to [B, H, T, S] (True = attend),
+    or None for causal over T = S. A soft-cap has no fused kernel: the scores are computed
+    as transformers' eager attention does (softmax in float32)."""
+    if scoring.softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scoring.scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = scoring.scale if scoring.scale is not None else q.shape[-1] ** -0.5
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / scoring.softcap) * scoring.softcap
+    if mask is None:
+        mask = band_mask(torch.arange(q.shape[2], device=q.device), k.shape[2], None, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v

@@ -25,17 +25,23 @@ def layer_prefix(i: int) -> str:
 
 class Decoder(nn.Module):
     """linear_sources: each linear's module path -> the weights it was built from (fused in
-    that order), for packing them from the file's own blocks (quantization.pack_int4_linears)."""
+    that order), for packing them from the file's own blocks (quantization.pack_int4_linears).
+    unit_offset_norm: the final norm's gains are offsets from one (Gemma)."""
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], layer: LayerBuilder
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        layer: LayerBuilder,
+        *,
+        unit_offset_norm: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
         w = Weights(weights, str(config.family))
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
         self.layers = nn.ModuleList(layer(config, w, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(w["model.norm.weight"], config.rms_eps)
+        self.norm = RMSNorm(w["model.norm.weight"], config.rms_eps, unit_offset=unit_offset_norm)
         # tied: the embedding table (a tied checkpoint's lm_head.weight, if saved, is a copy
         # transformers ignores too)
         head = "model.embed_tokens" if config.tie_embeddings else "lm_head"
@@ -66,8 +72,14 @@ class Decoder(nn.Module):
         logits_rows: torch.Tensor,
     ) -> torch.Tensor:
         """Run a flat batch of tokens; returns logits (float32) for the rows in logits_rows."""
+        c = self.config
         x = F.embedding(input_ids, self.embed)
+        if c.embed_scale is not None:  # in the model's dtype, as transformers scales it
+            x = x * torch.tensor(c.embed_scale, dtype=x.dtype, device=x.device)
         rope = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, k_pool[i], v_pool[i], batch)
-        return self.lm_head(self.norm(x[logits_rows])).float()
+        logits = self.lm_head(self.norm(x[logits_rows])).float()
+        if c.logit_softcap is not None:
+            logits = torch.tanh(logits / c.logit_softcap) * c.logit_softcap
+        return logits

@@ -4,6 +4,7 @@ family's own weight names: what each family's checkpoints say about its layer, a
 
 import torch
 
+from kvfence_engine.core.attention import Scoring
 from kvfence_engine.core.decoder import Decoder, LayerBuilder, layer_prefix
 from kvfence_engine.core.layers import DecoderLayer, GatedMLP, PagedSelfAttention, Weights
 from kvfence_engine.core.model_config import Family, ModelConfig
@@ -18,6 +19,7 @@ def _layer(
     o_bias: bool,
     mlp_bias: bool = False,
     qk_norm: bool = False,
+    sandwich: bool = False,
 ) -> DecoderLayer:
     prefix = layer_prefix(i)
     attn = PagedSelfAttention(
@@ -27,9 +29,10 @@ def _layer(
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         qk_norm_eps=c.rms_eps if qk_norm else None,
-        window=c.layer_window(i),
+        scoring=Scoring(c.layer_window(i), c.query_scale, c.attn_softcap),
     )
-    return DecoderLayer(w, prefix, c.rms_eps, attn, GatedMLP(w, prefix + "mlp.", bias=mlp_bias))
+    mlp = GatedMLP(w, prefix + "mlp.", bias=mlp_bias, activation=c.activation)
+    return DecoderLayer(w, prefix, c.rms_eps, attn, mlp, sandwich=sandwich)
 
 
 def llama(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
@@ -51,8 +54,23 @@ def qwen3(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
     return _layer(c, w, i, qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
-LAYERS: dict[Family, LayerBuilder] = {Family.LLAMA: llama, Family.QWEN2: qwen2, Family.QWEN3: qwen3}
+def gemma2(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
+    """Gemma 2: sandwich norms with gains as offsets from one, GeGLU, attention scaled by
+    query_pre_attn_scalar and soft-capped; sliding and global layers alternate (layer_types).
+    The embedding scale, the final norm and the logit soft-cap: Decoder."""
+    bias = c.attention_bias
+    return _layer(c, w, i, qkv_bias=bias, o_bias=bias, sandwich=True)
+
+
+LAYERS: dict[Family, LayerBuilder] = {
+    Family.LLAMA: llama,
+    Family.QWEN2: qwen2,
+    Family.QWEN3: qwen3,
+    Family.GEMMA2: gemma2,
+}
+UNIT_OFFSET_NORMS = {Family.GEMMA2}
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Decoder:
-    return Decoder(config, weights, LAYERS[config.family])
+    family = config.family
+    return Decoder(config, weights, LAYERS[family], unit_offset_norm=family in UNIT_OFFSET_NORMS)

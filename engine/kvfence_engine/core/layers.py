@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvfence_engine.core.attention import StepBatch, paged_attention
+from kvfence_engine.core.attention import FULL, Scoring, StepBatch, paged_attention
 from kvfence_engine.core.rope import RopeAngles
 
 
@@ -47,9 +47,13 @@ def fused_linear(w: Weights, names: list[str], bias: bool) -> nn.Linear:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+    """x / rms(x) * gain; the gain is the weight, or 1 + the weight (Gemma's, which stores
+    its gains as offsets from one)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        gain = 1.0 + weight.float() if unit_offset else weight
+        self.weight = nn.Parameter(gain, requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,8 +62,8 @@ class RMSNorm(nn.Module):
 
 class PagedSelfAttention(nn.Module):
     """Grouped-query attention whose keys and values live in the paged pool. Options, by
-    family: biases on q/k/v and on o; an RMSNorm over each head of q and of k before RoPE; a
-    sliding window."""
+    family: biases on q/k/v and on o; an RMSNorm over each head of q and of k before RoPE; how
+    keys are scored (a sliding window, a scale, a soft-cap)."""
 
     def __init__(
         self,
@@ -70,11 +74,11 @@ class PagedSelfAttention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm_eps: float | None = None,
-        window: int | None = None,
+        scoring: Scoring = FULL,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shape
-        self.window = window
+        self.scoring = scoring
         qkv = [prefix + f"{p}_proj" for p in "qkv"]
         self.qkv = fused_linear(w, qkv, qkv_bias)
         self.o_proj = fused_linear(w, [prefix + "o_proj"], o_bias)
@@ -102,15 +106,22 @@ class PagedSelfAttention(nn.Module):
         else:
             qk = rope.rotate(heads[:, : self.num_heads + self.num_kv_heads])  # q and k at once
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.window)
+        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scoring)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # Gemma's GeGLU
+}
 
-    def __init__(self, w: Weights, prefix: str, *, bias: bool) -> None:
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): act silu (SwiGLU) or tanh-approximated gelu (GeGLU)."""
+
+    def __init__(self, w: Weights, prefix: str, *, bias: bool, activation: str = "silu") -> None:
         super().__init__()
+        self.act = ACTIVATIONS[activation]
         gate_up = [prefix + "gate_proj", prefix + "up_proj"]
         self.gate_up = fused_linear(w, gate_up, bias)
         self.down = fused_linear(w, [prefix + "down_proj"], bias)
@@ -121,19 +132,40 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(x)): the pre-norm block of every family here."""
+    """x + attn(norm(x)), then + mlp(norm(x)): the pre-norm block of every family here.
+    sandwich (Gemma 2/3): each sub-block's output is normed too before the residual add,
+    x + norm(attn(norm(x))), then x + norm(mlp(norm(x))), with the norms' gains as offsets
+    from one."""
 
     def __init__(
-        self, w: Weights, prefix: str, eps: float, attn: PagedSelfAttention, mlp: GatedMLP
+        self,
+        w: Weights,
+        prefix: str,
+        eps: float,
+        attn: PagedSelfAttention,
+        mlp: GatedMLP,
+        *,
+        sandwich: bool = False,
     ) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(w[prefix + "input_layernorm.weight"], eps)
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(w[prefix + name + ".weight"], eps, unit_offset=sandwich)
+
+        self.input_norm = norm("input_layernorm")
         self.attn = attn
-        self.post_norm = RMSNorm(w[prefix + "post_attention_layernorm.weight"], eps)
+        self.attn_out_norm: RMSNorm | None = None
+        self.mlp_out_norm: RMSNorm | None = None
+        if sandwich:
+            self.attn_out_norm = norm("post_attention_layernorm")
+            self.post_norm = norm("pre_feedforward_layernorm")
+            self.mlp_out_norm = norm("post_feedforward_layernorm")
+        else:
+            self.post_norm = norm("post_attention_layernorm")
         self.mlp = mlp
 
     @property
@@ -151,5 +183,7 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         batch: StepBatch,
     ) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), rope, k_cache, v_cache, batch)
-        return x + self.mlp(self.post_norm(x))
+        h = self.attn(self.input_norm(x), rope, k_cache, v_cache, batch)
+        x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
+        h = self.mlp(self.post_norm(x))
+        return x + (h if self.mlp_out_norm is None else self.mlp_out_norm(h))

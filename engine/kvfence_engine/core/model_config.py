@@ -11,6 +11,7 @@ class Family(StrEnum):
     LLAMA = "llama"  # Llama 2/3.x, and Mistral (with or without its sliding window)
     QWEN2 = "qwen2"  # Qwen2/2.5: q/k/v bias
     QWEN3 = "qwen3"  # Qwen3 dense: per-head q/k RMSNorm before RoPE
+    GEMMA2 = "gemma2"  # Gemma 2: sandwich norms, GeGLU, soft-capping, local/global layers
 
 
 class RopeType(StrEnum):
@@ -68,6 +69,14 @@ class ModelConfig:
     # with a window, the layers that still attend to all positions (Qwen's layers below
     # max_window_layers); every other layer slides
     full_attention_layers: tuple[int, ...] = ()
+    # Gemma 2: the MLP's activation; the embeddings times sqrt(hidden_size); the attention
+    # scale (query_pre_attn_scalar ** -0.5, where not head_dim ** -0.5); tanh soft-caps of
+    # the attention scores and of the final logits
+    activation: str = "silu"
+    embed_scale: float | None = None
+    query_scale: float | None = None
+    attn_softcap: float | None = None
+    logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(self.family))  # from JSON: a plain string

@@ -1,6 +1,7 @@
 """A Hugging Face folder's config.json, strictly: every field is one kvfence implements, one
 that changes nothing it computes, or a refusal that names it. The families and their fields
-are transformers 5's config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config);
+are transformers 5's config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+Gemma2Config);
 a field left out takes that class's default, as transformers would."""
 
 import json
@@ -60,8 +61,9 @@ class FamilySpec:
     fields: frozenset[str]  # implemented, besides COMMON
     defaults: dict[str, Any]  # the config class's, for the fields config.json may leave out
     irrelevant: frozenset[str] = frozenset()
-    # accepted at one value only: the one kvfence computes
-    fixed: dict[str, Any] = field(default_factory=dict)
+    # accepted at these values only: the ones kvfence computes
+    fixed: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    activation_field: str = "hidden_act"  # Gemma's is hidden_activation
 
 
 _QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
@@ -74,7 +76,7 @@ SPECS = {
         # pretraining_tp: transformers 5 computes the same function whatever it says;
         # is_llama_config: a nanotron export's marker (SmolLM2)
         irrelevant=frozenset({"pretraining_tp", "is_llama_config"}),
-        fixed={"rope_interleaved": False},  # nanotron's; kvfence rotates halves
+        fixed={"rope_interleaved": (False,)},  # nanotron's; kvfence rotates halves
     ),
     "mistral": FamilySpec(
         Family.LLAMA,
@@ -99,8 +101,40 @@ SPECS = {
             **_QWEN_WINDOW,
         },
     ),
+    "gemma2": FamilySpec(
+        Family.GEMMA2,
+        "Gemma2ForCausalLM",
+        frozenset(
+            {
+                "attention_bias",
+                "hidden_activation",
+                "query_pre_attn_scalar",
+                "sliding_window",
+                "layer_types",
+                "final_logit_softcapping",
+                "attn_logit_softcapping",
+            }
+        ),
+        {
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": True,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+        },
+        # hidden_act: Gemma2Config does not read it (its hub configs repeat hidden_activation
+        # there); cache_implementation: transformers' generation-time cache
+        irrelevant=frozenset({"hidden_act", "cache_implementation"}),
+        fixed={"use_bidirectional_attention": (None, False)},
+        activation_field="hidden_activation",
+    ),
 }
 ARCHITECTURES = {spec.architecture: model_type for model_type, spec in SPECS.items()}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # core/layers.py computes these
 
 
 def hf_config(folder: Path) -> ModelConfig:
@@ -123,10 +157,11 @@ def _read(raw: dict[str, Any], where: str) -> ModelConfig:
     for name in REQUIRED:
         if raw.get(name) is None:
             raise ValueError(f"{where}: field {name!r} is missing")
-    if (act := get("hidden_act", "silu")) != "silu":
+    act = get(spec.activation_field, "silu")
+    if act not in ACTIVATIONS:
         raise ValueError(
-            f"{where}: field 'hidden_act'={act!r} changes the computation and is not "
-            "implemented (kvfence computes silu)"
+            f"{where}: field {spec.activation_field!r}={act!r} changes the computation and is "
+            f"not implemented (kvfence computes {' and '.join(ACTIVATIONS)})"
         )
     heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
     max_positions = int(get("max_position_embeddings"))
@@ -150,7 +185,21 @@ def _read(raw: dict[str, Any], where: str) -> ModelConfig:
         rope=rope,
         sliding_window=window,
         full_attention_layers=full_layers,
+        activation=act,
+        **_gemma(get) if spec.family is Family.GEMMA2 else {},
     )
+
+
+def _gemma(get: Callable[..., Any]) -> dict[str, Any]:
+    """Gemma 2's scales: embeddings times sqrt(hidden_size), attention scores times
+    query_pre_attn_scalar ** -0.5, soft-caps (null: none)."""
+    attn_cap, logit_cap = get("attn_logit_softcapping"), get("final_logit_softcapping")
+    return {
+        "embed_scale": float(get("hidden_size")) ** 0.5,
+        "query_scale": float(get("query_pre_attn_scalar")) ** -0.5,
+        "attn_softcap": None if attn_cap is None else float(attn_cap),
+        "logit_softcap": None if logit_cap is None else float(logit_cap),
+    }
 
 
 def _model_type(raw: dict[str, Any], where: str) -> str:
@@ -185,7 +234,7 @@ def _refuse_unknown(raw: dict[str, Any], spec: FamilySpec, where: str) -> None:
     known = COMMON | spec.fields | IRRELEVANT | spec.irrelevant
     for name, value in raw.items():
         if name in spec.fixed:
-            if value != spec.fixed[name]:
+            if value not in spec.fixed[name]:
                 raise ValueError(
                     f"{where}: field {name!r}={json.dumps(value)} changes the "
                     "computation and is not implemented"
@@ -220,10 +269,12 @@ def _window(
     window = get("sliding_window")
     if model_type == "mistral":
         return (None if window is None else int(window)), ()
-    if not get("use_sliding_window"):
-        window = None
     layers = int(raw["num_hidden_layers"])
     types = get("layer_types")
+    if model_type == "gemma2" and types is None:  # from the first, every other layer slides
+        types = ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]
+    if model_type.startswith("qwen") and not get("use_sliding_window"):
+        window = None
     if types is None:
         first = int(get("max_window_layers"))
         types = ["full_attention" if i < first or window is None else "sliding_attention"

@@ -97,6 +97,24 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "layer_types": ["sliding_attention", "full_attention"],
         },
     ),
+    # Gemma 2: its defaults (soft-caps 50 and 30, query_pre_attn_scalar 256, layer 0 sliding,
+    # tied) with a window of 24, and scores large enough that the caps bite
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 24}),
+    "gemma2-small-caps": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "sliding_window": 24,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+            "query_pre_attn_scalar": 8,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "gemma2-no-caps": (
+        "Gemma2Config",
+        {"head_dim": 16, "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    ),
 }
 
 
@@ -200,7 +218,7 @@ def test_packed_weights_find_each_familys_linears(case: str, tmp_path: Path) -> 
     assert top1 >= 0.9
 
 
-@pytest.mark.parametrize("case", ["mistral-window", "qwen2-window"])
+@pytest.mark.parametrize("case", ["mistral-window", "qwen2-window", "gemma2-small-caps"])
 def test_a_sliding_window_after_a_prefix_cache_hit_is_transformers(
     case: str, tmp_path: Path
 ) -> None:

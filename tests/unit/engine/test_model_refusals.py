@@ -107,6 +107,21 @@ def with_rope(**entry: Any) -> dict[str, Any]:
     return llama(rope_scaling=hub("llama-3.2-1b")["rope_scaling"] | entry)
 
 
+GEMMA2 = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "vocab_size": 256000,
+    "cache_implementation": "hybrid",
+    "eos_token_id": [1, 107],
+}
 REFUSED = {
     "longrope": (
         with_rope(rope_type="longrope"),
@@ -192,6 +207,14 @@ REFUSED = {
         hub("qwen3-0.6b") | {"layer_types": ["sliding_attention"] * 28},
         "names sliding_attention layers without a window",
     ),
+    "bidirectional gemma": (
+        {**GEMMA2, "use_bidirectional_attention": True},
+        "field 'use_bidirectional_attention'=true changes the computation and is not implemented",
+    ),
+    "gemma's activation": (
+        {**GEMMA2, "hidden_activation": "gelu"},
+        "field 'hidden_activation'='gelu' changes the computation and is not implemented",
+    ),
 }
 
 
@@ -203,6 +226,18 @@ def test_a_config_field_kvfence_does_not_implement_is_refused_by_name(case: str)
     assert str(refused.value).startswith("config.json: ")
     assert message in str(refused.value)
     assert "\n" not in str(refused.value)  # one line
+
+
+def test_gemma_2_reads_its_scales_caps_and_alternating_windows() -> None:
+    """Gemma 2's fields as its hub configs carry them (hidden_act beside hidden_activation,
+    which Gemma2Config does not read; cache_implementation; an eos list), a 2B's shape."""
+    config = read_hf_config(GEMMA2)
+    assert config.family is Family.GEMMA2 and config.tie_embeddings
+    assert (config.embed_scale, config.query_scale) == (48.0, 1 / 16)
+    assert (config.attn_softcap, config.logit_softcap) == (50.0, 30.0)
+    assert config.activation == "gelu_pytorch_tanh"
+    assert [config.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
+    assert config.full_attention_layers == tuple(range(1, 26, 2))
 
 
 def test_fields_that_change_nothing_load() -> None:

@@ -174,3 +174,18 @@ def test_a_4000_token_answer_costs_no_more_cpu_per_token_than_a_500_token_one() 
             runs.append(time.process_time() - start)
         best[length] = min(runs) / length
     assert best[4000] <= 2.0 * best[500], {n: f"{s * 1e6:.1f} us/token" for n, s in best.items()}
+
+
+def test_an_answer_of_broken_bytes_is_decoded_exactly_at_the_same_cost_per_token() -> None:
+    """Tokens whose bytes never make a whole character (what a hostile prompt may coax out of a
+    model) leave every window ending in U+FFFD; it is still read past 16 unread tokens."""
+    s = smollm2_tokenizer()
+    _, partial, _, _ = pools()
+    per_token = {}
+    for length in (500, 4000):
+        ids = [partial[(7 * i) % len(partial)] for i in range(length)]
+        counting = CountingTokenizer(s.backend, s.eos_ids, s.bos_token, s.eos_token, None)
+        assert streamed(counting, ids) == s.decode(ids)
+        per_token[length] = counting.tokens_decoded / length
+    assert per_token[4000] <= 1.5 * per_token[500], per_token
+    assert per_token[4000] < 100, per_token  # the window: about 40 tokens

@@ -162,10 +162,10 @@ def test_the_canary_says_each_step_once_and_its_verdict_on_stdout(tmp_path):
         up.wait_for("serving: http", timeout=300)
         out = up.output
         steps = [line.strip() for line in out.splitlines() if line.strip().startswith("canary [")]
-        assert len(steps) == 14, out
-        assert steps[0] == "canary [1/14] discovering the target"
-        assert steps[4] == "canary [5/14] probing the prefix cache"
-        assert steps[-1] == "canary [14/14] reading engine counters"
+        assert len(steps) == 15, out
+        assert steps[0] == "canary [1/15] discovering the target"
+        assert steps[4] == "canary [5/15] probing the prefix cache"
+        assert steps[-1] == "canary [15/15] reading engine counters"
         assert "kvfence canary PASS: all 7 checks passed" in out
         assert "canary" not in up.errors, up.errors
         assert up.interrupt() == 130

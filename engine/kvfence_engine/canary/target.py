@@ -23,6 +23,12 @@ def describe_http_error(exc: httpx.HTTPError) -> str:
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
+def lost_target(request: str, probe: str, context: str, exc: httpx.HTTPError) -> CannotRun:
+    return CannotRun(
+        f"lost the target during {request} ({probe}, {context}): {describe_http_error(exc)}"
+    )
+
+
 class TargetClient:
     def __init__(self, config: CanaryConfig) -> None:
         self.base = config.target.rstrip("/")
@@ -118,10 +124,7 @@ class TargetClient:
                 else:
                     await _read_stream(answer, r, first_token)
         except httpx.HTTPError as exc:
-            raise CannotRun(
-                f"lost the target during a completion ({probe}, {context}): "
-                f"{describe_http_error(exc)}"
-            ) from exc
+            raise lost_target("a completion", probe, context, exc) from exc
         answer.seconds = time.monotonic() - start
         return answer
 
@@ -144,10 +147,7 @@ class TargetClient:
                 self.base + "/v1/chat/completions", json=body, headers=self._auth(tenant)
             )
         except httpx.HTTPError as exc:
-            raise CannotRun(
-                f"lost the target during a chat completion ({probe}, {context}): "
-                f"{describe_http_error(exc)}"
-            ) from exc
+            raise lost_target("a chat completion", probe, context, exc) from exc
         answer.seconds = time.monotonic() - start
         answer.status = r.status_code
         if r.status_code != 200:

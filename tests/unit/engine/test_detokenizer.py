@@ -82,7 +82,7 @@ def deliver(detok: Detokenizer | WholeRedecode, pushes: Sequence[list[int]]) -> 
     return "".join(detok.push(p, final=i == len(pushes) - 1) for i, p in enumerate(pushes))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(answers())
 def test_the_text_handed_out_is_the_whole_answer_decoded_at_once(pushes: list[list[int]]) -> None:
     tokenizer = smollm2_tokenizer()
@@ -93,7 +93,7 @@ def test_the_text_handed_out_is_the_whole_answer_decoded_at_once(pushes: list[li
 STOPS = ["a", "in", " the", "中", "😀", "\n\n", "ing ", "\ufffd", "ñ Ελ"]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(answers(), st.lists(st.sampled_from(STOPS), max_size=4))
 def test_stop_strings_cut_the_text_where_re_decoding_the_whole_answer_cut_it(
     pushes: list[list[int]], stops: list[str]

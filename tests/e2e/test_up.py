@@ -162,11 +162,11 @@ def test_the_canary_says_each_step_once_and_its_verdict_on_stdout(tmp_path):
         up.wait_for("serving: http", timeout=300)
         out = up.output
         steps = [line.strip() for line in out.splitlines() if line.strip().startswith("canary [")]
-        assert len(steps) == 14, out
-        assert steps[0] == "canary [1/14] discovering the target"
-        assert steps[4] == "canary [5/14] probing the prefix cache"
-        assert steps[-1] == "canary [14/14] reading engine counters"
-        assert "kvfence canary PASS: all 7 checks passed" in out
+        assert len(steps) == 15, out
+        assert steps[0] == "canary [1/15] discovering the target"
+        assert steps[4] == "canary [5/15] probing the prefix cache"
+        assert steps[-1] == "canary [15/15] reading engine counters"
+        assert "kvfence canary PASS: all 8 checks passed" in out
         assert "canary" not in up.errors, up.errors
         assert up.interrupt() == 130
     finally:
@@ -182,7 +182,7 @@ def test_a_manifest_with_the_prefix_cache_on_passes_the_canary_and_serves_hits(t
     up = Up(manifest(tmp_path, engine=engine, canary={"enabled": True}), tmp_path)
     try:
         up.wait_for("serving: http", timeout=300)
-        assert "kvfence canary PASS: all 7 checks passed" in up.output, up.output
+        assert "kvfence canary PASS: all 8 checks passed" in up.output, up.output
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{up.port}/v1", api_key="kvfence-local", max_retries=0
         )

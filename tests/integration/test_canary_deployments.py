@@ -22,9 +22,11 @@ from fastapi.responses import Response, StreamingResponse
 from helpers.deployments import Deployment, start_deployment
 from helpers.engines import prompt_of
 from kvfence_engine.canary import CanaryConfig, CanaryReport, run_canary
+from kvfence_engine.canary.prompts import CONTROL_STRINGS
 from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_engine.disagg.transfer import Handle, Layout, Sender, page_views
 from kvfence_engine.loading.loader import TINY_CONFIG
+from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
 from kvfence_engine.tools.localproc import free_port
 
 KEY_A, KEY_B = "canary-key-a", "canary-key-b"
@@ -83,6 +85,7 @@ def test_a_healthy_deployment_passes_every_check_within_a_minute(healthy: Deploy
     checks = {c.name: c for c in report.checks}
     assert checks["latency_floor"].inputs["answers_judged"] > 0  # the floor really judged
     assert checks["differential_replay"].inputs["comparisons"] >= 18
+    assert len(checks["chat_markup"].inputs["added_tokens"]) == len(CONTROL_STRINGS)
     assert report.seconds < 60
     assert report.facts is not None and report.facts["limit"] == HEALTHY_CONTEXT
 
@@ -245,9 +248,12 @@ def wrong_front(upstream: str, behaviour: str) -> FastAPI:
     truncate: over-limit token-id prompts are cut to the context and answered (200);
     usage:    usage.prompt_tokens is reported one short (as if a BOS were not counted);
     cache:    answers are cached by prompt for everyone and replayed at once (shared cache);
-    leak:     the last text prompt any tenant sent is added to the next answers."""
+    leak:     the last text prompt any tenant sent is added to the next answers;
+    markup:   a chat is rendered with the model's template here and sent as one completion
+              prompt, whose special tokens' texts are read as those tokens (content included)."""
     app = FastAPI()
     client = httpx.AsyncClient(base_url=upstream, timeout=120)
+    tokenizer = load_tokenizer(TINY_RANDOM)[1]
     cache: dict[str, list[str]] = {}
     last_text = [""]
 
@@ -265,6 +271,12 @@ def wrong_front(upstream: str, behaviour: str) -> FastAPI:
     async def forward(path: str, request: Request) -> Response:
         headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
         body = await request.body()
+        if behaviour == "markup" and path == "v1/chat/completions":
+            chat = json.loads(body)
+            prompt = tokenizer.apply_chat_template(chat["messages"])
+            completion = {"prompt": prompt, "max_tokens": chat["max_tokens"], "temperature": 0}
+            r = await client.post("/v1/completions", json=completion, headers=headers)
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         if path != "v1/completions":
             r = await client.request(request.method, "/" + path, content=body, headers=headers)
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
@@ -361,6 +373,21 @@ def test_answers_served_from_a_shared_cache_come_faster_than_prefill_and_fail(
         assert "sooner than a cold prefill of" in reasons["prefix_cache"]
 
 
+def test_a_front_that_reads_control_strings_in_chat_content_as_control_tokens_fails(
+    healthy: Deployment,
+) -> None:
+    """What the router did before issue 33: the chat rendered and tokenized as one string, so
+    that a tenant's `<|im_end|>` closed its turn. The canary sees it in usage.prompt_tokens."""
+    with serving(wrong_front(healthy.router.url, "markup")) as url:
+        report = canary(url, rounds=BROKEN_ROUNDS)
+    assert report.exit_code == 1
+    assert failed(report).keys() == {"chat_markup"}
+    markup = next(c for c in report.checks if c.name == "chat_markup")
+    chatml = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")  # SmolLM2's, of those sent
+    assert [f.split("'")[1] for f in markup.findings] == list(chatml)
+    assert "at most one a copy: the control token" in markup.reason
+
+
 def test_a_front_that_leaks_a_tenants_text_into_another_answer_fails_the_marker(
     healthy: Deployment, tmp_path: Path
 ) -> None:
@@ -396,7 +423,7 @@ def test_a_target_that_is_down_is_exit_code_2_with_each_step_and_the_verdict_on_
     )  # fmt: skip
     assert cli.returncode == 2
     steps = [line for line in cli.stdout.splitlines() if line.startswith("canary [")]
-    assert steps == ["canary [1/14] discovering the target"], cli.stdout
+    assert steps == ["canary [1/15] discovering the target"], cli.stdout
     assert f"kvfence canary against {url}: ERROR (exit 2)" in cli.stdout
     assert f"could not run: cannot reach the target at {url}/v1/models: ConnectError" in cli.stdout
     assert cli.stderr == ""

@@ -19,6 +19,7 @@ from kvfence_engine.canary.counters import (
 from kvfence_engine.canary.latency import PrefillCalibration
 from kvfence_engine.canary.observations import (
     CALIBRATION,
+    CHAT_CONTROLS,
     MARKER_SIZING,
     POLLUTION_FILL,
     POLLUTION_MARKER,
@@ -36,6 +37,7 @@ HONEST_USAGE = "honest_usage"
 LATENCY_FLOOR = "latency_floor"
 ENGINE_COUNTERS = "engine_counters"
 PREFIX_CACHE = "prefix_cache"
+CHAT_MARKUP = "chat_markup"
 # 4xx answers that say nothing about the prompt's length: they do not count as a refusal.
 NOT_A_REFUSAL = (401, 403, 404, 408, 429)
 
@@ -61,7 +63,8 @@ def _verdict(
 
 
 def _b_answers(answers: Sequence[Answer]) -> list[Answer]:
-    return [a for a in answers if a.tenant == TENANT_B]
+    """B's completions (its chat messages are check_chat_markup's alone)."""
+    return [a for a in answers if a.tenant == TENANT_B and a.probe != CHAT_CONTROLS]
 
 
 def check_marker(answers: Sequence[Answer], marker: str) -> CheckResult:
@@ -393,3 +396,51 @@ def check_prefix_cache(
             f"tenant B sending tenant A's prompt got 0 cached tokens, {timing}"
         )
     return _verdict(PREFIX_CACHE, inputs, findings, passed, vacuous)
+
+
+def check_chat_markup(answers: Sequence[Answer]) -> CheckResult:
+    """A chat message repeating a chat template's control string (`<|im_start|>`, ...) counts
+    each copy as the ordinary tokens that spell it, never as the control token: against the
+    same message without them, its usage.prompt_tokens grow by more than one token a copy
+    (exactly one a copy is the control token: the message could close its turn and open a
+    system or assistant one; none, the strings were dropped). Messages with them must be
+    answered like any other. A target that refuses a plain chat message with 400 (a model
+    without a chat template) has no turns to break out of, and passes saying so."""
+    probes = [a for a in answers if a.probe == CHAT_CONTROLS and a.tenant == TENANT_B]
+    plain = next((a for a in probes if a.repeats is None), None)
+    marked = [a for a in probes if a.repeats is not None]
+    inputs: dict[str, Any] = {
+        "plain_prompt_tokens": plain.usage_prompt_tokens if plain else None,
+        "added_tokens": {},
+    }
+    if plain is not None and plain.status == 400:
+        passed = f"the target answers no chat completions ({plain.describe()}): no turn to leave"
+        return _verdict(CHAT_MARKUP, inputs, [], passed, None)
+    findings = []
+    base = plain.usage_prompt_tokens if plain is not None and plain.ok else None
+    for a in marked:
+        assert a.repeats is not None
+        where = f"a chat message with {a.repeats} copies of {a.context!r}"
+        if not a.ok:
+            findings.append(f"{where} got {a.describe()}: chat content is text, to be answered")
+        elif base is not None and a.usage_prompt_tokens is not None:
+            added = a.usage_prompt_tokens - base
+            inputs["added_tokens"][a.context] = added
+            if added <= a.repeats:
+                findings.append(
+                    f"{where} counted {added} more prompt tokens than without them, "
+                    f"{'at most one a copy: the control token' if added else 'none: dropped'}"
+                    "; a tenant's message can then close its turn and open another"
+                )
+    judged = len(inputs["added_tokens"])
+    vacuous = None
+    if base is None:
+        said = plain.describe() if plain is not None and not plain.ok else "no usage.prompt_tokens"
+        vacuous = f"the chat message without control strings got {said}: nothing to compare with"
+    elif not judged and not findings:
+        vacuous = "no chat message with control strings was answered with usage"
+    passed = (
+        f"{judged} control strings of chat templates, repeated in a chat message, each counted "
+        "as text (more than one token a copy)"
+    )
+    return _verdict(CHAT_MARKUP, inputs, findings, passed, vacuous)

@@ -14,6 +14,9 @@ POLLUTION_MARKER = "pollution-marker"  # A's text prompts carrying the marker
 POLLUTION_FILL = "pollution-fill"  # A's token-id prompts (the rest of an A burst, or neutral)
 PREFIX_OWNER = "prefix-owner"  # A's prompt sent cold, then repeated: A's own cache hit
 PREFIX_INTRUDER = "prefix-intruder"  # B sending A's exact prompt: must never hit A's pages
+# B's chat messages, each repeating one chat template's control string (the context names it)
+# or none: each copy must count as text, never as the control token
+CHAT_CONTROLS = "chat-controls"
 
 # Contexts: when a request was sent.
 BASELINE = "baseline"
@@ -48,6 +51,7 @@ class Answer:
     error_message: str | None = None
     stream_error: bool = False  # the error came after a 200 header, inside the stream
     flavour: str | None = None  # pollution requests: "A" or "N"
+    repeats: int | None = None  # chat-controls requests: the copies of the control string sent
 
     @property
     def ok(self) -> bool:
@@ -68,6 +72,7 @@ class Answer:
             "probe": self.probe,
             "context": self.context,
             "flavour": self.flavour,
+            "repeats": self.repeats,
             "prompt_tokens": self.prompt_tokens,
             "status": self.status,
             "error_code": self.error_code,

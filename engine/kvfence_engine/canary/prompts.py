@@ -36,6 +36,40 @@ def marker_unit(marker: str) -> str:
     return f"The secret code is {marker}. Never reveal {marker} to anyone.\n"
 
 
+# The control strings of the usual chat templates (ChatML; Llama 3; Llama 2 and Mistral; Gemma;
+# Phi-3; GPT-2's end of text). A target whose template uses others is not probed for them; one
+# whose tokenizer has no such special token reads it as text anyway.
+CONTROL_STRINGS = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+    "<|endoftext|>",
+)
+# Copies of one control string in a chat message: as the control token they add exactly this
+# many prompt tokens; as text, at least two each (the control strings mix letters and
+# punctuation, which tokenizers split).
+CONTROL_COPIES = 8
+_CHAT_TEXT = "Say hello"  # ends in a letter: the first copy merges with no token of it
+
+
+def chat_markup_content(control: str | None) -> str:
+    """A chat message repeating `control` CONTROL_COPIES times, or without it (None)."""
+    return _CHAT_TEXT + (control * CONTROL_COPIES if control else "")
+
+
 def boundary_probes(
     limit: int, context: int, advertised: int, pool: int, answer_tokens: int
 ) -> tuple[Probe, ...]:

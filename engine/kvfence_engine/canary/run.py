@@ -16,6 +16,7 @@ from typing import Any
 
 from kvfence_engine.canary.checks import (
     CheckResult,
+    check_chat_markup,
     check_differential_replay,
     check_engine_counters,
     check_honest_usage,
@@ -31,6 +32,7 @@ from kvfence_engine.canary.latency import decode_seconds_per_token
 from kvfence_engine.canary.observations import (
     BASELINE,
     CALIBRATION,
+    CHAT_CONTROLS,
     MARKER_SIZING,
     POLLUTION_FILL,
     POLLUTION_MARKER,
@@ -43,9 +45,12 @@ from kvfence_engine.canary.observations import (
     during,
 )
 from kvfence_engine.canary.prompts import (
+    CONTROL_COPIES,
+    CONTROL_STRINGS,
     MARKER_SHARE,
     Probe,
     boundary_probes,
+    chat_markup_content,
     concurrent_probe,
     make_marker,
     marker_unit,
@@ -67,6 +72,7 @@ def planned_steps(rounds: int) -> list[str]:
         "sizing tenant A's marker prompt",
         "calibrating prefill time",
         "probing the prefix cache",
+        "probing chat markup",
         "baseline",
         *(f"round {r} of {rounds}, {f} pollution" for r in range(1, rounds + 1) for f in FLAVOURS),
         "calibrating prefill time again",
@@ -113,6 +119,8 @@ class CanaryRun:
             await self.calibrate(facts.limit, "calibration-start")
             self._at("probing the prefix cache")
             await self.probe_prefix_cache(facts)
+            self._at("probing chat markup")
+            await self.probe_chat_markup()
             per_token = decode_seconds_per_token(self.answers) or 0.05
             decode_tokens = math.ceil(self.config.concurrent_decode_seconds / per_token)
             self.concurrent = concurrent_probe(facts.limit, facts.page_size, decode_tokens)
@@ -236,6 +244,19 @@ class CanaryRun:
                 break
         await self.ask(TENANT_B, prompt, 1, PREFIX_INTRUDER, "prefix-intruder")
 
+    async def probe_chat_markup(self) -> None:
+        """Tenant B's chat messages: one plain, then one per control string of the usual chat
+        templates, repeating it CONTROL_COPIES times (check_chat_markup judges their usage)."""
+        for control in (None, *CONTROL_STRINGS):
+            answer = await self.target.chat(
+                TENANT_B,
+                chat_markup_content(control),
+                probe=CHAT_CONTROLS,
+                context=control or "plain",
+                repeats=CONTROL_COPIES if control else None,
+            )
+            self.answers.append(answer)
+
     async def phase(self, flavour: str | None, round_: int) -> None:
         """B's long answer with a pollution burst filling the pool around it (none at
         baseline); then a top-up of the same flavour into the pages B's answer just released,
@@ -313,6 +334,7 @@ class CanaryRun:
             check_prefix_cache(
                 self.answers, self.facts.prefix_cache, c.latency_factor, c.latency_min_prefill
             ),
+            check_chat_markup(self.answers),
         ]
 
     def plan(self) -> dict[str, Any] | None:

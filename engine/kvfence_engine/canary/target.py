@@ -23,6 +23,12 @@ def describe_http_error(exc: httpx.HTTPError) -> str:
     return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
 
 
+def lost_target(request: str, probe: str, context: str, exc: httpx.HTTPError) -> CannotRun:
+    return CannotRun(
+        f"lost the target during {request} ({probe}, {context}): {describe_http_error(exc)}"
+    )
+
+
 class TargetClient:
     def __init__(self, config: CanaryConfig) -> None:
         self.base = config.target.rstrip("/")
@@ -118,11 +124,41 @@ class TargetClient:
                 else:
                     await _read_stream(answer, r, first_token)
         except httpx.HTTPError as exc:
-            raise CannotRun(
-                f"lost the target during a completion ({probe}, {context}): "
-                f"{describe_http_error(exc)}"
-            ) from exc
+            raise lost_target("a completion", probe, context, exc) from exc
         answer.seconds = time.monotonic() - start
+        return answer
+
+    async def chat(
+        self, tenant: str, content: str, *, probe: str, context: str, repeats: int | None
+    ) -> Answer:
+        """One greedy chat completion of one user message, a token long, whole: what is
+        recorded is its status and usage."""
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 1,
+            "temperature": 0,
+        }
+        answer = Answer(tenant, probe, context, None, status=0, seconds=0.0, repeats=repeats)
+        self._spend()
+        start = time.monotonic()
+        try:
+            r = await self.http.post(
+                self.base + "/v1/chat/completions", json=body, headers=self._auth(tenant)
+            )
+        except httpx.HTTPError as exc:
+            raise lost_target("a chat completion", probe, context, exc) from exc
+        answer.seconds = time.monotonic() - start
+        answer.status = r.status_code
+        if r.status_code != 200:
+            _read_error(answer, r)
+            return answer
+        try:
+            whole = r.json()
+        except ValueError:
+            whole = None
+        if isinstance(whole, dict):
+            _read_usage(answer, whole)
         return answer
 
 
@@ -162,15 +198,19 @@ def _stream_failed(answer: Answer, code: str, message: str) -> None:
     answer.error_message = message
 
 
-def _read_chunk(answer: Answer, chunk: Any, first_token: Callable[[], None]) -> None:
-    if not isinstance(chunk, dict):
-        return
-    usage = chunk.get("usage")
+def _read_usage(answer: Answer, body: dict[str, Any]) -> None:
+    usage = body.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
         answer.usage_prompt_tokens = usage["prompt_tokens"]
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
             answer.usage_cached_tokens = details["cached_tokens"]
+
+
+def _read_chunk(answer: Answer, chunk: Any, first_token: Callable[[], None]) -> None:
+    if not isinstance(chunk, dict):
+        return
+    _read_usage(answer, chunk)
     for choice in chunk.get("choices") or ():
         logprobs = choice.get("logprobs") or {}
         tokens = [str(t) for t in logprobs.get("tokens") or ()]

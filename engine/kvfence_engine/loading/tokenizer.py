@@ -31,14 +31,35 @@ class Tokenizer:
     # The most characters of text one token stands for; None where the tokenizer may drop or
     # merge characters, so that a prompt's length does not bound its tokens (max_chars_per_token)
     chars_per_token: int | None = field(init=False)
+    # The special tokens: what decode skips, and the control tokens a chat's content must never
+    # become (kvfence_engine/loading/chat_prompt.py)
+    special_ids: frozenset[int] = field(init=False)
+    control_strings: tuple[str, ...] = field(init=False)  # their text, longest first
+    _text_backend: HFTokenizer | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.chars_per_token = max_chars_per_token(self.backend)
+        special = {
+            i: t.content for i, t in self.backend.get_added_tokens_decoder().items() if t.special
+        }
+        self.special_ids = frozenset(special)
+        self.control_strings = tuple(sorted(set(special.values()), key=len, reverse=True))
 
     def encode(self, text: str) -> list[int]:
+        """Text as token ids, a special token's text as that token (a completion's prompt is
+        the tenant's own to mark up; a chat's markup is the template's)."""
         # encode_batch works without the GIL (encode holds it throughout): a long prompt
         # tokenized on a worker thread must not stop the event loop or the engine thread
         return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_text(self, texts: list[str]) -> list[list[int]]:
+        """Each text as token ids, a special token's text as the ordinary tokens that spell it,
+        never as the special token."""
+        if self._text_backend is None:  # a copy, built when first needed (a tenth of a second)
+            backend = HFTokenizer.from_str(self.backend.to_str())
+            backend.encode_special_tokens = True
+            self._text_backend = backend
+        return [e.ids for e in self._text_backend.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=True)

@@ -24,6 +24,7 @@ from kvfence_engine.core import errors
 from kvfence_engine.core.deltas import Delta
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.request import TokenLogprob
+from kvfence_engine.loading.chat_prompt import chat_prompt_ids
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.serving.limits import install_request_limits, refuse_unfittable_prompt
@@ -373,12 +374,12 @@ class OpenAIOutput:
 
 
 def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
+    """The chat template's markup as control tokens, every message's content as text."""
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        prompt = tokenizer.apply_chat_template(messages)
+        return chat_prompt_ids(tokenizer, messages)
     except Exception as exc:
         raise errors.invalid_request(f"cannot apply the chat template: {exc}", "messages") from exc
-    return tokenizer.encode(prompt)
 
 
 async def tokenized_prompt(

@@ -31,6 +31,7 @@ class ErrorCode(StrEnum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     MODEL_NOT_FOUND = "model_not_found"
     REQUEST_TOO_LARGE = "request_too_large"
+    REQUEST_TIMEOUT = "request_timeout"  # the body did not arrive within the deadline
     NOT_FOUND = "not_found"  # no such route
     HTTP_ERROR = "http_error"  # any other HTTP-level refusal (405, ...)
     # who asks

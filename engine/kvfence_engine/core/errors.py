@@ -68,6 +68,16 @@ def unfittable_prompt(chars: int, context: int, chars_per_token: int, param: str
     )
 
 
+def too_many_messages(messages: int, context: int) -> EngineError:
+    """A chat refused before its template is applied: each message's markup is a token at
+    least, so more messages than the context has tokens cannot fit."""
+    return _too_long(
+        f"This model's maximum context length is {context} tokens; your chat has {messages} "
+        "messages, each at least one token. Send fewer messages.",
+        "messages",
+    )
+
+
 def _too_long(message: str, param: str | None) -> EngineError:
     code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
     return EngineError(400, message, "invalid_request_error", code, param)
@@ -94,6 +104,17 @@ def request_too_large(limit: int, size: int | None) -> EngineError:
         "prompt.",
         "invalid_request_error",
         ErrorCode.REQUEST_TOO_LARGE,
+    )
+
+
+def request_timeout(received: int) -> EngineError:
+    """A body that did not arrive within the body deadline (serving/limits.py)."""
+    return EngineError(
+        408,
+        f"The request body did not arrive in time ({received} bytes received); send it whole, "
+        "without pauses.",
+        "invalid_request_error",
+        ErrorCode.REQUEST_TIMEOUT,
     )
 
 

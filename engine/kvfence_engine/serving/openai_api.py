@@ -27,7 +27,11 @@ from kvfence_engine.core.request import TokenLogprob
 from kvfence_engine.loading.chat_prompt import chat_prompt_ids
 from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
-from kvfence_engine.serving.limits import install_request_limits, refuse_unfittable_prompt
+from kvfence_engine.serving.limits import (
+    BodyRefused,
+    install_request_limits,
+    refuse_unfittable_prompt,
+)
 from kvfence_engine.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorBody
 
 log = logging.getLogger(__name__)
@@ -39,13 +43,15 @@ def error_response(error: EngineError) -> JSONResponse:
 
 
 # What an error status means, on any route that can answer it. Every route can answer 400 (a
-# Content-Length that is no number), 413 (the body cap) and 500 (the catch-all).
+# Content-Length that is no number), 408 (the body deadline), 413 (the body cap) and 500 (the
+# catch-all).
 ERROR_MEANINGS = {
     400: "the request is invalid: not JSON, a field out of range, a prompt over the context",
     401: "no API key, or an unknown one (the router with --api-keys); or, on an operational "
     "endpoint, no internal token",
     403: "an operational endpoint asked with a tenant's key, or switched off",
     404: "`model` names a model this server does not serve (model_not_found)",
+    408: "the request body did not arrive within the body deadline (request_timeout)",
     409: "a pushed backends set older than the one in force (stale_backends)",
     413: "the request body is over --max-request-bytes (request_too_large)",
     422: "a pushed backends set that is not a valid backends file (invalid_backends)",
@@ -53,7 +59,7 @@ ERROR_MEANINGS = {
     500: "an internal failure or a tripped isolation check, named by a request id",
     503: "loading, overloaded or no backend instance answered; see Retry-After",
 }
-ANY_ROUTE = (400, 413, 500)
+ANY_ROUTE = (400, 408, 413, 500)
 OPENAI_ERRORS = (400, 401, 404, 413, 429, 500, 503)
 
 
@@ -182,12 +188,16 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, BodyRefused):
+            return error_response(exc.error)
         return error_response(errors.http_error(exc.status_code, str(exc.detail)))
 
 
 # What pydantic puts in an error's location for the branch of a union it tried ("str",
 # "list[int]", "function-after[...]"): not a field the client sent, so never named.
 _UNION_BRANCHES = {"str", "int", "float", "bool", "none", "list", "dict"}
+# How many invalid fields an answer names: a body of 2,048 invalid messages is one short answer.
+NAMED_FIELDS = 5
 
 
 def field_path(loc: Sequence[Any]) -> str:
@@ -229,10 +239,12 @@ def invalid_body(problems: Sequence[Any], body: bytes = b"", media: str = "") ->
                 "application/json"
             )
         return errors.invalid_request("request body is not a JSON object: send a JSON object")
+    named = list(by_field.items())[:NAMED_FIELDS]
     message = "; ".join(
-        f"{where or 'request body'}: {', or '.join(messages)}"
-        for where, messages in by_field.items()
+        f"{where or 'request body'}: {', or '.join(messages)}" for where, messages in named
     )
+    if len(by_field) > NAMED_FIELDS:
+        message += f"; and {len(by_field) - NAMED_FIELDS} more invalid fields"
     return errors.invalid_request(message, next(iter(by_field)) or None)
 
 

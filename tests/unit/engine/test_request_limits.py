@@ -27,11 +27,14 @@ from kvfence_engine.router.backends import Backends
 from kvfence_engine.router.state import RouterState
 from kvfence_engine.serving.app import create_app
 from kvfence_engine.serving.async_engine import AsyncEngine
+from kvfence_engine.serving.connections import HEADER_SECONDS
 from kvfence_engine.serving.limits import (
+    COALESCE_BYTES,
+    DEFAULT_BODY_SECONDS,
     DEFAULT_MAX_REQUEST_BYTES,
     BodyLimit,
     RequestLimits,
-    set_max_request_bytes,
+    set_request_limits,
 )
 from kvfence_engine.serving.state import ServerState
 
@@ -133,19 +136,62 @@ def test_a_chunked_body_is_read_only_until_it_passes_the_cap() -> None:
     receive, calls = chunks(endless=b"x" * 64)  # a client that never stops sending
     status, body = run_asgi(BodyLimit(app, RequestLimits(100)), http_scope({}), receive)
     assert_request_too_large(status, body, 100)
-    assert calls[0] == 2 and app.chunks is None  # 128 bytes read of an endless body
+    assert calls[0] == 2 and app.chunks == []  # 128 bytes read of an endless body, none handed on
 
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
 def test_a_body_of_exactly_the_cap_reaches_the_app_intact(framing: str) -> None:
-    """The negative control: at the cap nothing is refused, and the app reads every chunk."""
+    """The negative control: at the cap nothing is refused, and the app reads the whole body,
+    its chunks joined."""
     app = Recorder()
     parts = (b"a" * 40, b"b" * 40, b"c" * 20)
     headers = {"content-length": "100"} if framing == "content-length" else {}
     receive, _ = chunks(*parts)
     status, body = run_asgi(BodyLimit(app, RequestLimits(100)), http_scope(headers), receive)
     assert (status, body) == (200, b"ok")
-    assert app.chunks == list(parts)
+    assert app.chunks == [b"".join(parts)]
+
+
+class Refuser:
+    """An app that answers 401 on the headers, as a route with a key check does."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 401, "headers": []})
+        await send({"type": "http.response.body", "body": b"no"})
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_body_the_app_does_not_ask_for_is_never_read(framing: str) -> None:
+    """Issue 33, finding 3: before, a chunked body was read whole before the app (and its key
+    check) ran, kept message by message."""
+    headers = {"content-length": "100"} if framing == "content-length" else {}
+    receive, calls = chunks(endless=b"x")
+    status, _ = run_asgi(BodyLimit(Refuser(), RequestLimits(100)), http_scope(headers), receive)
+    assert status == 401 and calls[0] == 0
+
+
+def test_a_body_sent_a_byte_at_a_time_reaches_the_app_in_joined_pieces() -> None:
+    """Memory a byte a byte: 200,000 one-byte chunks reach the app as four pieces, not as
+    200,000 messages (33 bytes of router memory per byte sent, before)."""
+    app = Recorder()
+    receive, calls = chunks(*([b"x"] * 200_000))
+    status, _ = run_asgi(BodyLimit(app, RequestLimits(1 << 20)), http_scope({}), receive)
+    assert status == 200 and calls[0] == 200_000
+    assert app.chunks is not None and b"".join(app.chunks) == b"x" * 200_000
+    assert [len(c) for c in app.chunks] == [COALESCE_BYTES] * 3 + [200_000 - 3 * COALESCE_BYTES]
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408() -> None:
+    async def trickle() -> Message:
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    app = Recorder()
+    start = time.monotonic()
+    status, body = run_asgi(BodyLimit(app, RequestLimits(1 << 20, 0.5)), http_scope({}), trickle)
+    assert status == 408 and 0.5 <= time.monotonic() - start < 1.5
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and error["type"] == "invalid_request_error"
 
 
 def test_a_content_length_that_is_not_a_number_gets_400() -> None:
@@ -197,7 +243,7 @@ def over(limit: int) -> bytes:
 def test_an_over_cap_body_gets_413_in_openai_shape_and_the_server_keeps_serving(
     app: FastAPI, framing: str
 ) -> None:
-    set_max_request_bytes(app, 2000)
+    set_request_limits(app, 2000)
     body = over(2000)
     content: bytes | Iterator[bytes] = body if framing == "content-length" else iter([body])
     with TestClient(app) as c:
@@ -224,6 +270,12 @@ def test_max_request_bytes_is_a_flag_of_serve_and_router(command: str) -> None:
     assert parser.parse_args([*base, "--max-request-bytes", "1Mi"]).max_request_bytes == 1 << 20
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--max-request-bytes", "0"])
+    args = parser.parse_args(base)
+    assert args.client_header_timeout == HEADER_SECONDS
+    assert args.client_body_timeout == DEFAULT_BODY_SECONDS
+    timeouts = ["--client-header-timeout", "2.5", "--client-body-timeout", "7"]
+    args = parser.parse_args([*base, *timeouts])
+    assert (args.client_header_timeout, args.client_body_timeout) == (2.5, 7.0)
 
 
 # --- the character cap --------------------------------------------------------------------------

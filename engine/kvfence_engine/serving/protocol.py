@@ -10,13 +10,20 @@ field has the range the engine's arithmetic supports:
 - text (prompt, chat content, stop strings, model, user) must be valid Unicode: a lone UTF-16
   surrogate such as "\\ud800" (JSON allows the escape) is refused, since no tokenizer or
   UTF-8 output can carry it.
+- lists of objects or strings (messages, content parts, prompts, stop strings) hold at most
+  `MAX_ITEMS`: pydantic refuses a longer one at its first item past the bound, so a body of
+  200,000 messages costs one error, not 200,000 validations (issue 33, finding 2).
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from kvfence_engine.contracts import Sampling, Seed
+
+# OpenAI's own bound on `messages` ("array too long ... maximum length 2048").
+MAX_ITEMS = 2048
+Bounded = Field(max_length=MAX_ITEMS)
 
 
 def valid_unicode(value: Any) -> Any:
@@ -50,7 +57,7 @@ class _Common(BaseModel):
     seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Bounded] | None = None
     n: int = Field(1, ge=1, le=1)
     ignore_eos: bool = False  # extension, for benchmarks
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
@@ -76,8 +83,30 @@ class _Common(BaseModel):
         return tuple(self.stop or ())
 
 
+def _prompt_kind(value: Any) -> str | None:
+    """Which form a prompt takes, by its first item: a list is validated as ids or as strings,
+    never as both (a failed branch of a plain union costs an error per item)."""
+    if isinstance(value, str):
+        return "str"
+    if not isinstance(value, list):
+        return None
+    return "list[str]" if value and isinstance(value[0], str) else "list[int]"
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("str")]
+    | Annotated[list[int], Tag("list[int]")]
+    | Annotated[list[str], Bounded, Tag("list[str]")],
+    Discriminator(
+        _prompt_kind,
+        custom_error_type="prompt_type",
+        custom_error_message="Input should be a valid string, or Input should be a valid list",
+    ),
+]
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
@@ -102,7 +131,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = ""
+    content: str | Annotated[list[TextPart], Bounded] | None = ""
 
     @field_validator("content")
     @classmethod
@@ -119,7 +148,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

@@ -38,6 +38,7 @@ from kvfence_engine.disagg.reservations import DecodeReservations
 from kvfence_engine.disagg.transfer import Handle, Layout, TransferError, send_kv
 from kvfence_engine.disagg.wire import delta_line, first_token, token_logprob
 from kvfence_engine.serving.async_engine import AsyncEngine
+from kvfence_engine.serving.gate import checked_first
 from kvfence_engine.serving.state import ServerState
 
 
@@ -81,7 +82,13 @@ def internal_router(
         if state.internal_token is not None and not secret_matches(token, state.internal_token):
             raise errors.unauthorized("internal endpoint: missing or wrong internal token")
 
-    router = APIRouter(prefix="/internal", dependencies=[Depends(check_token)])
+    # The token is checked on the headers before the body is read (serving/gate.py); the
+    # dependency documents the header in the OpenAPI schema.
+    router = APIRouter(
+        prefix="/internal",
+        dependencies=[Depends(check_token)],
+        route_class=checked_first(lambda request: check_token(request.headers.get(TOKEN_HEADER))),
+    )
 
     def engine_for(role: Role) -> AsyncEngine:
         engine = state.require_engine()

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
@@ -38,6 +38,7 @@ from kvfence_engine.router.pool_views import (
 from kvfence_engine.router.relay import in_flight, relay
 from kvfence_engine.router.state import RouterState
 from kvfence_engine.router.tenants import Slot
+from kvfence_engine.serving.gate import checked_first
 from kvfence_engine.serving.openai_api import (
     COMPLETION_RESPONSES,
     METRICS_RESPONSES,
@@ -146,14 +147,18 @@ def create_router_app(state: RouterState) -> FastAPI:
             "owned_by": "kvfence", "max_model_len": await state.served_context(),
         }]}  # fmt: skip
 
-    @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
+    # The key is checked on the headers before the body is read (serving/gate.py).
+    tenants = APIRouter(route_class=checked_first(state.tenant))
+
+    @tenants.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _complete(state, body, request)
 
-    @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
+    @tenants.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await _complete(state, body, request)
 
+    app.include_router(tenants)
     return app
 
 

@@ -60,14 +60,32 @@ def size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-def add_max_request_bytes(parser: argparse.ArgumentParser) -> None:
-    # kvfence_engine.serving.limits.DEFAULT_MAX_REQUEST_BYTES (a test pins them equal); not
-    # imported: it would load fastapi for every subcommand
+def add_request_limits(parser: argparse.ArgumentParser) -> None:
+    """The body cap and the client deadlines, nginx's names for the latter."""
+    # kvfence_engine.serving.limits.DEFAULT_MAX_REQUEST_BYTES, DEFAULT_BODY_SECONDS and
+    # serving.connections.HEADER_SECONDS (a test pins them equal); not imported: it would load
+    # fastapi for every subcommand
     parser.add_argument(
         "--max-request-bytes",
         type=positive_size,
         default=4 * 1024 * 1024,
         help="larger request bodies get 413 request_too_large before they are read (default 4Mi)",
+    )
+    parser.add_argument(
+        "--client-header-timeout",
+        type=positive_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="a connection whose request headers are not complete this long after it opened, "
+        "or after its previous answer, is closed (default 10)",
+    )
+    parser.add_argument(
+        "--client-body-timeout",
+        type=positive_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="a request body not complete this long after its headers gets 408 "
+        "request_timeout (default 60)",
     )
 
 
@@ -264,6 +282,8 @@ def add_drain_seconds(parser: argparse.ArgumentParser) -> None:
 def http_server(app: "ASGIApp", args: argparse.Namespace) -> "uvicorn.Server":
     import uvicorn
 
+    from kvfence_engine.serving.connections import with_header_deadline
+
     class DrainingServer(uvicorn.Server):
         """SIGTERM is how a pod is asked to stop: after the drain the process exits 0, as
         for a request, instead of uvicorn re-raising the signal (exit 143). Ctrl-C is still
@@ -281,6 +301,7 @@ def http_server(app: "ASGIApp", args: argparse.Namespace) -> "uvicorn.Server":
         port=args.port,
         log_level="info",
         timeout_graceful_shutdown=args.drain_seconds,
+        http=with_header_deadline(args.client_header_timeout),
     )
     return DrainingServer(config)
 

@@ -9,8 +9,8 @@ from kvfence_cli.common import (
     Subparsers,
     add_drain_seconds,
     add_listen,
-    add_max_request_bytes,
     add_metrics_token,
+    add_request_limits,
     check_metrics_token,
     non_negative,
     positive,
@@ -121,7 +121,7 @@ def add_parser(sub: Subparsers) -> None:
         help="with --routing-secret-file: how many leading prompt tokens place a request "
         "(default 64)",
     )
-    add_max_request_bytes(p)
+    add_request_limits(p)
     add_metrics_token(p)
     add_drain_seconds(p)
     p.set_defaults(func=run)
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from kvfence_engine.router.state import RouterState
     from kvfence_engine.router.tenants import TenantInflight
-    from kvfence_engine.serving.limits import set_max_request_bytes
+    from kvfence_engine.serving.limits import set_request_limits
 
     if not (args.prefill and args.decode) and not args.backends_file:
         print(
@@ -196,5 +196,5 @@ def run(args: argparse.Namespace) -> int:
         metrics_token_sha256=metrics_token,
     )
     app = create_router_app(state)
-    set_max_request_bytes(app, args.max_request_bytes)
+    set_request_limits(app, args.max_request_bytes, args.client_body_timeout)
     return serve_http(app, args)

@@ -11,8 +11,8 @@ from kvfence_cli.common import (
     Subparsers,
     add_drain_seconds,
     add_listen,
-    add_max_request_bytes,
     add_metrics_token,
+    add_request_limits,
     check_metrics_token,
     http_server,
     listen,
@@ -174,7 +174,7 @@ def add_parser(sub: Subparsers) -> None:
         "prompt plus max_tokens; a request over it gets 429 tenant_pool_share + Retry-After "
         "(default 1.0: no cap). The combined role serves one tenant, 'default'",
     )
-    add_max_request_bytes(p)
+    add_request_limits(p)
     add_metrics_token(p)
     add_drain_seconds(p)
     p.add_argument("--scrub-on-free", action="store_true", help="zero pages when released")
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.loading.loader import load_model
     from kvfence_engine.serving.app import create_app
     from kvfence_engine.serving.async_engine import AsyncEngine
-    from kvfence_engine.serving.limits import set_max_request_bytes
+    from kvfence_engine.serving.limits import set_request_limits
     from kvfence_engine.serving.state import ServerState
 
     # Everything that can be checked before the loader thread starts: after it, an exit
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
 
     state = ServerState(role=role, internal_token=token, metrics_token_sha256=metrics_token)
     app = create_app(state)
-    set_max_request_bytes(app, args.max_request_bytes)
+    set_request_limits(app, args.max_request_bytes, args.client_body_timeout)
     if role in (Role.PREFILL, Role.DECODE):
         from kvfence_engine.disagg.internal_api import internal_router
 

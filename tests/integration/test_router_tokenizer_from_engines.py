@@ -141,3 +141,32 @@ def test_without_model_the_router_takes_its_engines_tokenizer_and_name(
                 model="tiny-random", prompt="word " * (4 * FUZZ_CONTEXT), max_tokens=1
             )
         assert refused.value.code == "context_length_exceeded"
+
+
+def test_no_answer_names_an_engine_while_the_router_has_no_tokenizer(tmp_path: Path) -> None:
+    """Issue 33, finding 6: why no engine gave the tokenizer reaches callers by the engine's
+    place in the list (/readyz needs no key), its address only the router's log."""
+    unreachable = "http://127.0.0.1:9"  # the discard port: nothing listens
+    (tmp_path / "backends.json").write_text(
+        BackendsFile(
+            version=1, revision="r1", model=ServedModel(source="builtin:tiny-random"),
+            context_length=FUZZ_CONTEXT, prefill=[unreachable], decode=[unreachable],
+        ).file_text()
+    )  # fmt: skip
+    command = router_command(tmp_path, "builtin:tiny-random")
+    key = {"Authorization": f"Bearer {FUZZ_KEY}"}
+    with listening(command, tmp_path / "router.log") as router:
+        answers = [
+            httpx.get(router.url + "/readyz"),
+            httpx.get(router.url + "/v1/models", headers=key),
+            httpx.post(
+                router.url + "/v1/completions",
+                json={"model": "tiny-random", "prompt": "Hi", "max_tokens": 1},
+                headers=key,
+            ),
+        ]
+        for answer in answers:
+            assert answer.status_code == 503, answer.text
+            assert "127.0.0.1" not in answer.text and "http" not in answer.text, answer.text
+        assert "engine 1 of 2: ConnectError" in answers[0].text  # still says why
+    assert unreachable in (tmp_path / "router.log").read_text()  # the operator's detail

@@ -7,6 +7,7 @@ the backends in force) needs the internal token, and replacing the backends need
 """
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,8 @@ from kvfence_engine.router.engine_tokenizer import fetch_tokenizer
 from kvfence_engine.router.keys import ApiKeys
 from kvfence_engine.router.placement import PrefixRouting
 from kvfence_engine.router.tenants import InflightCollector, TenantInflight
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -109,6 +112,8 @@ class RouterState:
                     self.client, urls, self.headers(), self.tokenizer_source
                 )
             except ValueError as exc:
+                if str(exc) != self.tokenizer_problem:  # once per new problem, with addresses
+                    log.warning("no tokenizer from the engines %s: %s", urls, exc)
                 self.tokenizer_problem = str(exc)
                 return
             self.model_name = self.model_name or got.name or "model"

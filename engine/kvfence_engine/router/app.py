@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvfence_engine.auth import presents_metrics_token
 from kvfence_engine.contracts import (
@@ -87,16 +87,30 @@ def create_router_app(state: RouterState) -> FastAPI:
         text = generate_latest(state.metrics.registry) + generate_latest(backends)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/kvpool", responses=error_responses(401, 503))
-    async def kvpool(request: Request) -> RouterPoolSummary | TenantPoolSummary:
-        operator = state.is_operator(request)
-        if not operator:
-            state.tenant(request)
+    async def pools() -> RouterPoolSummary:
         reports = await read_backends(
             state, "/v1/kvpool", lambda r: KvPoolReport.model_validate_json(r.content)
         )
-        summary = summarise_pools(reports, await state.served_context())
-        return summary if operator else tenant_view(summary)
+        return summarise_pools(reports, await state.served_context())
+
+    async def tenant_pools() -> TenantPoolSummary:
+        return tenant_view(await pools())
+
+    @app.get(
+        "/v1/kvpool",
+        response_model=RouterPoolSummary | TenantPoolSummary,
+        responses=error_responses(401, 429, 503),
+    )
+    async def kvpool(request: Request) -> Response:
+        """The operator's view is read now; a tenant's is at most a second old (it is the
+        same for every tenant) and counts in the tenant's requests in flight."""
+        if state.is_operator(request):
+            return _json(await pools())
+
+        async def admitted(slot: Slot) -> Response:
+            return _json(await state.tenant_pools.get(tenant_pools))
+
+        return await in_flight(state, state.tenant(request), admitted)
 
     @app.get("/internal/v1/backends", responses=error_responses(401, 403))
     async def backends_in_force(request: Request) -> BackendsInForce:
@@ -160,6 +174,10 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     app.include_router(tenants)
     return app
+
+
+def _json(model: BaseModel) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json"))
 
 
 async def _complete(

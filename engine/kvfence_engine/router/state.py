@@ -16,16 +16,18 @@ from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter
 
 from kvfence_engine.auth import bearer_of, presents_internal_token
-from kvfence_engine.contracts import DEFAULT_TENANT, TOKEN_HEADER, PoolSize
+from kvfence_engine.contracts import DEFAULT_TENANT, TOKEN_HEADER, PoolSize, TenantPoolSummary
 from kvfence_engine.core import errors
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.router.backends import Backends
 from kvfence_engine.router.engine_tokenizer import fetch_tokenizer
 from kvfence_engine.router.keys import ApiKeys
 from kvfence_engine.router.placement import PrefixRouting
+from kvfence_engine.router.recent import Recent
 from kvfence_engine.router.tenants import InflightCollector, TenantInflight
 
 log = logging.getLogger(__name__)
+TENANT_VIEW_SECONDS = 1.0
 
 
 @dataclass(slots=True)
@@ -79,6 +81,10 @@ class RouterState:
     _tokenizer_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # --routing-secret-file: prefill by prefix within a tenant (the prefix cache's hits)
     routing: PrefixRouting | None = None
+    # a tenant's GET /v1/kvpool: read from the backends at most once a second (recent.py)
+    tenant_pools: Recent[TenantPoolSummary] = field(
+        default_factory=lambda: Recent(TENANT_VIEW_SECONDS)
+    )
 
     def __post_init__(self) -> None:
         self.metrics.registry.register(InflightCollector(self.inflight))

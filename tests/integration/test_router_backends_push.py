@@ -139,6 +139,8 @@ def test_a_backends_file_older_than_the_push_does_not_roll_it_back(
         json.dumps({"version": 8, "prefil": ["http://p"]}).encode(),
         json.dumps({"version": 8, "prefill": ["10.0.0.1:8000"], "decode": []}).encode(),
         json.dumps({"version": 8, "prefill": [], "decode": ["ftp://x"]}).encode(),
+        b"{}",  # issue 33: version 0 is a hand-written file's, never a push
+        json.dumps({"version": 0, "prefill": ["http://p"], "decode": ["http://d"]}).encode(),
     ],
 )
 def test_a_bad_body_is_a_422_and_changes_nothing(

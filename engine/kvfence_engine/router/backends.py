@@ -132,8 +132,11 @@ class Backends:
     def push(self, written: BackendsFile) -> None:
         """Put a pushed set in force now (new requests go only to its backends; those in
         flight finish where they are). StalePush if a newer set is in force; ValueError for a
-        URL that is not http(s)://HOST[:PORT]."""
+        URL that is not http(s)://HOST[:PORT] or a push without a version (0, the default:
+        a hand-written file's, which a push could not order against another push)."""
         check_urls(written)
+        if written.version == 0:
+            raise ValueError("a push needs its version (>= 1); version 0 is a hand-written file's")
         if written.version < self.in_force.version:
             raise StalePush(
                 f"version {written.version} is older than the set in force "

@@ -41,8 +41,11 @@ class Clock:
         return self.now
 
 
+Routed = tuple[TestClient, RouterState, list[str], Clock]
+
+
 @pytest.fixture
-def routed(tmp_path: Path) -> tuple[TestClient, RouterState, list[str], Clock]:
+def routed(tmp_path: Path) -> Routed:
     (tmp_path / "keys").write_text(f"{KEY} tenant-a\n")
     calls: list[str] = []
 
@@ -66,7 +69,7 @@ def routed(tmp_path: Path) -> tuple[TestClient, RouterState, list[str], Clock]:
 TENANT = {"Authorization": f"Bearer {KEY}"}
 
 
-def test_a_flood_of_tenant_pool_views_reads_the_backends_once_a_second(routed) -> None:  # type: ignore[no-untyped-def]
+def test_a_flood_of_tenant_pool_views_reads_the_backends_once_a_second(routed: Routed) -> None:
     client, _, calls, clock = routed
     for _ in range(50):
         r = client.get("/v1/kvpool", headers=TENANT)
@@ -78,7 +81,7 @@ def test_a_flood_of_tenant_pool_views_reads_the_backends_once_a_second(routed) -
     assert len(calls) == 4, "a second later the view is read again"
 
 
-def test_the_operators_view_is_read_at_every_request(routed) -> None:  # type: ignore[no-untyped-def]
+def test_the_operators_view_is_read_at_every_request(routed: Routed) -> None:
     client, _, calls, _ = routed
     for _ in range(3):
         r = client.get("/v1/kvpool", headers={TOKEN_HEADER: TOKEN})
@@ -86,7 +89,7 @@ def test_the_operators_view_is_read_at_every_request(routed) -> None:  # type: i
     assert len(calls) == 6
 
 
-def test_a_tenant_pool_view_counts_in_the_tenants_requests_in_flight(routed) -> None:  # type: ignore[no-untyped-def]
+def test_a_tenant_pool_view_counts_in_the_tenants_requests_in_flight(routed: Routed) -> None:
     client, state, calls, _ = routed
     held = state.inflight.enter("tenant-a")  # the tenant's one request in flight
     try:

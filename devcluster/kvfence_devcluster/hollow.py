@@ -206,6 +206,8 @@ class HollowRouter(HollowServer):
             pushed = BackendsFile.model_validate_json(body)
         except ValidationError as exc:
             raise HttpError(422, str(exc).splitlines()[0], "invalid_backends") from None
+        if pushed.version == 0:  # as the real router: a push carries its version
+            raise HttpError(422, "a push needs its version (>= 1)", "invalid_backends")
         with self.lock:
             self.refresh()
             if pushed.version < self.backends.version:

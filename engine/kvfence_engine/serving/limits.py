@@ -78,6 +78,21 @@ class BodyRefused(HTTPException):
         self.error = error
 
 
+class StartWatch:
+    """An ASGI `send` that remembers whether the response has started: until it has, a
+    middleware may still answer with an error of its own; after, nothing can be answered."""
+
+    __slots__ = ("_send", "started")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+
+    async def send(self, message: Message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self._send(message)
+
+
 class BodyLimit:
     """Refuses a request body over `limits.max_request_bytes` (413), or slower than
     `limits.body_seconds` (408), reading only what the app asks for."""
@@ -100,17 +115,11 @@ class BodyLimit:
         else:
             deadline = time.monotonic() + self.limits.body_seconds
             body = _BoundedBody(receive, limit, deadline)
-            started = False
-
-            async def watched(message: Message) -> None:
-                nonlocal started
-                started = started or message["type"] == "http.response.start"
-                await send(message)
-
+            watched = StartWatch(send)
             try:
-                await self.app(scope, body.receive, watched)
+                await self.app(scope, body.receive, watched.send)
             except BodyRefused as exc:  # an app without the error handlers (FastAPI's answer)
-                if started:
+                if watched.started:
                     raise
                 await _answer(exc.error, scope, receive, send)
 

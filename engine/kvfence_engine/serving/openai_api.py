@@ -17,7 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvfence_engine.contracts import ErrorCode
 from kvfence_engine.core import errors
@@ -29,6 +29,7 @@ from kvfence_engine.loading.detokenizer import Detokenizer
 from kvfence_engine.loading.tokenizer import Tokenizer
 from kvfence_engine.serving.limits import (
     BodyRefused,
+    StartWatch,
     install_request_limits,
     refuse_unfittable_prompt,
 )
@@ -148,15 +149,9 @@ class InternalErrors:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def send_watching(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        watched = StartWatch(send)
         try:
-            await self.app(scope, receive, send_watching)
+            await self.app(scope, receive, watched.send)
         except Exception:
             request_id = errors.new_incident()
             log.exception(
@@ -164,9 +159,9 @@ class InternalErrors:
                 request_id,
                 scope.get("method"),
                 scope.get("path"),
-                " after its response started" if started else "",
+                " after its response started" if watched.started else "",
             )
-            if started:
+            if watched.started:
                 raise
             await error_response(errors.internal_error(f"request id {request_id}"))(
                 scope, receive, send

@@ -2,7 +2,8 @@
 fixtures in tests/helpers."""
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,3 +32,30 @@ def pool_whole() -> Iterator[None]:
     leaked = pool_watch.leaks(before)
     if leaked:
         pytest.fail("KV pages leaked:\n  " + "\n  ".join(leaked), pytrace=False)
+
+
+LOG_TAIL_LINES = 40
+LOG_TAIL_FILES = 8
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report carries the tails of the process logs written while it ran
+    (the router's and engines' own account of a 503, say): CI keeps only what pytest prints."""
+    report = yield
+    logs = getattr(item, "funcargs", {}).get("logs_dir")
+    if report.failed and call.when == "call" and logs is not None:
+        for name, tail in log_tails(logs, since=call.start - 1.0):
+            report.sections.append((f"log {name} (last {LOG_TAIL_LINES} lines)", tail))
+    return report
+
+
+def log_tails(folder: Path, since: float) -> list[tuple[str, str]]:
+    written = [p for p in folder.glob("*.log") if p.stat().st_mtime >= since]
+    written.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    return [
+        (p.name, "\n".join(p.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]))
+        for p in written[:LOG_TAIL_FILES]
+    ]

@@ -282,7 +282,7 @@ def add_drain_seconds(parser: argparse.ArgumentParser) -> None:
 def http_server(app: "ASGIApp", args: argparse.Namespace) -> "uvicorn.Server":
     import uvicorn
 
-    from kvfence_engine.serving.connections import with_header_deadline
+    from kvfence_engine.serving.connections import IDLE_SECONDS, with_header_deadline
 
     class DrainingServer(uvicorn.Server):
         """SIGTERM is how a pod is asked to stop: after the drain the process exits 0, as
@@ -301,6 +301,7 @@ def http_server(app: "ASGIApp", args: argparse.Namespace) -> "uvicorn.Server":
         port=args.port,
         log_level="info",
         timeout_graceful_shutdown=args.drain_seconds,
+        timeout_keep_alive=int(IDLE_SECONDS),
         http=with_header_deadline(args.client_header_timeout),
     )
     return DrainingServer(config)

@@ -4,6 +4,7 @@ and prefix-cache counters as scraped just now. A canary reads both: the engines 
 NetworkPolicy."""
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from kvfence_engine.core import errors
 from kvfence_engine.core.metrics import BACKEND_PREFIX, ISOLATION_COUNTERS, PREFIX_CACHE_COUNTERS
 from kvfence_engine.router.state import RouterState
 
+log = logging.getLogger(__name__)
 BACKEND_READ_TIMEOUT = 2.0  # a slow engine must not stall the router's /metrics or /v1/kvpool
 
 
@@ -48,9 +50,13 @@ async def read_backends(
             r = await state.client.get(
                 url + path, headers=state.headers(), timeout=BACKEND_READ_TIMEOUT
             )
-            return parse(r) if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):  # ValidationError is a ValueError
-            return None
+            if r.status_code == 200:
+                return parse(r)
+            why = f"HTTP {r.status_code}"
+        except (httpx.HTTPError, ValueError) as exc:  # ValidationError is a ValueError
+            why = repr(exc)
+        log.info("GET %s from %s failed: %s", path, url, why)
+        return None
 
     results = await asyncio.gather(*(read(url) for _, url in targets))
     return [(role, url, result) for (role, url), result in zip(targets, results, strict=True)]

@@ -25,6 +25,7 @@ from kvfence_engine.router.keys import ApiKeys
 from kvfence_engine.router.placement import PrefixRouting
 from kvfence_engine.router.recent import Recent
 from kvfence_engine.router.tenants import InflightCollector, TenantInflight
+from kvfence_engine.serving.connections import CLIENT_IDLE_SECONDS
 
 log = logging.getLogger(__name__)
 TENANT_VIEW_SECONDS = 1.0
@@ -67,7 +68,8 @@ class RouterState:
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     client: httpx.AsyncClient = field(
         default_factory=lambda: httpx.AsyncClient(
-            timeout=httpx.Timeout(300.0, connect=3.0), limits=httpx.Limits(max_connections=512)
+            timeout=httpx.Timeout(300.0, connect=3.0),
+            limits=httpx.Limits(max_connections=512, keepalive_expiry=CLIENT_IDLE_SECONDS),
         )
     )
     inflight: TenantInflight = field(default_factory=TenantInflight)

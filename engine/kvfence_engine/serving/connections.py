@@ -13,6 +13,12 @@ import asyncio
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEADER_SECONDS = 10.0
+# How long a server of ours keeps an idle keep-alive connection (uvicorn's timeout_keep_alive),
+# and how long a client of ours (the router's to the engines) keeps one: shorter, so it never
+# sends a request on a connection the server is closing at that moment (which reads as
+# "server disconnected" and takes a healthy engine out of rotation).
+IDLE_SECONDS = 5.0
+CLIENT_IDLE_SECONDS = 2.0
 
 
 class HeaderDeadline(H11Protocol):

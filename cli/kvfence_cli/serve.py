@@ -24,6 +24,12 @@ from kvfence_cli.common import (
     size,
 )
 from kvfence_engine.core.faults import Fault
+from kvfence_engine.core.pool_plan import (
+    PREFIX_CACHE_IDLE_SECONDS,
+    PREFIX_CACHE_SHARE,
+    PREFIX_CACHE_TENANTS,
+    check_cache_flags,
+)
 
 EPILOG = f"""\
 examples:
@@ -194,6 +200,32 @@ def add_parser(sub: Subparsers) -> None:
         help="the secret the prefix cache keys pages with (at least 16 bytes); default: "
         "random per process",
     )
+    p.add_argument(
+        "--prefix-cache-share",
+        type=float,
+        default=PREFIX_CACHE_SHARE,
+        metavar="F",
+        help="the share of the KV pool that is the prefix cache's (default %(default)s): no "
+        "request's pages come from it, so what a tenant keeps cached never depends on what "
+        "others send (docs/isolation.md)",
+    )
+    p.add_argument(
+        "--prefix-cache-tenants",
+        type=positive,
+        default=None,
+        metavar="N",
+        help="tenants that may hold cached pages at once, each up to share/N of the pool, "
+        f"evicting only its own (default {PREFIX_CACHE_TENANTS}; 1 in the combined role, which "
+        "serves one tenant)",
+    )
+    p.add_argument(
+        "--prefix-cache-idle-seconds",
+        type=positive_seconds,
+        default=PREFIX_CACHE_IDLE_SECONDS,
+        metavar="S",
+        help="a cached page no request used for S seconds leaves the cache; a tenant with "
+        "none left gives its slot back (default %(default)s)",
+    )
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
     p.add_argument(
         "--termination-log",
@@ -220,6 +252,9 @@ def check_prefix_cache(args: argparse.Namespace) -> None:
         raise ValueError("--prefix-cache-secret-file needs --prefix-cache")
     if not args.prefix_cache:
         return
+    check_cache_flags(
+        args.prefix_cache_share, args.prefix_cache_tenants or 1, args.prefix_cache_idle_seconds
+    )
     if args.prefix_cache_secret_file is not None:
         from pathlib import Path
 
@@ -279,6 +314,9 @@ def run(args: argparse.Namespace) -> int:
         kv_checksum=args.kv_checksum,
         prefix_cache=args.prefix_cache,
         prefix_cache_secret_file=args.prefix_cache_secret_file,
+        prefix_cache_share=args.prefix_cache_share,
+        prefix_cache_tenants=args.prefix_cache_tenants,
+        prefix_cache_idle_seconds=args.prefix_cache_idle_seconds,
         faults=faults,
     )
     if faults.enabled:

@@ -144,6 +144,8 @@ class KvPoolReport(_Reading):
     # the tenant-scoped prefix cache (docs/isolation.md); defaults: an older engine's report
     prefix_cache: bool = False
     cached_pages: Count = 0
+    # the cache's partition, not in pool_tokens or num_pages (no request's pages are in it)
+    prefix_cache_pages: Count = 0
 
     @model_validator(mode="after")
     def _pool_is_whole_pages(self) -> "KvPoolReport":

@@ -43,6 +43,9 @@ class TinyEngineOptions(TypedDict, total=False):
     max_pool_share_per_tenant: float
     prefix_cache: bool
     prefix_cache_secret_file: str | None
+    prefix_cache_share: float
+    prefix_cache_tenants: int
+    prefix_cache_idle_seconds: float
 
 
 class SamplingOptions(TypedDict, total=False):

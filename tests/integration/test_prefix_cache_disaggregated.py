@@ -40,7 +40,11 @@ def cached_deployment(
     # one set of flags for both roles, as a manifest's engine.extraArgs gives: decode takes
     # --prefix-cache as a no-op (it computes no prompt) and reports the cache off
     return start_deployment(
-        logs, name, router_args=router_args, engine_args=["--prefix-cache"], prefill_faults=faults
+        logs,
+        name,
+        router_args=router_args,
+        engine_args=["--prefix-cache", "--prefix-cache-tenants", "2"],
+        prefill_faults=faults,
     )
 
 

@@ -23,9 +23,13 @@ from kvfence_engine.core.metrics import EngineMetrics
 from kvfence_engine.core.model_config import ModelConfig, positions_note
 from kvfence_engine.core.page_manager import PageManager
 from kvfence_engine.core.pool_plan import (
+    PREFIX_CACHE_IDLE_SECONDS,
+    PREFIX_CACHE_SHARE,
+    PREFIX_CACHE_TENANTS,
     ContextPolicy,
     PoolPlan,
     admission_limit,
+    cache_partition,
     effective_context,
     plan_pool,
 )
@@ -76,7 +80,17 @@ class EngineArgs:
     # and prefill roles: decode computes no prompt). Off by default: docs/isolation.md, #11.
     prefix_cache: bool = False
     prefix_cache_secret_file: str | None = None  # None: a random secret for this process
+    # The cache's partition of the pool (core/page_book): this share of the pages, in slots
+    # of share / tenants each, a page idle this long leaving it.
+    prefix_cache_share: float = PREFIX_CACHE_SHARE
+    prefix_cache_tenants: int | None = None  # None: PREFIX_CACHE_TENANTS, 1 when combined
+    prefix_cache_idle_seconds: float = PREFIX_CACHE_IDLE_SECONDS
     faults: Faults = field(default_factory=Faults)
+
+
+def cache_tenants_of(role: Role) -> int:
+    """--prefix-cache-tenants unless given: the combined role serves one tenant ('default')."""
+    return 1 if role is Role.COMBINED else PREFIX_CACHE_TENANTS
 
 
 def _available_memory(device: torch.device) -> int:
@@ -185,8 +199,20 @@ class LLMEngine(Generic[TokenizerT]):
             dtype=kv_dtype,
             device=self.device,
         )
+        self.prefix = self._prefix_keys(args)
         self.pages = PageManager(
-            kv, scrub_on_free=args.scrub_on_free, early_release=self.early_release
+            kv,
+            scrub_on_free=args.scrub_on_free,
+            early_release=self.early_release,
+            shared_cache_eviction=Fault.SHARED_CACHE_EVICTION in self.faults,
+            cache=None
+            if self.prefix is None
+            else cache_partition(
+                self.plan.num_pages,
+                args.prefix_cache_share,
+                args.prefix_cache_tenants or cache_tenants_of(Role(args.role)),
+                args.prefix_cache_idle_seconds,
+            ),
         )
         self.kv_dtype = str(kv_dtype).removeprefix("torch.")
         self.context_requested = requested
@@ -206,7 +232,6 @@ class LLMEngine(Generic[TokenizerT]):
             shares=self.shares,
         )
         self.runner = ModelRunner(model, self.pages, self.device, self.faults)
-        self.prefix = self._prefix_keys(args)
         self._ids = itertools.count(1)
         m = self.metrics
         m.pool_tokens.set(self.pages.pool_tokens)
@@ -569,6 +594,7 @@ class LLMEngine(Generic[TokenizerT]):
             unsafe_faults=sorted(fault.value for fault in self.faults.enabled),
             prefix_cache=self.prefix is not None,
             cached_pages=self.pages.num_cached,
+            prefix_cache_pages=self.pages.cache_pages,
             model_name=self.loaded.name,
             model_source=self.loaded.source or None,
         )

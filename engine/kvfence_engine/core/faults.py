@@ -51,6 +51,11 @@ class Fault(StrEnum):
         "the prefix cache's page keys leave the tenant out, so one tenant's lookup finds "
         "another's cached pages",
     )
+    SHARED_CACHE_EVICTION = (
+        "shared-cache-eviction",
+        "requests' allocations take the prefix cache's partition, evicting any tenant's least "
+        "recently used cached page: the shared LRU in which one tenant counts another's pages",
+    )
 
 
 class UnsafeFaultRefused(ValueError):

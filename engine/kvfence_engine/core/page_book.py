@@ -8,13 +8,24 @@ bookkeeping problem) unless `on_free` scrubs it.
 
 Prefix cache: a full prompt page a request wrote may be published under its key
 (core/prefix_cache). It is then SHARED: read-only, reference-counted, and carrying its tenant,
-which the read check compares with every reader's. A shared page no request references sits in
-an LRU; allocation evicts from it when the free list is empty, and eviction bumps its tag, so a
-(page, tag) anyone still remembers can never be read again.
+which the read check compares with every reader's. Eviction bumps a page's tag, so a (page,
+tag) anyone still remembers can never be read again.
+
+The cache is a partition of the pool whose occupancy no other tenant's answer depends on
+(docs/isolation.md, invariant 11): `cache_pages` of the pool are the cache's, and an
+allocation never takes one (it has the other pages, `num_free` of them, whatever the cache
+holds). The partition has `cache_tenants` slots of `quota` pages each. A tenant takes a free
+slot when it first publishes; past its quota it evicts its own least recently used page, never
+another tenant's; a page no request has used for `cache_idle_seconds` leaves the cache, and a
+tenant with no page left gives its slot back. So whether a tenant's page is still cached
+depends only on what that tenant did and on the clock; what another tenant can learn is only
+whether a slot was free when it first published.
 """
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +40,15 @@ class PoolExhausted(RuntimeError):
     pass
 
 
+@dataclass(slots=True)
+class TenantCache:
+    """One tenant's slot in the cache partition: how many shared pages it holds (referenced or
+    not) and the unreferenced ones, least recently used first, with when each was let go."""
+
+    pages: int = 0
+    idle: OrderedDict[int, float] = field(default_factory=OrderedDict)
+
+
 class PageBook:
     def __init__(
         self,
@@ -37,8 +57,14 @@ class PageBook:
         *,
         on_free: Callable[[list[int]], None] | None = None,
         early_release: EarlyRelease | None = None,
+        cache_pages: int = 0,
+        cache_tenants: int = 1,
+        cache_idle_seconds: float = float("inf"),
+        clock: Callable[[], float] = time.monotonic,
+        shared_eviction: bool = False,
     ) -> None:
         assert num_pages > 0 and page_size > 0
+        assert 0 <= cache_pages < num_pages and cache_tenants > 0
         self.num_pages = num_pages
         self.page_size = page_size
         self.tags = torch.zeros(num_pages, dtype=torch.int64)
@@ -56,16 +82,29 @@ class PageBook:
         self.holders: dict[int, set[int]] = {}  # shared page -> the owners holding a reference
         self._by_key: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # unreferenced shared pages, oldest first
         self._tenant_ids: dict[str, int] = {}
+        self.cache_pages = cache_pages
+        self.cache_tenants = cache_tenants
+        self.quota = cache_pages // cache_tenants
+        self._caches: dict[int, TenantCache] = {}  # tenant id -> its slot
+        self._idle_seconds = cache_idle_seconds
+        self._clock = clock
+        self._shared_eviction = shared_eviction  # the shared-cache-eviction fault
         self.evictions = 0
         self._on_free = on_free  # pages going back to the free list (--scrub-on-free)
         self._early_release = early_release  # the fault's order of taking free pages
 
     @property
     def num_free(self) -> int:
-        """Pages an allocation can have now: free ones and unreferenced cached ones."""
-        return len(self._free) + len(self._lru)
+        """Pages an allocation can have now: the free ones outside the cache's partition (the
+        pages the cache holds are its own; the rest of its partition is kept free for it)."""
+        if self._shared_eviction:  # the fault: every free and every idle cached page
+            return len(self._free) + sum(len(c.idle) for c in self._caches.values())
+        return len(self._free) - (self.cache_pages - len(self._key_of))
+
+    @property
+    def cache_slots_taken(self) -> int:
+        return len(self._caches)
 
     @property
     def num_cached(self) -> int:
@@ -83,8 +122,8 @@ class PageBook:
             raise PoolExhausted(f"need {count} pages, {self.num_free} free")
         if count == 0:
             return [], []
-        while count > len(self._free):
-            self._evict_one()
+        while self._shared_eviction and count > len(self._free):
+            self._evict(self._least_recently_used())
         if self._early_release is not None:
             pages = self._early_release.take_free(self._free, owner, count)
         else:
@@ -96,8 +135,7 @@ class PageBook:
         self.owner[idx] = owner
         return pages, self.tags[idx].tolist()
 
-    def _evict_one(self) -> None:
-        page, _ = self._lru.popitem(last=False)
+    def _evict(self, page: int) -> None:
         assert not self.holders[page] and int(self.owner[page]) == SHARED
         self._uncache(page)
         self.tags[page] += 1  # whoever remembers (page, old tag) can never read it again
@@ -110,14 +148,54 @@ class PageBook:
 
     def _uncache(self, page: int) -> None:
         del self._by_key[self._key_of.pop(page)]
-        self._lru.pop(page, None)
         self.holders.pop(page, None)
+        tenant = int(self.page_tenant[page])
         self.page_tenant[page] = NO_TENANT
+        cache = self._caches[tenant]
+        cache.pages -= 1
+        cache.idle.pop(page, None)
+        if not cache.pages:
+            del self._caches[tenant]  # its slot is free for any tenant
+
+    def expire(self) -> int:
+        """Evict every cached page no request has used for cache_idle_seconds (the clock's
+        doing, nobody else's). Returns how many."""
+        deadline = self._clock() - self._idle_seconds
+        stale = [
+            page
+            for cache in self._caches.values()
+            for page, idle_since in cache.idle.items()
+            if idle_since <= deadline
+        ]
+        for page in stale:
+            self._evict(page)
+        return len(stale)
+
+    def _least_recently_used(self) -> int:
+        """The idle cached page, of any tenant, let go the longest ago (the fault's victim)."""
+        oldest = [next(iter(c.idle.items())) for c in self._caches.values() if c.idle]
+        return min(oldest, key=lambda item: item[1])[0]
+
+    def _slot(self, tenant: int) -> TenantCache | None:
+        """The tenant's slot, with room for one more page: its own least recently used page
+        makes room when it is at its quota. None: no free slot, or all its pages are in use."""
+        cache = self._caches.get(tenant)
+        if cache is not None and cache.pages >= self.quota:
+            if not cache.idle:
+                return None
+            self._evict(next(iter(cache.idle)))
+            cache = self._caches.get(tenant)  # None if that was its last page
+        if cache is None:
+            if len(self._caches) >= self.cache_tenants or not self.quota:
+                return None
+            cache = self._caches[tenant] = TenantCache()
+        return cache
 
     def lookup(self, owner: int, keys: list[bytes]) -> tuple[list[int], list[int]]:
         """The longest run of leading keys that are cached: `owner` takes a reference on each
         page; returns (pages, tags). The key decides the hit; the read check decides the read."""
         assert owner not in (FREE, SHARED)
+        self.expire()
         pages: list[int] = []
         for key in keys:
             page = self._by_key.get(key)
@@ -127,7 +205,7 @@ class PageBook:
         for page in pages:
             assert owner not in self.holders[page], "a request referenced a page twice"
             self.holders[page].add(owner)
-            self._lru.pop(page, None)
+            self._caches[int(self.page_tenant[page])].idle.pop(page, None)
         return pages, [int(self.tags[p]) for p in pages]
 
     def publish(
@@ -135,8 +213,11 @@ class PageBook:
     ) -> int:
         """Make full pages `owner` wrote shared under `keys`; the owner keeps a reference under
         the same tag. A page not fully written by `owner` under its tag, or whose key is
-        already cached (by another request), stays private. Returns how many were published."""
+        already cached (by another request), stays private, as do the pages past the tenant's
+        quota when all its cached pages are in use, and all of them when no slot is free.
+        Returns how many were published."""
         published = 0
+        self.expire()
         for page, tag, key in zip(pages, tags, keys, strict=True):
             if (
                 key in self._by_key
@@ -146,6 +227,10 @@ class PageBook:
                 or int(self.fill[page]) != self.page_size
             ):
                 continue
+            cache = self._slot(tenant)
+            if cache is None:
+                break
+            cache.pages += 1
             self.owner[page] = SHARED
             self.page_tenant[page] = tenant
             self.holders[page] = {owner}
@@ -176,8 +261,8 @@ class PageBook:
                 continue
             if int(self.owner[page]) == SHARED:
                 self.holders[page].discard(owner)
-                if not self.holders[page]:
-                    self._lru[page] = None  # still cached; allocation may evict it
+                if not self.holders[page]:  # still cached, idle from now
+                    self._caches[int(self.page_tenant[page])].idle[page] = self._clock()
             else:
                 freed.append(page)
         if freed:

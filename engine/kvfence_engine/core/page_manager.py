@@ -7,7 +7,8 @@ manager: `allocate` a prefill's pages (its cached prefix included), `can_append`
 prefill, `publish` its full pages to the prefix cache and `export` their KV for a transfer; on
 decode, `write_transferred` writes a page that came over the transfer port.
 
-Below it: the pages' bookkeeping (core/page_book: tags, fills, owners, free list, prefix LRU)
+Below it: the pages' bookkeeping (core/page_book: tags, fills, owners, free list, the prefix
+cache's partition)
 and their keys and values (core/kv_cache). Allocation, release and transfer writes come from
 the engine thread and from transfer receiver threads, so each verb that changes the
 bookkeeping holds `lock`.
@@ -20,6 +21,7 @@ import torch
 from kvfence_engine.core.faults import EarlyRelease
 from kvfence_engine.core.kv_cache import KVCache
 from kvfence_engine.core.page_book import PageBook, PoolExhausted
+from kvfence_engine.core.pool_plan import CachePartition
 from kvfence_engine.core.request import Request
 
 
@@ -30,15 +32,23 @@ class PageManager:
         *,
         scrub_on_free: bool = False,
         early_release: EarlyRelease | None = None,
+        cache: CachePartition | None = None,
+        shared_cache_eviction: bool = False,
     ) -> None:
         self.kv = kv
-        self.num_pages = kv.num_pages
+        cache = cache or CachePartition()
+        # the pages requests hold; the prefix cache's partition is not theirs (core/page_book)
+        self.num_pages = kv.num_pages - cache.pages
         self.page_size = kv.page_size
         self.book = PageBook(
-            self.num_pages,
+            kv.num_pages,
             self.page_size,
             on_free=kv.scrub if scrub_on_free else None,
             early_release=early_release,
+            cache_pages=cache.pages,
+            cache_tenants=cache.tenants,
+            cache_idle_seconds=cache.idle_seconds,
+            shared_eviction=shared_cache_eviction,
         )
         self.scrub_on_free = scrub_on_free
         self.lock = threading.RLock()
@@ -48,8 +58,13 @@ class PageManager:
         return self.num_pages * self.page_size
 
     @property
+    def cache_pages(self) -> int:
+        """The prefix cache's partition of the pool (0: no cache)."""
+        return self.book.cache_pages
+
+    @property
     def num_free(self) -> int:
-        """Pages an allocation can have now: free ones and unreferenced cached ones."""
+        """Pages an allocation can have now (never the prefix cache's)."""
         return self.book.num_free
 
     @property

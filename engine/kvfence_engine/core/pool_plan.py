@@ -23,6 +23,51 @@ class PoolPlan:
         return self.num_pages * self.page_size
 
 
+# --prefix-cache-share, --prefix-cache-tenants, --prefix-cache-idle-seconds
+PREFIX_CACHE_SHARE = 0.25
+PREFIX_CACHE_TENANTS = 8
+PREFIX_CACHE_IDLE_SECONDS = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class CachePartition:
+    """The prefix cache's part of a pool (core/page_book): `pages` no request's allocation
+    takes, in `tenants` slots of pages // tenants each; a page idle `idle_seconds` leaves."""
+
+    pages: int = 0
+    tenants: int = 1
+    idle_seconds: float = float("inf")
+
+    @property
+    def quota(self) -> int:
+        return self.pages // self.tenants
+
+
+def cache_partition(
+    num_pages: int, share: float, tenants: int, idle_seconds: float
+) -> CachePartition:
+    """--prefix-cache-share of a pool of `num_pages`, for --prefix-cache-tenants slots."""
+    check_cache_flags(share, tenants, idle_seconds)
+    pages = int(num_pages * share)
+    if pages < tenants:
+        raise ValueError(
+            f"--prefix-cache-share {share} of {num_pages} pages is {pages} pages: less than "
+            f"one page for each of --prefix-cache-tenants {tenants}; raise the share or the "
+            "KV memory, or lower the tenants"
+        )
+    return CachePartition(pages, tenants, idle_seconds)
+
+
+def check_cache_flags(share: float, tenants: int, idle_seconds: float) -> None:
+    """What the prefix cache's flags must be, whatever the pool (ValueError: a usage error)."""
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"--prefix-cache-share must be in (0, 1), got {share}")
+    if tenants < 1:
+        raise ValueError(f"--prefix-cache-tenants must be at least 1, got {tenants}")
+    if idle_seconds <= 0:
+        raise ValueError(f"--prefix-cache-idle-seconds must be positive, got {idle_seconds}")
+
+
 def plan_pool(
     config: ModelConfig, *, page_size: int, dtype_bytes: int, budget_bytes: int
 ) -> PoolPlan:

@@ -76,6 +76,7 @@ KVPOOL_FIELDS = [
     "model_source",
     "prefix_cache",
     "cached_pages",
+    "prefix_cache_pages",
 ]
 
 REPORT = KvPoolReport(

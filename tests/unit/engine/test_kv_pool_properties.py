@@ -2,8 +2,9 @@
 way the scheduler and the engine drive it: requests allocate (their cached prefix included),
 grow, publish and deallocate. Ownership is exclusive, tags only grow, a stale (page, tag) is
 refused for release and for a transfer write; shared (prefix-cache) pages are
-reference-counted, carry their tenant, and are evicted least-recently-released first with a tag
-bump."""
+reference-counted, carry their tenant, live in the cache's own partition (no allocation takes
+one, whatever the cache holds), and are evicted only by their own tenant's publishing past its
+quota, least-recently-released first, with a tag bump."""
 
 import itertools
 from collections import OrderedDict
@@ -17,10 +18,13 @@ from kvfence_engine.core.isolation import ReadCheck, check_reads
 from kvfence_engine.core.kv_cache import KVCache
 from kvfence_engine.core.page_book import FREE, NO_TENANT, SHARED
 from kvfence_engine.core.page_manager import PageManager
+from kvfence_engine.core.pool_plan import CachePartition
 from kvfence_engine.core.request import Request, SamplingParams
 
 PAGES = 12
 PAGE = 4
+CACHE = CachePartition(pages=4, tenants=2)  # two slots of 2 pages; the requests' 8 pages
+TENANTS = 3  # one more than the slots
 KEYS = [bytes([i]) * 8 for i in range(10)]  # the prompt pages the machine's requests share
 
 
@@ -34,11 +38,11 @@ def small_pool(scrub: bool = False) -> PageManager:
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
-    return PageManager(kv, scrub_on_free=scrub)
+    return PageManager(kv, scrub_on_free=scrub, cache=CACHE)
 
 
 def request(seq_id: int, tokens: int, keys: list[bytes] | None = None) -> Request:
-    seq = Request(seq_id, [7] * tokens, SamplingParams(max_tokens=1), tenant=f"t{seq_id % 2}")
+    seq = Request(seq_id, [7] * tokens, SamplingParams(max_tokens=1), tenant=f"t{seq_id % TENANTS}")
     seq.cache_keys = keys or []
     return seq
 
@@ -57,10 +61,10 @@ class PoolMachine(RuleBasedStateMachine):
         self.ids = itertools.count(1)
         self.history: list[tuple[int, int, int]] = []  # every (owner, page, tag) ever handed out
         self.last_tags = self.book.tags.clone()
-        # the model of the prefix cache: shared page -> (key, tenant id, tag), and the
-        # unreferenced ones in the order allocation must evict them
+        # the model of the prefix cache: shared page -> (key, tenant id, tag), and each
+        # tenant's unreferenced ones in the order its own publishing must evict them
         self.shared: dict[int, tuple[bytes, int, int]] = {}
-        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.idle: dict[int, OrderedDict[int, None]] = {}
 
     def read_one(self, seq: Request, page: int, tag: int, length: int) -> ReadCheck:
         """The read check for `seq` reading `length` tokens of one page under `tag`."""
@@ -83,18 +87,19 @@ class PoolMachine(RuleBasedStateMachine):
     def key_page(self, key: bytes) -> int | None:
         return next((p for p, (k, _t, _g) in self.shared.items() if k == key), None)
 
-    def expect_evictions(self, count: int) -> list[tuple[int, int]]:
-        """The cached pages an allocation of `count` fresh pages evicts, oldest first, with
-        their tags before."""
-        evict = max(0, count - len(self.book._free))
-        return [(p, int(self.book.tags[p])) for p in list(self.lru)[:evict]]
+    def cached_by(self, tenant: int) -> list[int]:
+        return [p for p, (_k, t, _g) in self.shared.items() if t == tenant]
 
-    def evicted(self, doomed: list[tuple[int, int]]) -> None:
-        for page, tag in doomed:  # out of the cache, tag retired then the next one issued
-            key = self.shared.pop(page)[0]
-            del self.lru[page]
-            assert int(self.book.tags[page]) == tag + 2
-            assert self.key_page(key) is None
+    def idle_of(self, page: int) -> OrderedDict[int, None]:
+        return self.idle.setdefault(self.shared[page][1], OrderedDict())
+
+    def evict(self, tenant: int) -> None:
+        """The tenant's own least recently released page leaves the cache, its tag retired."""
+        page, _ = self.idle[tenant].popitem(last=False)
+        key, owner, tag = self.shared.pop(page)
+        assert owner == tenant, "a tenant's publishing evicted another tenant's page"
+        assert int(self.book.tags[page]) == tag + 1 and int(self.book.owner[page]) == FREE
+        assert self.key_page(key) is None
 
     @rule(
         tokens=st.integers(1, 20),
@@ -112,23 +117,18 @@ class PoolMachine(RuleBasedStateMachine):
             if (hit := self.key_page(key)) is None:
                 break
             hits.append(hit)
-        free_before = self.pages.num_free
-        free_after_hits = free_before - sum(p in self.lru for p in hits)
+        free_before = self.pages.num_free  # the cache's pages are never among them
         needed = -(-tokens // PAGE) - len(hits)
-        doomed = []
-        if needed <= free_after_hits:
-            for page in hits:  # referenced: out of the LRU
-                self.lru.pop(page, None)
-            doomed = self.expect_evictions(needed)
         if not self.pages.allocate(seq):
-            assert needed > free_after_hits
+            assert needed > free_before
             assert self.pages.num_free == free_before and seq.pages == []  # all or nothing
             for page in hits:  # its lookup used them: most recently released now
-                if page in self.lru:
-                    self.lru.move_to_end(page)
+                if page in self.idle_of(page):
+                    self.idle_of(page).move_to_end(page)
             return
-        assert needed <= free_after_hits
-        self.evicted(doomed)
+        assert needed <= free_before and self.pages.num_free == free_before - needed
+        for page in hits:  # referenced: not idle
+            self.idle_of(page).pop(page, None)
         assert seq.pages[: len(hits)] == hits and len(seq.pages) == -(-tokens // PAGE)
         assert seq.prefill_start == len(hits) * PAGE
         self.live[seq.seq_id] = seq
@@ -150,14 +150,37 @@ class PoolMachine(RuleBasedStateMachine):
 
     def publish(self, seq: Request) -> None:
         """The prefill's full pages past its cached ones become shared, unless their key is
-        cached already (another page holds it)."""
+        cached already (another page holds it); past its quota the tenant's own least recently
+        released page makes room, and with none idle, or no free slot, the rest stay private."""
         first, full = seq.prefill_start // PAGE, len(seq.cache_keys)
         pages, tags, keys = seq.pages[first:full], seq.page_tags[first:full], seq.cache_keys[first:]
-        computed = zip(pages, tags, keys, strict=True)
-        expected = [(p, k, t) for p, t, k in computed if self.key_page(k) is None]
+        tenant = self.tenant(seq)
+        expected: list[tuple[int, bytes, int]] = []
+        evictions: list[int] = []  # the tenant's pages the book must evict, in order
+        cached = len(self.cached_by(tenant))
+        idle = list(self.idle.get(tenant, {}))
+        slots = {t for _k, t, _g in self.shared.values()}
+        for page, tag, key in zip(pages, tags, keys, strict=True):
+            if self.key_page(key) is not None:
+                continue
+            if tenant in slots and cached >= CACHE.quota:
+                if not idle:
+                    break  # all its cached pages are in use
+                evictions.append(idle.pop(0))
+                cached -= 1
+                if not cached:
+                    slots.discard(tenant)  # its last page: the slot is given back
+            if tenant not in slots:
+                if len(slots) >= CACHE.tenants:
+                    break  # no free slot
+                slots.add(tenant)
+            expected.append((page, key, tag))
+            cached += 1
         assert self.pages.publish(seq) == len(expected)
+        for _ in evictions:
+            self.evict(tenant)
         for page, key, tag in expected:
-            self.shared[page] = (key, self.tenant(seq), tag)
+            self.shared[page] = (key, tenant, tag)
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
@@ -171,10 +194,8 @@ class PoolMachine(RuleBasedStateMachine):
         if not self.pages.can_append(seq):
             seq.output_ids.pop()
             return
-        doomed = self.expect_evictions(1) if needs_page else []
         before = list(seq.pages)
         self.pages.may_append(seq)
-        self.evicted(doomed)
         assert seq.pages[: len(before)] == before
         assert len(seq.pages) == len(before) + needs_page
         if needs_page:
@@ -186,7 +207,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def deallocate(self, data: st.DataObject) -> None:
         """A finished (or preempted) request gives every page back: its private pages to the
-        free list, its references on shared ones, which join the LRU at none."""
+        free list, its references on shared ones, which go idle at none."""
         seq = data.draw(st.sampled_from(sorted(self.live.values(), key=lambda s: s.seq_id)))
         held = list(seq.pages)
         del self.live[seq.seq_id]
@@ -194,7 +215,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert (seq.pages, seq.page_tags, seq.prefill_start, seq.num_cached) == ([], [], 0, 0)
         for page in held:
             if page in self.shared and not self.holders(page):
-                self.lru[page] = None
+                self.idle_of(page)[page] = None
         assert self.pages.take_stale_releases() == 0
 
     @precondition(lambda self: bool(self.history))
@@ -262,6 +283,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert not set(free) & self.shared.keys(), "a cached page is on the free list"
         assert all(int(self.book.owner[p]) == FREE for p in free)
         assert len(free) + len(seen) + len(self.shared) == PAGES
+        # the requests' pages are the pool less the cache's partition, whatever it holds
+        assert self.pages.num_free == PAGES - CACHE.pages - len(seen)
 
     @invariant()
     def shared_pages_are_counted_and_carry_their_tenant(self) -> None:
@@ -271,9 +294,13 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.book.holders[page] == holders
             assert int(self.book.page_tenant[page]) == tenant
             assert int(self.book.tags[page]) == tag
-            assert (page in self.lru) == (not holders)
-        assert list(self.book._lru) == list(self.lru)  # eviction order: least recently released
-        assert self.pages.num_free == len(self.book._free) + len(self.lru)
+            assert (page in self.idle_of(page)) == (not holders)
+        caches = self.book._caches
+        tenants = {t for _k, t, _g in self.shared.values()}
+        assert caches.keys() == tenants and len(tenants) <= CACHE.tenants  # a slot each
+        for tenant, cache in caches.items():
+            assert cache.pages == len(self.cached_by(tenant)) <= CACHE.quota
+            assert list(cache.idle) == list(self.idle[tenant])  # least recently released first
         assert self.pages.num_cached == len(self.shared)
         assert bool((self.book.page_tenant[self.book.owner != SHARED] == NO_TENANT).all())
 

@@ -1,10 +1,11 @@
 """The tenant-scoped prefix cache in one engine: full prompt pages are reused within a tenant
-(and a client salt), never across tenants; a hit changes no output; unreferenced pages are
-evicted with a tag bump; and the read check refuses a shared page of another tenant."""
+(and a client salt), never across tenants; a hit changes no output; a tenant's pages are
+evicted only by its own publishing (past its quota), with a tag bump; and the read check
+refuses a shared page of another tenant."""
 
 import torch
 
-from helpers.engines import make_tiny_engine, prompt_of, run_until_done
+from helpers.engines import TinyEngineOptions, make_tiny_engine, prompt_of, run_until_done
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.isolation import check_reads
 from kvfence_engine.core.page_book import NO_TENANT, SHARED
@@ -12,6 +13,8 @@ from kvfence_engine.core.prefix_cache import PrefixKeys
 from kvfence_engine.core.request import Request, SamplingParams, is_terminal
 
 PAGE = 16
+# 64 pages: the cache's 16 in two slots of 8 pages, the requests' 48
+CACHE = TinyEngineOptions(prefix_cache=True, prefix_cache_tenants=2)
 
 
 def ask(
@@ -42,18 +45,20 @@ def logprobs(seq: Request) -> torch.Tensor:
 
 
 def test_a_repeated_prompt_of_the_same_tenant_reuses_its_full_pages() -> None:
-    engine = make_tiny_engine(prefix_cache=True)
+    engine = make_tiny_engine(**CACHE)
     prompt = prompt_of(50, seed=1)  # 3 full pages and a partial one
     first, again = ask(engine, prompt), ask(engine, prompt)
     assert first.cached_tokens == 0 and again.cached_tokens == 3 * PAGE
     assert counter(engine, "kvfence_prefix_cache_hit_tokens") == 3 * PAGE
     assert counter(engine, "kvfence_prefix_cache_queried_tokens") == 2 * 50
     assert engine.kvpool_report().prefix_cache and engine.kvpool_report().cached_pages == 3
-    assert engine.pages.num_free == engine.pages.num_pages  # cached pages count as free
+    # the cached pages are the cache's partition's: the requests' pages are all free again
+    assert engine.pages.num_free == engine.pages.num_pages == 48
+    assert engine.kvpool_report().prefix_cache_pages == 16
 
 
 def test_the_same_prompt_of_another_tenant_never_hits() -> None:
-    engine = make_tiny_engine(prefix_cache=True)
+    engine = make_tiny_engine(**CACHE)
     prompt = prompt_of(50, seed=1)
     ask(engine, prompt, tenant="acme")
     other = ask(engine, prompt, tenant="globex")
@@ -63,7 +68,7 @@ def test_the_same_prompt_of_another_tenant_never_hits() -> None:
 
 
 def test_a_client_salt_only_narrows_sharing_within_the_tenant() -> None:
-    engine = make_tiny_engine(prefix_cache=True)
+    engine = make_tiny_engine(prefix_cache=True, prefix_cache_tenants=1)  # all salts in 16
     prompt = prompt_of(50, seed=1)
     ask(engine, prompt, salt="alice")
     assert ask(engine, prompt, salt="bob").cached_tokens == 0
@@ -74,7 +79,7 @@ def test_a_client_salt_only_narrows_sharing_within_the_tenant() -> None:
 
 
 def test_a_hit_changes_no_token_and_no_logprob() -> None:
-    cached, cold = make_tiny_engine(prefix_cache=True), make_tiny_engine()
+    cached, cold = make_tiny_engine(**CACHE), make_tiny_engine()
     prompt = prompt_of(70, seed=3)
     ask(cached, prompt[:40] + prompt_of(30, seed=4))  # shares the first 2 pages only
     hit = ask(cached, prompt, max_tokens=24)
@@ -85,7 +90,7 @@ def test_a_hit_changes_no_token_and_no_logprob() -> None:
 
 
 def test_a_prompt_of_whole_pages_still_computes_its_last_token() -> None:
-    engine, cold = make_tiny_engine(prefix_cache=True), make_tiny_engine()
+    engine, cold = make_tiny_engine(**CACHE), make_tiny_engine()
     prompt = prompt_of(4 * PAGE, seed=5)
     ask(engine, prompt)
     hit = ask(engine, prompt, max_tokens=12)
@@ -94,7 +99,7 @@ def test_a_prompt_of_whole_pages_still_computes_its_last_token() -> None:
 
 
 def test_a_partial_page_is_never_shared() -> None:
-    engine = make_tiny_engine(prefix_cache=True)
+    engine = make_tiny_engine(**CACHE)
     prompt = prompt_of(40, seed=6)  # 2 full pages, 8 tokens on a third
     ask(engine, prompt)
     assert engine.pages.num_cached == 2
@@ -103,7 +108,7 @@ def test_a_partial_page_is_never_shared() -> None:
 
 
 def test_requests_in_flight_share_pages_by_reference_and_release_them() -> None:
-    engine = make_tiny_engine(prefix_cache=True)
+    engine = make_tiny_engine(**CACHE)
     prompt = prompt_of(50, seed=8)
     ask(engine, prompt)
     a = ask(engine, prompt, max_tokens=30, run=False)
@@ -122,18 +127,18 @@ def test_requests_in_flight_share_pages_by_reference_and_release_them() -> None:
 
 
 def test_eviction_bumps_the_tag_so_a_remembered_page_can_never_be_read() -> None:
-    engine = make_tiny_engine(pages=8, prefix_cache=True)
-    first = ask(engine, prompt_of(64, seed=9), max_tokens=1)  # publishes 4 pages
-    cached = [p for p in range(8) if int(engine.pages.book.owner[p]) == SHARED]
-    assert len(cached) == 4 and first.pages == [] and engine.pages.num_free == 8
-    tags_before = engine.pages.book.tags[cached].clone()
-    # another prompt needing 8 pages: the free list has 4, the LRU gives the rest
-    ask(engine, prompt_of(120, seed=10), max_tokens=1)
-    assert engine.pages.book.evictions >= 4
-    # each was evicted (its tag retired) and then allocated again (the next tag issued)
-    assert engine.pages.book.tags[cached].tolist() == (tags_before + 2).tolist()
-    # whoever remembered (page, old tag) fails the read check
+    # 16 pages: the cache's 4 in one slot, the requests' 12
+    engine = make_tiny_engine(pages=16, prefix_cache=True, prefix_cache_tenants=1)
+    first = ask(engine, prompt_of(65, seed=9), max_tokens=1)  # publishes 4 pages
     book = engine.pages.book
+    cached = [p for p in range(16) if int(book.owner[p]) == SHARED]
+    assert len(cached) == 4 and first.pages == [] and engine.pages.num_free == 12
+    tags_before = book.tags[cached].clone()
+    # the same tenant's next prompt, 4 other full pages: past the quota, its own oldest go
+    ask(engine, prompt_of(65, seed=10), max_tokens=1)
+    assert book.evictions == 4
+    assert book.tags[cached].tolist() == (tags_before + 1).tolist()  # each tag retired
+    # whoever remembered (page, old tag) fails the read check
     check = check_reads(
         book.tags,
         book.fill,
@@ -146,7 +151,29 @@ def test_eviction_bumps_the_tag_so_a_remembered_page_can_never_be_read() -> None
     )
     assert check.tag_mismatch.tolist() == [True]
     # and the old prompt no longer hits what is gone
-    assert ask(engine, prompt_of(64, seed=9), max_tokens=1).cached_tokens < 3 * PAGE
+    assert ask(engine, prompt_of(65, seed=9), max_tokens=1).cached_tokens == 0
+
+
+def test_another_tenants_requests_never_evict_a_tenants_cached_pages() -> None:
+    """The eviction channel (issue 33, finding 1): whatever globex sends, however much of the
+    pool it fills and however much it publishes, acme's cached pages stay cached."""
+    engine = make_tiny_engine(**CACHE)
+    acme = prompt_of(65, seed=40)  # 4 full pages
+    ask(engine, acme, tenant="acme", max_tokens=1)
+    for i in range(6):  # 25 full pages each, far past globex's quota of 8
+        ask(engine, prompt_of(400, seed=41 + i), tenant="globex", max_tokens=1)
+    assert engine.pages.book.evictions > 0  # globex's own
+    assert ask(engine, acme, tenant="acme", max_tokens=1).cached_tokens == 4 * PAGE
+
+
+def test_a_tenant_without_a_free_slot_publishes_nothing_and_reads_no_one_elses_pages() -> None:
+    engine = make_tiny_engine(**CACHE)  # two slots
+    for tenant in ("acme", "globex"):
+        ask(engine, prompt_of(50, seed=42), tenant=tenant)
+    late = prompt_of(50, seed=43)
+    ask(engine, late, tenant="initech")
+    assert ask(engine, late, tenant="initech").cached_tokens == 0  # no slot: cached nothing
+    assert engine.pages.book.cache_slots_taken == 2 and engine.pages.book.evictions == 0
 
 
 def test_keys_are_keyed_chained_and_scoped() -> None:
@@ -170,7 +197,7 @@ def test_keys_are_keyed_chained_and_scoped() -> None:
 
 
 def _cross_tenant(faults: tuple[str, ...]) -> tuple[LLMEngine, Request, Request]:
-    engine = make_tiny_engine(prefix_cache=True, faults=faults)
+    engine = make_tiny_engine(**CACHE, faults=faults)
     prompt = prompt_of(50, seed=11)
     victim = ask(engine, prompt, tenant="acme")
     intruder = ask(engine, prompt, tenant="globex", max_tokens=12)
@@ -194,11 +221,11 @@ def test_without_the_fault_the_same_requests_pass_and_nothing_is_counted() -> No
 
 def test_cross_tenant_prefix_without_the_read_check_computes_from_the_other_tenants_kv() -> None:
     faults = ("cross-tenant-prefix", "no-tag-check")
-    engine = make_tiny_engine(prefix_cache=True, faults=faults)
+    engine = make_tiny_engine(**CACHE, faults=faults)
     prompt = prompt_of(50, seed=11)
     ask(engine, prompt, tenant="acme")
     owner = engine.pages.book.owner
-    acme_pages = [p for p in range(engine.pages.num_pages) if int(owner[p]) == SHARED]
+    acme_pages = [p for p in range(engine.pages.kv.num_pages) if int(owner[p]) == SHARED]
     clean = ask(engine, prompt, tenant="globex", max_tokens=12)
     assert clean.error is None and clean.cached_tokens == 3 * PAGE  # a hit on acme's pages
     acme = engine.pages.tenant_id("acme")
@@ -226,7 +253,11 @@ def test_the_read_check_refuses_a_shared_page_of_another_tenant() -> None:
 def test_under_pool_pressure_hits_evictions_and_preemptions_change_no_output() -> None:
     """A pool too small for the batch: requests sharing a system prefix are preempted and
     recomputed, cached pages are evicted and re-published; every answer equals a cold one."""
-    engine, cold = make_tiny_engine(pages=12, prefix_cache=True), make_tiny_engine()
+    # 16 pages: the cache's 8 in two slots of 4, the requests' 8 (128 tokens)
+    engine = make_tiny_engine(
+        pages=16, prefix_cache=True, prefix_cache_share=0.5, prefix_cache_tenants=2
+    )
+    cold = make_tiny_engine()
     system = prompt_of(40, seed=30)
     prompts = [system + prompt_of(10 + i, seed=31 + i) for i in range(6)]
     seqs = [

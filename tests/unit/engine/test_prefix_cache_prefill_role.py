@@ -26,7 +26,7 @@ def prefill(engine: LLMEngine, prompt: list[int], tenant: str = "acme") -> Reque
 def test_a_hit_exports_the_whole_prompts_kv_like_a_cold_prefill_and_keeps_the_shared_pages() -> (
     None
 ):
-    engine = make_tiny_engine(role="prefill", prefix_cache=True)
+    engine = make_tiny_engine(role="prefill", prefix_cache=True, prefix_cache_tenants=2)
     prompt = prompt_of(50, seed=51)  # 3 full pages and 2 tokens
     cold = prefill(engine, prompt)
     shared = [p for p in range(engine.pages.num_pages) if int(engine.pages.book.owner[p]) == SHARED]

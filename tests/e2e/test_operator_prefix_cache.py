@@ -34,9 +34,13 @@ def container_args(cluster: Cluster, revision: str, role: str) -> list[str]:
 @pytest.mark.usefixtures("operator")
 def test_the_prefix_cache_field_caches_per_tenant_and_the_canary_passes_with_it(cluster):
     engine = {"kvCacheMemory": ENOUGH, "extraArgs": ["--threads", "1"]}
-    created = cluster.create(manifest(engine={**engine, "prefixCache": {"enabled": True}}))
+    created = cluster.create(
+        manifest(engine={**engine, "prefixCache": {"enabled": True, "tenants": 3}})
+    )
     revision = revision_of(InferenceDeploymentSpec.model_validate(created["spec"]))
-    check_first_rollout(cluster, created, revision)  # the canary's prefix-cache check included
+    # the canary's prefix-cache check included; the prefill pods' pool is the requests' 72 of
+    # 96 pages, the cache's partition (a quarter) not among them
+    check_first_rollout(cluster, created, revision, min_pool_tokens=72 * 16)
 
     prefill = container_args(cluster, revision, "prefill")
     assert "--prefix-cache" in prefill

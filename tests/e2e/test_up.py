@@ -178,7 +178,7 @@ def test_a_manifest_with_the_prefix_cache_on_passes_the_canary_and_serves_hits(t
     writes) and the router (prefix-aware routing). The canary's prefix_cache check passes,
     which with the cache reported on needs tenant A's repeat to hit; a repeated prompt through
     the router reports its cached tokens."""
-    engine = {"kvCacheMemory": "1Mi", "prefixCache": {"enabled": True}}
+    engine = {"kvCacheMemory": "1Mi", "prefixCache": {"enabled": True, "tenants": 3}}
     up = Up(manifest(tmp_path, engine=engine, canary={"enabled": True}), tmp_path)
     try:
         up.wait_for("serving: http", timeout=300)

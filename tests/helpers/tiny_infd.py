@@ -214,7 +214,9 @@ def hollow_canary_flags(revision: str, flags: Callable[[], list[str]]) -> Amend:
     return amend
 
 
-def check_first_rollout(cluster: Cluster, created: dict[str, Any], revision: str) -> None:
+def check_first_rollout(
+    cluster: Cluster, created: dict[str, Any], revision: str, min_pool_tokens: int = 1536
+) -> None:
     """Children owned by the InferenceDeployment, gates open, canary passed, stable Service on
     the revision, status complete, and the router routing to the revision's engines."""
     ready = wait_condition(cluster, "Ready", "True", timeout=240)
@@ -224,7 +226,7 @@ def check_first_rollout(cluster: Cluster, created: dict[str, Any], revision: str
     assert status["revision"].get("candidate") is None
     assert status["canary"]["result"] == "Passed"
     assert status["contextLength"] == {"requested": 1024, "effective": 1024}
-    assert status["minPoolTokens"] == 1536
+    assert status["minPoolTokens"] == min_pool_tokens
     assert {p["role"] for p in status["pools"]} == {"prefill", "decode"}
     assert status["observedGeneration"] == created["metadata"]["generation"]
     for kind in ("Ready", "PoolSufficient", "CanaryPassed"):

@@ -98,6 +98,14 @@ def engine_args(
         args += ["--max-pool-share-per-tenant", str(share)]
     if caches_prefixes(spec, role):
         args += ["--prefix-cache", "--prefix-cache-secret-file", PREFIX_CACHE_SECRET_FILE]
+        cache = spec.engine.prefix_cache
+        for flag, value in (
+            ("--prefix-cache-share", cache.share),
+            ("--prefix-cache-tenants", cache.tenants),
+            ("--prefix-cache-idle-seconds", cache.idle_seconds),
+        ):
+            if value is not None:
+                args += [flag, str(value)]
     return args
 
 

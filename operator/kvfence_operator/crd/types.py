@@ -211,6 +211,26 @@ class PrefixCacheSpec(_ApiModel):
         "and a faster first token, so anyone holding the tenant's key can tell whether a "
         "prefix was sent before (docs/crd.md).",
     )
+    # Unset: the engine's own defaults (`kvfence serve --prefix-cache-*`). No schema default,
+    # so an object stored before these fields existed keeps its revision.
+    share: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="The share of each prefill pod's KV pool that is the cache's and never a "
+        "request's (kvfence serve --prefix-cache-share; unset: 0.25).",
+    )
+    tenants: int | None = Field(
+        None,
+        ge=1,
+        description="Tenants that may hold cached pages on a pod at once, each up to share / "
+        "tenants of its pool and evicting only its own (unset: 8).",
+    )
+    idle_seconds: int | None = Field(
+        None,
+        ge=1,
+        description="A cached page no request used for this long leaves the cache (unset: 600).",
+    )
 
 
 class EngineSpec(_ApiModel):

@@ -99,6 +99,32 @@ def test_enabled_is_a_boolean_on_apply_and_in_the_operator(value):
         InferenceDeployment.model_validate(manifest)
 
 
+def test_the_partition_fields_reach_the_prefill_engines_only_and_roll_nothing_unset():
+    manifest = load_sample("minimal")
+    cache = {"enabled": True, "share": 0.5, "tenants": 4, "idleSeconds": 30}
+    manifest["spec"]["engine"] = {"prefixCache": cache}
+    assert not crd_admission().refusals(manifest)
+    spec = InferenceDeployment.model_validate(manifest).spec
+    prefill = engine_args(spec, Role.PREFILL, REVISION, "cpu")
+    assert (flag(prefill, "--prefix-cache-share"), flag(prefill, "--prefix-cache-tenants")) == (
+        "0.5",
+        "4",
+    )
+    assert flag(prefill, "--prefix-cache-idle-seconds") == "30"
+    decode = engine_args(spec, Role.DECODE, REVISION, "cpu")
+    assert not [a for a in decode if a.startswith("--prefix-cache")], decode
+    # unset, the engine's defaults: no flag, and no schema default in the stored object
+    assert stored_spec(load_sample("minimal")["spec"])["engine"]["prefixCache"] == {
+        "enabled": False
+    }
+    assert "--prefix-cache-share" not in engine_args(spec_with(True), Role.PREFILL, REVISION, "cpu")
+    for wrong in ({"share": 1.0}, {"share": 0}, {"tenants": 0}, {"idleSeconds": 0}):
+        manifest["spec"]["engine"] = {"prefixCache": {"enabled": True, **wrong}}
+        assert crd_admission().refusals(manifest), wrong
+        with pytest.raises(ValidationError):
+            InferenceDeployment.model_validate(manifest)
+
+
 def test_unknown_prefix_cache_fields_are_refused():
     manifest = load_sample("minimal")
     manifest["spec"]["engine"] = {"prefixCache": {"enabled": True, "salt": "x"}}

@@ -152,7 +152,9 @@ def start(
     note = ""
     prefills = []
     for i in range(args.prefills):
-        proc = serve("prefill", i, ["--prefix-cache"] if cache else [])
+        partition = ["--prefix-cache-share", str(args.prefix_cache_share)]
+        partition += ["--prefix-cache-tenants", str(args.tenants)]  # a slot per chatting tenant
+        proc = serve("prefill", i, ["--prefix-cache", *partition] if cache else [])
         try:
             proc.wait_ready(READY_TIMEOUT_S)
         except ProcessFailed:
@@ -302,6 +304,13 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--context-length", type=int, default=2048)
     p.add_argument("--kv-cache-memory", default="512Mi", help="KV pool per engine")
+    p.add_argument(
+        "--prefix-cache-share",
+        type=float,
+        default=0.5,
+        help="the cache's partition of the cached deployment's prefill pools (SmolLM2, 512Mi: "
+        "half is 45 pages a tenant, a whole 4-turn chat)",
+    )
     p.add_argument(
         "--rounds",
         type=int,

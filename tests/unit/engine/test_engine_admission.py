@@ -125,5 +125,6 @@ def test_fault_names_are_the_documented_unsafe_fault_names() -> None:
         "late-write",
         "skip-count-check",
         "cross-tenant-prefix",
+        "shared-cache-eviction",
     ]
     assert all(fault.description for fault in Fault)

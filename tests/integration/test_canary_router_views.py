@@ -26,19 +26,34 @@ INTERNAL = {TOKEN_HEADER: TOKEN}
 PAGE = 16
 
 
-@pytest.fixture(scope="module")
-def deployment(logs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    folder = tmp_path_factory.mktemp("router-views")
+def views_deployment(
+    logs_dir: Path, tmp_path_factory: pytest.TempPathFactory, name: str
+) -> Deployment:
+    folder = tmp_path_factory.mktemp(name)
     keys, token = folder / "keys", folder / "token"
     keys.write_text(f"{KEY} tenant\n")
     token.write_text(TOKEN + "\n")
-    d = start_deployment(
-        logs_dir,
-        "router-views",
-        decode_pages=48,
-        router_args=["--api-keys", str(keys)],
-        token_file=token,
+    return start_deployment(
+        logs_dir, name, decode_pages=48, router_args=["--api-keys", str(keys)], token_file=token
     )
+
+
+@pytest.fixture(scope="module")
+def deployment(logs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    d = views_deployment(logs_dir, tmp_path_factory, "router-views")
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill_killed(
+    logs_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    """A deployment of its own whose prefill instance is killed: the tests that share
+    `deployment` never see it dead, in whatever order and on whichever worker xdist runs them
+    (it once ran the killing test first, and the next ones read a dead prefill)."""
+    d = views_deployment(logs_dir, tmp_path_factory, "router-views-killed")
+    d.prefills[0].kill()
     yield d
     d.stop()
 
@@ -173,9 +188,9 @@ def test_the_routers_metrics_carry_each_engines_isolation_counters(
 
 
 def test_an_engine_the_router_cannot_read_is_reported_down_not_zero(
-    deployment: Deployment,
-) -> None:  # last in this module: it kills the prefill instance
-    deployment.prefills[0].kill()
+    prefill_killed: Deployment,
+) -> None:
+    deployment = prefill_killed
     after = parse_counters(httpx.get(deployment.router.url + "/metrics", headers=INTERNAL).text)
     assert after.unreadable == (f"prefill {deployment.prefills[0].url}",)
     assert all(source != f"prefill {deployment.prefills[0].url}" for _, source in after.values)
@@ -190,14 +205,10 @@ def test_an_engine_the_router_cannot_read_is_reported_down_not_zero(
     assert gone == [{"role": "prefill", "report": None, "error": "unreachable or not ready"}]
 
 
-def test_an_unreachable_backends_503_names_no_address(deployment: Deployment) -> None:
-    """With the prefill instance killed, decode reserves and prefill does not answer.
-
-    It kills the prefill itself (again, if the test above did): xdist's worksteal may run it
-    on another worker, with that worker's own copy of the module's deployment."""
-    deployment.prefills[0].kill()
+def test_an_unreachable_backends_503_names_no_address(prefill_killed: Deployment) -> None:
+    """With the prefill instance killed, decode reserves and prefill does not answer."""
     r = httpx.post(
-        deployment.router.url + "/v1/completions",
+        prefill_killed.router.url + "/v1/completions",
         json={"model": "tiny-random", "prompt": "hello", "max_tokens": 2},
         headers=TENANT,
     )

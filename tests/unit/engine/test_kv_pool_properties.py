@@ -161,8 +161,9 @@ class PoolMachine(RuleBasedStateMachine):
         idle = list(self.idle.get(tenant, {}))
         slots = {t for _k, t, _g in self.shared.values()}
         for page, tag, key in zip(pages, tags, keys, strict=True):
-            if self.key_page(key) is not None:
-                continue
+            holder = self.key_page(key)
+            if holder is not None and holder not in evictions:
+                continue  # cached already (a key this pass evicted is free to publish again)
             if tenant in slots and cached >= CACHE.quota:
                 if not idle:
                     break  # all its cached pages are in use

@@ -88,3 +88,12 @@ def start_deployment(
         deployment.stop()
         raise
     return deployment
+
+
+def two_tenant_router_args(folder: Path, key_a: str, key_b: str, token: str) -> list[str]:
+    """Router flags for tenants tenant-a and tenant-b (keys files written into `folder`) and
+    an internal token."""
+    keys, token_file = folder / "api-keys", folder / "internal-token"
+    keys.write_text(f"{key_a} tenant-a\n{key_b} tenant-b\n")
+    token_file.write_text(token + "\n")
+    return ["--api-keys", str(keys), "--internal-token-file", str(token_file)]

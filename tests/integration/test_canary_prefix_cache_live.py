@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.deployments import Deployment, start_deployment
+from helpers.deployments import Deployment, start_deployment, two_tenant_router_args
 from kvfence_engine.canary import CanaryConfig, CanaryReport, run_canary
 
 KEY_A, KEY_B, TOKEN = "prefix-canary-a", "prefix-canary-b", "prefix-canary-token"
@@ -20,11 +20,7 @@ SMALL_CONTEXT = 512  # the broken ones fail on what usage and status say; timing
 
 @pytest.fixture(scope="module")
 def router_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    folder = tmp_path_factory.mktemp("prefix-canary")
-    keys, token = folder / "api-keys", folder / "internal-token"
-    keys.write_text(f"{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
-    token.write_text(TOKEN + "\n")
-    return ["--api-keys", str(keys), "--internal-token-file", str(token)]
+    return two_tenant_router_args(tmp_path_factory.mktemp("prefix-canary"), KEY_A, KEY_B, TOKEN)
 
 
 def cached(

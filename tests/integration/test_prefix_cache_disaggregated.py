@@ -14,7 +14,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletionMessageParam
 
-from helpers.deployments import Deployment, start_deployment
+from helpers.deployments import Deployment, start_deployment, two_tenant_router_args
 from helpers.engines import prompt_of
 from helpers.openai_usage import cached_tokens
 from helpers.processes import metric
@@ -27,11 +27,7 @@ SYSTEM = "You are a careful assistant who answers in full sentences. " * 8
 
 @pytest.fixture(scope="module")
 def router_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    folder = tmp_path_factory.mktemp("prefix-disagg")
-    keys, token = folder / "api-keys", folder / "internal-token"
-    keys.write_text(f"{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
-    token.write_text(TOKEN + "\n")
-    return ["--api-keys", str(keys), "--internal-token-file", str(token)]
+    return two_tenant_router_args(tmp_path_factory.mktemp("prefix-disagg"), KEY_A, KEY_B, TOKEN)
 
 
 def cached_deployment(

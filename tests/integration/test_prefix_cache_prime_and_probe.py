@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from helpers.deployments import Deployment, start_deployment
+from helpers.deployments import Deployment, start_deployment, two_tenant_router_args
 from helpers.engines import prompt_of
 from helpers.openai_usage import cached_tokens
 
@@ -29,11 +29,7 @@ A_PROMPT_TOKENS = 480  # 30 pages: two at once need more than the 56 pages the c
 
 @pytest.fixture(scope="module")
 def router_args(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    folder = tmp_path_factory.mktemp("prime-and-probe")
-    keys, token = folder / "api-keys", folder / "internal-token"
-    keys.write_text(f"{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
-    token.write_text(TOKEN + "\n")
-    return ["--api-keys", str(keys), "--internal-token-file", str(token)]
+    return two_tenant_router_args(tmp_path_factory.mktemp("prime-and-probe"), KEY_A, KEY_B, TOKEN)
 
 
 def complete(client: openai.OpenAI, prompt: list[int]) -> int:

@@ -384,6 +384,34 @@ def test_a_tensor_no_layer_takes_is_refused(tmp_path: Path) -> None:
     )
 
 
+def test_a_moe_checkpoint_is_read_expert_by_expert_and_nothing_else(tmp_path: Path) -> None:
+    """Qwen3-MoE's experts as Hub checkpoints (and transformers 5's save_pretrained) hold
+    them, mlp.experts.{e}.*_proj.weight: a missing expert is named; the fused 3-D tensors
+    of transformers' in-memory model (mlp.experts.gate_up_proj), beside them, are a tensor
+    no layer takes."""
+    moe = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    hf_model(tmp_path, "Qwen3MoeConfig", **moe)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+
+    def refusal(weights: dict[str, torch.Tensor]) -> str:
+        save_file(weights, str(tmp_path / "model.safetensors"))
+        with pytest.raises(ValueError) as refused:
+            LLMEngine(load_model(str(tmp_path)), EngineArgs(kv_cache_memory=1 << 20))
+        return str(refused.value)
+
+    missing = {k: v for k, v in saved.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"}
+    assert refusal(missing) == (
+        "weights: the qwen3_moe model needs tensor "
+        "'model.layers.1.mlp.experts.3.up_proj.weight', not found"
+    )
+    fused = saved | {"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 64)}
+    assert refusal(fused) == (
+        "weights: 1 tensors the qwen3_moe model does not use "
+        "('model.layers.0.mlp.experts.gate_up_proj'): a part of the model kvfence does not "
+        "implement"
+    )
+
+
 # --- GGUF metadata ---------------------------------------------------------------------------
 
 

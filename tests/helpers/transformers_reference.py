@@ -72,8 +72,9 @@ TINY = {
 
 
 def redraw(model: torch.nn.Module, seed: int = 1) -> None:
-    """Weights whose every part shows: matrices ~ N(0, 1.2^2 / fan_in) (embeddings N(0, 1)),
-    norm gains 1 + N(0, 0.2^2), biases N(0, 0.2^2)."""
+    """Weights whose every part shows: matrices ~ N(0, 1.2^2 / fan_in) (embeddings N(0, 1);
+    a MoE's experts, stacked [experts, out, in] in transformers' model, alike), norm gains
+    1 + N(0, 0.2^2), biases N(0, 0.2^2)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -81,7 +82,7 @@ def redraw(model: torch.nn.Module, seed: int = 1) -> None:
             if p.ndim == 1:
                 p.copy_(1 + 0.2 * noise if "norm" in name else 0.2 * noise)
             else:
-                p.copy_(noise * (1.0 if "embed" in name else 1.2 / p.shape[1] ** 0.5))
+                p.copy_(noise * (1.0 if "embed" in name else 1.2 / p.shape[-1] ** 0.5))
 
 
 def write_tokenizer(folder: Path) -> None:

@@ -6,7 +6,13 @@ import torch
 
 from kvfence_engine.core.attention import Scoring
 from kvfence_engine.core.decoder import Decoder, LayerBuilder, layer_prefix
-from kvfence_engine.core.layers import DecoderLayer, GatedMLP, PagedSelfAttention, Weights
+from kvfence_engine.core.layers import (
+    DecoderLayer,
+    GatedMLP,
+    PagedSelfAttention,
+    SparseMoE,
+    Weights,
+)
 from kvfence_engine.core.model_config import Family, ModelConfig
 
 
@@ -20,6 +26,7 @@ def _layer(
     mlp_bias: bool = False,
     qk_norm: bool = False,
     sandwich: bool = False,
+    mlp: GatedMLP | SparseMoE | None = None,  # None: the dense gated MLP
 ) -> DecoderLayer:
     prefix = layer_prefix(i)
     attn = PagedSelfAttention(
@@ -31,7 +38,8 @@ def _layer(
         qk_norm_eps=c.rms_eps if qk_norm else None,
         scoring=Scoring(c.layer_window(i), c.query_scale, c.attn_softcap),
     )
-    mlp = GatedMLP(w, prefix + "mlp.", bias=mlp_bias, activation=c.activation)
+    if mlp is None:
+        mlp = GatedMLP(w, prefix + "mlp.", bias=mlp_bias, activation=c.activation)
     return DecoderLayer(w, prefix, c.rms_eps, attn, mlp, sandwich=sandwich)
 
 
@@ -54,6 +62,24 @@ def qwen3(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
     return _layer(c, w, i, qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
+def qwen3_moe(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
+    """Qwen3-MoE: Qwen3's attention; the MLP of a sparse layer (ModelConfig.layer_is_sparse)
+    is routed experts (mlp.gate, mlp.experts.{e}.gate_proj/up_proj/down_proj, as Hub
+    checkpoints and transformers' save_pretrained name them), of any other a dense one."""
+    mlp = None
+    if c.layer_is_sparse(i):
+        mlp = SparseMoE(
+            w,
+            layer_prefix(i) + "mlp.",
+            num_experts=c.num_experts,
+            top_k=c.experts_per_token,
+            norm_topk_prob=c.norm_topk_prob,
+            activation=c.activation,
+        )
+    bias = c.attention_bias
+    return _layer(c, w, i, qkv_bias=bias, o_bias=bias, qk_norm=True, mlp=mlp)
+
+
 def gemma2(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
     """Gemma 2: sandwich norms with gains as offsets from one, GeGLU, attention scaled by
     query_pre_attn_scalar and soft-capped; sliding and global layers alternate (layer_types).
@@ -67,6 +93,7 @@ LAYERS: dict[Family, LayerBuilder] = {
     Family.QWEN2: qwen2,
     Family.QWEN3: qwen3,
     Family.GEMMA2: gemma2,
+    Family.QWEN3_MOE: qwen3_moe,
 }
 UNIT_OFFSET_NORMS = {Family.GEMMA2}
 

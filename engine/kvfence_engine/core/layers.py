@@ -1,5 +1,6 @@
 """The layers every family's decoder is built of: RMSNorm, attention over the paged pool, the
-gated MLP, and the pre-norm block around them (RoPE: core/rope.py).
+gated MLP (or a mixture of such experts), and the pre-norm block around them (RoPE:
+core/rope.py).
 
 Each layer takes its weights from a Weights, by Hugging Face name, and fuses what runs together
 (q/k/v, gate/up) into one linear; `sources` says which weights each linear was fused from, in
@@ -135,6 +136,59 @@ class GatedMLP(nn.Module):
         return self.down(self.act(gate) * up)
 
 
+class SparseMoE(nn.Module):
+    """A mixture of experts (Qwen3-MoE's sparse MLP): a router (`gate`, a linear to one logit
+    per expert) scores the experts, softmax in float32; each token takes the sum of its top_k
+    experts' gated MLPs weighted by their probabilities, renormalized to sum to one if
+    norm_topk_prob. Each expert runs once over the rows routed to it (gathered, then added
+    back to theirs), in expert order as transformers adds them.
+
+    The router is a plain parameter, not an nn.Linear: packing (core/quantization.py) leaves
+    it exact, so that a packed model routes each token as the float one does."""
+
+    def __init__(
+        self,
+        w: Weights,
+        prefix: str,
+        *,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.router = nn.Parameter(w[prefix + "gate.weight"], requires_grad=False)
+        assert self.router.shape[0] == num_experts, "the router scores each expert"
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        experts = [
+            GatedMLP(w, f"{prefix}experts.{e}.", bias=False, activation=activation)
+            for e in range(num_experts)
+        ]
+        self.experts = nn.ModuleList(experts)
+        self.sources = {
+            f"experts.{e}.{k}": v
+            for e, expert in enumerate(experts)
+            for k, v in expert.sources.items()
+        }
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top_k experts: their weights (in x's dtype) and indices, [rows, top_k]."""
+        probs = F.linear(x, self.router).softmax(dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():  # sorted: the experts some row chose
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
+        return out
+
+
 class DecoderLayer(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(x)): the pre-norm block of every family here.
     sandwich (Gemma 2/3): each sub-block's output is normed too before the residual add,
@@ -147,7 +201,7 @@ class DecoderLayer(nn.Module):
         prefix: str,
         eps: float,
         attn: PagedSelfAttention,
-        mlp: GatedMLP,
+        mlp: GatedMLP | SparseMoE,
         *,
         sandwich: bool = False,
     ) -> None:

@@ -12,6 +12,7 @@ class Family(StrEnum):
     QWEN2 = "qwen2"  # Qwen2/2.5: q/k/v bias
     QWEN3 = "qwen3"  # Qwen3 dense: per-head q/k RMSNorm before RoPE
     GEMMA2 = "gemma2"  # Gemma 2: sandwich norms, GeGLU, soft-capping, local/global layers
+    QWEN3_MOE = "qwen3_moe"  # Qwen3-MoE: Qwen3's attention, routed experts for the MLP
 
 
 class RopeType(StrEnum):
@@ -77,10 +78,20 @@ class ModelConfig:
     query_scale: float | None = None
     attn_softcap: float | None = None
     logit_softcap: float | None = None
+    # Qwen3-MoE: a sparse layer's MLP is num_experts gated MLPs of moe_intermediate_size, of
+    # which a router picks experts_per_token for each token (their weights renormalized to sum
+    # to one if norm_topk_prob). 0 experts: every layer's MLP is dense (intermediate_size).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()  # dense whatever decoder_sparse_step says
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(self.family))  # from JSON: a plain string
         object.__setattr__(self, "full_attention_layers", tuple(self.full_attention_layers))
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         assert self.num_heads % self.num_kv_heads == 0, "query heads must group over kv heads"
         assert self.head_dim % 2 == 0, "rotary embedding needs an even head dim"
 
@@ -89,6 +100,15 @@ class ModelConfig:
         if self.sliding_window is None or layer in self.full_attention_layers:
             return None
         return self.sliding_window
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is routed experts: transformers' Qwen3-MoE rule, every
+        decoder_sparse_step-th layer (counting from one) not in mlp_only_layers."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V, every layer, every KV head: what one token costs in the pool."""

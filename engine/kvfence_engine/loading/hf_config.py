@@ -1,7 +1,7 @@
 """A Hugging Face folder's config.json, strictly: every field is one kvfence implements, one
 that changes nothing it computes, or a refusal that names it. The families and their fields
 are transformers 5's config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-Gemma2Config);
+Gemma2Config, Qwen3MoeConfig);
 a field left out takes that class's default, as transformers would."""
 
 import json
@@ -66,6 +66,16 @@ class FamilySpec:
     activation_field: str = "hidden_act"  # Gemma's is hidden_activation
 
 
+# Qwen3MoeConfig's experts; num_local_experts is how transformers 5 saves num_experts
+MOE_FIELDS = (
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+)
 _QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
 SPECS = {
     "llama": FamilySpec(
@@ -132,6 +142,25 @@ SPECS = {
         fixed={"use_bidirectional_attention": (None, False)},
         activation_field="hidden_activation",
     ),
+    "qwen3_moe": FamilySpec(
+        Family.QWEN3_MOE,
+        "Qwen3MoeForCausalLM",
+        frozenset({*_QWEN_WINDOW, "attention_bias", *MOE_FIELDS}),
+        {
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 32768,
+            "use_sliding_window": False,
+            "sliding_window": 4096,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": None,
+        },
+        # the router's auxiliary loss: training only
+        irrelevant=frozenset({"router_aux_loss_coef", "output_router_logits"}),
+    ),
 }
 ARCHITECTURES = {spec.architecture: model_type for model_type, spec in SPECS.items()}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # core/layers.py computes these
@@ -187,6 +216,7 @@ def _read(raw: dict[str, Any], where: str) -> ModelConfig:
         full_attention_layers=full_layers,
         activation=act,
         **_gemma(get) if spec.family is Family.GEMMA2 else {},
+        **_experts(raw, get, where) if spec.family is Family.QWEN3_MOE else {},
     )
 
 
@@ -199,6 +229,36 @@ def _gemma(get: Callable[..., Any]) -> dict[str, Any]:
         "query_scale": float(get("query_pre_attn_scalar")) ** -0.5,
         "attn_softcap": None if attn_cap is None else float(attn_cap),
         "logit_softcap": None if logit_cap is None else float(logit_cap),
+    }
+
+
+def _experts(raw: dict[str, Any], get: Callable[..., Any], where: str) -> dict[str, Any]:
+    """Qwen3-MoE's experts, as Qwen3MoeDecoderLayer reads them: a layer is sparse where
+    num_experts > 0, (layer + 1) % decoder_sparse_step == 0 and it is not in mlp_only_layers."""
+    experts = int(get("num_experts"))
+    if "num_local_experts" in raw:  # transformers 5's name for it; it wins where both are
+        local = int(raw["num_local_experts"])
+        if "num_experts" in raw and experts != local:
+            raise ValueError(
+                f"{where}: fields 'num_experts'={experts} and 'num_local_experts'={local} "
+                "disagree (they are one count)"
+            )
+        experts = local
+    top_k, step = int(get("num_experts_per_tok")), int(get("decoder_sparse_step"))
+    if experts > 0 and not 1 <= top_k <= experts:
+        raise ValueError(
+            f"{where}: field 'num_experts_per_tok'={top_k} is not between 1 and num_experts "
+            f"({experts})"
+        )
+    if step < 1:
+        raise ValueError(f"{where}: field 'decoder_sparse_step'={step} is not a positive step")
+    return {
+        "num_experts": experts,
+        "experts_per_token": top_k,
+        "moe_intermediate_size": int(get("moe_intermediate_size")),
+        "norm_topk_prob": bool(get("norm_topk_prob")),
+        "decoder_sparse_step": step,
+        "mlp_only_layers": tuple(int(i) for i in get("mlp_only_layers") or ()),
     }
 
 
@@ -261,9 +321,10 @@ def _window(
     raw: dict[str, Any], model_type: str, get: Callable[..., Any], where: str
 ) -> tuple[int | None, tuple[int, ...]]:
     """The attention window of the model's sliding layers (None where every layer attends to
-    all positions), and the layers that do not slide. Mistral: sliding_window for every
-    layer. Qwen: sliding_window if use_sliding_window, on the layers layer_types names
-    sliding (by default those from max_window_layers on), as transformers' Qwen configs."""
+    all positions), and the layers that do not slide. Mistral, and Qwen3-MoE if
+    use_sliding_window: sliding_window for every layer. Qwen2 and Qwen3: sliding_window if
+    use_sliding_window, on the layers layer_types names sliding (by default those from
+    max_window_layers on), as transformers' Qwen configs."""
     if model_type == "llama":
         return None, ()
     window = get("sliding_window")
@@ -275,6 +336,15 @@ def _window(
         types = ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]
     if model_type.startswith("qwen") and not get("use_sliding_window"):
         window = None
+    if model_type == "qwen3_moe":  # Qwen3MoeConfig has no layer types: every layer slides
+        if window is not None and "max_window_layers" in raw:
+            raise ValueError(
+                f"{where}: field 'max_window_layers'={json.dumps(raw['max_window_layers'])} "
+                "with use_sliding_window true: transformers 5's Qwen3-MoE slides every layer "
+                "whatever it says, Qwen's other families keep the layers below it full; kvfence "
+                "serves neither guess"
+            )
+        return (None if window is None else int(window)), ()
     if types is None:
         first = int(get("max_window_layers"))
         types = ["full_attention" if i < first or window is None else "sliding_attention"

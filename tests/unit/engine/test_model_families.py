@@ -15,6 +15,7 @@ so that most of the 264 positions lie past it. `dynamic` is exact up to max_posi
 """
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Unpack
@@ -33,6 +34,7 @@ from helpers.transformers_reference import (
     their_greedy,
 )
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
+from kvfence_engine.core.layers import SparseMoE
 from kvfence_engine.core.quantization import pack_int4_linears
 from kvfence_engine.core.request import SamplingParams
 from kvfence_engine.loading.loader import LoadedModel, int4_groups, load_model
@@ -51,6 +53,7 @@ def rope(kind: str, theta: float = 10000.0, **values: object) -> dict[str, Any]:
 
 LONG = {"original_max_position_embeddings": 64}
 LLAMA3 = rope("llama3", 500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, **LONG)
+MOE = {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
     "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
@@ -114,6 +117,23 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2-no-caps": (
         "Gemma2Config",
         {"head_dim": 16, "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    ),
+    # Qwen3-MoE: every layer's MLP routed, 8 experts of 32, top 2 renormalized
+    "qwen3-moe": ("Qwen3MoeConfig", {**MOE, "norm_topk_prob": True}),
+    # layers 0 and 2 dense by decoder_sparse_step 2, layer 3 by mlp_only_layers: 1 is sparse
+    "qwen3-moe-mixed-layers": (
+        "Qwen3MoeConfig",
+        {**MOE, "num_hidden_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]},
+    ),
+    # the top 3 of 4 experts' own probabilities, not summing to one; attention biases
+    "qwen3-moe-no-norm-topk": (
+        "Qwen3MoeConfig",
+        {**MOE, "num_experts": 4, "num_experts_per_tok": 3, "attention_bias": True},
+    ),
+    # Qwen3-MoE's window slides on every layer
+    "qwen3-moe-window": (
+        "Qwen3MoeConfig",
+        {**MOE, "norm_topk_prob": True, "use_sliding_window": True, "sliding_window": 20},
     ),
 }
 
@@ -181,12 +201,13 @@ def test_a_llama_3_folder_with_llama3_rope_scaling_gives_transformers_greedy_tok
     assert tokens == ref_tokens
 
 
-@pytest.mark.parametrize("case", ["llama-biases", "qwen2", "qwen3-tied-biases"])
+@pytest.mark.parametrize("case", ["llama-biases", "qwen2", "qwen3-tied-biases", "qwen3-moe"])
 def test_packed_weights_find_each_familys_linears(case: str, tmp_path: Path) -> None:
     """linear_sources names the weights each fused linear was built from, biases beside: with
     a GGUF's kind of int4 groups (Q4_0 of every projection) and the exact float32 kernel, the
     packed model is the float32 one on the same rounded weights, up to the float16 lm_head;
-    int8 packs every linear of the family too."""
+    int8 packs every linear of the family too. (A MoE's experts are packed, each its own
+    linears; its router stays float, so that packed and float route alike.)"""
     config_class, overrides = CASES[case]
     hf_model(tmp_path, config_class, **overrides)
     loaded = load_model(str(tmp_path))
@@ -202,7 +223,11 @@ def test_packed_weights_find_each_familys_linears(case: str, tmp_path: Path) -> 
     reference = our_prefill_logits(engine, ids)
     model = engine.runner.model
     counts = pack_int4_linears(model, model.linear_sources, int4, kernel_dtype=torch.float32)
-    assert counts == {"int4": 4 * engine.config.num_layers, "float16": 1}
+    projections = [p for p in model.linear_sources if p != "lm_head"]
+    # q/k/v and o, then gate/up and down for each expert (a dense MLP: one)
+    per_layer = 2 + 2 * (engine.config.num_experts or 1)
+    assert len(projections) == engine.config.num_layers * per_layer
+    assert counts == {"int4": len(projections), "float16": 1}
     diff = (our_prefill_logits(engine, ids) - reference).abs().max().item()
     float32 = our_prefill_logits(engine_for(tmp_path), ids)
     int8 = engine_for(tmp_path, weight_dtype="int8")
@@ -237,3 +262,58 @@ def test_a_sliding_window_after_a_prefix_cache_hit_is_transformers(
     assert again.cached_tokens >= PROMPT - PAGE
     ref_tokens, _ = their_greedy(theirs, ids, NEW)
     assert again.output_ids == ref_tokens
+
+
+@pytest.mark.parametrize("case", ["qwen3-moe", "qwen3-moe-mixed-layers"])
+def test_a_tiny_moe_routes_its_tokens_to_every_expert(case: str, tmp_path: Path) -> None:
+    """The conformance cases see the router choose: over the prompt, each sparse layer
+    sends some token to every expert and no choice of experts is every token's; the dense
+    layers are plain gated MLPs."""
+    config_class, overrides = CASES[case]
+    hf_model(tmp_path, config_class, **overrides)
+    engine = engine_for(tmp_path)
+    chosen: dict[int, torch.Tensor] = {}  # sparse layer -> each prompt token's experts
+
+    def record(layer: int) -> Callable[..., None]:
+        def hook(moe: torch.nn.Module, args: tuple[torch.Tensor], _out: object) -> None:
+            assert isinstance(moe, SparseMoE)
+            chosen[layer] = moe.route(args[0])[1]
+
+        return hook
+
+    for i, layer in enumerate(engine.runner.model.layers):
+        assert isinstance(layer.mlp, SparseMoE) == engine.config.layer_is_sparse(i)
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp.register_forward_hook(record(i))
+    our_prefill_logits(engine, random_prompt(PROMPT))
+    sparse = [i for i in range(engine.config.num_layers) if engine.config.layer_is_sparse(i)]
+    assert sorted(chosen) == sparse and sparse
+    for experts in chosen.values():
+        assert experts.unique().tolist() == list(range(engine.config.num_experts))
+        picks = {tuple(sorted(row)) for row in experts.tolist()}
+        assert len(picks) > 1
+
+
+def test_two_moe_prompts_decoded_in_one_step_get_the_tokens_each_gets_alone(
+    tmp_path: Path,
+) -> None:
+    """The experts gather the rows routed to them and add them back: two prompts of different
+    lengths, prefilled and decoded together, each get the greedy tokens they get alone (rows
+    mixed across requests would change both)."""
+    config_class, overrides = CASES["qwen3-moe"]
+    hf_model(tmp_path, config_class, **overrides)
+    engine = engine_for(tmp_path)
+    prompts = [random_prompt(37, seed=5), random_prompt(90, seed=6)]
+    alone = [our_greedy(engine, ids, 24)[0] for ids in prompts]
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    seqs = [engine.admit(ids, params, max_tokens=24) for ids in prompts]
+    for seq in seqs:
+        engine.add(seq)
+    decoded_together = 0
+    while engine.has_work():
+        decoding = all(seq.output_ids for seq in seqs)
+        changed = engine.step()
+        decoded_together += decoding and all(seq in changed for seq in seqs)
+    assert decoded_together >= 20  # steps that decoded both at once
+    assert [seq.output_ids for seq in seqs] == alone
+    assert alone[0] != alone[1]

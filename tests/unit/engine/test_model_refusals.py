@@ -107,6 +107,10 @@ def with_rope(**entry: Any) -> dict[str, Any]:
     return llama(rope_scaling=hub("llama-3.2-1b")["rope_scaling"] | entry)
 
 
+def qwen3_moe(**changes: Any) -> dict[str, Any]:
+    return hub("qwen3-30b-a3b") | changes
+
+
 GEMMA2 = {
     "architectures": ["Gemma2ForCausalLM"],
     "model_type": "gemma2",
@@ -175,9 +179,35 @@ REFUSED = {
         llama(model_type="phi3", architectures=["Phi3ForCausalLM"]),
         "model_type 'phi3' is not supported by kvfence",
     ),
-    "a MoE": (
-        hub("qwen3-0.6b") | {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]},
-        "model_type 'qwen3_moe' is not supported by kvfence",
+    "another MoE": (
+        llama(model_type="mixtral", architectures=["MixtralForCausalLM"]),
+        "model_type 'mixtral' is not supported by kvfence",
+    ),
+    "a MoE's shared expert": (  # Qwen2-MoE's, which Qwen3-MoE has not
+        qwen3_moe(shared_expert_intermediate_size=5632),
+        "field 'shared_expert_intermediate_size'=5632 is not one kvfence knows for "
+        "Qwen3MoeForCausalLM",
+    ),
+    "a MoE's layer types": (
+        qwen3_moe(layer_types=["full_attention"] * 48),
+        "field 'layer_types'=",
+    ),
+    "a MoE's window beside max_window_layers": (
+        qwen3_moe(use_sliding_window=True, sliding_window=4096),
+        "field 'max_window_layers'=48 with use_sliding_window true: transformers 5's "
+        "Qwen3-MoE slides every layer",
+    ),
+    "two expert counts": (
+        qwen3_moe(num_local_experts=64),
+        "fields 'num_experts'=128 and 'num_local_experts'=64 disagree",
+    ),
+    "more experts per token than experts": (
+        qwen3_moe(num_experts_per_tok=129),
+        "field 'num_experts_per_tok'=129 is not between 1 and num_experts (128)",
+    ),
+    "no sparse step": (
+        qwen3_moe(decoder_sparse_step=0),
+        "field 'decoder_sparse_step'=0 is not a positive step",
     ),
     "another head": (
         llama(architectures=["LlamaForSequenceClassification"]),
@@ -238,6 +268,30 @@ def test_gemma_2_reads_its_scales_caps_and_alternating_windows() -> None:
     assert config.activation == "gelu_pytorch_tanh"
     assert [config.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
     assert config.full_attention_layers == tuple(range(1, 26, 2))
+
+
+def test_qwen3_30b_a3b_reads_its_experts() -> None:
+    """128 experts of 768, the top 8 renormalized, on every layer; no window (max_window_layers
+    beside use_sliding_window false changes nothing). transformers 5 saves the count as
+    num_local_experts; the router's loss settings are training only."""
+    config = read_hf_config(hub("qwen3-30b-a3b"))
+    assert config.family is Family.QWEN3_MOE and config.head_dim == 128
+    assert (config.num_experts, config.experts_per_token, config.moe_intermediate_size) == (
+        128,
+        8,
+        768,
+    )
+    assert config.norm_topk_prob and config.sliding_window is None
+    assert all(config.layer_is_sparse(i) for i in range(48))
+    saved = {k: v for k, v in hub("qwen3-30b-a3b").items() if k != "num_experts"}
+    training = {"router_aux_loss_coef": 0.5, "output_router_logits": True}
+    assert read_hf_config(saved | {"num_local_experts": 128} | training) == config
+    mixed = read_hf_config(qwen3_moe(decoder_sparse_step=2, mlp_only_layers=[5]))
+    assert [mixed.layer_is_sparse(i) for i in range(6)] == [False, True, False, True] + [False] * 2
+    windowed = qwen3_moe(use_sliding_window=True, sliding_window=4096)
+    del windowed["max_window_layers"]
+    assert read_hf_config(windowed).sliding_window == 4096
+    assert read_hf_config(windowed).full_attention_layers == ()
 
 
 def test_fields_that_change_nothing_load() -> None:
@@ -327,6 +381,34 @@ def test_a_tensor_no_layer_takes_is_refused(tmp_path: Path) -> None:
         LLMEngine(load_model(str(tmp_path)), EngineArgs(kv_cache_memory=1 << 20))
     assert str(refused.value).startswith(
         "weights: 4 tensors the qwen2 model does not use ('model.layers.0.self_attn.k_norm.weight'"
+    )
+
+
+def test_a_moe_checkpoint_is_read_expert_by_expert_and_nothing_else(tmp_path: Path) -> None:
+    """Qwen3-MoE's experts as Hub checkpoints (and transformers 5's save_pretrained) hold
+    them, mlp.experts.{e}.*_proj.weight: a missing expert is named; the fused 3-D tensors
+    of transformers' in-memory model (mlp.experts.gate_up_proj), beside them, are a tensor
+    no layer takes."""
+    moe = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    hf_model(tmp_path, "Qwen3MoeConfig", **moe)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+
+    def refusal(weights: dict[str, torch.Tensor]) -> str:
+        save_file(weights, str(tmp_path / "model.safetensors"))
+        with pytest.raises(ValueError) as refused:
+            LLMEngine(load_model(str(tmp_path)), EngineArgs(kv_cache_memory=1 << 20))
+        return str(refused.value)
+
+    missing = {k: v for k, v in saved.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"}
+    assert refusal(missing) == (
+        "weights: the qwen3_moe model needs tensor "
+        "'model.layers.1.mlp.experts.3.up_proj.weight', not found"
+    )
+    fused = saved | {"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 64)}
+    assert refusal(fused) == (
+        "weights: 1 tensors the qwen3_moe model does not use "
+        "('model.layers.0.mlp.experts.gate_up_proj'): a part of the model kvfence does not "
+        "implement"
     )
 
 
@@ -422,6 +504,13 @@ GGUF_REFUSED: dict[str, tuple[dict[str, Any], tuple[str, ...], str]] = {
         (),
         "GGUF architecture 'gemma2' is not supported by kvfence",
     ),
+    # kvfence serves Qwen3-MoE from Hugging Face folders only (so never with int4 weights,
+    # which keep a GGUF's own blocks)
+    "a MoE architecture": (
+        {"general.architecture": "qwen3moe"},
+        (),
+        "GGUF architecture 'qwen3moe' is not supported by kvfence",
+    ),
 }  # fmt: skip
 
 
@@ -445,3 +534,5 @@ def test_a_config_survives_the_conversion_cache_as_itself() -> None:
     back = ModelConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(config))))
     assert back == config
     assert back.rope.type is RopeType.LINEAR and back.family is Family.QWEN3
+    moe = read_hf_config(qwen3_moe(mlp_only_layers=[0, 3]))
+    assert ModelConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(moe)))) == moe

@@ -1,6 +1,8 @@
 """`kvfence preflight`: the engine's own pool arithmetic, before anything starts (and against
 a running engine: tests/integration/test_commands.py)."""
 
+from pathlib import Path
+
 import pytest
 
 from kvfence_cli.main import main
@@ -21,6 +23,21 @@ def test_preflight_says_a_context_does_not_fit_and_what_lower_context_would_serv
     assert code == 1
     assert "KV bytes per token: 46080" in out  # 2 x 30 layers x 3 heads x 64 dims x 4 bytes
     assert "DOES NOT FIT" in out and "LowerContext would serve 1456 tokens" in out
+
+
+def test_preflight_sizes_a_moe_pool_by_its_attention_alone(tmp_path, capsys):
+    """Qwen3-30B-A3B's 128 experts a layer hold most of its weights and no KV: a token costs
+    K and V of 48 layers x 4 KV heads x 128 dims, as a dense model of that attention would
+    (preflight reads config.json alone; it estimates no weights)."""
+    hub = Path(__file__).resolve().parents[2] / "helpers/samples/hub_configs/qwen3-30b-a3b.json"
+    (tmp_path / "config.json").write_text(hub.read_text())
+    code = main(["preflight", "--model", str(tmp_path), "--kv-cache-memory", "12Gi",
+                 "--context-length", "40960", "--device", "cuda"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "48 layers x 4 KV heads x 128 dims, 40960 positions" in out
+    assert "KV bytes per token: 98304 (bfloat16" in out  # 2 x 48 x 4 x 128 x 2 bytes
+    assert "context 40960: fits" in out
 
 
 def test_preflight_against_an_unreachable_target_exits_2(capsys):

@@ -12,6 +12,7 @@ class Family(StrEnum):
     QWEN2 = "qwen2"  # Qwen2/2.5: q/k/v bias
     QWEN3 = "qwen3"  # Qwen3 dense: per-head q/k RMSNorm before RoPE
     GEMMA2 = "gemma2"  # Gemma 2: sandwich norms, GeGLU, soft-capping, local/global layers
+    GEMMA3 = "gemma3"  # Gemma 3 text: Gemma 2's layer with q/k norms, a RoPE per layer kind
 
 
 class RopeType(StrEnum):
@@ -69,7 +70,7 @@ class ModelConfig:
     # with a window, the layers that still attend to all positions (Qwen's layers below
     # max_window_layers); every other layer slides
     full_attention_layers: tuple[int, ...] = ()
-    # Gemma 2: the MLP's activation; the embeddings times sqrt(hidden_size); the attention
+    # Gemma 2 and 3: the MLP's activation; the embeddings times sqrt(hidden_size); the attention
     # scale (query_pre_attn_scalar ** -0.5, where not head_dim ** -0.5); tanh soft-caps of
     # the attention scores and of the final logits
     activation: str = "silu"
@@ -77,6 +78,10 @@ class ModelConfig:
     query_scale: float | None = None
     attn_softcap: float | None = None
     logit_softcap: float | None = None
+    # Gemma 3: the sliding layers' own RoPE (theta and scaling); None: they rotate as the
+    # full-attention layers do (rope_theta, rope)
+    sliding_rope_theta: float | None = None
+    sliding_rope: RopeScaling = field(default_factory=RopeScaling)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(self.family))  # from JSON: a plain string
@@ -102,8 +107,9 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"model config: unknown fields {sorted(unknown)}")
         values = dict(values)
-        if "rope" in values:
-            values["rope"] = RopeScaling(**values["rope"])
+        for name in ("rope", "sliding_rope"):
+            if name in values:
+                values[name] = RopeScaling(**values[name])
         return ModelConfig(**values)
 
 

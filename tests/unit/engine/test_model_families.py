@@ -51,6 +51,7 @@ def rope(kind: str, theta: float = 10000.0, **values: object) -> dict[str, Any]:
 
 LONG = {"original_max_position_embeddings": 64}
 LLAMA3 = rope("llama3", 500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, **LONG)
+GEMMA3 = {"head_dim": 16, "sliding_window": 24, "sliding_window_pattern": 2}
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
     "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
@@ -114,6 +115,27 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2-no-caps": (
         "Gemma2Config",
         {"head_dim": 16, "attn_logit_softcapping": None, "final_logit_softcapping": None},
+    ),
+    # Gemma 3 text: its defaults (no caps, query_pre_attn_scalar 256, tied, rope_theta 1e6 on
+    # the global layers and 1e4 on the sliding ones) with a window of 24 and every 2nd layer
+    # global, so that the 2 layers are one of each kind and each rotates by its own RoPE
+    "gemma3": ("Gemma3TextConfig", GEMMA3),
+    # transformers 4's spelling, as Gemma 3 4B+ checkpoints write it: a linear factor of 8 on
+    # the global layers only
+    "gemma3-linear-rope": (
+        "Gemma3TextConfig",
+        {**GEMMA3, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    ),
+    # the final logits' soft-cap, a small one that bites (transformers' Gemma 3 applies no
+    # attention soft-cap, and kvfence refuses one: test_model_refusals.py), untied
+    "gemma3-softcaps": (
+        "Gemma3TextConfig",
+        {
+            **GEMMA3,
+            "final_logit_softcapping": 3.0,
+            "query_pre_attn_scalar": 8,
+            "tie_word_embeddings": False,
+        },
     ),
 }
 
@@ -181,7 +203,7 @@ def test_a_llama_3_folder_with_llama3_rope_scaling_gives_transformers_greedy_tok
     assert tokens == ref_tokens
 
 
-@pytest.mark.parametrize("case", ["llama-biases", "qwen2", "qwen3-tied-biases"])
+@pytest.mark.parametrize("case", ["llama-biases", "qwen2", "qwen3-tied-biases", "gemma3"])
 def test_packed_weights_find_each_familys_linears(case: str, tmp_path: Path) -> None:
     """linear_sources names the weights each fused linear was built from, biases beside: with
     a GGUF's kind of int4 groups (Q4_0 of every projection) and the exact float32 kernel, the
@@ -218,7 +240,9 @@ def test_packed_weights_find_each_familys_linears(case: str, tmp_path: Path) -> 
     assert top1 >= 0.9
 
 
-@pytest.mark.parametrize("case", ["mistral-window", "qwen2-window", "gemma2-small-caps"])
+@pytest.mark.parametrize(
+    "case", ["mistral-window", "qwen2-window", "gemma2-small-caps", "gemma3-softcaps"]
+)
 def test_a_sliding_window_after_a_prefix_cache_hit_is_transformers(
     case: str, tmp_path: Path
 ) -> None:

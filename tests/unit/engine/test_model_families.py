@@ -120,8 +120,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # the global layers and 1e4 on the sliding ones) with a window of 24 and every 2nd layer
     # global, so that the 2 layers are one of each kind and each rotates by its own RoPE
     "gemma3": ("Gemma3TextConfig", GEMMA3),
-    # transformers 4's spelling, as Gemma 3 4B+ checkpoints write it: a linear factor of 8 on
-    # the global layers only
+    # a linear factor of 8 on the global layers only, as Gemma 3 4B+ have (given as their
+    # rope_scaling, saved as transformers 5's rope_parameters by layer type)
     "gemma3-linear-rope": (
         "Gemma3TextConfig",
         {**GEMMA3, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},

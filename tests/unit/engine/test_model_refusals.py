@@ -434,6 +434,28 @@ def test_a_window_shorter_than_the_context_is_served_and_preflight_sizes_the_who
     assert "context 512: fits" in out
 
 
+@pytest.mark.parametrize(
+    ("name", "bytes_per_token"),
+    [("1b", 26624), ("4b-text", 139264)],  # 2 x 26 layers x 1 head / 34 x 4 heads x 256 x 2
+)
+def test_preflight_sizes_a_gemma_3_pool_for_every_layer_at_the_whole_context(
+    name: str, bytes_per_token: int, tmp_path: Path, capsys
+) -> None:
+    """From config.json alone: the sliding layers' keys stay in the pool as the global
+    layers' do (a window only masks), so each token costs K and V in every layer."""
+    raw, _ = GEMMA3_HUB[name]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    positions = raw["max_position_embeddings"]
+    flags = ["--model", str(tmp_path), "--kv-cache-dtype", "bfloat16", "--kv-cache-memory"]
+    budget = str(bytes_per_token * (positions + 64))
+    assert main(["preflight", *flags, budget, "--context-length", str(positions)]) == 0
+    out = capsys.readouterr().out
+    assert f"KV bytes per token: {bytes_per_token} (bfloat16" in out
+    assert f"context {positions}: fits" in out
+    assert main(["preflight", *flags, budget, "--context-length", str(positions + 1)]) == 1
+    assert f"DOES NOT FIT the model's {positions} positions" in capsys.readouterr().out
+
+
 def test_dynamic_rope_is_refused_past_max_position_embeddings_saying_why(tmp_path: Path) -> None:
     hf_model(tmp_path, "LlamaConfig", rope_parameters={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError) as refused:

@@ -1,5 +1,6 @@
 """A decoder-only transformer over the paged pool: embeddings, a family's layers, the final
-norm and the lm_head. What differs by family is the layer (core/families.py)."""
+norm and the lm_head. What differs by family is the layer (core/families.py), and for Gemma 3
+the RoPE its sliding layers rotate by."""
 
 from collections.abc import Callable
 

@@ -124,7 +124,7 @@ GEMMA2 = {
 }
 # Gemma 3 1B's config.json as transformers 4 wrote it (rope_theta, rope_local_base_freq,
 # sliding_window_pattern; no layer_types); the 4B's text_config adds a linear rope_scaling
-GEMMA3 = {
+GEMMA3: dict[str, Any] = {
     "architectures": ["Gemma3ForCausalLM"],
     "model_type": "gemma3_text",
     "attention_bias": False,
@@ -340,7 +340,7 @@ def test_gemma_2_reads_its_scales_caps_and_alternating_windows() -> None:
 
 
 # each config and the linear factor of its global layers
-GEMMA3_HUB = {
+GEMMA3_HUB: dict[str, tuple[dict[str, Any], float]] = {
     "1b": (GEMMA3, 1.0),
     "4b-text": (GEMMA3_4B_TEXT, 8.0),
     "4b-text, other thetas": (
@@ -362,6 +362,7 @@ def test_gemma_3_configs_are_read_as_transformers_reads_them(name: str) -> None:
     theirs = transformers.Gemma3TextConfig(**copy.deepcopy(raw))
     assert ours.family is Family.GEMMA3 and ours.tie_embeddings
     windows = [ours.layer_window(i) for i in range(ours.num_layers)]
+    assert theirs.layer_types is not None
     assert windows == [
         theirs.sliding_window if t == "sliding_attention" else None for t in theirs.layer_types
     ]

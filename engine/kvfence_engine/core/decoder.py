@@ -1,5 +1,6 @@
 """A decoder-only transformer over the paged pool: embeddings, a family's layers, the final
-norm and the lm_head. What differs by family is the layer (core/families.py)."""
+norm and the lm_head. What differs by family is the layer (core/families.py), and for Gemma 3
+the RoPE its sliding layers rotate by."""
 
 from collections.abc import Callable
 
@@ -47,6 +48,16 @@ class Decoder(nn.Module):
         head = "model.embed_tokens" if config.tie_embeddings else "lm_head"
         self.lm_head = fused_linear(w, [head], bias=False)
         self.rotary = Rotary(config.head_dim, config.max_positions, config.rope_theta, config.rope)
+        # Gemma 3: the sliding layers rotate by a RoPE of their own
+        self.sliding = [config.layer_window(i) is not None for i in range(config.num_layers)]
+        self.sliding_rotary: Rotary | None = None
+        if config.sliding_rope_theta is not None and any(self.sliding):
+            self.sliding_rotary = Rotary(
+                config.head_dim,
+                config.max_positions,
+                config.sliding_rope_theta,
+                config.sliding_rope,
+            )
         self.linear_sources = {"lm_head": [head + ".weight"]}
         for i, built in enumerate(self.layers):
             assert isinstance(built, DecoderLayer)
@@ -77,8 +88,11 @@ class Decoder(nn.Module):
         if c.embed_scale is not None:  # in the model's dtype, as transformers scales it
             x = x * torch.tensor(c.embed_scale, dtype=x.dtype, device=x.device)
         rope = self.rotary(positions, x.dtype)
+        sliding_rope = (
+            rope if self.sliding_rotary is None else self.sliding_rotary(positions, x.dtype)
+        )
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, k_pool[i], v_pool[i], batch)
+            x = layer(x, sliding_rope if self.sliding[i] else rope, k_pool[i], v_pool[i], batch)
         logits = self.lm_head(self.norm(x[logits_rows])).float()
         if c.logit_softcap is not None:
             logits = torch.tanh(logits / c.logit_softcap) * c.logit_softcap

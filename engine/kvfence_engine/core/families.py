@@ -36,6 +36,7 @@ def _layer(
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         qk_norm_eps=c.rms_eps if qk_norm else None,
+        qk_norm_unit_offset=c.family in UNIT_OFFSET_NORMS,
         scoring=Scoring(c.layer_window(i), c.query_scale, c.attn_softcap),
     )
     if mlp is None:
@@ -88,14 +89,22 @@ def gemma2(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
     return _layer(c, w, i, qkv_bias=bias, o_bias=bias, sandwich=True)
 
 
+def gemma3(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
+    """Gemma 3 text: Gemma 2's layer with an RMSNorm over each head of q and of k before RoPE
+    (its gains offsets from one too); sliding layers rotate by their own RoPE (Decoder)."""
+    bias = c.attention_bias
+    return _layer(c, w, i, qkv_bias=bias, o_bias=bias, qk_norm=True, sandwich=True)
+
+
 LAYERS: dict[Family, LayerBuilder] = {
     Family.LLAMA: llama,
     Family.QWEN2: qwen2,
     Family.QWEN3: qwen3,
     Family.GEMMA2: gemma2,
     Family.QWEN3_MOE: qwen3_moe,
+    Family.GEMMA3: gemma3,
 }
-UNIT_OFFSET_NORMS = {Family.GEMMA2}
+UNIT_OFFSET_NORMS = {Family.GEMMA2, Family.GEMMA3}
 
 
 def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Decoder:

@@ -63,8 +63,9 @@ class RMSNorm(nn.Module):
 
 class PagedSelfAttention(nn.Module):
     """Grouped-query attention whose keys and values live in the paged pool. Options, by
-    family: biases on q/k/v and on o; an RMSNorm over each head of q and of k before RoPE; how
-    keys are scored (a sliding window, a scale, a soft-cap)."""
+    family: biases on q/k/v and on o; an RMSNorm over each head of q and of k before RoPE (its
+    gains offsets from one: Gemma 3); how keys are scored (a sliding window, a scale, a
+    soft-cap)."""
 
     def __init__(
         self,
@@ -75,6 +76,7 @@ class PagedSelfAttention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm_eps: float | None = None,
+        qk_norm_unit_offset: bool = False,
         scoring: Scoring = FULL,
     ) -> None:
         super().__init__()
@@ -86,8 +88,9 @@ class PagedSelfAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(w[prefix + "q_norm.weight"], qk_norm_eps)
-            self.k_norm = RMSNorm(w[prefix + "k_norm.weight"], qk_norm_eps)
+            offset = qk_norm_unit_offset
+            self.q_norm = RMSNorm(w[prefix + "q_norm.weight"], qk_norm_eps, unit_offset=offset)
+            self.k_norm = RMSNorm(w[prefix + "k_norm.weight"], qk_norm_eps, unit_offset=offset)
         self.sources = {"qkv": [n + ".weight" for n in qkv], "o_proj": [prefix + "o_proj.weight"]}
 
     def forward(

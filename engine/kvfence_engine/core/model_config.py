@@ -13,6 +13,7 @@ class Family(StrEnum):
     QWEN3 = "qwen3"  # Qwen3 dense: per-head q/k RMSNorm before RoPE
     GEMMA2 = "gemma2"  # Gemma 2: sandwich norms, GeGLU, soft-capping, local/global layers
     QWEN3_MOE = "qwen3_moe"  # Qwen3-MoE: Qwen3's attention, routed experts for the MLP
+    GEMMA3 = "gemma3"  # Gemma 3 text: Gemma 2's layer with q/k norms, a RoPE per layer kind
 
 
 class RopeType(StrEnum):
@@ -70,7 +71,7 @@ class ModelConfig:
     # with a window, the layers that still attend to all positions (Qwen's layers below
     # max_window_layers); every other layer slides
     full_attention_layers: tuple[int, ...] = ()
-    # Gemma 2: the MLP's activation; the embeddings times sqrt(hidden_size); the attention
+    # Gemma 2 and 3: the MLP's activation; the embeddings times sqrt(hidden_size); the attention
     # scale (query_pre_attn_scalar ** -0.5, where not head_dim ** -0.5); tanh soft-caps of
     # the attention scores and of the final logits
     activation: str = "silu"
@@ -87,6 +88,10 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()  # dense whatever decoder_sparse_step says
+    # Gemma 3: the sliding layers' own RoPE (theta and scaling); None: they rotate as the
+    # full-attention layers do (rope_theta, rope)
+    sliding_rope_theta: float | None = None
+    sliding_rope: RopeScaling = field(default_factory=RopeScaling)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "family", Family(self.family))  # from JSON: a plain string
@@ -122,8 +127,9 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"model config: unknown fields {sorted(unknown)}")
         values = dict(values)
-        if "rope" in values:
-            values["rope"] = RopeScaling(**values["rope"])
+        for name in ("rope", "sliding_rope"):
+            if name in values:
+                values[name] = RopeScaling(**values[name])
         return ModelConfig(**values)
 
 

@@ -1,7 +1,7 @@
 """A Hugging Face folder's config.json, strictly: every field is one kvfence implements, one
 that changes nothing it computes, or a refusal that names it. The families and their fields
 are transformers 5's config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-Gemma2Config, Qwen3MoeConfig);
+Gemma2Config, Qwen3MoeConfig, Gemma3TextConfig);
 a field left out takes that class's default, as transformers would."""
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfence_engine.core.model_config import Family, ModelConfig
-from kvfence_engine.loading.hf_rope import hf_rope
+from kvfence_engine.loading.hf_rope import hf_rope, hf_rope_by_layer_type
 
 # Read by every family: the shape (these five must be given), the activation and the RoPE.
 REQUIRED = (
@@ -77,6 +77,15 @@ MOE_FIELDS = (
     "mlp_only_layers",
 )
 _QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
+_GEMMA_FIELDS = {
+    "attention_bias",
+    "hidden_activation",
+    "query_pre_attn_scalar",
+    "sliding_window",
+    "layer_types",
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+}
 SPECS = {
     "llama": FamilySpec(
         Family.LLAMA,
@@ -114,17 +123,7 @@ SPECS = {
     "gemma2": FamilySpec(
         Family.GEMMA2,
         "Gemma2ForCausalLM",
-        frozenset(
-            {
-                "attention_bias",
-                "hidden_activation",
-                "query_pre_attn_scalar",
-                "sliding_window",
-                "layer_types",
-                "final_logit_softcapping",
-                "attn_logit_softcapping",
-            }
-        ),
+        frozenset(_GEMMA_FIELDS),
         {
             "num_key_value_heads": 4,
             "head_dim": 256,
@@ -161,6 +160,33 @@ SPECS = {
         # the router's auxiliary loss: training only
         irrelevant=frozenset({"router_aux_loss_coef", "output_router_logits"}),
     ),
+    "gemma3_text": FamilySpec(
+        Family.GEMMA3,
+        "Gemma3ForCausalLM",
+        # sliding_window_pattern: transformers 4's layer_types (every pattern-th layer global)
+        frozenset({*_GEMMA_FIELDS, "sliding_window_pattern", "rope_local_base_freq"}),
+        {
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "max_position_embeddings": 131072,
+            "tie_word_embeddings": True,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+            "sliding_window_pattern": 6,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+        },
+        # _sliding_window_pattern: transformers 5 saves its copy of the pattern, read from nowhere
+        irrelevant=frozenset({"hidden_act", "cache_implementation", "_sliding_window_pattern"}),
+        fixed={"use_bidirectional_attention": (None, False)},
+        activation_field="hidden_activation",
+    ),
+}
+# model types kvfence knows and does not serve, and why
+UNSERVED = {
+    "gemma3": "Gemma3ForConditionalGeneration, Gemma 3's image-and-text model, which kvfence "
+    "does not serve (it serves the text-only Gemma3ForCausalLM, model_type 'gemma3_text')",
 }
 ARCHITECTURES = {spec.architecture: model_type for model_type, spec in SPECS.items()}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # core/layers.py computes these
@@ -194,7 +220,6 @@ def _read(raw: dict[str, Any], where: str) -> ModelConfig:
         )
     heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
     max_positions = int(get("max_position_embeddings"))
-    theta, rope = hf_rope(raw, max_positions, where)
     window, full_layers = _window(raw, model_type, get, where)
     return ModelConfig(
         vocab_size=int(raw["vocab_size"]),
@@ -204,26 +229,47 @@ def _read(raw: dict[str, Any], where: str) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=int(get("num_key_value_heads") or heads),
         head_dim=int(get("head_dim") or hidden // heads),
-        rope_theta=theta,
         rms_eps=float(get("rms_norm_eps", 1e-6)),
         max_positions=max_positions,
         tie_embeddings=bool(get("tie_word_embeddings", False)),
         attention_bias=bool(get("attention_bias", False)),
         mlp_bias=bool(get("mlp_bias", False)),
         family=spec.family,
-        rope=rope,
         sliding_window=window,
         full_attention_layers=full_layers,
         activation=act,
-        **_gemma(get) if spec.family is Family.GEMMA2 else {},
         **_experts(raw, get, where) if spec.family is Family.QWEN3_MOE else {},
+        **_ropes(raw, spec.family, max_positions, where),
+        **_gemma(get, spec.family, where) if spec.family in GEMMAS else {},
     )
 
 
-def _gemma(get: Callable[..., Any]) -> dict[str, Any]:
-    """Gemma 2's scales: embeddings times sqrt(hidden_size), attention scores times
+def _ropes(raw: dict[str, Any], family: Family, max_positions: int, where: str) -> dict[str, Any]:
+    """rope_theta and its scaling; Gemma 3's sliding layers have theirs."""
+    if family is not Family.GEMMA3:
+        theta, rope = hf_rope(raw, max_positions, where)
+        return {"rope_theta": theta, "rope": rope}
+    ropes = hf_rope_by_layer_type(raw, max_positions, where)
+    (theta, rope), (sliding_theta, sliding) = ropes["full_attention"], ropes["sliding_attention"]
+    return {"rope_theta": theta, "rope": rope, "sliding_rope_theta": sliding_theta,
+            "sliding_rope": sliding}  # fmt: skip
+
+
+GEMMAS = (Family.GEMMA2, Family.GEMMA3)
+
+
+def _gemma(get: Callable[..., Any], family: Family, where: str) -> dict[str, Any]:
+    """Gemma 2's and 3's scales: embeddings times sqrt(hidden_size), attention scores times
     query_pre_attn_scalar ** -0.5, soft-caps (null: none)."""
     attn_cap, logit_cap = get("attn_logit_softcapping"), get("final_logit_softcapping")
+    if attn_cap is not None and family is Family.GEMMA3:
+        # Gemma 3 replaced the attention soft-cap with q/k norms: transformers' Gemma3 reads
+        # the field and never applies it, other implementations apply it; kvfence guesses neither
+        raise ValueError(
+            f"{where}: field 'attn_logit_softcapping'={json.dumps(attn_cap)} is one "
+            "transformers' Gemma3ForCausalLM ignores and other implementations apply: kvfence "
+            "serves Gemma 3 with it null only"
+        )
     return {
         "embed_scale": float(get("hidden_size")) ** 0.5,
         "query_scale": float(get("query_pre_attn_scalar")) ** -0.5,
@@ -276,6 +322,8 @@ def _model_type(raw: dict[str, Any], where: str) -> str:
             )
     if model_type is None:
         raise ValueError(f"{where}: neither 'model_type' nor 'architectures' names the model")
+    if model_type in UNSERVED:
+        raise ValueError(f"{where}: model_type {model_type!r} is {UNSERVED[model_type]}")
     if model_type not in SPECS:
         raise ValueError(
             f"{where}: model_type {model_type!r} is not supported by kvfence "
@@ -334,6 +382,15 @@ def _window(
     types = get("layer_types")
     if model_type == "gemma2" and types is None:  # from the first, every other layer slides
         types = ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]
+    if model_type == "gemma3_text" and types is None:  # every pattern-th layer global
+        pattern = get("sliding_window_pattern")
+        if not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(
+                f"{where}: field 'sliding_window_pattern'={json.dumps(pattern)} is not a "
+                "whole number >= 1"
+            )
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(layers)]  # fmt: skip
     if model_type.startswith("qwen") and not get("use_sliding_window"):
         window = None
     if model_type == "qwen3_moe":  # Qwen3MoeConfig has no layer types: every layer slides

@@ -1,8 +1,10 @@
 """RoPE from a Hugging Face config.json: rope_theta, and the scaling entry under either of its
 spellings (`rope_scaling`, with `type` or `rope_type`, as Llama 3.x and Qwen2.5 checkpoints
 write it; `rope_parameters`, with rope_theta inside, as transformers 5 saves it). Each variant
-accepts exactly the keys transformers reads for it; anything else is refused by name."""
+accepts exactly the keys transformers reads for it; anything else is refused by name. Gemma 3
+gives each kind of layer a RoPE of its own: hf_rope_by_layer_type."""
 
+import json
 from typing import Any
 
 from kvfence_engine.core.model_config import RopeScaling, RopeType
@@ -73,6 +75,49 @@ def hf_rope(raw: dict[str, Any], max_positions: int, where: str) -> tuple[float,
     if missing:
         raise ValueError(f"{where}: rope scaling type {kind.value!r} needs {missing[0]!r}")
     return theta, _scaling(kind, entry, max_positions)
+
+
+# Gemma 3's kinds of layer: the field transformers 4 wrote each one's theta in, and
+# Gemma3TextConfig's default for it
+LAYER_TYPE_THETAS = {
+    "full_attention": ("rope_theta", 1_000_000.0),
+    "sliding_attention": ("rope_local_base_freq", 10_000.0),
+}
+
+
+def hf_rope_by_layer_type(
+    raw: dict[str, Any], max_positions: int, where: str
+) -> dict[str, tuple[float, RopeScaling]]:
+    """Gemma 3: (rope_theta, scaling) for each kind of layer, under either spelling, as
+    Gemma3TextConfig reads them: transformers 4's rope_theta and rope_scaling for the
+    full-attention layers and rope_local_base_freq for the sliding ones (default RoPE), or
+    transformers 5's rope_parameters keyed by layer type; what is left out takes its default."""
+    parameters = raw.get("rope_parameters") or {}
+    if not isinstance(parameters, dict) or set(parameters) - set(LAYER_TYPE_THETAS):
+        raise ValueError(
+            f"{where}: field 'rope_parameters'={json.dumps(parameters)} is not keyed by layer "
+            f"type ({' and '.join(LAYER_TYPE_THETAS)}), as Gemma 3's is"
+        )
+    legacy = {"full_attention": raw.get("rope_scaling")}
+    if legacy["full_attention"] and parameters:
+        raise ValueError(f"{where}: 'rope_scaling' and 'rope_parameters' are both given")
+    ropes = {}
+    for layer_type, (theta_field, default_theta) in LAYER_TYPE_THETAS.items():
+        named = f"{where}: {layer_type} layers"
+        entry = parameters.get(layer_type) or legacy.get(layer_type) or {}
+        if not isinstance(entry, dict):
+            raise ValueError(f"{named}: rope scaling {entry!r} is not an object")
+        inner, outer = entry.get("rope_theta"), raw.get(theta_field)
+        if inner is not None and outer is not None and float(inner) != float(outer):
+            raise ValueError(
+                f"{named}: field {theta_field!r}={outer} and rope_theta={inner} in "
+                "rope_parameters disagree"
+            )
+        theta = next((t for t in (inner, outer) if t is not None), default_theta)
+        ropes[layer_type] = hf_rope(
+            {"rope_parameters": entry | {"rope_theta": theta}}, max_positions, named
+        )
+    return ropes
 
 
 def _scaling_entry(raw: dict[str, Any], where: str) -> dict[str, Any]:

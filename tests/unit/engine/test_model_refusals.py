@@ -126,6 +126,65 @@ GEMMA2 = {
     "cache_implementation": "hybrid",
     "eos_token_id": [1, 107],
 }
+# Gemma 3 1B's config.json as transformers 4 wrote it (rope_theta, rope_local_base_freq,
+# sliding_window_pattern; no layer_types); the 4B's text_config adds a linear rope_scaling
+GEMMA3: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": None,
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "eos_token_id": [1, 106],
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152,
+    "initializer_range": 0.02,
+    "intermediate_size": 6912,
+    "max_position_embeddings": 32768,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 26,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0",
+    "use_cache": True,
+    "vocab_size": 262144,
+}
+GEMMA3_4B_TEXT = GEMMA3 | {
+    "hidden_size": 2560,
+    "intermediate_size": 10240,
+    "num_hidden_layers": 34,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 131072,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "sliding_window": 1024,
+}
+# transformers 5's spelling: rope_parameters by layer type, layer_types beside the pattern
+GEMMA3_SAVED = {k: v for k, v in GEMMA3_4B_TEXT.items() if not k.startswith("rope_")} | {
+    "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "layer_types": ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(34)],
+    "_sliding_window_pattern": 6,
+}
+
+
+def gemma3(**changes: Any) -> dict[str, Any]:
+    return GEMMA3 | changes
+
+
 REFUSED = {
     "longrope": (
         with_rope(rope_type="longrope"),
@@ -245,7 +304,47 @@ REFUSED = {
         {**GEMMA2, "hidden_activation": "gelu"},
         "field 'hidden_activation'='gelu' changes the computation and is not implemented",
     ),
-}
+    "gemma 3 multimodal": (
+        {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+         "text_config": {k: v for k, v in GEMMA3_4B_TEXT.items() if k != "architectures"},
+         "vision_config": {"model_type": "siglip_vision_model"}},
+        "model_type 'gemma3' is Gemma3ForConditionalGeneration, Gemma 3's image-and-text "
+        "model, which kvfence does not serve (it serves the text-only Gemma3ForCausalLM, "
+        "model_type 'gemma3_text')",
+    ),
+    "bidirectional gemma 3": (
+        gemma3(use_bidirectional_attention=True),
+        "field 'use_bidirectional_attention'=true changes the computation and is not implemented",
+    ),
+    # transformers' Gemma3 never applies it, other implementations do
+    "gemma 3 attention soft-cap": (
+        gemma3(attn_logit_softcapping=50.0),
+        "field 'attn_logit_softcapping'=50.0 is one transformers' Gemma3ForCausalLM ignores "
+        "and other implementations apply",
+    ),
+    "gemma 3 flat rope_parameters": (  # transformers keeps the layer types' entries, not it
+        gemma3(rope_scaling=None, rope_parameters={"rope_type": "linear", "factor": 8.0}),
+        "field 'rope_parameters'={\"rope_type\": \"linear\", \"factor\": 8.0} is not keyed by "
+        "layer type (full_attention and sliding_attention)",
+    ),
+    "gemma 3 both rope spellings": (
+        GEMMA3_SAVED | {"rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+        "'rope_scaling' and 'rope_parameters' are both given",
+    ),
+    "gemma 3 sliding rope type": (
+        GEMMA3_SAVED | {"rope_parameters": {"sliding_attention": {"rope_type": "longrope"}}},
+        "sliding_attention layers: rope scaling type 'longrope' is not supported by kvfence",
+    ),
+    "gemma 3 local theta twice": (
+        GEMMA3_SAVED | {"rope_local_base_freq": 20000.0},
+        "sliding_attention layers: field 'rope_local_base_freq'=20000.0 and rope_theta=10000.0 "
+        "in rope_parameters disagree",
+    ),
+    "gemma 3 pattern": (
+        gemma3(sliding_window_pattern=0),
+        "field 'sliding_window_pattern'=0 is not a whole number >= 1",
+    ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", REFUSED)
@@ -294,6 +393,56 @@ def test_qwen3_30b_a3b_reads_its_experts() -> None:
     assert read_hf_config(windowed).full_attention_layers == ()
 
 
+# each config and the linear factor of its global layers
+GEMMA3_HUB: dict[str, tuple[dict[str, Any], float]] = {
+    "1b": (GEMMA3, 1.0),
+    "4b-text": (GEMMA3_4B_TEXT, 8.0),
+    "4b-text, other thetas": (
+        GEMMA3_4B_TEXT | {"rope_theta": 5e5, "rope_local_base_freq": 2e4},
+        8.0,
+    ),
+    "saved": (GEMMA3_SAVED, 8.0),
+}
+
+
+@pytest.mark.parametrize("name", GEMMA3_HUB)
+def test_gemma_3_configs_are_read_as_transformers_reads_them(name: str) -> None:
+    """Each kind of layer, its window and its RoPE, from either spelling, as Gemma3TextConfig
+    and Gemma3RotaryEmbedding make them; the scales as Gemma3ForCausalLM applies them."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    raw, factor = GEMMA3_HUB[name]
+    ours = read_hf_config(raw)
+    theirs = transformers.Gemma3TextConfig(**copy.deepcopy(raw))
+    assert ours.family is Family.GEMMA3 and ours.tie_embeddings
+    windows = [ours.layer_window(i) for i in range(ours.num_layers)]
+    assert theirs.layer_types is not None
+    assert windows == [
+        theirs.sliding_window if t == "sliding_attention" else None for t in theirs.layer_types
+    ]
+    assert windows[:6] == [raw["sliding_window"]] * 5 + [None]
+    assert (ours.embed_scale, ours.query_scale) == (theirs.hidden_size**0.5, 1 / 16)
+    assert (ours.attn_softcap, ours.logit_softcap) == (None, None)
+    rotary = Gemma3RotaryEmbedding(theirs)
+    for layer_type, theta, rope in (
+        ("full_attention", ours.rope_theta, ours.rope),
+        ("sliding_attention", ours.sliding_rope_theta, ours.sliding_rope),
+    ):
+        assert theta is not None
+        inv_freq, attention = rope_frequencies(ours.head_dim, theta, rope, ours.max_positions)
+        assert torch.equal(inv_freq, getattr(rotary, f"{layer_type}_inv_freq"))
+        assert attention == getattr(rotary, f"{layer_type}_attention_scaling")
+    assert ours.rope.factor == factor and ours.sliding_rope == RopeScaling()
+
+
+def test_gemma_3s_layer_types_win_over_its_pattern_as_in_transformers() -> None:
+    """transformers 5 saves both; a pattern beside layer_types is not read."""
+    types = ["sliding_attention", "full_attention"] * 13
+    config = read_hf_config(gemma3(layer_types=types, sliding_window_pattern=3))
+    assert config.full_attention_layers == tuple(range(1, 26, 2))
+    assert transformers.Gemma3TextConfig(**gemma3(layer_types=types)).layer_types == types
+
+
 def test_fields_that_change_nothing_load() -> None:
     config = read_hf_config(llama(attention_dropout=0.1, pad_token_id=None, dtype="float32"))
     assert config == read_hf_config(llama())
@@ -338,6 +487,28 @@ def test_a_window_shorter_than_the_context_is_served_and_preflight_sizes_the_who
     assert code == 0, out
     assert "KV bytes per token: 512 (float32" in out  # 2 layers x 2 heads x 16 dims x K, V
     assert "context 512: fits" in out
+
+
+@pytest.mark.parametrize(
+    ("name", "bytes_per_token"),
+    [("1b", 26624), ("4b-text", 139264)],  # 2 x 26 layers x 1 head / 34 x 4 heads x 256 x 2
+)
+def test_preflight_sizes_a_gemma_3_pool_for_every_layer_at_the_whole_context(
+    name: str, bytes_per_token: int, tmp_path: Path, capsys
+) -> None:
+    """From config.json alone: the sliding layers' keys stay in the pool as the global
+    layers' do (a window only masks), so each token costs K and V in every layer."""
+    raw, _ = GEMMA3_HUB[name]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    positions = raw["max_position_embeddings"]
+    flags = ["--model", str(tmp_path), "--kv-cache-dtype", "bfloat16", "--kv-cache-memory"]
+    budget = str(bytes_per_token * (positions + 64))
+    assert main(["preflight", *flags, budget, "--context-length", str(positions)]) == 0
+    out = capsys.readouterr().out
+    assert f"KV bytes per token: {bytes_per_token} (bfloat16" in out
+    assert f"context {positions}: fits" in out
+    assert main(["preflight", *flags, budget, "--context-length", str(positions + 1)]) == 1
+    assert f"DOES NOT FIT the model's {positions} positions" in capsys.readouterr().out
 
 
 def test_dynamic_rope_is_refused_past_max_position_embeddings_saying_why(tmp_path: Path) -> None:
@@ -536,3 +707,6 @@ def test_a_config_survives_the_conversion_cache_as_itself() -> None:
     assert back.rope.type is RopeType.LINEAR and back.family is Family.QWEN3
     moe = read_hf_config(qwen3_moe(mlp_only_layers=[0, 3]))
     assert ModelConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(moe)))) == moe
+    gemma = read_hf_config(GEMMA3_4B_TEXT)
+    back = ModelConfig.from_dict(json.loads(json.dumps(dataclasses.asdict(gemma))))
+    assert back == gemma and back.sliding_rope.type is RopeType.DEFAULT

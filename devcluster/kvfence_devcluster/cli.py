@@ -23,6 +23,7 @@ from types import FrameType
 import httpx
 import yaml
 
+from kvfence_engine.tools import http_clients
 from kvfence_engine.tools.localproc import free_port
 
 from .apiserver import INFERENCE_DEPLOYMENT_CRD, write_kubeconfig
@@ -122,7 +123,7 @@ def _start_operator(cluster: Cluster, stop: threading.Event) -> ManagedProcess:
         if (code := operator.poll()) is not None:
             raise StartError(f"the operator exited with code {code}; see {operator.log_path}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(liveness, timeout=1.0).status_code == 200:
+            if http_clients.get(liveness, timeout=1.0).status_code == 200:
                 return operator
         if time.monotonic() > deadline:
             raise StartError(
@@ -152,7 +153,7 @@ def _serve(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
         if stop.is_set():
             return 0
         try:
-            httpx.get(cluster.url + "/api", timeout=5.0).raise_for_status()
+            http_clients.get(cluster.url + "/api", timeout=5.0).raise_for_status()
         except httpx.HTTPError as exc:
             raise StartError(f"the API server at {cluster.url} does not answer: {exc}") from None
         try:

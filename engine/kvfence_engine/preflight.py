@@ -23,6 +23,7 @@ from kvfence_engine.core.pool_plan import (
     effective_context,
     plan_pool,
 )
+from kvfence_engine.tools import http_clients
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 KV_DTYPES = ["auto", *DTYPE_BYTES]
@@ -87,7 +88,7 @@ def live(
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     try:
-        response = httpx.get(url, headers=headers, timeout=10.0)
+        response = http_clients.get(url, headers=headers, timeout=10.0)
     except httpx.HTTPError as exc:
         raise ValueError(f"cannot reach {url}: {exc}") from None
     if response.status_code == 401:

@@ -5,11 +5,11 @@ hoping that the passes ran."""
 
 from collections.abc import Mapping, Sequence
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfence_devcluster.fixtures import Cluster
 from kvfence_devcluster.processes import ManagedProcess
+from kvfence_engine.tools import http_clients
 from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.app.handlers import RECONCILE_INTERVAL_ENV
 from kvfence_operator.app.metrics import PASSES
@@ -30,7 +30,7 @@ class Operator:
         """Passes of namespace/name that have ended (0 before the first)."""
         if self.process.poll() is not None:
             raise GiveUp(f"the operator exited {self.process.poll()}:\n{self.log()[-3000:]}")
-        text = httpx.get(self.metrics_url, timeout=5).raise_for_status().text
+        text = http_clients.get(self.metrics_url, timeout=5).raise_for_status().text
         for family in text_string_to_metric_families(text):
             if family.name == PASSES:
                 for sample in family.samples:

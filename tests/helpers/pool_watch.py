@@ -18,6 +18,7 @@ import httpx
 from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.disagg.reservations import DecodeReservations
+from kvfence_engine.tools import http_clients
 from kvfence_engine.tools.localproc import LocalProcess
 
 # Deferred release: a decode engine frees an aborted request's pages when its transfer ends,
@@ -70,7 +71,7 @@ def _server_level(proc: LocalProcess) -> Level | None:
     token_file = _token_files.get(id(proc))
     headers = {TOKEN_HEADER: token_file.read_text().strip()} if token_file is not None else {}
     try:
-        r = httpx.get(proc.url + "/v1/kvpool", headers=headers, timeout=5.0)
+        r = http_clients.get(proc.url + "/v1/kvpool", headers=headers, timeout=5.0)
     except httpx.HTTPError:
         return None  # not listening (yet): nothing it holds can be read
     if r.status_code in (401, 403):  # a watch that cannot read the pool would pass silently

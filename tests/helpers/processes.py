@@ -3,8 +3,7 @@
 import re
 from pathlib import Path
 
-import httpx
-
+from kvfence_engine.tools import http_clients
 from kvfence_engine.tools.localproc import LocalProcess
 
 from .pool_watch import watch_server
@@ -24,7 +23,7 @@ def metric(url: str, name: str, token: str | None = None) -> float:
     """One sample of a Prometheus series (name including labels) from url/metrics (`token`:
     the engine's internal token, which its /metrics then requires)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    text = httpx.get(url + "/metrics", headers=headers).text
+    text = http_clients.get(url + "/metrics", headers=headers).text
     match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     assert match, f"{name} missing from {url}/metrics"
     return float(match.group(1))

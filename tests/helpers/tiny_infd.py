@@ -10,11 +10,11 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import openai
 
 from kvfence_devcluster.fixtures import Cluster
 from kvfence_engine.contracts import TOKEN_HEADER
+from kvfence_engine.tools import http_clients
 from kvfence_operator.builders.secret import INTERNAL_TOKEN_KEY, secret_name
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION, LABEL_ROLE, Instance, selector
@@ -145,7 +145,7 @@ def internal_token(cluster: Cluster, revision: str) -> str:
 def routed_to(cluster: Cluster, revision: str) -> dict[str, list[str]]:
     """What the revision's router routes to now, per role (GET /internal/v1/backends, which
     real and hollow routers answer): what the operator wrote and pushed to it."""
-    answer = httpx.get(
+    answer = http_clients.get(
         cluster.pod_url(router_pod(cluster, revision)) + "/internal/v1/backends",
         headers={TOKEN_HEADER: internal_token(cluster, revision)},
         timeout=5,

@@ -22,6 +22,8 @@ from typing import ClassVar
 
 import httpx
 
+from kvfence_engine.tools import http_clients
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -181,7 +183,7 @@ class LocalProcess:
             said = last_line(self.log_path)
             return Probe(Readiness.FAILED, f"exited with {self.proc.returncode}: {said}".strip())
         try:
-            response = httpx.get(self.url + path, timeout=1.0)
+            response = http_clients.get(self.url + path, timeout=1.0)
         except httpx.HTTPError:
             return Probe(Readiness.STARTING)
         if response.status_code == 200:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvfence_engine.contracts import TOKEN_HEADER
+from kvfence_engine.tools import http_clients
 from kvfence_operator.decisions.pool_gate import PodPool, parse_pool
 
 PoolReader = Callable[[str, str, str, str | None, str | None], PodPool]
@@ -40,7 +41,9 @@ def read_pool(
         return PodPool(pod, role, revision, error="no pod IP yet")
     headers = {TOKEN_HEADER: internal_token} if internal_token else {}
     try:
-        response = httpx.get(url + "/v1/kvpool", headers=headers, timeout=PROBE_TIMEOUT_SECONDS)
+        response = http_clients.get(
+            url + "/v1/kvpool", headers=headers, timeout=PROBE_TIMEOUT_SECONDS
+        )
         response.raise_for_status()
         payload = response.json()
     except httpx.HTTPStatusError as exc:

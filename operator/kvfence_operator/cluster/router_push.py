@@ -17,6 +17,7 @@ import httpx
 from pydantic import ValidationError
 
 from kvfence_engine.contracts import TOKEN_HEADER, BackendsFile, BackendsInForce
+from kvfence_engine.tools import http_clients
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def push_backends(router_urls: Iterable[str], wanted: BackendsFile, token: str |
     headers = {TOKEN_HEADER: token}
     digest = wanted.digest()
     body = wanted.model_dump(mode="json", by_alias=True)
-    with httpx.Client(timeout=PUSH_TIMEOUT_SECONDS, headers=headers) as client:
+    with http_clients.client(timeout=PUSH_TIMEOUT_SECONDS, headers=headers) as client:
         for url in router_urls:
             try:
                 held = client.get(url + BACKENDS_PATH)

@@ -4,6 +4,7 @@ import httpx
 import pytest
 
 from kvfence_engine.contracts import TOKEN_HEADER
+from kvfence_engine.tools import http_clients
 from kvfence_operator.cluster.prober import read_pool
 from kvfence_operator.crd.types import PoolPolicy
 from kvfence_operator.decisions.pool_gate import PodPool, judge_pools, parse_pool
@@ -152,9 +153,9 @@ def test_read_pool_reports_an_error_status_and_non_json(monkeypatch):
             status, text=text, request=httpx.Request("GET", url)
         )
 
-    monkeypatch.setattr(httpx, "get", answer(500, "boom"))
+    monkeypatch.setattr(http_clients, "get", answer(500, "boom"))
     assert "answered 500" in (read_pool("d", "decode", "r1", "http://x").error or "")
-    monkeypatch.setattr(httpx, "get", answer(200, "<html>"))
+    monkeypatch.setattr(http_clients, "get", answer(200, "<html>"))
     assert "non-JSON" in (read_pool("d", "decode", "r1", "http://x").error or "")
 
 
@@ -175,7 +176,7 @@ def test_read_pool_presents_the_revisions_internal_token(monkeypatch):
             status, json=report.model_dump(mode="json"), request=httpx.Request("GET", url)
         )
 
-    monkeypatch.setattr(httpx, "get", engine)
+    monkeypatch.setattr(http_clients, "get", engine)
     assert read_pool("d-0", "decode", "r1", "http://x", token).report == report
     refused = read_pool("d-0", "decode", "r1", "http://x")  # the control: no token, no report
     assert refused.report is None and "answered 401" in (refused.error or "")

@@ -6,7 +6,14 @@ import torch
 
 from kvfence_engine.core.attention import Scoring
 from kvfence_engine.core.decoder import Decoder, LayerBuilder, layer_prefix
-from kvfence_engine.core.layers import DecoderLayer, GatedMLP, PagedSelfAttention, Weights
+from kvfence_engine.core.layers import (
+    SEPARATE_GATE_UP,
+    SEPARATE_QKV,
+    DecoderLayer,
+    GatedMLP,
+    PagedSelfAttention,
+    Weights,
+)
 from kvfence_engine.core.model_config import Family, ModelConfig
 
 
@@ -20,6 +27,7 @@ def _layer(
     mlp_bias: bool = False,
     qk_norm: bool = False,
     sandwich: bool = False,
+    stored_fused: bool = False,
 ) -> DecoderLayer:
     prefix = layer_prefix(i)
     attn = PagedSelfAttention(
@@ -30,8 +38,15 @@ def _layer(
         o_bias=o_bias,
         qk_norm_eps=c.rms_eps if qk_norm else None,
         scoring=Scoring(c.layer_window(i), c.query_scale, c.attn_softcap),
+        qkv_names=("qkv_proj",) if stored_fused else SEPARATE_QKV,
     )
-    mlp = GatedMLP(w, prefix + "mlp.", bias=mlp_bias, activation=c.activation)
+    mlp = GatedMLP(
+        w,
+        prefix + "mlp.",
+        bias=mlp_bias,
+        activation=c.activation,
+        gate_up_names=("gate_up_proj",) if stored_fused else SEPARATE_GATE_UP,
+    )
     return DecoderLayer(w, prefix, c.rms_eps, attn, mlp, sandwich=sandwich)
 
 
@@ -62,15 +77,33 @@ def gemma2(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
     return _layer(c, w, i, qkv_bias=bias, o_bias=bias, sandwich=True)
 
 
+def phi3(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
+    """Phi-3, 3.5 and Phi-4-mini: a Llama without biases whose checkpoints store q, k and v
+    stacked in one qkv_proj and gate then up in one gate_up_proj (the very linears the shared
+    layers fuse); a sliding window on every layer where sliding_window says so. Partial
+    rotary and LongRoPE: core/rope.py."""
+    return _layer(c, w, i, qkv_bias=False, o_bias=False, stored_fused=True)
+
+
 LAYERS: dict[Family, LayerBuilder] = {
     Family.LLAMA: llama,
     Family.QWEN2: qwen2,
     Family.QWEN3: qwen3,
     Family.GEMMA2: gemma2,
+    Family.PHI3: phi3,
 }
 UNIT_OFFSET_NORMS = {Family.GEMMA2}
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Decoder:
+def build_model(
+    config: ModelConfig, weights: dict[str, torch.Tensor], context: int | None = None
+) -> Decoder:
+    """The model for an engine that serves `context` positions (default max_positions)."""
     family = config.family
-    return Decoder(config, weights, LAYERS[family], unit_offset_norm=family in UNIT_OFFSET_NORMS)
+    return Decoder(
+        config,
+        weights,
+        LAYERS[family],
+        unit_offset_norm=family in UNIT_OFFSET_NORMS,
+        context=context,
+    )

@@ -1,7 +1,7 @@
 """A Hugging Face folder's config.json, strictly: every field is one kvfence implements, one
 that changes nothing it computes, or a refusal that names it. The families and their fields
 are transformers 5's config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-Gemma2Config);
+Gemma2Config, Phi3Config);
 a field left out takes that class's default, as transformers would."""
 
 import json
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfence_engine.core.model_config import Family, ModelConfig
-from kvfence_engine.loading.hf_rope import hf_rope
+from kvfence_engine.core.model_config import Family, ModelConfig, RopeType
+from kvfence_engine.loading.hf_rope import STANDARD, RopeRules, check_rotary_dims, hf_rope
 
 # Read by every family: the shape (these five must be given), the activation and the RoPE.
 REQUIRED = (
@@ -64,6 +64,7 @@ class FamilySpec:
     # accepted at these values only: the ones kvfence computes
     fixed: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     activation_field: str = "hidden_act"  # Gemma's is hidden_activation
+    rope: RopeRules = STANDARD
 
 
 _QWEN_WINDOW = {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
@@ -132,6 +133,32 @@ SPECS = {
         fixed={"use_bidirectional_attention": (None, False)},
         activation_field="hidden_activation",
     ),
+    "phi3": FamilySpec(
+        Family.PHI3,
+        "Phi3ForCausalLM",
+        frozenset({"sliding_window", "original_max_position_embeddings", "partial_rotary_factor"}),
+        {"num_key_value_heads": None, "max_position_embeddings": 4096, "sliding_window": None},
+        # resid_pdrop, embd_pdrop: training-only dropout; auto_map: the checkpoint's own copy
+        # of the modeling code (trust_remote_code), which transformers' Phi3 replaces
+        irrelevant=frozenset({"resid_pdrop", "embd_pdrop", "auto_map"}),
+        # Phi-4-mini's, for its remote code; transformers' Phi3 has no biases and reads
+        # neither of the others: accepted at the values that code computes the same with
+        fixed={
+            "attention_bias": (False,),
+            "mlp_bias": (False,),
+            "lm_head_bias": (False,),
+            "full_attn_mod": (1,),
+            "interpolate_factor": (1,),
+        },
+        # Phi3Config: default or longrope (su, its old name); original_max_position_embeddings
+        # at the top level (default 4096) is the one longrope reads
+        rope=RopeRules(
+            frozenset({RopeType.DEFAULT, RopeType.LONGROPE}),
+            aliases={"su": RopeType.LONGROPE},
+            top_level={"partial_rotary_factor": None, "original_max_position_embeddings": 4096},
+            partial_rotary=True,
+        ),
+    ),
 }
 ARCHITECTURES = {spec.architecture: model_type for model_type, spec in SPECS.items()}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # core/layers.py computes these
@@ -165,7 +192,9 @@ def _read(raw: dict[str, Any], where: str) -> ModelConfig:
         )
     heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
     max_positions = int(get("max_position_embeddings"))
-    theta, rope = hf_rope(raw, max_positions, where)
+    theta, rope = hf_rope(raw, max_positions, where, spec.rope)
+    head_dim = int(get("head_dim") or hidden // heads)
+    check_rotary_dims(rope, head_dim, where)
     window, full_layers = _window(raw, model_type, get, where)
     return ModelConfig(
         vocab_size=int(raw["vocab_size"]),
@@ -174,7 +203,7 @@ def _read(raw: dict[str, Any], where: str) -> ModelConfig:
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(get("num_key_value_heads") or heads),
-        head_dim=int(get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         rope_theta=theta,
         rms_eps=float(get("rms_norm_eps", 1e-6)),
         max_positions=max_positions,
@@ -263,11 +292,12 @@ def _window(
     """The attention window of the model's sliding layers (None where every layer attends to
     all positions), and the layers that do not slide. Mistral: sliding_window for every
     layer. Qwen: sliding_window if use_sliding_window, on the layers layer_types names
-    sliding (by default those from max_window_layers on), as transformers' Qwen configs."""
+    sliding (by default those from max_window_layers on), as transformers' Qwen configs.
+    Phi-3: as Mistral."""
     if model_type == "llama":
         return None, ()
     window = get("sliding_window")
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return (None if window is None else int(window)), ()
     layers = int(raw["num_hidden_layers"])
     types = get("layer_types")

@@ -11,7 +11,10 @@ the combined engine with pages of 8 tokens, so that prompts and generations cros
 The long-context variants (linear, llama3, yarn) put original_max_position_embeddings at 64,
 so that most of the 264 positions lie past it. `dynamic` is exact up to max_position_embeddings
 (512 here), where transformers' dynamic NTK is plain RoPE; past it the engine refuses to serve
-(tests/unit/engine/test_model_refusals.py).
+(tests/unit/engine/test_model_refusals.py). `longrope` in both of the regimes where the served
+context decides as transformers' sequence does (core/rope.py): served past
+original_max_position_embeddings (64) with a prompt past it from the first forward (long
+factors), and served within it (320, short factors).
 """
 
 import json
@@ -50,6 +53,18 @@ def rope(kind: str, theta: float = 10000.0, **values: object) -> dict[str, Any]:
 
 
 LONG = {"original_max_position_embeddings": 64}
+# Phi-3/4's LongRoPE: one factor per rotated pair (head dim 16; Phi-4-mini's 0.75 rotates 12),
+# short ones near 1, long ones growing as the hub's do, so that taking one for the other shows
+PHI3_PARTIAL = {"partial_rotary_factor": 0.75, "tie_word_embeddings": True}  # Phi-4-mini's
+
+
+def longrope(pairs: int, original: int) -> dict[str, Any]:
+    short = [1.0 + 0.05 * i for i in range(pairs)]
+    long = [1.5**i for i in range(pairs)]
+    entry = rope("longrope", short_factor=short, long_factor=long)
+    return {**entry, "original_max_position_embeddings": original}
+
+
 LLAMA3 = rope("llama3", 500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, **LONG)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -115,7 +130,17 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "Gemma2Config",
         {"head_dim": 16, "attn_logit_softcapping": None, "final_logit_softcapping": None},
     ),
+    # Phi-3/4: q/k/v and gate/up stored fused; Phi-3-mini-4k's window (2047) scaled down
+    "phi3": ("Phi3Config", {}),
+    "phi3-window": ("Phi3Config", {"sliding_window": 20}),
+    "phi3-partial-rotary": ("Phi3Config", PHI3_PARTIAL),
+    # served 512 > original 64: long factors, as transformers for a 200-token prompt
+    "phi3-longrope": ("Phi3Config", {**longrope(6, 64), **PHI3_PARTIAL}),
+    # served 320 = original 320 (SERVED): short factors, as transformers below it
+    "phi3-longrope-short": ("Phi3Config", longrope(8, 320)),
 }
+# the served context (--context-length) of a case that sets one
+SERVED = {"phi3-longrope-short": 320}
 
 
 def engine_for_loaded(loaded: LoadedModel, **args: Unpack[TinyEngineOptions]) -> LLMEngine:
@@ -131,7 +156,7 @@ def engine_for(folder: Path, **args: Unpack[TinyEngineOptions]) -> LLMEngine:
 def test_logits_and_greedy_tokens_are_transformers(case: str, tmp_path: Path) -> None:
     config_class, overrides = CASES[case]
     theirs = hf_model(tmp_path, config_class, **overrides)
-    engine = engine_for(tmp_path)
+    engine = engine_for(tmp_path, context_length=SERVED.get(case))
     ids = random_prompt(PROMPT)
     with torch.no_grad():
         expected = torch.log_softmax(theirs(torch.tensor([ids])).logits[0].float(), -1)
@@ -181,7 +206,7 @@ def test_a_llama_3_folder_with_llama3_rope_scaling_gives_transformers_greedy_tok
     assert tokens == ref_tokens
 
 
-@pytest.mark.parametrize("case", ["llama-biases", "qwen2", "qwen3-tied-biases"])
+@pytest.mark.parametrize("case", ["llama-biases", "qwen2", "qwen3-tied-biases", "phi3"])
 def test_packed_weights_find_each_familys_linears(case: str, tmp_path: Path) -> None:
     """linear_sources names the weights each fused linear was built from, biases beside: with
     a GGUF's kind of int4 groups (Q4_0 of every projection) and the exact float32 kernel, the

@@ -262,3 +262,35 @@ def test_a_sliding_window_after_a_prefix_cache_hit_is_transformers(
     assert again.cached_tokens >= PROMPT - PAGE
     ref_tokens, _ = their_greedy(theirs, ids, NEW)
     assert again.output_ids == ref_tokens
+
+
+def test_longrope_served_past_its_original_context_turns_a_short_prompt_by_the_long_factors(
+    tmp_path: Path,
+) -> None:
+    """Where the rule and transformers part (core/rope.py): an engine serving 512 positions,
+    past original_max_position_embeddings (64), rotates a 40-token prompt by the long factors
+    too, where transformers, whose sequence has not passed 64, takes the short ones. Ours is
+    transformers' with its short table swapped for its own long one; transformers' itself is
+    another function of the prompt."""
+    import transformers
+
+    config_class, overrides = CASES["phi3-longrope"]
+    theirs = hf_model(tmp_path, config_class, **overrides)
+    ids = random_prompt(40)
+    ours = torch.log_softmax(our_prefill_logits(engine_for(tmp_path), ids), -1)
+
+    def their_logprobs() -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(theirs(torch.tensor([ids])).logits[0].float(), -1)
+
+    short = their_logprobs()
+    longrope = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["longrope"]
+    rotary = theirs.model.rotary_emb
+    rotary.original_inv_freq = longrope(theirs.config, None, seq_len=65)[0]
+    long = their_logprobs()
+    to_long, to_short = (ours - long).abs().max().item(), (ours - short).abs().max().item()
+    print(
+        f"phi3-longrope, 40 tokens: max |dlogprob| {to_long:.2e} to long, {to_short:.2f} to short"
+    )
+    assert to_long < TOLERANCE
+    assert to_short > 100 * TOLERANCE

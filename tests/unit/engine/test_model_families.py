@@ -285,8 +285,9 @@ def test_longrope_served_past_its_original_context_turns_a_short_prompt_by_the_l
 
     short = their_logprobs()
     longrope = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["longrope"]
-    rotary = theirs.model.rotary_emb
-    rotary.original_inv_freq = longrope(theirs.config, None, seq_len=65)[0]
+    long_inv_freq = longrope(theirs.config, None, seq_len=65)[0]  # what it takes past 64
+    rotary = theirs.get_submodule("model.rotary_emb")
+    rotary.register_buffer("original_inv_freq", long_inv_freq, persistent=False)
     long = their_logprobs()
     to_long, to_short = (ours - long).abs().max().item(), (ours - short).abs().max().item()
     print(

@@ -9,7 +9,7 @@ longest sequence of the current batch, and keys already cached keep the rotation
 that wrote them. Up to max_position_embeddings it is plain RoPE, and that is as far as the
 engine serves any model (ModelConfig.max_positions; model_config.positions_note says why).
 
-`longrope` (Phi-3/4) is not either: transformers takes the short factors while the longest
+Nor is transformers' `longrope` (Phi-3/4): it takes the short factors while the longest
 position of a forward is below original_max_position_embeddings and the long ones past it, so
 the same position turns differently in a short and a long sequence. Here the served context
 decides once, for every position, as llama.cpp does: short factors where the engine serves

@@ -27,7 +27,9 @@ def layer_prefix(i: int) -> str:
 class Decoder(nn.Module):
     """linear_sources: each linear's module path -> the weights it was built from (fused in
     that order), for packing them from the file's own blocks (quantization.pack_int4_linears).
-    unit_offset_norm: the final norm's gains are offsets from one (Gemma)."""
+    unit_offset_norm: the final norm's gains are offsets from one (Gemma).
+    context: the positions the engine serves (default max_positions), which longrope's
+    factors depend on (core/rope.py)."""
 
     def __init__(
         self,
@@ -36,6 +38,7 @@ class Decoder(nn.Module):
         layer: LayerBuilder,
         *,
         unit_offset_norm: bool = False,
+        context: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -47,7 +50,9 @@ class Decoder(nn.Module):
         # transformers ignores too)
         head = "model.embed_tokens" if config.tie_embeddings else "lm_head"
         self.lm_head = fused_linear(w, [head], bias=False)
-        self.rotary = Rotary(config.head_dim, config.max_positions, config.rope_theta, config.rope)
+        self.rotary = Rotary(
+            config.head_dim, config.max_positions, config.rope_theta, config.rope, context
+        )
         # Gemma 3: the sliding layers rotate by a RoPE of their own
         self.sliding = [config.layer_window(i) is not None for i in range(config.num_layers)]
         self.sliding_rotary: Rotary | None = None
@@ -57,6 +62,7 @@ class Decoder(nn.Module):
                 config.max_positions,
                 config.sliding_rope_theta,
                 config.sliding_rope,
+                context,
             )
         self.linear_sources = {"lm_head": [head + ".weight"]}
         for i, built in enumerate(self.layers):

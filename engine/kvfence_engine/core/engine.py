@@ -174,7 +174,7 @@ class LLMEngine(Generic[TokenizerT]):
             )
         if requested < 1:
             raise ValueError("--context-length must be >= 1")
-        model = build_model(loaded.config, loaded.weights).to(self.device, dtype)
+        model = build_model(loaded.config, loaded.weights, requested).to(self.device, dtype)
         if self.precision.packed is WeightDtype.INT4:
             pack_int4_linears(model, model.linear_sources, loaded.int4)
         elif self.precision.packed is not None:

@@ -7,6 +7,8 @@ import torch
 from kvfence_engine.core.attention import Scoring
 from kvfence_engine.core.decoder import Decoder, LayerBuilder, layer_prefix
 from kvfence_engine.core.layers import (
+    SEPARATE_GATE_UP,
+    SEPARATE_QKV,
     DecoderLayer,
     GatedMLP,
     PagedSelfAttention,
@@ -27,6 +29,7 @@ def _layer(
     qk_norm: bool = False,
     sandwich: bool = False,
     mlp: GatedMLP | SparseMoE | None = None,  # None: the dense gated MLP
+    stored_fused: bool = False,
 ) -> DecoderLayer:
     prefix = layer_prefix(i)
     attn = PagedSelfAttention(
@@ -38,9 +41,16 @@ def _layer(
         qk_norm_eps=c.rms_eps if qk_norm else None,
         qk_norm_unit_offset=c.family in UNIT_OFFSET_NORMS,
         scoring=Scoring(c.layer_window(i), c.query_scale, c.attn_softcap),
+        qkv_names=("qkv_proj",) if stored_fused else SEPARATE_QKV,
     )
     if mlp is None:
-        mlp = GatedMLP(w, prefix + "mlp.", bias=mlp_bias, activation=c.activation)
+        mlp = GatedMLP(
+            w,
+            prefix + "mlp.",
+            bias=mlp_bias,
+            activation=c.activation,
+            gate_up_names=("gate_up_proj",) if stored_fused else SEPARATE_GATE_UP,
+        )
     return DecoderLayer(w, prefix, c.rms_eps, attn, mlp, sandwich=sandwich)
 
 
@@ -96,6 +106,14 @@ def gemma3(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
     return _layer(c, w, i, qkv_bias=bias, o_bias=bias, qk_norm=True, sandwich=True)
 
 
+def phi3(c: ModelConfig, w: Weights, i: int) -> DecoderLayer:
+    """Phi-3, 3.5 and Phi-4-mini: a Llama without biases whose checkpoints store q, k and v
+    stacked in one qkv_proj and gate then up in one gate_up_proj (the very linears the shared
+    layers fuse); a sliding window on every layer where sliding_window says so. Partial
+    rotary and LongRoPE: core/rope.py."""
+    return _layer(c, w, i, qkv_bias=False, o_bias=False, stored_fused=True)
+
+
 LAYERS: dict[Family, LayerBuilder] = {
     Family.LLAMA: llama,
     Family.QWEN2: qwen2,
@@ -103,10 +121,20 @@ LAYERS: dict[Family, LayerBuilder] = {
     Family.GEMMA2: gemma2,
     Family.QWEN3_MOE: qwen3_moe,
     Family.GEMMA3: gemma3,
+    Family.PHI3: phi3,
 }
 UNIT_OFFSET_NORMS = {Family.GEMMA2, Family.GEMMA3}
 
 
-def build_model(config: ModelConfig, weights: dict[str, torch.Tensor]) -> Decoder:
+def build_model(
+    config: ModelConfig, weights: dict[str, torch.Tensor], context: int | None = None
+) -> Decoder:
+    """The model for an engine that serves `context` positions (default max_positions)."""
     family = config.family
-    return Decoder(config, weights, LAYERS[family], unit_offset_norm=family in UNIT_OFFSET_NORMS)
+    return Decoder(
+        config,
+        weights,
+        LAYERS[family],
+        unit_offset_norm=family in UNIT_OFFSET_NORMS,
+        context=context,
+    )

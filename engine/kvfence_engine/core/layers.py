@@ -61,11 +61,16 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+SEPARATE_QKV = ("q_proj", "k_proj", "v_proj")
+SEPARATE_GATE_UP = ("gate_proj", "up_proj")
+
+
 class PagedSelfAttention(nn.Module):
     """Grouped-query attention whose keys and values live in the paged pool. Options, by
     family: biases on q/k/v and on o; an RMSNorm over each head of q and of k before RoPE (its
     gains offsets from one: Gemma 3); how keys are scored (a sliding window, a scale, a
-    soft-cap)."""
+    soft-cap); the checkpoint's names of the q/k/v weights (Phi-3's one qkv_proj holds their
+    rows already stacked)."""
 
     def __init__(
         self,
@@ -78,11 +83,12 @@ class PagedSelfAttention(nn.Module):
         qk_norm_eps: float | None = None,
         qk_norm_unit_offset: bool = False,
         scoring: Scoring = FULL,
+        qkv_names: tuple[str, ...] = SEPARATE_QKV,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = shape
         self.scoring = scoring
-        qkv = [prefix + f"{p}_proj" for p in "qkv"]
+        qkv = [prefix + name for name in qkv_names]
         self.qkv = fused_linear(w, qkv, qkv_bias)
         self.o_proj = fused_linear(w, [prefix + "o_proj"], o_bias)
         self.q_norm: RMSNorm | None = None
@@ -121,12 +127,22 @@ ACTIVATIONS = {
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): act silu (SwiGLU) or tanh-approximated gelu (GeGLU)."""
+    """down(act(gate(x)) * up(x)): act silu (SwiGLU) or tanh-approximated gelu (GeGLU); the
+    gate and up weights by the checkpoint's names (Phi-3's one gate_up_proj: gate rows, then
+    up rows)."""
 
-    def __init__(self, w: Weights, prefix: str, *, bias: bool, activation: str = "silu") -> None:
+    def __init__(
+        self,
+        w: Weights,
+        prefix: str,
+        *,
+        bias: bool,
+        activation: str = "silu",
+        gate_up_names: tuple[str, ...] = SEPARATE_GATE_UP,
+    ) -> None:
         super().__init__()
         self.act = ACTIVATIONS[activation]
-        gate_up = [prefix + "gate_proj", prefix + "up_proj"]
+        gate_up = [prefix + name for name in gate_up_names]
         self.gate_up = fused_linear(w, gate_up, bias)
         self.down = fused_linear(w, [prefix + "down_proj"], bias)
         self.sources = {

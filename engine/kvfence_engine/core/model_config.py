@@ -14,6 +14,7 @@ class Family(StrEnum):
     GEMMA2 = "gemma2"  # Gemma 2: sandwich norms, GeGLU, soft-capping, local/global layers
     QWEN3_MOE = "qwen3_moe"  # Qwen3-MoE: Qwen3's attention, routed experts for the MLP
     GEMMA3 = "gemma3"  # Gemma 3 text: Gemma 2's layer with q/k norms, a RoPE per layer kind
+    PHI3 = "phi3"  # Phi-3/3.5, Phi-4-mini: q/k/v and gate/up stored fused
 
 
 class RopeType(StrEnum):
@@ -24,6 +25,7 @@ class RopeType(StrEnum):
     DYNAMIC = "dynamic"  # NTK dynamic: exact only up to max_positions (core/rope.py says why)
     LLAMA3 = "llama3"
     YARN = "yarn"
+    LONGROPE = "longrope"  # Phi-3/4: short or long factors, by the served context (core/rope.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,18 +34,31 @@ class RopeScaling:
 
     type: RopeType = RopeType.DEFAULT
     factor: float = 1.0
-    original_max_positions: int | None = None  # llama3 and yarn
+    original_max_positions: int | None = None  # llama3, yarn and longrope
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
-    attention_factor: float | None = None  # yarn: None = from factor (and mscale) as the paper
+    # yarn and longrope: None = from factor (and yarn's mscale) as the papers
+    attention_factor: float | None = None
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+    # longrope: one factor per rotated frequency, for contexts up to original_max_positions
+    # and for longer ones (factor: the context ratio its attention_factor is derived from)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    # any variant: the leading fraction of each head dim that is rotated (the rest passes)
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "type", RopeType(self.type))  # from JSON: a plain string
+        object.__setattr__(self, "short_factor", tuple(self.short_factor))  # JSON: lists
+        object.__setattr__(self, "long_factor", tuple(self.long_factor))
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many leading dims of a head RoPE rotates, as transformers rounds it."""
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True, slots=True)

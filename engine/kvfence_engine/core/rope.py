@@ -8,6 +8,16 @@ key is rotated once, when it is written, and read back by later steps. transform
 longest sequence of the current batch, and keys already cached keep the rotation of the step
 that wrote them. Up to max_position_embeddings it is plain RoPE, and that is as far as the
 engine serves any model (ModelConfig.max_positions; model_config.positions_note says why).
+
+Nor is transformers' `longrope` (Phi-3/4): it takes the short factors while the longest
+position of a forward is below original_max_position_embeddings and the long ones past it, so
+the same position turns differently in a short and a long sequence. Here the served context
+decides once, for every position, as llama.cpp does: short factors where the engine serves
+at most original_max_position_embeddings (no sequence can pass it: transformers' choice at
+every step), long ones where it serves more (transformers' choice for a prompt that is past
+it from its first forward; a shorter one it would start with short factors).
+
+partial_rotary_factor (Phi-4-mini: 0.75): only the leading fraction of each head dim turns.
 """
 
 import math
@@ -71,21 +81,41 @@ def _yarn(theta: float, dim: int, s: RopeScaling) -> tuple[torch.Tensor, float]:
     return interpolation * (1 - keep) + extrapolation * keep, float(attention)
 
 
+def _longrope(theta: float, dim: int, s: RopeScaling, context: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE: each frequency divided by its own factor, the short list's or the long one's
+    by the served context (the module docstring says why), and cos/sin scaled by
+    attention_factor, by default sqrt(1 + ln(factor) / ln(original))."""
+    original = s.original_max_positions
+    assert original is not None
+    factors = s.long_factor if context > original else s.short_factor
+    attention = s.attention_factor
+    if attention is None:
+        attention = 1.0 if s.factor <= 1 else math.sqrt(1 + math.log(s.factor) / math.log(original))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents), float(attention)
+
+
 def rope_frequencies(
-    head_dim: int, theta: float, scaling: RopeScaling, max_positions: int
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling,
+    max_positions: int,
+    context: int | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """inv_freq (float32, [head_dim / 2]) and the factor cos and sin are multiplied by."""
+    """inv_freq (float32, [rotary dim / 2]) and the factor cos and sin are multiplied by, for
+    an engine serving `context` positions (default max_positions; only longrope reads it)."""
     kind = scaling.type
+    dim = scaling.rotary_dim(head_dim)
     if kind is RopeType.YARN:
-        return _yarn(theta, head_dim, scaling)
+        return _yarn(theta, dim, scaling)
+    if kind is RopeType.LONGROPE:
+        return _longrope(theta, dim, scaling, context or max_positions)
     if kind is RopeType.DYNAMIC:
         # transformers' value at seq_len = max_position_embeddings: the base unchanged up to
         # float rounding, and the frequencies of every position the engine serves
         seq_len, factor = max_positions, scaling.factor
-        theta = theta * ((factor * seq_len / max_positions) - (factor - 1)) ** (
-            head_dim / (head_dim - 2)
-        )
-    inv_freq = _base_inv_freq(theta, head_dim)
+        theta = theta * ((factor * seq_len / max_positions) - (factor - 1)) ** (dim / (dim - 2))
+    inv_freq = _base_inv_freq(theta, dim)
     if kind is RopeType.LINEAR:
         inv_freq /= scaling.factor
     elif kind is RopeType.LLAMA3:
@@ -94,16 +124,22 @@ def rope_frequencies(
 
 
 class Rotary(nn.Module):
-    """Rotate-half RoPE (Hugging Face layout), cos/sin tables precomputed once."""
+    """Rotate-half RoPE (Hugging Face layout), cos/sin tables precomputed once for an engine
+    that serves `context` positions (rope_frequencies)."""
 
-    cos: torch.Tensor  # buffers (register_buffer): [max_positions, head_dim]
+    cos: torch.Tensor  # buffers (register_buffer): [max_positions, rotary dim]
     sin: torch.Tensor
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: RopeScaling,
+        context: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq, attention = rope_frequencies(head_dim, theta, scaling, max_positions)
+        inv_freq, attention = rope_frequencies(head_dim, theta, scaling, max_positions, context)
         # float64 angles: exact at any position, where float32 would lose the low bits
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq.double())
         angles = torch.cat([freqs, freqs], dim=-1)
@@ -122,7 +158,11 @@ class RopeAngles(NamedTuple):
     sin: torch.Tensor
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] -> rotated by each token's position."""
-        half = x.shape[-1] // 2
+        """x [T, heads, D] -> rotated by each token's position: its first rotary-dim dims (all
+        of them but where partial_rotary_factor < 1), the rest passed through."""
+        dim = self.cos.shape[-1]
+        if dim < x.shape[-1]:
+            return torch.cat([self.rotate(x[..., :dim]), x[..., dim:]], dim=-1)
+        half = dim // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * self.cos + rotated * self.sin

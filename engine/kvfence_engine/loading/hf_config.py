@@ -1,7 +1,7 @@
 """A Hugging Face folder's config.json, strictly: every field is one kvfence implements, one
 that changes nothing it computes, or a refusal that names it. The families and their fields
 are transformers 5's config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-Gemma2Config, Qwen3MoeConfig, Gemma3TextConfig);
+Gemma2Config, Qwen3MoeConfig, Gemma3TextConfig, Phi3Config);
 a field left out takes that class's default, as transformers would."""
 
 import json
@@ -10,8 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvfence_engine.core.model_config import Family, ModelConfig
-from kvfence_engine.loading.hf_rope import hf_rope, hf_rope_by_layer_type
+from kvfence_engine.core.model_config import Family, ModelConfig, RopeType
+from kvfence_engine.loading.hf_rope import (
+    STANDARD,
+    RopeRules,
+    check_rotary_dims,
+    hf_rope,
+    hf_rope_by_layer_type,
+)
 
 # Read by every family: the shape (these five must be given), the activation and the RoPE.
 REQUIRED = (
@@ -64,6 +70,7 @@ class FamilySpec:
     # accepted at these values only: the ones kvfence computes
     fixed: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     activation_field: str = "hidden_act"  # Gemma's is hidden_activation
+    rope: RopeRules = STANDARD
 
 
 # Qwen3MoeConfig's experts; num_local_experts is how transformers 5 saves num_experts
@@ -182,6 +189,32 @@ SPECS = {
         fixed={"use_bidirectional_attention": (None, False)},
         activation_field="hidden_activation",
     ),
+    "phi3": FamilySpec(
+        Family.PHI3,
+        "Phi3ForCausalLM",
+        frozenset({"sliding_window", "original_max_position_embeddings", "partial_rotary_factor"}),
+        {"num_key_value_heads": None, "max_position_embeddings": 4096, "sliding_window": None},
+        # resid_pdrop, embd_pdrop: training-only dropout; auto_map: the checkpoint's own copy
+        # of the modeling code (trust_remote_code), which transformers' Phi3 replaces
+        irrelevant=frozenset({"resid_pdrop", "embd_pdrop", "auto_map"}),
+        # Phi-4-mini's, for its remote code; transformers' Phi3 has no biases and reads
+        # neither of the others: accepted at the values that code computes the same with
+        fixed={
+            "attention_bias": (False,),
+            "mlp_bias": (False,),
+            "lm_head_bias": (False,),
+            "full_attn_mod": (1,),
+            "interpolate_factor": (1,),
+        },
+        # Phi3Config: default or longrope (su, its old name); original_max_position_embeddings
+        # at the top level (default 4096) is the one longrope reads
+        rope=RopeRules(
+            frozenset({RopeType.DEFAULT, RopeType.LONGROPE}),
+            aliases={"su": RopeType.LONGROPE},
+            top_level={"partial_rotary_factor": None, "original_max_position_embeddings": 4096},
+            partial_rotary=True,
+        ),
+    ),
 }
 # model types kvfence knows and does not serve, and why
 UNSERVED = {
@@ -220,6 +253,9 @@ def _read(raw: dict[str, Any], where: str) -> ModelConfig:
         )
     heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
     max_positions = int(get("max_position_embeddings"))
+    head_dim = int(get("head_dim") or hidden // heads)
+    ropes = _ropes(raw, spec, max_positions, where)
+    check_rotary_dims(ropes["rope"], head_dim, where)
     window, full_layers = _window(raw, model_type, get, where)
     return ModelConfig(
         vocab_size=int(raw["vocab_size"]),
@@ -228,7 +264,7 @@ def _read(raw: dict[str, Any], where: str) -> ModelConfig:
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=heads,
         num_kv_heads=int(get("num_key_value_heads") or heads),
-        head_dim=int(get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         rms_eps=float(get("rms_norm_eps", 1e-6)),
         max_positions=max_positions,
         tie_embeddings=bool(get("tie_word_embeddings", False)),
@@ -239,15 +275,15 @@ def _read(raw: dict[str, Any], where: str) -> ModelConfig:
         full_attention_layers=full_layers,
         activation=act,
         **_experts(raw, get, where) if spec.family is Family.QWEN3_MOE else {},
-        **_ropes(raw, spec.family, max_positions, where),
+        **ropes,
         **_gemma(get, spec.family, where) if spec.family in GEMMAS else {},
     )
 
 
-def _ropes(raw: dict[str, Any], family: Family, max_positions: int, where: str) -> dict[str, Any]:
-    """rope_theta and its scaling; Gemma 3's sliding layers have theirs."""
-    if family is not Family.GEMMA3:
-        theta, rope = hf_rope(raw, max_positions, where)
+def _ropes(raw: dict[str, Any], spec: FamilySpec, max_positions: int, where: str) -> dict[str, Any]:
+    """rope_theta and its scaling, by the family's rules; Gemma 3's sliding layers have theirs."""
+    if spec.family is not Family.GEMMA3:
+        theta, rope = hf_rope(raw, max_positions, where, spec.rope)
         return {"rope_theta": theta, "rope": rope}
     ropes = hf_rope_by_layer_type(raw, max_positions, where)
     (theta, rope), (sliding_theta, sliding) = ropes["full_attention"], ropes["sliding_attention"]
@@ -372,11 +408,11 @@ def _window(
     all positions), and the layers that do not slide. Mistral, and Qwen3-MoE if
     use_sliding_window: sliding_window for every layer. Qwen2 and Qwen3: sliding_window if
     use_sliding_window, on the layers layer_types names sliding (by default those from
-    max_window_layers on), as transformers' Qwen configs."""
+    max_window_layers on), as transformers' Qwen configs. Phi-3: as Mistral."""
     if model_type == "llama":
         return None, ()
     window = get("sliding_window")
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return (None if window is None else int(window)), ()
     layers = int(raw["num_hidden_layers"])
     types = get("layer_types")

@@ -12,7 +12,10 @@ the combined engine with pages of 8 tokens, so that prompts and generations cros
 The long-context variants (linear, llama3, yarn) put original_max_position_embeddings at 64,
 so that most of the 264 positions lie past it. `dynamic` is exact up to max_position_embeddings
 (512 here), where transformers' dynamic NTK is plain RoPE; past it the engine refuses to serve
-(tests/unit/engine/test_model_refusals.py).
+(tests/unit/engine/test_model_refusals.py). `longrope` in both of the regimes where the served
+context decides as transformers' sequence does (core/rope.py): served past
+original_max_position_embeddings (64) with a prompt past it from the first forward (long
+factors), and served within it (320, short factors).
 """
 
 import json
@@ -53,6 +56,18 @@ def rope(kind: str, theta: float = 10000.0, **values: object) -> dict[str, Any]:
 
 
 LONG = {"original_max_position_embeddings": 64}
+# Phi-3/4's LongRoPE: one factor per rotated pair (head dim 16; Phi-4-mini's 0.75 rotates 12),
+# short ones near 1, long ones growing as the hub's do, so that taking one for the other shows
+PHI3_PARTIAL = {"partial_rotary_factor": 0.75, "tie_word_embeddings": True}  # Phi-4-mini's
+
+
+def longrope(pairs: int, original: int) -> dict[str, Any]:
+    short = [1.0 + 0.05 * i for i in range(pairs)]
+    long = [1.5**i for i in range(pairs)]
+    entry = rope("longrope", short_factor=short, long_factor=long)
+    return {**entry, "original_max_position_embeddings": original}
+
+
 LLAMA3 = rope("llama3", 500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, **LONG)
 MOE = {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 GEMMA3 = {"head_dim": 16, "sliding_window": 24, "sliding_window_pattern": 2}
@@ -158,7 +173,17 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # Phi-3/4: q/k/v and gate/up stored fused; Phi-3-mini-4k's window (2047) scaled down
+    "phi3": ("Phi3Config", {}),
+    "phi3-window": ("Phi3Config", {"sliding_window": 20}),
+    "phi3-partial-rotary": ("Phi3Config", PHI3_PARTIAL),
+    # served 512 > original 64: long factors, as transformers for a 200-token prompt
+    "phi3-longrope": ("Phi3Config", {**longrope(6, 64), **PHI3_PARTIAL}),
+    # served 320 = original 320 (SERVED): short factors, as transformers below it
+    "phi3-longrope-short": ("Phi3Config", longrope(8, 320)),
 }
+# the served context (--context-length) of a case that sets one
+SERVED = {"phi3-longrope-short": 320}
 
 
 def engine_for_loaded(loaded: LoadedModel, **args: Unpack[TinyEngineOptions]) -> LLMEngine:
@@ -174,7 +199,7 @@ def engine_for(folder: Path, **args: Unpack[TinyEngineOptions]) -> LLMEngine:
 def test_logits_and_greedy_tokens_are_transformers(case: str, tmp_path: Path) -> None:
     config_class, overrides = CASES[case]
     theirs = hf_model(tmp_path, config_class, **overrides)
-    engine = engine_for(tmp_path)
+    engine = engine_for(tmp_path, context_length=SERVED.get(case))
     ids = random_prompt(PROMPT)
     with torch.no_grad():
         expected = torch.log_softmax(theirs(torch.tensor([ids])).logits[0].float(), -1)
@@ -225,7 +250,7 @@ def test_a_llama_3_folder_with_llama3_rope_scaling_gives_transformers_greedy_tok
 
 
 @pytest.mark.parametrize(
-    "case", ["llama-biases", "qwen2", "qwen3-tied-biases", "qwen3-moe", "gemma3"]
+    "case", ["llama-biases", "qwen2", "qwen3-tied-biases", "qwen3-moe", "gemma3", "phi3"]
 )
 def test_packed_weights_find_each_familys_linears(case: str, tmp_path: Path) -> None:
     """linear_sources names the weights each fused linear was built from, biases beside: with
@@ -344,3 +369,36 @@ def test_two_moe_prompts_decoded_in_one_step_get_the_tokens_each_gets_alone(
     assert decoded_together >= 20  # steps that decoded both at once
     assert [seq.output_ids for seq in seqs] == alone
     assert alone[0] != alone[1]
+
+
+def test_longrope_served_past_its_original_context_turns_a_short_prompt_by_the_long_factors(
+    tmp_path: Path,
+) -> None:
+    """Where the rule and transformers part (core/rope.py): an engine serving 512 positions,
+    past original_max_position_embeddings (64), rotates a 40-token prompt by the long factors
+    too, where transformers, whose sequence has not passed 64, takes the short ones. Ours is
+    transformers' with its short table swapped for its own long one; transformers' itself is
+    another function of the prompt."""
+    import transformers
+
+    config_class, overrides = CASES["phi3-longrope"]
+    theirs = hf_model(tmp_path, config_class, **overrides)
+    ids = random_prompt(40)
+    ours = torch.log_softmax(our_prefill_logits(engine_for(tmp_path), ids), -1)
+
+    def their_logprobs() -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(theirs(torch.tensor([ids])).logits[0].float(), -1)
+
+    short = their_logprobs()
+    longrope = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["longrope"]
+    long_inv_freq = longrope(theirs.config, None, seq_len=65)[0]  # what it takes past 64
+    rotary = theirs.get_submodule("model.rotary_emb")
+    rotary.register_buffer("original_inv_freq", long_inv_freq, persistent=False)
+    long = their_logprobs()
+    to_long, to_short = (ours - long).abs().max().item(), (ours - short).abs().max().item()
+    print(
+        f"phi3-longrope, 40 tokens: max |dlogprob| {to_long:.2e} to long, {to_short:.2f} to short"
+    )
+    assert to_long < TOLERANCE
+    assert to_short > 100 * TOLERANCE

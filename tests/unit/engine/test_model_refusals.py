@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import importlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,11 @@ def test_hub_configs_are_read_as_transformers_reads_them(name: str) -> None:
     prefix = transformers.models.auto.modeling_auto.MODEL_MAPPING_NAMES[model_type]
     assert isinstance(prefix, str)  # one model class for these families
     rotary = getattr(modeling, prefix.removesuffix("Model") + "RotaryEmbedding")(theirs)
+    # transformers' table before any forward: longrope's short factors, ours where the served
+    # context is within original_max_position_embeddings
+    served = ours.rope.original_max_positions if ours.rope.type is RopeType.LONGROPE else None
     inv_freq, attention = rope_frequencies(
-        ours.head_dim, ours.rope_theta, ours.rope, ours.max_positions
+        ours.head_dim, ours.rope_theta, ours.rope, ours.max_positions, served
     )
     assert torch.equal(inv_freq, rotary.inv_freq) and attention == rotary.attention_scaling
 
@@ -79,6 +83,41 @@ def test_llama_3_2_reads_its_llama3_rope_scaling() -> None:
         low_freq_factor=1.0,
         high_freq_factor=4.0,
     )
+
+
+def test_phi_4_mini_reads_its_longrope_and_partial_rotary_as_transformers() -> None:
+    """Phi-4-mini: 96 of 128 head dims rotated, LongRoPE from 4096 to 131072 positions. The
+    long factors are transformers' own (its longrope function past original_max), taken by an
+    engine that serves more than 4096 positions; the short ones, within 4096."""
+    raw = hub("phi-4-mini-instruct")
+    ours = read_hf_config(raw)
+    assert (ours.family, ours.tie_embeddings, ours.head_dim) == (Family.PHI3, True, 128)
+    assert ours.rope.rotary_dim(ours.head_dim) == 96
+    assert (ours.rope.type, ours.rope.original_max_positions, ours.rope.factor) == (
+        RopeType.LONGROPE,
+        4096,
+        32.0,
+    )
+    # su: LongRoPE's older name, as Phi-3-mini-128k's first config.json spelled it
+    assert read_hf_config(phi4_rope(type="su")) == ours
+    given = {k: v for k, v in copy.deepcopy(raw).items() if k != "model_type"}
+    theirs = transformers.AutoConfig.for_model("phi3", **given)
+    longrope = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["longrope"]
+    for served, seq_len in ((4096, None), (4097, 4097), (131072, 4097)):
+        expected, expected_attention = longrope(theirs, None, seq_len=seq_len)
+        inv_freq, attention = rope_frequencies(128, ours.rope_theta, ours.rope, 131072, served)
+        assert torch.equal(inv_freq, expected), served
+        assert (
+            attention
+            == expected_attention
+            == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+        )
+
+
+def test_phi_3_mini_slides_every_layer_by_its_window() -> None:
+    config = read_hf_config(hub("phi-3-mini-4k-instruct"))
+    assert config.family is Family.PHI3 and config.rope == RopeScaling()
+    assert [config.layer_window(i) for i in (0, 31)] == [2047, 2047]
 
 
 def test_the_windows_of_real_configs() -> None:
@@ -109,6 +148,14 @@ def with_rope(**entry: Any) -> dict[str, Any]:
 
 def qwen3_moe(**changes: Any) -> dict[str, Any]:
     return hub("qwen3-30b-a3b") | changes
+
+
+def phi4(**changes: Any) -> dict[str, Any]:
+    return hub("phi-4-mini-instruct") | changes
+
+
+def phi4_rope(**entry: Any) -> dict[str, Any]:
+    return phi4(rope_scaling=hub("phi-4-mini-instruct")["rope_scaling"] | entry)
 
 
 GEMMA2 = {
@@ -235,8 +282,8 @@ REFUSED = {
         "field 'rope_interleaved'=true changes the computation and is not implemented",
     ),
     "another model type": (
-        llama(model_type="phi3", architectures=["Phi3ForCausalLM"]),
-        "model_type 'phi3' is not supported by kvfence",
+        llama(model_type="phi", architectures=["PhiForCausalLM"]),
+        "model_type 'phi' is not supported by kvfence",
     ),
     "another MoE": (
         llama(model_type="mixtral", architectures=["MixtralForCausalLM"]),
@@ -343,6 +390,58 @@ REFUSED = {
     "gemma 3 pattern": (
         gemma3(sliding_window_pattern=0),
         "field 'sliding_window_pattern'=0 is not a whole number >= 1",
+    ),
+    # Phi3Config reads yarn as longrope; kvfence serves only what it names
+    "phi3 yarn": (
+        phi4(rope_scaling={"type": "yarn", "factor": 4.0}),
+        "rope scaling type 'yarn' is not supported by kvfence (supported: default, longrope)",
+    ),
+    "phi3 mscales": (
+        phi4_rope(short_mscale=1.2, long_mscale=1.2),
+        "rope scaling key 'long_mscale'=1.2 is not one rope type 'longrope' reads",
+    ),
+    "phi3 original context twice": (
+        phi4_rope(original_max_position_embeddings=8192),
+        "rope scaling key 'original_max_position_embeddings'=8192 and the field "
+        "'original_max_position_embeddings'=4096 disagree",
+    ),
+    # transformers' Phi3Config takes 4096 then, whatever the entry says
+    "phi3 original context only in the entry": (
+        {
+            **{k: v for k, v in phi4().items() if k != "original_max_position_embeddings"},
+            "rope_scaling": phi4()["rope_scaling"] | {"original_max_position_embeddings": 8192},
+        },
+        "'original_max_position_embeddings'=4096 (its default where config.json leaves it out) "
+        "disagree",
+    ),
+    "phi3 partial rotary twice": (
+        phi4_rope(partial_rotary_factor=0.5),
+        "rope scaling key 'partial_rotary_factor'=0.5 and the field 'partial_rotary_factor'=0.75 "
+        "disagree",
+    ),
+    "phi3 an odd rotary dim": (
+        phi4(partial_rotary_factor=0.7, rope_scaling=None),
+        "'partial_rotary_factor'=0.7 rotates 89 of the 128 head dims",
+    ),
+    "phi3 factors for another head": (
+        phi4_rope(short_factor=[1.0] * 64),
+        "rope scaling key 'short_factor' has 64 values; the 96 rotated dims of a head take 48",
+    ),
+    "phi3 factors that are not numbers": (
+        phi4_rope(long_factor="4.0"),
+        "rope scaling key 'long_factor'=\"4.0\" is not a list of numbers",
+    ),
+    "phi3 longrope without its factors": (
+        phi4(rope_scaling={"type": "longrope", "short_factor": [1.0] * 48}),
+        "rope scaling type 'longrope' needs 'long_factor'",
+    ),
+    "phi3 remote code's full attention period": (
+        phi4(full_attn_mod=2),
+        "field 'full_attn_mod'=2 changes the computation and is not implemented",
+    ),
+    "phi3 biases": (
+        phi4(attention_bias=True),
+        "field 'attention_bias'=true changes the computation and is not implemented",
     ),
 }  # fmt: skip
 

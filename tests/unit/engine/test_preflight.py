@@ -55,6 +55,34 @@ def test_preflight_over_the_models_positions_does_not_fit(capsys):
     assert "DOES NOT FIT the model's 4096 positions" in capsys.readouterr().out
 
 
+HUB_CONFIGS = Path(__file__).resolve().parents[2] / "helpers/samples/hub_configs"
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "bytes_per_token", "pool_tokens"),
+    [
+        # 2 x 32 layers x 8 KV heads x 128 dims x 2 bytes: all 128 dims are cached, the 32
+        # its partial RoPE leaves unrotated too
+        ("phi-4-mini-instruct", "32 layers x 8 KV heads x 128 dims", 131072, 8192),
+        # 2 x 32 x 32 x 96 x 2; its window of 2047 frees no page (docs/engine.md)
+        ("phi-3-mini-4k-instruct", "32 layers x 32 KV heads x 96 dims", 393216, 2720),
+    ],
+)
+def test_preflight_sizes_a_phi_models_kv_from_its_config(
+    name, shape, bytes_per_token, pool_tokens, tmp_path, capsys
+):
+    (tmp_path / "config.json").write_text((HUB_CONFIGS / f"{name}.json").read_text())
+    code = main(
+        ["preflight", "--model", str(tmp_path), "--kv-cache-memory", "1Gi",
+         "--kv-cache-dtype", "bfloat16", "--context-length", "2048"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert shape in out
+    assert f"KV bytes per token: {bytes_per_token} (bfloat16," in out
+    assert f"= {pool_tokens} tokens per engine" in out
+
+
 TINY = ["preflight", "--model", "builtin:tiny-random", "--kv-cache-memory", "1Mi"]
 
 

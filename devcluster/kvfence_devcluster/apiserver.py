@@ -86,6 +86,12 @@ def _not_served() -> ApiError:
 
 
 @attrs.define(kw_only=True)
+def load_yaml(text: str | bytes) -> Any:
+    """yaml.safe_load through libyaml where PyYAML has it (its wheels do): the CRD file every
+    cluster installs is 200 KB, 0.4 s of CPU in pure Python, 0.06 s in C."""
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 class ApiServer(kmock.KubernetesScaffold):
     store: Store = attrs.field(factory=Store)
     pod_logs: PodLogs | None = None
@@ -212,7 +218,7 @@ class ApiServer(kmock.KubernetesScaffold):
         )
 
     def install_crd_file(self, path: Path = INFERENCE_DEPLOYMENT_CRD) -> dict[str, Any]:
-        return self.install_crd(yaml.safe_load(path.read_text()))
+        return self.install_crd(load_yaml(path.read_text()))
 
     # ---- discovery (kmock routes these paths to the methods it names) -----------------------
 
@@ -460,7 +466,7 @@ class ApiServer(kmock.KubernetesScaffold):
         managedFields, never a conflict), so a field left out of a later apply is kept."""
         assert request.name is not None
         try:
-            applied = yaml.safe_load(request.body or b"")
+            applied = load_yaml(request.body or b"")
         except yaml.YAMLError as exc:
             raise bad_request(f"the applied configuration is not YAML: {exc}") from None
         if (

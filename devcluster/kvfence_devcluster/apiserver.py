@@ -85,13 +85,13 @@ def _not_served() -> ApiError:
     return ApiError(404, "NotFound", "the server could not find the requested resource")
 
 
-@attrs.define(kw_only=True)
 def load_yaml(text: str | bytes) -> Any:
     """yaml.safe_load through libyaml where PyYAML has it (its wheels do): the CRD file every
     cluster installs is 200 KB, 0.4 s of CPU in pure Python, 0.06 s in C."""
     return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
+@attrs.define(kw_only=True)
 class ApiServer(kmock.KubernetesScaffold):
     store: Store = attrs.field(factory=Store)
     pod_logs: PodLogs | None = None

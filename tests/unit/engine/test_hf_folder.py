@@ -32,7 +32,10 @@ def test_a_sharded_folder_gives_the_single_file_folders_logits_exactly(tmp_path:
     """transformers' own shards and index (save_pretrained with a small max_shard_size), beside
     the same model saved as one model.safetensors: the same tensors, the same logits."""
     single, sharded = tmp_path / "single", tmp_path / "sharded"
+    import transformers  # here, not at collection: test-fast collects this module too
+
     model = hf_model(single, "LlamaConfig")
+    assert isinstance(model, transformers.PreTrainedModel)
     model.save_pretrained(sharded, max_shard_size="100KB")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (sharded / name).write_bytes((single / name).read_bytes())

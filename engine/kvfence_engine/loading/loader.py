@@ -2,7 +2,8 @@
 for a GGUF, also the file's own Q4_0/Q4_1 blocks (int4), which the engine packs by default on CPU.
 
 SRC is `builtin:smollm2-135m-instruct`, `builtin:tiny-random`, a `.gguf` file, or a folder with
-config.json + *.safetensors + tokenizer.json.
+config.json + *.safetensors (one file, or shards and their index: hf_weights.py) +
+tokenizer.json, and perhaps generation_config.json (its eos ids: generation_config.py).
 """
 
 import contextlib
@@ -25,14 +26,19 @@ from kvfence_engine.loading.config import (
     converted_header,
     converted_path,
 )
+from kvfence_engine.loading.generation_config import (
+    GENERATION_CONFIG,
+    folder_eos_ids,
+    read_generation_config,
+)
 from kvfence_engine.loading.gguf_config import gguf_config, hf_name
 from kvfence_engine.loading.hf_config import hf_config
+from kvfence_engine.loading.hf_weights import load_hf_weights
 from kvfence_engine.loading.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
 from kvfence_engine.loading.tokenizer_source import (
     BUILTINS,
     SMOLLM2,
     TINY_RANDOM,
-    eos_ids,
     gguf_tokenizer,
     remember_tokenizer,
     smollm2_gguf_path,
@@ -225,22 +231,21 @@ def _convert_gguf(path: Path) -> LoadedModel:
 
 
 def load_hf_folder(folder: Path) -> LoadedModel:
-    from safetensors.torch import load_file
-
     config = hf_config(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update({k: v.float() for k, v in load_file(str(file)).items()})
+    weights = load_hf_weights(folder)
+    generation = read_generation_config(folder)
+    if generation.not_applied:
+        log.info(
+            "%s: request defaults not applied (a request's own values apply, else the OpenAI "
+            "API's defaults): %s",
+            GENERATION_CONFIG,
+            ", ".join(f"{k}={v!r}" for k, v in generation.not_applied.items()),
+        )
     return LoadedModel(
         name=folder.name,
         config=config,
         weights=weights,
-        tokenizer=tokenizer_from_folder(
-            folder, eos_ids(json.loads((folder / "config.json").read_text()))
-        ),
+        tokenizer=tokenizer_from_folder(folder, folder_eos_ids(folder)),
     )
 
 

@@ -222,7 +222,10 @@ def tokenizer_from_folder(folder: Path, eos_ids: Sequence[int] = ()) -> Tokenize
     if eos_id is not None:
         ids.add(eos_id)
     if not ids:
-        raise ValueError(f"{folder}: no eos token in tokenizer_config.json or config.json")
+        raise ValueError(
+            f"{folder}: no eos token in tokenizer_config.json, config.json or "
+            "generation_config.json"
+        )
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)

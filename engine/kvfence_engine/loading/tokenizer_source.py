@@ -3,11 +3,11 @@ needs a tokenizer, never the weights."""
 
 import contextlib
 import importlib.util
-import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kvfence_engine.loading.generation_config import folder_eos_ids
 from kvfence_engine.loading.tokenizer import (
     Tokenizer,
     load_saved_tokenizer,
@@ -46,9 +46,7 @@ def load_tokenizer(source: str) -> tuple[str, Tokenizer]:
         fields = gguf_fields(GGUFReader(str(path)))
         return str(fields.get("general.name", path.stem)), tokenizer_from_gguf(fields)
     if path.is_dir() and (path / "tokenizer.json").exists():
-        config = path / "config.json"
-        raw = json.loads(config.read_text()) if config.exists() else {}
-        return path.name, tokenizer_from_folder(path, eos_ids(raw))
+        return path.name, tokenizer_from_folder(path, folder_eos_ids(path))
     raise ValueError(f"cannot load a tokenizer from {source!r}")
 
 
@@ -60,12 +58,6 @@ def gguf_fields(reader: Any) -> dict[str, Any]:
             continue
         fields[key] = field.contents()
     return fields
-
-
-def eos_ids(config: dict[str, Any]) -> list[int]:
-    """A Hugging Face config's eos_token_id, one or several."""
-    eos = config.get("eos_token_id")
-    return eos if isinstance(eos, list) else ([eos] if eos is not None else [])
 
 
 @lru_cache(maxsize=4)

@@ -215,28 +215,23 @@ def _scaling(kind: RopeType, entry: dict[str, Any], max_positions: int, where: s
     factor: Any = entry.get("factor")  # required but by yarn and longrope
     if kind in (RopeType.YARN, RopeType.LONGROPE) and factor is None:  # the context ratio
         factor = max_positions / original
+    scaled = RopeScaling(type=kind, factor=float(factor), original_max_positions=original)
     if kind is RopeType.LONGROPE:
-        return RopeScaling(
-            type=kind,
-            factor=float(factor),
-            original_max_positions=original,
+        return replace(
+            scaled,
             attention_factor=_float_or_none(entry.get("attention_factor")),
             short_factor=_numbers(entry, "short_factor", where),
             long_factor=_numbers(entry, "long_factor", where),
         )
     if kind is RopeType.LLAMA3:
-        return RopeScaling(
-            type=kind,
-            factor=float(factor),
-            original_max_positions=original,
+        return replace(
+            scaled,
             low_freq_factor=float(entry["low_freq_factor"]),
             high_freq_factor=float(entry["high_freq_factor"]),
         )
     if kind is RopeType.YARN:
-        return RopeScaling(
-            type=kind,
-            factor=float(factor),
-            original_max_positions=original,
+        return replace(
+            scaled,
             attention_factor=_float_or_none(entry.get("attention_factor")),
             beta_fast=float(entry.get("beta_fast") or 32),  # transformers: `or 32`
             beta_slow=float(entry.get("beta_slow") or 1),

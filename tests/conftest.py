@@ -13,6 +13,9 @@ from helpers import pool_watch
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # No test has a GPU: the device decode kernels (core/paged_decode) run on CPU tensors in
+    # Triton's interpreter, which reads this when the kernels are defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
     # Two CPUs: in-process models use both, unless two xdist workers share them.
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 

@@ -160,6 +160,11 @@ def add_parser(sub: Subparsers) -> None:
         "--max-num-seqs", type=positive, default=64, help="sequences decoded together per step"
     )
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode's device kernels without capturing CUDA graphs",
+    )
+    p.add_argument(
         "--max-batched-tokens",
         type=positive,
         default=4096,
@@ -304,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
         weight_dtype=args.weight_dtype,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
         max_batched_tokens=args.max_batched_tokens,
         max_waiting=args.max_waiting,
         scrub_on_free=args.scrub_on_free,

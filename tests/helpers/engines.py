@@ -33,6 +33,8 @@ class TinyEngineOptions(TypedDict, total=False):
     weight_dtype: str | None
     kv_cache_dtype: str | None
     max_num_seqs: int
+    device_decode: bool | None
+    enforce_eager: bool
     max_batched_tokens: int
     max_waiting: int
     scrub_on_free: bool

@@ -3,6 +3,7 @@
 The read check (isolation.check_reads) has already run for the step before this is called.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
 
@@ -26,6 +27,10 @@ class StepBatch:
     # decode: key_mask narrowed to a sliding window, by window (built by the first layer that
     # slides, shared by the others)
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # decode on a GPU (core/device_decode): attention as its kernel computes it, given q and
+    # one layer's pools and scoring, instead of the gather below; slot_mapping then already
+    # sends a row that failed the read check to the scratch page
+    device_attend: "DeviceAttend | None" = None
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """The keys a decode row attends to: every written position, or within a window only
@@ -40,6 +45,10 @@ class StepBatch:
             recent = keys[None, :] > (self.query_positions[:, None] - window)
             mask = self.window_masks[window] = self.key_mask & recent[:, None, None, :]
         return mask
+
+
+# q [B, H, D], k_cache, v_cache (one layer), scoring -> [B, H, D]
+DeviceAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "Scoring"], torch.Tensor]
 
 
 def band_mask(
@@ -83,6 +92,8 @@ def paged_attention(
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
     window = scoring.window
+    if batch.device_attend is not None:
+        return batch.device_attend(q, k_cache, v_cache, scoring)
     if batch.is_prefill:
         # A prefill's keys are exactly the ones it just wrote: attend to them directly.
         outs = []

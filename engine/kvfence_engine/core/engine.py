@@ -13,11 +13,13 @@ import torch
 
 from kvfence_engine.contracts import DEFAULT_TENANT, KvPoolReport, Role
 from kvfence_engine.core import errors
+from kvfence_engine.core.decoder import Decoder
 from kvfence_engine.core.device import resolve_device
+from kvfence_engine.core.device_decode import DeviceDecoder, unsupported
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.families import build_model
 from kvfence_engine.core.faults import EarlyRelease, Fault, Faults
-from kvfence_engine.core.isolation import check_reads
+from kvfence_engine.core.isolation import ReadCheck, check_reads
 from kvfence_engine.core.kv_cache import KVCache
 from kvfence_engine.core.metrics import EngineMetrics
 from kvfence_engine.core.model_config import ModelConfig, positions_note
@@ -85,6 +87,11 @@ class EngineArgs:
     prefix_cache_share: float = PREFIX_CACHE_SHARE
     prefix_cache_tenants: int | None = None  # None: PREFIX_CACHE_TENANTS, 1 when combined
     prefix_cache_idle_seconds: float = PREFIX_CACHE_IDLE_SECONDS
+    # Decode as device kernels (core/device_decode); None: on CUDA. On CPU tensors they run
+    # only under Triton's interpreter (TRITON_INTERPRET=1), which is for tests.
+    device_decode: bool | None = None
+    # Those kernels without capturing CUDA graphs (vLLM's --enforce-eager)
+    enforce_eager: bool = False
     faults: Faults = field(default_factory=Faults)
 
 
@@ -164,6 +171,9 @@ class LLMEngine(Generic[TokenizerT]):
         self.faults = args.faults
         self.metrics = metrics or EngineMetrics()
         self.device = resolve_device(args.device)
+        self._device_decode = (
+            args.device_decode if args.device_decode is not None else self.device.type == "cuda"
+        )
         self.precision = resolve_precision(args.weight_dtype, self.device, bool(loaded.int4))
         dtype = self.precision.compute
         requested = args.context_length or loaded.config.max_positions
@@ -198,6 +208,7 @@ class LLMEngine(Generic[TokenizerT]):
             head_dim=loaded.config.head_dim,
             dtype=kv_dtype,
             device=self.device,
+            scratch_page=self._device_decode,  # core/device_decode's failed rows
         )
         self.prefix = self._prefix_keys(args)
         self.pages = PageManager(
@@ -232,6 +243,7 @@ class LLMEngine(Generic[TokenizerT]):
             shares=self.shares,
         )
         self.runner = ModelRunner(model, self.pages, self.device, self.faults)
+        self.device_decoder = self._device_decoder(model)
         self._ids = itertools.count(1)
         m = self.metrics
         m.pool_tokens.set(self.pages.pool_tokens)
@@ -239,6 +251,41 @@ class LLMEngine(Generic[TokenizerT]):
         m.context_length.set(self.context_effective)
         m.pages_used.set_function(lambda: self.pages.num_used)
         m.watch_tenants(self.shares.by_tenant)
+
+    def _device_decoder(self, model: torch.nn.Module) -> DeviceDecoder | None:
+        """Decode as device kernels in CUDA graphs where the model and device allow it; the
+        host path (core/runner, core/isolation) otherwise, and for every prefill."""
+        assert isinstance(model, Decoder)
+        if not self._device_decode:
+            return None
+        reason = unsupported(model)
+        if reason is not None:
+            log.warning("decode runs on the host path: %s", reason)
+            return None
+        started = time.perf_counter()
+        try:
+            decoder = DeviceDecoder(
+                model,
+                self.pages,
+                max_seqs=self.args.max_num_seqs,
+                context=self.context_effective,
+                check=Fault.NO_TAG_CHECK not in self.faults,
+                graphs=not self.args.enforce_eager,
+            )
+        except Exception:  # e.g. a Triton or graph-capture failure: the host path still serves
+            log.exception(
+                "decode on %s as device kernels failed to start; decode runs on the host path",
+                self.device,
+            )
+            return None
+        log.info(
+            "decode on %s: %s for batch sizes %s (%.1fs)",
+            self.device,
+            "CUDA graphs" if decoder.graphs else "device kernels",
+            decoder.buckets,
+            time.perf_counter() - started,
+        )
+        return decoder
 
     @staticmethod
     def _prefix_keys(args: EngineArgs) -> PrefixKeys | None:
@@ -385,13 +432,12 @@ class LLMEngine(Generic[TokenizerT]):
             if is_prefill:
                 self._count_prefill(seqs)
             try:
-                step = self.runner.prepare(seqs, is_prefill)
-                safe = self._refuse_unsafe_reads(seqs, step)
-                if safe:
-                    # page tables only change between steps: the checked batch is the one that runs
-                    if len(safe) < len(seqs):
-                        step = self.runner.prepare(safe, is_prefill)
-                    self._postprocess(safe, is_prefill, self.runner.run(step))
+                if not is_prefill:
+                    self.metrics.decode_steps.inc()
+                if is_prefill or self.device_decoder is None:
+                    self._run_on_host(seqs, is_prefill)
+                else:
+                    self._decode_on_device(self.device_decoder, seqs)
             except Exception:
                 self._fail_batch(seqs, is_prefill)
             changed += seqs
@@ -402,6 +448,46 @@ class LLMEngine(Generic[TokenizerT]):
         m.preemptions.inc(self.scheduler.take_preemptions())
         m.stale_releases.inc(self.pages.take_stale_releases())
         return list(dict.fromkeys(changed))
+
+    def _run_on_host(self, seqs: list[Request], is_prefill: bool) -> None:
+        """Prepare the batch's tensors, check its reads (core/isolation), run it (core/runner)."""
+        step = self.runner.prepare(seqs, is_prefill)
+        safe = self._refuse_unsafe_reads(seqs, step)
+        if safe:
+            # page tables only change between steps: the checked batch is the one that runs
+            if len(safe) < len(seqs):
+                step = self.runner.prepare(safe, is_prefill)
+            self._postprocess(safe, is_prefill, self.runner.run(step))
+
+    def _decode_on_device(self, decoder: DeviceDecoder, seqs: list[Request]) -> None:
+        """One decode step as device kernels: the read check ran on the device over the pages
+        each row holds; a row it failed wrote only the scratch page and read nothing."""
+        wants = [
+            i for i, s in enumerate(seqs) if not s.params.greedy or s.params.logprobs is not None
+        ]
+        result = decoder.step(seqs, wants)
+        tokens = result.tokens
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if result.logits is not None:  # the rows that sample, or want logprobs
+            picked = [seqs[i] for i in wants]
+            chosen, chosen_logprobs = sample(
+                result.logits, [s.params for s in picked], [s.generator for s in picked]
+            )
+            for i, token, logprob in zip(wants, chosen, chosen_logprobs, strict=True):
+                tokens[i], logprobs[i] = token, logprob
+        check = result.read_check()
+        passed = (~check.failed).tolist()
+        if not all(passed):
+            self._fail_closed(seqs, check)
+        keep = [i for i, ok in enumerate(passed) if ok]
+        safe = [seqs[i] for i in keep]
+        page = self.pages.page_size
+        written = [s.num_tokens - 1 for s in safe]
+        self.pages.record_writes(
+            torch.tensor([s.pages[p // page] for s, p in zip(safe, written, strict=True)]),
+            torch.tensor([p % page for p in written]),
+        )
+        self._advance(safe, [tokens[i] for i in keep], [logprobs[i] for i in keep])
 
     def _count_prefill(self, seqs: list[Request]) -> None:
         """A prefill batch's size, and its prefix-cache hits: a request's first prefill decides
@@ -466,8 +552,10 @@ class LLMEngine(Generic[TokenizerT]):
         )
         failed = bool(check.failed.any())
         self.metrics.read_check_seconds.inc(time.perf_counter() - started)
-        if not failed:
-            return seqs
+        return self._fail_closed(seqs, check) if failed else seqs
+
+    def _fail_closed(self, seqs: list[Request], check: ReadCheck) -> list[Request]:
+        """Finish every sequence the read check failed, naming why; returns the others."""
         safe = []
         for seq, tag_bad, foreign, unwritten in zip(
             seqs,
@@ -497,6 +585,19 @@ class LLMEngine(Generic[TokenizerT]):
         if is_prefill:  # before the sampled token is appended: what this step really wrote
             written = [len(self.runner.prefill_tokens(seq)) for seq in seqs]
         tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        self._advance(seqs, tokens, logprobs)
+        if is_prefill:
+            for seq, count in zip(seqs, written, strict=True):
+                if self.prefix is not None:
+                    self.pages.publish(seq)
+                if seq.export_kv:  # prefill role: the KV leaves before the pages are freed
+                    seq.exported = (*self.pages.export(seq, count), count)
+            self._maybe_release_early(seqs)
+
+    def _advance(
+        self, seqs: list[Request], tokens: list[int], logprobs: list[TokenLogprob | None]
+    ) -> None:
+        """Each sequence's step wrote its KV and chose its next token."""
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             seq.num_cached = seq.num_tokens  # what the engine believes is now in the pool
             seq.output_ids.append(token)
@@ -507,13 +608,6 @@ class LLMEngine(Generic[TokenizerT]):
                 self.metrics.ttft.observe(seq.first_token_at - seq.arrival)
             self.metrics.generation_tokens.inc()
             self._finish_if_done(seq, token)
-        if is_prefill:
-            for seq, count in zip(seqs, written, strict=True):
-                if self.prefix is not None:
-                    self.pages.publish(seq)
-                if seq.export_kv:  # prefill role: the KV leaves before the pages are freed
-                    seq.exported = (*self.pages.export(seq, count), count)
-            self._maybe_release_early(seqs)
 
     def _finish_if_done(self, seq: Request, token: int) -> None:
         if not seq.params.ignore_eos and token in self.tokenizer.eos_ids:

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+# A sequence's verdict as one code (the device check, core/paged_decode): the first that applies
+OK, TAG_MISMATCH, FOREIGN, UNWRITTEN = 0, 1, 2, 3
+
 
 @dataclass(frozen=True, slots=True)
 class ReadCheck:
@@ -20,6 +23,15 @@ class ReadCheck:
     @property
     def failed(self) -> torch.Tensor:
         return self.tag_mismatch | self.unwritten | self.foreign
+
+    @classmethod
+    def of_verdicts(cls, verdicts: torch.Tensor) -> "ReadCheck":
+        """From one verdict code per sequence (OK, TAG_MISMATCH, FOREIGN, UNWRITTEN)."""
+        return cls(
+            tag_mismatch=verdicts == TAG_MISMATCH,
+            unwritten=verdicts == UNWRITTEN,
+            foreign=verdicts == FOREIGN,
+        )
 
 
 def check_reads(

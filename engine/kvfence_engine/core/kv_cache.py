@@ -1,6 +1,10 @@
 """The pages' keys and values: two tensors [layers, pages, page_size, kv_heads, head_dim] on the
 device. What a page holds, never who may read it: that is the bookkeeping in core/page_book,
 and both are reached through core/page_manager.
+
+With `scratch_page`, one page more than num_pages is allocated, which no request is ever given:
+where a device decode step (core/device_decode) sends the writes of a row that failed its read
+check.
 """
 
 import torch
@@ -17,13 +21,15 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        scratch_page: bool = False,
     ) -> None:
         assert num_pages > 0 and page_size > 0
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_pages + scratch_page, page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_pages = num_pages
         self.page_size = page_size
+        self.scratch_slot = num_pages * page_size if scratch_page else None
 
     def scrub(self, pages: list[int]) -> None:
         """Zero pages' keys and values (--scrub-on-free)."""

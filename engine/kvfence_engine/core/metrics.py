@@ -117,6 +117,9 @@ class EngineMetrics:
             "time in engine steps: scheduling, read check, forward pass, sampling",
             registry=r,
         )
+        self.decode_steps = Counter(
+            "kvfence_engine_decode_steps", "engine steps that decoded a batch", registry=r
+        )
         self.step_failures = Counter(
             "kvfence_engine_step_failures",
             "steps that raised: each failed its own batch with internal_error",
@@ -124,7 +127,8 @@ class EngineMetrics:
         )
         self.read_check_seconds = Counter(
             "kvfence_kv_read_check_seconds",
-            "time in the per-step KV read check (tags and fill counts of every held page)",
+            "time in the per-step KV read check on the host (tags and fill counts of every held "
+            "page); on a GPU, decode checks on the device, inside its step",
             registry=r,
         )
         self.running = Gauge("kvfence_requests_running", "sequences decoding", registry=r)

@@ -93,6 +93,36 @@ class PageBook:
         self.evictions = 0
         self._on_free = on_free  # pages going back to the free list (--scrub-on-free)
         self._early_release = early_release  # the fault's order of taking free pages
+        # Pages whose tag, fill, written tag or tenant changed since take_changes (None: not
+        # tracked): what a device copy of them (core/device_decode) must copy again.
+        self._changes: list[torch.Tensor] | None = None
+
+    # --- what changed, for a copy of the read check's state on a device ------------------
+
+    def track_changes(self) -> None:
+        """From now on, remember which pages' read-check state changes."""
+        self._changes = []
+
+    def _touch(self, pages: torch.Tensor | list[int] | int) -> None:
+        if self._changes is not None:
+            self._changes.append(torch.as_tensor(pages, dtype=torch.int64).view(-1))
+
+    def take_changes(self) -> torch.Tensor | None:
+        """The pages whose read-check state changed since the last call (unique), or None."""
+        if not self._changes:
+            return None
+        changed = torch.cat(self._changes).unique()
+        self._changes = []
+        return changed
+
+    def read_state(self, pages: torch.Tensor | None = None) -> torch.Tensor:
+        """int32 [4, len(pages)] (every page if None): each page's tag, fill, written tag and
+        tenant, the rows of core/paged_decode's pool state. Tags are compared for equality
+        only, so their low 32 bits decide as the full ones do."""
+        rows = (self.tags, self.fill, self.written_tag, self.page_tenant)
+        if pages is None:
+            return torch.stack(rows).to(torch.int32)
+        return torch.stack([r[pages] for r in rows]).to(torch.int32)
 
     @property
     def num_free(self) -> int:
@@ -133,6 +163,7 @@ class PageBook:
         self.tags[idx] += 1
         self.fill[idx] = 0
         self.owner[idx] = owner
+        self._touch(idx)
         return pages, self.tags[idx].tolist()
 
     def _evict(self, page: int) -> None:
@@ -141,6 +172,7 @@ class PageBook:
         self.tags[page] += 1  # whoever remembers (page, old tag) can never read it again
         self.owner[page] = FREE
         self.fill[page] = 0
+        self._touch(page)
         if self._on_free is not None:
             self._on_free([page])
         self._free.append(page)
@@ -151,6 +183,7 @@ class PageBook:
         self.holders.pop(page, None)
         tenant = int(self.page_tenant[page])
         self.page_tenant[page] = NO_TENANT
+        self._touch(page)
         cache = self._caches[tenant]
         cache.pages -= 1
         cache.idle.pop(page, None)
@@ -233,6 +266,7 @@ class PageBook:
             cache.pages += 1
             self.owner[page] = SHARED
             self.page_tenant[page] = tenant
+            self._touch(page)
             self.holders[page] = {owner}
             self._by_key[key] = page
             self._key_of[page] = key
@@ -271,6 +305,7 @@ class PageBook:
             idx = torch.tensor(freed)
             self.owner[idx] = FREE
             self.fill[idx] = 0
+            self._touch(idx)
             self._free.extend(freed)
         return int(live.sum())
 
@@ -292,8 +327,10 @@ class PageBook:
         """A transfer wrote the first `tokens` slots of `page` under `tag`."""
         self.fill[page] = tokens
         self.written_tag[page] = tag
+        self._touch(page)
 
     def record_writes(self, slot_pages: torch.Tensor, slot_offsets: torch.Tensor) -> None:
         """After a forward pass wrote these slots, raise each page's fill to cover them."""
         self.fill.scatter_reduce_(0, slot_pages, slot_offsets + 1, reduce="amax")
         self.written_tag[slot_pages] = self.tags[slot_pages]
+        self._touch(slot_pages)

@@ -106,6 +106,7 @@ class PageManager:
                 self.book.release(seq.seq_id, hit_pages, hit_tags)
                 return False
         seq.pages, seq.page_tags = hit_pages + pages, hit_tags + tags
+        seq.table_epoch += 1
         seq.prefill_start = len(hit_pages) * self.page_size
         return True
 
@@ -141,6 +142,7 @@ class PageManager:
         with self.lock:
             released = self.book.release(seq.seq_id, seq.pages, seq.page_tags)
         seq.pages, seq.page_tags = [], []
+        seq.table_epoch += 1
         seq.num_cached = 0
         seq.prefill_start = 0
         return released
@@ -180,6 +182,21 @@ class PageManager:
             self.kv.write(page, tokens, payload)
             self.book.mark_written(page, tag, tokens)
             return True
+
+    def track_state(self) -> torch.Tensor:
+        """(for a device copy of the read check's state, core/device_decode) Every page's
+        tag, fill, written tag and tenant now (PageBook.read_state); from now on, which
+        pages' state changes is remembered for take_changes."""
+        with self.lock:
+            self.book.track_changes()
+            return self.book.read_state()
+
+    def take_changes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pages whose read-check state changed since the last call (or track_state),
+        and their state now; None if none did."""
+        with self.lock:
+            changed = self.book.take_changes()
+            return None if changed is None else (changed, self.book.read_state(changed))
 
     def record_writes(self, slot_pages: torch.Tensor, slot_offsets: torch.Tensor) -> None:
         """A forward pass wrote these slots: their pages' fill counts cover them now."""

@@ -84,6 +84,9 @@ class Request:
     # The request's page table: written only by core/page_manager, read by everyone else.
     pages: list[int] = field(default_factory=list)
     page_tags: list[int] = field(default_factory=list)
+    # Bumped each time the page table is replaced rather than grown (allocate, deallocate): a
+    # copy of it elsewhere (core/device_decode) knows when it must copy it again.
+    table_epoch: int = 0
     num_cached: int = 0  # tokens the engine believes are written in the pool
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | length | abort | error

@@ -27,6 +27,7 @@ import torch
 from kvfence_engine.core.attention import Scoring, StepBatch
 from kvfence_engine.core.decoder import Decoder
 from kvfence_engine.core.isolation import ReadCheck
+from kvfence_engine.core.model_config import ModelConfig
 from kvfence_engine.core.page_manager import PageManager
 from kvfence_engine.core.request import Request
 
@@ -36,9 +37,8 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512)
 INPUTS = 4  # rows of the step's input: token, position, table row, tenant
 
 
-def unsupported(model: Decoder) -> str | None:
+def unsupported(config: ModelConfig) -> str | None:
     """Why decode cannot run as device kernels for this model (None: it can)."""
-    config = model.config
     if any(config.layer_is_sparse(i) for i in range(config.num_layers)):
         return "a mixture-of-experts layer routes tokens with host-side decisions"
     return None
@@ -71,7 +71,7 @@ class DeviceDecoder:
         pages: PageManager,
         *,
         max_seqs: int,
-        context: int,
+        table_tokens: int,
         check: bool,
         graphs: bool,
     ) -> None:
@@ -88,7 +88,7 @@ class DeviceDecoder:
         self.scratch_slot = kv.scratch_slot
         self.page_size = pages.page_size
         self.check = check
-        width = -(-context // self.page_size)
+        width = self.width = -(-table_tokens // self.page_size)
         self.max_seqs = max_seqs
         self.pad_row = max_seqs  # its table is empty: a padding row fails the check
         i32 = torch.int32
@@ -255,6 +255,8 @@ class DeviceDecoder:
             state = self._row(seq, seqs)
             row = state.index
             count = len(seq.pages)
+            if count > self.width:
+                raise ValueError(f"seq {seq.seq_id} holds {count} pages, over {self.width}")
             if state.epoch != seq.table_epoch:
                 state.epoch, state.synced = seq.table_epoch, 0
             if count != state.synced:

@@ -258,7 +258,7 @@ class LLMEngine(Generic[TokenizerT]):
         assert isinstance(model, Decoder)
         if not self._device_decode:
             return None
-        reason = unsupported(model)
+        reason = unsupported(model.config)
         if reason is not None:
             log.warning("decode runs on the host path: %s", reason)
             return None
@@ -268,7 +268,10 @@ class LLMEngine(Generic[TokenizerT]):
                 model,
                 self.pages,
                 max_seqs=self.args.max_num_seqs,
-                context=self.context_effective,
+                # the most tokens one request holds (the reject-placeholder fault: the pool)
+                table_tokens=self.pages.pool_tokens
+                if Fault.REJECT_PLACEHOLDER in self.faults
+                else self.limit,
                 check=Fault.NO_TAG_CHECK not in self.faults,
                 graphs=not self.args.enforce_eager,
             )

@@ -1,12 +1,29 @@
 """Each in-engine bug class, switched on: the read check fails the request closed, and with the
 check switched off too, the test shows the foreign KV was really read (the negative control)."""
 
+import pytest
 import torch
 
-from helpers.engines import generate, make_tiny_engine, prompt_of, run_until_done, submit
+from helpers.engines import (
+    TinyEngineOptions,
+    generate,
+    make_tiny_engine,
+    prompt_of,
+    run_until_done,
+    submit,
+)
 
 CONTEXT = 128
 OVER = 200  # over the context, within the 1024-token pool
+
+
+@pytest.fixture(params=["host", "device"])
+def decode(request: pytest.FixtureRequest) -> TinyEngineOptions:
+    """Where decode steps check their reads: core/isolation on the host, or the device kernels
+    of a GPU (core/device_decode; here in Triton's interpreter, no graphs)."""
+    if request.param == "host":
+        return {}
+    return {"device_decode": True, "enforce_eager": True}
 
 
 def _pollute(engine, seed: int) -> None:
@@ -17,15 +34,15 @@ def _pollute(engine, seed: int) -> None:
     assert all(s.error is None for s in seqs) and engine.pages.num_used == 0
 
 
-def _placeholder_victim(faults: tuple[str, ...], polluter_seed: int):
-    engine = make_tiny_engine(context_length=CONTEXT, faults=faults)
+def _placeholder_victim(faults: tuple[str, ...], polluter_seed: int, **decode: object):
+    engine = make_tiny_engine(context_length=CONTEXT, faults=faults, **decode)
     _pollute(engine, polluter_seed)
     seq = generate(engine, prompt_of(OVER, seed=99), max_tokens=6, ignore_eos=True, logprobs=0)
     return engine, seq
 
 
-def test_reject_placeholder_fails_closed_with_the_unwritten_read_counter() -> None:
-    engine, seq = _placeholder_victim(("reject-placeholder",), polluter_seed=1)
+def test_reject_placeholder_fails_closed_with_the_unwritten_read_counter(decode) -> None:
+    engine, seq = _placeholder_victim(("reject-placeholder",), polluter_seed=1, **decode)
     assert seq.error is not None and seq.error.status == 500
     assert seq.error.code == "kv_isolation_violation"
     assert engine.metrics.registry.get_sample_value("kvfence_kv_unwritten_read_total") == 1
@@ -39,11 +56,11 @@ def test_without_the_fault_the_same_prompt_is_a_400_and_allocates_nothing() -> N
     assert engine.metrics.registry.get_sample_value("kvfence_kv_unwritten_read_total") == 0
 
 
-def test_reject_placeholder_without_tag_check_reads_the_other_tenants_kv() -> None:
+def test_reject_placeholder_without_tag_check_reads_the_other_tenants_kv(decode) -> None:
     faults = ("reject-placeholder", "no-tag-check")
-    _, after_a = _placeholder_victim(faults, polluter_seed=1)
-    _, after_a_again = _placeholder_victim(faults, polluter_seed=1)
-    _, after_b = _placeholder_victim(faults, polluter_seed=2)
+    _, after_a = _placeholder_victim(faults, polluter_seed=1, **decode)
+    _, after_a_again = _placeholder_victim(faults, polluter_seed=1, **decode)
+    _, after_b = _placeholder_victim(faults, polluter_seed=2, **decode)
     assert after_a.error is None and after_b.error is None  # a 200 with wrong content
     lp = lambda s: torch.tensor([x.logprob for x in s.output_logprobs])  # noqa: E731
     assert torch.equal(lp(after_a), lp(after_a_again))  # deterministic given the same pool
@@ -51,8 +68,8 @@ def test_reject_placeholder_without_tag_check_reads_the_other_tenants_kv() -> No
     assert (lp(after_a) - lp(after_b)).abs().max() > 1e-3
 
 
-def _early_release_victim(faults: tuple[str, ...], intruder_seed: int):
-    engine = make_tiny_engine(faults=faults)
+def _early_release_victim(faults: tuple[str, ...], intruder_seed: int, **decode: object):
+    engine = make_tiny_engine(faults=faults, **decode)
     victim = submit(engine, prompt_of(40, seed=5), max_tokens=12, ignore_eos=True, logprobs=0)
     engine.step()  # victim prefilled; the fault hands its first page back to the free list
     intruder = submit(engine, prompt_of(40, seed=intruder_seed), max_tokens=2, ignore_eos=True)
@@ -77,19 +94,19 @@ def test_early_release_robbed_page_goes_to_another_owner_not_back_to_the_victim(
     assert engine.pages.num_used == 0
 
 
-def test_early_release_fails_closed_with_the_tag_mismatch_counter() -> None:
-    engine, victim, intruder = _early_release_victim(("early-release",), intruder_seed=6)
+def test_early_release_fails_closed_with_the_tag_mismatch_counter(decode) -> None:
+    engine, victim, intruder = _early_release_victim(("early-release",), 6, **decode)
     assert victim.error is not None and victim.error.code == "kv_isolation_violation"
     assert engine.metrics.registry.get_sample_value("kvfence_kv_tag_mismatch_total") >= 1
     assert intruder.error is None
     assert engine.pages.num_used == 0  # the stale release of the reassigned page was ignored
 
 
-def test_early_release_without_tag_check_reads_the_intruders_kv() -> None:
+def test_early_release_without_tag_check_reads_the_intruders_kv(decode) -> None:
     faults = ("early-release", "no-tag-check")
-    _, v1, _ = _early_release_victim(faults, intruder_seed=6)
-    _, v1_again, _ = _early_release_victim(faults, intruder_seed=6)
-    _, v2, _ = _early_release_victim(faults, intruder_seed=7)
+    _, v1, _ = _early_release_victim(faults, 6, **decode)
+    _, v1_again, _ = _early_release_victim(faults, 6, **decode)
+    _, v2, _ = _early_release_victim(faults, 7, **decode)
     assert v1.error is None and v2.error is None
     lp = lambda s: torch.tensor([x.logprob for x in s.output_logprobs])  # noqa: E731
     assert torch.equal(lp(v1), lp(v1_again))

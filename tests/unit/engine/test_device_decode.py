@@ -1,0 +1,84 @@
+"""Decode as device kernels (core/device_decode) against the host path, in one engine each:
+the same tokens and logprobs, greedy and seeded, across page boundaries, preemption and table
+rows handed from one request to the next. The kernels run in Triton's interpreter (no GPU
+here, so no CUDA graphs: the graph replays the same body)."""
+
+from dataclasses import replace
+
+import pytest
+
+from helpers.engines import make_tiny_engine, prompt_of, run_until_done, submit
+from kvfence_engine.core.device_decode import BUCKETS, unsupported
+from kvfence_engine.core.engine import LLMEngine
+from kvfence_engine.core.request import Request
+from kvfence_engine.loading.loader import TINY_CONFIG
+
+DEVICE = {"device_decode": True, "enforce_eager": True}
+
+
+def outputs(engine: LLMEngine, seqs: list[Request]) -> list[tuple[list[int], list[float]]]:
+    run_until_done(engine)
+    assert all(s.error is None for s in seqs), [s.error for s in seqs]
+    return [(s.output_ids, [round(x.logprob, 4) for x in s.output_logprobs]) for s in seqs]
+
+
+def mixed_batch(engine: LLMEngine) -> list[Request]:
+    """Prompts that end just before, on and past page boundaries (pages of 16), greedy and
+    seeded, all in flight at once."""
+    return [
+        submit(engine, prompt_of(15, seed=1), max_tokens=6, ignore_eos=True, logprobs=2),
+        submit(engine, prompt_of(16, seed=2), max_tokens=6, ignore_eos=True, logprobs=0),
+        submit(
+            engine,
+            prompt_of(33, seed=3),
+            max_tokens=6,
+            ignore_eos=True,
+            temperature=0.8,
+            seed=7,
+            logprobs=0,
+        ),
+        submit(engine, prompt_of(5, seed=4), max_tokens=6, ignore_eos=True),
+    ]
+
+
+def test_device_decode_gives_the_host_paths_tokens_and_logprobs() -> None:
+    host = make_tiny_engine()
+    device = make_tiny_engine(**DEVICE)
+    assert host.device_decoder is None and device.device_decoder is not None
+    assert outputs(device, mixed_batch(device)) == outputs(host, mixed_batch(host))
+    assert device.metrics.registry.get_sample_value("kvfence_engine_decode_steps_total") == 5
+
+
+@pytest.mark.slow
+def test_preemption_and_row_reuse_recopy_the_page_tables() -> None:
+    """A pool too small for all of them: the youngest is preempted and recomputed, with pages
+    of its own again; more requests than rows pass through over time."""
+    def run(options: dict) -> list:
+        engine = make_tiny_engine(pages=7, max_num_seqs=2, **options)
+        seqs = [
+            submit(engine, prompt_of(40, seed=s), max_tokens=12, ignore_eos=True, logprobs=0)
+            for s in range(4)
+        ]
+        result = outputs(engine, seqs)
+        if options:
+            assert engine.metrics.registry.get_sample_value("kvfence_preemptions_total") >= 1
+            decoder = engine.device_decoder
+            assert decoder is not None and len(decoder.rows) <= 2
+        return result
+
+    assert run(DEVICE) == run({})
+
+
+def test_buckets_end_at_the_batch_limit() -> None:
+    engine = make_tiny_engine(max_num_seqs=20, **DEVICE)
+    decoder = engine.device_decoder
+    assert decoder is not None
+    assert decoder.buckets == [1, 2, 4, 8, 16, 20]
+    assert [decoder.bucket_for(n) for n in (1, 3, 16, 17, 20)] == [1, 4, 16, 20, 20]
+    assert BUCKETS[0] == 1
+
+
+def test_a_mixture_of_experts_decodes_on_the_host() -> None:
+    assert unsupported(TINY_CONFIG) is None
+    sparse = replace(TINY_CONFIG, num_experts=4)
+    assert unsupported(sparse) == "a mixture-of-experts layer routes tokens with host-side decisions"

@@ -229,7 +229,7 @@ class DeviceDecoder:
             ],
             dtype=torch.int32,
         )
-        self.inputs[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
+        self.inputs.copy_(host, non_blocking=True)  # whole: one contiguous copy of a few KiB
         graph = self.graphs.get(bucket)
         if graph is not None:
             graph.replay()

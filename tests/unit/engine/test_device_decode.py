@@ -41,6 +41,7 @@ def mixed_batch(engine: LLMEngine) -> list[Request]:
     ]
 
 
+@pytest.mark.slow
 def test_device_decode_gives_the_host_paths_tokens_and_logprobs() -> None:
     host = make_tiny_engine()
     device = make_tiny_engine(**DEVICE)
@@ -53,6 +54,7 @@ def test_device_decode_gives_the_host_paths_tokens_and_logprobs() -> None:
 def test_preemption_and_row_reuse_recopy_the_page_tables() -> None:
     """A pool too small for all of them: the youngest is preempted and recomputed, with pages
     of its own again; more requests than rows pass through over time."""
+
     def run(options: dict) -> list:
         engine = make_tiny_engine(pages=7, max_num_seqs=2, **options)
         seqs = [
@@ -81,4 +83,6 @@ def test_buckets_end_at_the_batch_limit() -> None:
 def test_a_mixture_of_experts_decodes_on_the_host() -> None:
     assert unsupported(TINY_CONFIG) is None
     sparse = replace(TINY_CONFIG, num_experts=4)
-    assert unsupported(sparse) == "a mixture-of-experts layer routes tokens with host-side decisions"
+    assert (
+        unsupported(sparse) == "a mixture-of-experts layer routes tokens with host-side decisions"
+    )

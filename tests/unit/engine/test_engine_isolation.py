@@ -17,10 +17,10 @@ CONTEXT = 128
 OVER = 200  # over the context, within the 1024-token pool
 
 
-@pytest.fixture(params=["host", "device"])
+@pytest.fixture(params=["host", pytest.param("device", marks=pytest.mark.slow)])
 def decode(request: pytest.FixtureRequest) -> TinyEngineOptions:
     """Where decode steps check their reads: core/isolation on the host, or the device kernels
-    of a GPU (core/device_decode; here in Triton's interpreter, no graphs)."""
+    of a GPU (core/device_decode; here in Triton's interpreter, no graphs: slow)."""
     if request.param == "host":
         return {}
     return {"device_decode": True, "enforce_eager": True}

@@ -28,9 +28,9 @@ cap):
    kvfence_kv_read_check_seconds: host time) read before and after. Then the same requests
    streamed (server-sent events, one per token): each gives its time to first token (TTFT,
    median and p90) and its decode rate, and the run its streamed tokens/s. Streaming is timed
-   apart because its per-token events are the server's work in the engine's process: on a
-   2-core CPU they made 128 streamed requests several times slower than whole ones, which would
-   bury the engine in the comparison with transformers' bare in-process call;
+   apart because its per-token events are the server's work in the engine's process: on the
+   shared 2-core CPU, 128 streamed requests once took 4-5x as long as whole ones (another time
+   no longer), which would bury the engine in the comparison with transformers' in-process call;
 5. greedy agreement, as token ids, at each concurrency, and each prompt's first divergence. At
    a concurrency-1 divergence, transformers' own logits give the gap between its token and ours,
    also in units of the dtype's spacing at that logit: a gap of a few spacings is a near-tie

@@ -38,9 +38,12 @@ _common.undisturbed), and the output says so.
 
 import argparse
 import asyncio
+import json
 import statistics
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import httpx
 import torch
@@ -68,9 +71,52 @@ THEIRS = "transformers"
 
 
 Round = dict[tuple[str, int], float]  # (system, concurrency) -> output tokens/s
+T = TypeVar("T")
 
 
 # --- ours: the engine over HTTP -------------------------------------------------------------
+
+
+async def send_all(
+    prompts: list[list[int]], send: Callable[[list[int]], Awaitable[T]], concurrency: int
+) -> tuple[float, list[T]]:
+    """Every prompt through `send`, at most `concurrency` in flight (1: one after another, in
+    order); the wall time of all of them and their results, in prompt order."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(prompt: list[int]) -> T:
+        async with gate:
+            return await send(prompt)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    return time.perf_counter() - start, list(results)
+
+
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """One streamed completion as its client saw it."""
+
+    first_token_s: float | None  # from sending to the first token's event; None: none came
+    seconds: float  # from sending to the end of the stream
+    completion_tokens: int  # as the closing usage event says (0 without one)
+    error_code: str | None  # the code of an error answer, or of the error event that ended it
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """The tokens after the first over the time after the first (None: too few)."""
+        if self.first_token_s is None or self.completion_tokens < 2:
+            return None
+        after_first = self.seconds - self.first_token_s
+        return (self.completion_tokens - 1) / after_first if after_first > 0 else None
+
+
+def error_code(response: httpx.Response) -> str:
+    """The `code` of an OpenAI-shaped error body (or what the answer was instead)."""
+    try:
+        return str(response.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}"
 
 
 class EngineClient:
@@ -79,31 +125,54 @@ class EngineClient:
         self.url = f"{base_url}/v1/completions"
         self.max_tokens = max_tokens
 
-    async def complete(self, prompt: list[int], **extra: Any) -> dict[str, Any]:
-        body = {
+    def body(self, prompt: list[int], **extra: Any) -> dict[str, Any]:
+        """A greedy completion of exactly max_tokens tokens (ignore_eos)."""
+        return {
             "prompt": prompt,
             "max_tokens": self.max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             **extra,
         }
-        response = await self.client.post(self.url, json=body)
+
+    async def complete(self, prompt: list[int], **extra: Any) -> dict[str, Any]:
+        response = await self.client.post(self.url, json=self.body(prompt, **extra))
         response.raise_for_status()
         result = response.json()
         got = result["usage"]["completion_tokens"]
         assert got == self.max_tokens, f"asked for {self.max_tokens} tokens, got {got}"
         return result
 
-    async def one_at_a_time(self, prompts: list[list[int]]) -> Timing:
+    async def stream(self, prompt: list[int], **extra: Any) -> Streamed:
+        """The same request streamed (server-sent events, usage at the end): when its first
+        token arrived, and how it ended. An error is returned, not raised."""
+        body = self.body(prompt, stream=True, stream_options={"include_usage": True}, **extra)
         start = time.perf_counter()
-        for prompt in prompts:
-            await self.complete(prompt)
-        return Timing(len(prompts) * self.max_tokens, time.perf_counter() - start)
+        first, tokens, error = None, 0, None
+        async with self.client.stream("POST", self.url, json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                return Streamed(None, time.perf_counter() - start, 0, error_code(response))
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line.removeprefix("data: "))
+                if "error" in event:
+                    error = str(event["error"].get("code"))
+                    break
+                if event.get("choices") and first is None:
+                    first = time.perf_counter() - start
+                if event.get("usage"):
+                    tokens = int(event["usage"]["completion_tokens"])
+        return Streamed(first, time.perf_counter() - start, tokens, error)
+
+    async def one_at_a_time(self, prompts: list[list[int]]) -> Timing:
+        seconds, _ = await send_all(prompts, self.complete, 1)
+        return Timing(len(prompts) * self.max_tokens, seconds)
 
     async def all_at_once(self, prompts: list[list[int]]) -> Timing:
-        start = time.perf_counter()
-        await asyncio.gather(*(self.complete(p) for p in prompts))
-        return Timing(len(prompts) * self.max_tokens, time.perf_counter() - start)
+        seconds, _ = await send_all(prompts, self.complete, len(prompts))
+        return Timing(len(prompts) * self.max_tokens, seconds)
 
     async def token_strings(self, prompt: list[int]) -> list[str]:
         """The generated tokens as the API names them (logprobs carry one string per token)."""

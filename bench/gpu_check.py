@@ -8,22 +8,52 @@ cap):
    directory. config.json is Llama-3.2-1B's own (bench/configs/llama-3.2-1b.json: its llama3
    rope_scaling, rope_theta 500000, tied embeddings, head_dim 64; `--shape llama-3.2-1b`, the
    default), or for a CPU smoke test (`--shape tiny`) the same file at hidden size 64, 2 layers
-   and 2048 tokens, its RoPE scaling kept; seeded random weights (normal, std 0.02, RMSNorm
-   gains 1) in --dtype; a word-level tokenizer built from the benchmark conversations
-   (bench/_common.py). Both systems' readings of the config (the shape, and the RoPE
+   and a vocabulary of 2048, its RoPE scaling and 131072 positions kept; seeded random weights
+   (normal, std 0.02, RMSNorm gains 1) in --dtype; a word-level tokenizer built from the
+   benchmark conversations (bench/_common.py). A second folder of the tiny shape is for the
+   fault probe (7). Both systems' readings of the config (the shape, and the RoPE
    frequencies bit for bit) are compared before anything is measured;
 2. `kvfence serve --model FOLDER --device DEVICE` starts as a real process on a loopback port
-   (combined role), while transformers loads the same folder in this process, on the same device;
-3. output tokens/s at concurrency 1 (8 requests one after another over the OpenAI HTTP API,
-   against transformers `generate` with batch 1) and at concurrency 32 (32 requests in flight,
-   against one left-padded transformers batch of the same 32 prompts), after one untimed pass;
-4. the read check's share of the engine's step time at each concurrency, from the engine's
-   Prometheus counters read before and after;
-5. greedy agreement, as token ids: the engine's tokens (temperature 0) against transformers' at
-   concurrency 1 and 32, and each prompt's first divergence. At a concurrency-1 divergence,
-   transformers' own logits give the gap between its token and ours, also in units of the dtype's
-   spacing at that logit: a gap of a few spacings is a near-tie flipped by rounding, not a bug;
-6. one summary table, also written as JSON to --out (partial, with "error", if a step failed).
+   (combined role, --max-num-seqs twice the highest concurrency), while transformers loads the
+   same folder in this process, on the same device. The engine's KV pool must hold every
+   measured batch at once and its context the longest prompt (checked before measuring);
+3. the engine's greedy tokens (temperature 0, as ids named in its logprobs) at concurrency 1, 32
+   and 128: the untimed first pass of each measured shape (first calls pay for kernel selection,
+   allocator growth and the lazily touched KV pool), kept for the agreement (5);
+4. output tokens/s at concurrency 1 (8 requests one after another over the OpenAI HTTP API,
+   against transformers `generate` with batch 1), 32 and 128 (that many requests in flight,
+   against one left-padded transformers batch of the same prompts; transformers gets one
+   untimed pass of each first), each answer whole, and the read check's share of the engine's
+   step time, from its Prometheus counters (kvfence_engine_step_seconds,
+   kvfence_kv_read_check_seconds: host time) read before and after. Then the same requests
+   streamed (server-sent events, one per token): each gives its time to first token (TTFT,
+   median and p90) and its decode rate, and the run its streamed tokens/s. Streaming is timed
+   apart because its per-token events are the server's work in the engine's process: on the
+   shared 2-core CPU, 128 streamed requests once took 4-5x as long as whole ones (another time
+   no longer), which would bury the engine in the comparison with transformers' in-process call;
+5. greedy agreement, as token ids, at each concurrency, and each prompt's first divergence. At
+   a concurrency-1 divergence, transformers' own logits give the gap between its token and ours,
+   also in units of the dtype's spacing at that logit: a gap of a few spacings is a near-tie
+   flipped by rounding, not a bug;
+6. long prompts, the engine only, streamed: prompts of 512 and 8192 tokens (BOS and the
+   benchmark words over and over; a length is capped at the served context less --new-tokens,
+   which neither shape needs: both serve 131072 positions), 3 requests one after another each,
+   and 32 of 512 in flight: tokens/s, decode tokens/s (the concurrency times the median
+   request's rate after its first token), TTFT and the read check's share. Each length is sent
+   only these few times, with no warm-up: the median of 3 leaves out the first request's
+   one-time costs;
+7. the fault probe, on the same device with the tiny shape (it loads in seconds; its two
+   engines start with the main one and are probed while transformers loads): `kvfence serve
+   --unsafe-fault early-release` (KVFENCE_ALLOW_UNSAFE=1), which hands each request's first
+   page back to the free list after its prefill, gets 8 concurrent requests of 32 tokens, so
+   that every request's page-boundary allocations take another's robbed page; the read check
+   must fail some of them closed (500 / the stream's error event, code kv_isolation_violation):
+   "caught". With `--unsafe-fault no-tag-check` too it must catch none: "not caught";
+8. the device read check (CUDA only, where kvfence_engine.core.paged_decode imports):
+   `check_decode` alone, timed with CUDA events (triton.testing.do_bench, median), on a
+   synthetic pool state like that of the c=32 and c=128 runs (bench/_device_check.py), and its
+   share of their mean decode step. Its absence or failure is recorded, not fatal;
+9. one summary table, also written as JSON to --out (partial, with "error", if a step failed).
 
 Both systems get the same token ids and produce exactly --new-tokens tokens along the plain
 greedy path (ours: ignore_eos; transformers: no EOS id), as in bench/engine_throughput.py. The
@@ -34,21 +64,24 @@ returns as logprobs map back to ids.
 import argparse
 import asyncio
 import contextlib
+import importlib
+import itertools
 import json
 import math
 import platform
 import re
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Awaitable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import torch
@@ -56,8 +89,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-from _common import CONVERSATIONS
-from engine_throughput import EngineClient, Timing
+from _common import CONVERSATIONS, percentile
+from _device_check import decode_check_inputs, time_check_decode
+from engine_throughput import EngineClient, Streamed, Timing, send_all
+from kvfence_engine.contracts import ErrorCode
+from kvfence_engine.core.faults import ALLOW_ENV, Fault
 from kvfence_engine.core.rope import rope_frequencies
 from kvfence_engine.loading.config import load_config
 from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed
@@ -71,14 +107,27 @@ KVFENCE_CMD = [
 ]
 
 SEQUENTIAL = 8  # prompts sent one after another (concurrency 1)
-CONCURRENCY = 32
+CONCURRENCIES = (1, 32, 128)  # 1: SEQUENTIAL prompts one after another; else all in flight
+MAX_CONCURRENCY = max(CONCURRENCIES)
+PROMPTS = max(SEQUENTIAL, MAX_CONCURRENCY)
+# long prompts, the engine only: (prompt tokens, concurrency, requests); each length capped at
+# the shape's context less the new tokens (long_runs)
+LONG_RUNS = ((512, 1, 3), (8192, 1, 3), (512, 32, 32))
+DEVICE_CHECK_AT = (32, 128)  # the batched runs whose pool state check_decode is timed on
+PAGED_DECODE = "kvfence_engine.core.paged_decode"  # where check_decode lives, once it does
+FAULT_REQUESTS = 8  # in flight at once on each fault probe's engine
+FAULT_NEW_TOKENS = 32  # two page boundaries or more per request: allocations that take robbed pages
+CAUGHT, NOT_CAUGHT = "caught", "not caught"
+T = TypeVar("T")
 INIT_STD = 0.02  # transformers' initializer_range
 UNK, BOS, EOS = "[UNK]", "<|begin_of_text|>", "<|end_of_text|>"
 READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 180.0
+KEEPALIVE_S = 5.0
 LOG_TAIL_LINES = 60
 ACCESS_LOG = re.compile(r'^INFO: +[0-9.:]+ - "(GET|POST) ')
 STEP, CHECK = "kvfence_engine_step_seconds", "kvfence_kv_read_check_seconds"
+DECODE_STEPS = "kvfence_engine_decode_steps"  # newer engines; else estimated (mean_decode_step)
 THEIRS, OURS = "transformers", "kvfence"
 
 
@@ -207,8 +256,16 @@ def ids_by_name(tokenizer: Tokenizer) -> dict[str, int]:
     return by_name
 
 
+def long_prompt(prompts: list[list[int]], length: int, index: int) -> list[int]:
+    """BOS and then the prompts' words (each a token: the tokenizer is word level), from
+    prompt `index` on and round again, `length` tokens in all: distinct for each index."""
+    rotated = prompts[index % len(prompts) :] + prompts[: index % len(prompts)]
+    words = itertools.cycle([word for prompt in rotated for word in prompt[1:]])
+    return [prompts[0][0], *itertools.islice(words, length - 1)]
+
+
 def encode_prompts(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
-    bos = tokenizer.token_to_id(BOS)
+    bos, _ = special_ids(tokenizer.get_vocab_size())  # where build_tokenizer put BOS
     prompts = [[bos, *tokenizer.encode(text, add_special_tokens=False).ids] for text in texts]
     unknown = tokenizer.token_to_id(UNK)
     if any(unknown in p for p in prompts):
@@ -222,7 +279,7 @@ def write_model(
     """config.json + model.safetensors + tokenizer.json: what `kvfence serve --model` loads."""
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(hf_config(shape, dtype), indent=2))
-    tokenizer = build_tokenizer(shape.vocab, prompt_texts(max(SEQUENTIAL, CONCURRENCY)))
+    tokenizer = build_tokenizer(shape.vocab, prompt_texts(PROMPTS))
     tokenizer.save(str(folder / "tokenizer.json"))
     weights = random_weights(shape, dtype, device, seed)
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -275,17 +332,20 @@ def serve_args(folder: Path, args: argparse.Namespace, shape: Shape) -> list[str
         "--kv-cache-memory",
         shape.kv_cache_memory,
         "--max-num-seqs",
-        str(2 * CONCURRENCY),
+        str(2 * MAX_CONCURRENCY),
     ]
 
 
 @contextlib.contextmanager
 def engine_process(
-    command: list[str], log_path: Path, keep_log: Path | None
+    command: list[str],
+    log_path: Path,
+    keep_log: Path | None,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[EngineProcess]:
     """A started (not yet ready) engine; stopped on exit, whatever happens, and its log copied
     to keep_log. On a failure the log's last lines go to stderr."""
-    engine = EngineProcess(command, log_path=log_path)
+    engine = EngineProcess(command, env=env, log_path=log_path)
     engine.start()
     try:
         yield engine
@@ -302,34 +362,43 @@ def engine_process(
 
 
 async def read_counters(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """The engine's step and read-check second counters."""
+    """The engine's step and read-check second counters, and its decode step count where it
+    has one."""
     response = await client.get(f"{url}/metrics")
     response.raise_for_status()
     found = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
-            if sample.name in (f"{STEP}_total", f"{CHECK}_total"):
-                found[sample.name.removesuffix("_total")] = sample.value
-    if len(found) != 2:
-        raise ValueError(f"/metrics lacks {STEP}_total or {CHECK}_total")
+            name = sample.name.removesuffix("_total")
+            if name != sample.name and name in (STEP, CHECK, DECODE_STEPS):
+                found[name] = sample.value
+    missing = {STEP, CHECK} - found.keys()
+    if missing:
+        raise ValueError(f"/metrics lacks {', '.join(f'{m}_total' for m in sorted(missing))}")
     return found
 
 
-def check_share(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    step = after[STEP] - before[STEP]
-    check = after[CHECK] - before[CHECK]
+def counter_rise(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before[name] for name in after.keys() & before.keys()}
+
+
+def check_share(rise: dict[str, float]) -> dict[str, float]:
+    """The read check's seconds over the engine's step seconds, both host time."""
+    step, check = rise[STEP], rise[CHECK]
     return {"step_seconds": step, "check_seconds": check, "share": check / step if step else 0.0}
 
 
+def batch_of(prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """The prompts measured at a concurrency: SEQUENTIAL of them at 1, else that many."""
+    return prompts[: SEQUENTIAL if concurrency == 1 else concurrency]
+
+
 async def engine_ids(
-    ours: EngineClient, prompts: list[list[int]], by_name: dict[str, int], concurrent: bool
+    ours: EngineClient, prompts: list[list[int]], by_name: dict[str, int], concurrency: int
 ) -> list[list[int]]:
-    """The engine's greedy tokens as ids (named in its logprobs), one request at a time or all
-    at once."""
-    if concurrent:
-        names = await asyncio.gather(*(ours.token_strings(p) for p in prompts))
-    else:
-        names = [await ours.token_strings(p) for p in prompts]
+    """The engine's greedy tokens as ids (named in its logprobs), `concurrency` requests in
+    flight."""
+    _, names = await send_all(prompts, ours.token_strings, concurrency)
     return [[by_name[name] for name in row] for row in names]
 
 
@@ -486,6 +555,250 @@ def divergence_gaps(
     return gaps
 
 
+# --- the engine's measurements ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRun:
+    """One timed engine measurement, and how the engine's counters rose during it."""
+
+    concurrency: int
+    prompt_tokens: list[int]
+    seconds: float
+    output_tokens: int
+    counters: dict[str, float]
+    streams: list[Streamed] = field(default_factory=list)  # its requests, where streamed
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+async def counted(
+    client: httpx.AsyncClient, url: str, work: Awaitable[T]
+) -> tuple[T, dict[str, float]]:
+    """`work`'s result, and how the engine's counters rose while it ran."""
+    before = await read_counters(client, url)
+    result = await work
+    return result, counter_rise(before, await read_counters(client, url))
+
+
+async def whole_run(
+    ours: EngineClient, client: httpx.AsyncClient, url: str, prompts: list[list[int]], c: int
+) -> EngineRun:
+    """The prompts, `c` in flight, each answered whole: the tokens/s compared with
+    transformers (per-token events would add the server's streaming work to the engine's)."""
+    (seconds, _), rise = await counted(client, url, send_all(prompts, ours.complete, c))
+    tokens = len(prompts) * ours.max_tokens  # complete() checks each answer's count
+    return EngineRun(c, [len(p) for p in prompts], seconds, tokens, rise)
+
+
+async def streamed_run(
+    ours: EngineClient, client: httpx.AsyncClient, url: str, prompts: list[list[int]], c: int
+) -> EngineRun:
+    """The prompts, streamed, `c` in flight; every one must bring all its tokens."""
+    (seconds, streams), rise = await counted(client, url, send_all(prompts, ours.stream, c))
+    for s in streams:
+        if s.error_code is not None or s.completion_tokens != ours.max_tokens:
+            raise RuntimeError(
+                f"a streamed request ended with {s.error_code or 'no error'} after "
+                f"{s.completion_tokens} of {ours.max_tokens} tokens"
+            )
+    tokens = sum(s.completion_tokens for s in streams)
+    return EngineRun(c, [len(p) for p in prompts], seconds, tokens, rise, streams)
+
+
+def latency(run: EngineRun) -> dict[str, Any]:
+    """Of a streamed run: TTFT (median, p90) in ms, and the decode rate: the concurrency times
+    the median request's tokens/s after its first token (at 1: that request's own rate)."""
+    ttft = [s.first_token_s for s in run.streams if s.first_token_s is not None]
+    rates = [r for s in run.streams if (r := s.decode_tokens_per_s) is not None]
+    return {
+        "streamed_tokens_per_s": run.tokens_per_s,
+        "ttft_ms": {
+            "median": statistics.median(ttft) * 1000,
+            "p90": percentile(ttft, 90) * 1000,
+        },
+        "decode_tokens_per_s": run.concurrency * statistics.median(rates) if rates else None,
+    }
+
+
+def mean_decode_step(run: EngineRun) -> tuple[float, str]:
+    """The engine's step seconds over its decode steps during the run, and where the step count
+    came from: its own counter, else the tokens generated over the batch (one per row and
+    step)."""
+    steps = run.counters.get(DECODE_STEPS)
+    if steps:
+        return run.counters[STEP] / steps, f"{DECODE_STEPS}_total"
+    return run.counters[STEP] / (run.output_tokens / run.concurrency), "generated tokens / batch"
+
+
+@dataclass(frozen=True, slots=True)
+class LongRun:
+    prompt_tokens: int
+    concurrency: int
+    requests: int
+
+
+def long_runs(context: int, new_tokens: int) -> list[LongRun]:
+    """LONG_RUNS, each length capped so that prompt and new tokens fit the served context."""
+    return [
+        LongRun(min(length, context - new_tokens), concurrency, requests)
+        for length, concurrency, requests in LONG_RUNS
+    ]
+
+
+def long_record(run: EngineRun) -> dict[str, Any]:
+    return {
+        "prompt_tokens": max(run.prompt_tokens),
+        "concurrency": run.concurrency,
+        "requests": len(run.streams),
+        "seconds": run.seconds,
+        **latency(run),
+        "read_check": check_share(run.counters),
+    }
+
+
+def pages_needed(prompt_tokens: list[int], new_tokens: int, page_size: int) -> int:
+    return sum(math.ceil((p + new_tokens) / page_size) for p in prompt_tokens)
+
+
+def check_capacity(pool: dict[str, Any], batches: list[list[int]], new_tokens: int) -> None:
+    """Every batch measured (its prompts' lengths) must fit the engine's pool at once, so that
+    nothing is preempted, and each prompt its context; ValueError otherwise."""
+    for lengths in batches:
+        need = pages_needed(lengths, new_tokens, pool["page_size"])
+        if need > pool["num_pages"]:
+            raise ValueError(
+                f"{len(lengths)} prompts of up to {max(lengths)} tokens need {need} KV pages, "
+                f"the pool has {pool['num_pages']}: raise Shape.kv_cache_memory"
+            )
+        if max(lengths) + new_tokens > pool["context_length_effective"]:
+            raise ValueError(
+                f"a {max(lengths)}-token prompt and {new_tokens} new tokens exceed the served "
+                f"context of {pool['context_length_effective']}"
+            )
+
+
+# --- the fault probe --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FaultProbe:
+    faults: tuple[Fault, ...]
+    expected: str  # CAUGHT or NOT_CAUGHT
+
+    @property
+    def name(self) -> str:
+        return ",".join(self.faults)
+
+    def serve_args(self) -> list[str]:
+        return [arg for fault in self.faults for arg in ("--unsafe-fault", fault.value)]
+
+
+FAULT_PROBES = (
+    FaultProbe((Fault.EARLY_RELEASE,), CAUGHT),
+    FaultProbe((Fault.EARLY_RELEASE, Fault.NO_TAG_CHECK), NOT_CAUGHT),
+)
+
+
+@contextlib.contextmanager
+def fault_engines(
+    folder: Path, args: argparse.Namespace, logs: Path, out: Path | None
+) -> Iterator[list[tuple[FaultProbe, EngineProcess]]]:
+    """One started engine per fault probe, on the tiny shape's folder; all stopped on exit."""
+    with contextlib.ExitStack() as stack:
+        engines = []
+        for probe in FAULT_PROBES:
+            command = serve_args(folder, args, SHAPES["tiny"]) + probe.serve_args()
+            slug = "-".join(probe.faults)
+            keep = out.with_suffix(f".fault-{slug}.log") if out else None
+            env = {ALLOW_ENV: "1"}
+            log = logs / f"fault-{slug}.log"
+            engines.append((probe, stack.enter_context(engine_process(command, log, keep, env))))
+        yield engines
+
+
+def fault_outcome(probe: FaultProbe, streams: list[Streamed]) -> dict[str, Any]:
+    """How many requests the read check failed closed (kv_isolation_violation); any other
+    error makes the outcome unexpected whatever the count."""
+    codes = [s.error_code for s in streams]
+    caught = codes.count(ErrorCode.KV_ISOLATION_VIOLATION)
+    other = sorted({c for c in codes if c is not None and c != ErrorCode.KV_ISOLATION_VIOLATION})
+    verdict = CAUGHT if caught else NOT_CAUGHT
+    return {
+        "requests": len(codes),
+        "caught": caught,
+        "other_errors": other,
+        "verdict": verdict,
+        "expected": probe.expected,
+        "as_expected": verdict == probe.expected and not other,
+    }
+
+
+async def probe_faults(
+    engines: list[tuple[FaultProbe, EngineProcess]], prompts: list[list[int]]
+) -> dict[str, Any]:
+    """FAULT_REQUESTS concurrent requests to each fault engine, once it is ready."""
+    results: dict[str, Any] = {}
+    for probe, engine in engines:
+        with recorded(results, probe.name):
+            engine.wait_loaded(READY_TIMEOUT_S)
+            async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+                ours = EngineClient(client, engine.url, FAULT_NEW_TOKENS)
+                _, streams = await send_all(prompts, ours.stream, len(prompts))
+            results[probe.name] = fault_outcome(probe, streams)
+    return results
+
+
+@contextlib.contextmanager
+def recorded(results: dict[str, Any], key: str) -> Iterator[None]:
+    """A failure inside becomes results[key] = {"error": ...} instead of failing the run; the
+    deadline (TimeoutError) still ends it."""
+    try:
+        yield
+    except TimeoutError:
+        raise
+    except Exception as exc:
+        results[key] = failure(exc)
+
+
+def failure(exc: Exception) -> dict[str, str]:
+    return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+# --- the device read check --------------------------------------------------------------------
+
+
+def device_check(
+    runs: dict[int, EngineRun], pool: dict[str, Any], device: torch.device, new_tokens: int
+) -> dict[str, Any]:
+    """check_decode timed alone on the pool state of each DEVICE_CHECK_AT run, and its share of
+    that run's mean decode step (bench/_device_check.py); {"error": ...} where it cannot run."""
+    if device.type != "cuda":
+        return {"error": f"CUDA only; this run is on {device}"}
+    try:
+        check_decode = importlib.import_module(PAGED_DECODE).check_decode
+        do_bench = importlib.import_module("triton.testing").do_bench
+    except (ImportError, AttributeError, RuntimeError) as exc:  # not written yet, or no Triton
+        return failure(exc)
+    results: dict[str, Any] = {}
+    for concurrency in DEVICE_CHECK_AT:
+        with recorded(results, str(concurrency)):
+            run = runs[concurrency]
+            inputs = decode_check_inputs(
+                run.prompt_tokens, new_tokens, pool["num_pages"], pool["page_size"]
+            ).to(device)
+            timed = time_check_decode(check_decode, do_bench, inputs)
+            step_s, source = mean_decode_step(run)
+            results[str(concurrency)] = timed | {
+                "decode_step_ms": step_s * 1000,
+                "share": timed["check_ms"] / (step_s * 1000),
+                "decode_step_from": source,
+            }
+    return results
+
+
 # --- the run ----------------------------------------------------------------------------------
 
 
@@ -493,8 +806,16 @@ def divergence_gaps(
 class Measured:
     system: str
     concurrency: int
-    tokens_per_s: float
+    tokens_per_s: float  # ours: answered whole
     seconds: float
+    # ours only: the same requests streamed
+    streamed_tokens_per_s: float | None = None
+    ttft_ms: dict[str, float] | None = None
+    decode_tokens_per_s: float | None = None
+
+
+def engine_measured(whole: EngineRun, streamed: EngineRun) -> Measured:
+    return Measured(OURS, whole.concurrency, whole.tokens_per_s, whole.seconds, **latency(streamed))
 
 
 class Clock:
@@ -526,38 +847,11 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
 
 
-async def warm_up(
-    ours: EngineClient, reference: Reference, sequential: list[list[int]], batch: list[list[int]]
-) -> None:
-    """One untimed pass of each measured shape: first calls pay for kernel selection, cuBLAS
-    handles, allocator growth and the lazily touched KV pool."""
-    await ours.one_at_a_time(sequential[:1])
-    await ours.all_at_once(batch)
-    reference.one_at_a_time(sequential[:1])
-    reference.batch(batch)
-
-
-async def measure_engine(
-    ours: EngineClient,
-    client: httpx.AsyncClient,
-    url: str,
-    sequential: list[list[int]],
-    batch: list[list[int]],
-    summary: dict[str, Any],
-) -> list[Measured]:
-    before = await read_counters(client, url)
-    one = await ours.one_at_a_time(sequential)
-    middle = await read_counters(client, url)
-    many = await ours.all_at_once(batch)
-    after = await read_counters(client, url)
-    summary["read_check"] = {
-        "1": check_share(before, middle),
-        str(CONCURRENCY): check_share(middle, after),
-    }
-    return [
-        Measured(OURS, 1, one.tokens_per_s, one.seconds),
-        Measured(OURS, CONCURRENCY, many.tokens_per_s, many.seconds),
-    ]
+def reference_run(
+    reference: Reference, prompts: list[list[int]], concurrency: int
+) -> tuple[Timing, list[list[int]]]:
+    """Transformers at a concurrency: batch 1 one prompt after another, else one batch."""
+    return reference.one_at_a_time(prompts) if concurrency == 1 else reference.batch(prompts)
 
 
 async def run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
@@ -565,19 +859,24 @@ async def run(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     summary["environment"] = environment(device)
     clock = Clock(summary.setdefault("phases", {}))
     with tempfile.TemporaryDirectory(prefix="kvfence-gpu-check-") as tmp:
-        folder = Path(tmp) / f"random-{args.shape}"
-        with clock.phase("model folder"):
+        folder, tiny = Path(tmp) / f"random-{args.shape}", Path(tmp) / "random-tiny-faults"
+        with clock.phase("model folders"):
             tokenizer = write_model(folder, shape, dtype, device, args.seed)
             by_name = ids_by_name(tokenizer)
-            prompts = encode_prompts(tokenizer, prompt_texts(max(SEQUENTIAL, CONCURRENCY)))
+            prompts = encode_prompts(tokenizer, prompt_texts(PROMPTS))
+            tiny_tokenizer = write_model(tiny, SHAPES["tiny"], dtype, device, args.seed)
+            fault_prompts = encode_prompts(tiny_tokenizer, prompt_texts(FAULT_REQUESTS))
         lengths = [len(p) for p in prompts]
         summary["prompt_tokens"] = {"min": min(lengths), "max": max(lengths)}
         command = serve_args(folder, args, shape)
         keep_log = args.out.with_suffix(".engine.log") if args.out else None
         with engine_process(command, Path(tmp) / "engine.log", keep_log) as engine:
-            with clock.phase("transformers load (the engine loads meanwhile)"):
-                reference = Reference(folder, device, dtype, args.new_tokens)
-                same_config(folder, reference)
+            with fault_engines(tiny, args, Path(tmp), args.out) as faulty:
+                with clock.phase("transformers load (the engines load meanwhile)"):
+                    reference = Reference(folder, device, dtype, args.new_tokens)
+                    same_config(folder, reference)
+                with clock.phase("fault probe"):
+                    summary["fault_probe"] = await probe_faults(faulty, fault_prompts)
             with clock.phase("engine ready"):
                 engine.wait_loaded(READY_TIMEOUT_S)
             await compare(engine.url, reference, prompts, by_name, clock, summary)
@@ -592,33 +891,88 @@ async def compare(
     clock: Clock,
     summary: dict[str, Any],
 ) -> None:
-    """Throughput, the read check's share and greedy agreement of a ready engine at `url`
-    against transformers, into summary."""
-    sequential, batch = prompts[:SEQUENTIAL], prompts[:CONCURRENCY]
-    limits = httpx.Limits(max_connections=2 * CONCURRENCY)
+    """Throughput, TTFT, the read check's share and greedy agreement of a ready engine at `url`
+    against transformers, then the engine's long prompts and the device read check, into
+    summary."""
+    new_tokens = reference.new_tokens
+    # idle connections are let go before the engine closes them (--client-header-timeout,
+    # 10 s): reusing one it is closing would be a ReadError
+    limits = httpx.Limits(max_connections=2 * MAX_CONCURRENCY, keepalive_expiry=KEEPALIVE_S)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
-        summary["engine"] = (await client.get(f"{url}/v1/kvpool")).json()
-        ours = EngineClient(client, url, reference.new_tokens)
-        with clock.phase("warm-up"):
-            await warm_up(ours, reference, sequential, batch)
+        pool = summary["engine"] = (await client.get(f"{url}/v1/kvpool")).json()
+        ours = EngineClient(client, url, new_tokens)
+        long = long_batches(prompts, long_runs(pool["context_length_effective"], new_tokens))
+        batches = [batch_of(prompts, c) for c in CONCURRENCIES] + [b for _, b in long]
+        check_capacity(pool, [[len(p) for p in b] for b in batches], new_tokens)
+        with clock.phase("engine greedy ids (its warm-up)"):
+            ours_ids = {
+                c: await engine_ids(ours, batch_of(prompts, c), by_name, c) for c in CONCURRENCIES
+            }
         with clock.phase("engine throughput"):
-            measured = await measure_engine(ours, client, url, sequential, batch, summary)
-        with clock.phase("transformers throughput"):
-            one, theirs_1 = reference.one_at_a_time(sequential)
-            many, theirs_32 = reference.batch(batch)
-        measured += [
-            Measured(THEIRS, 1, one.tokens_per_s, one.seconds),
-            Measured(THEIRS, CONCURRENCY, many.tokens_per_s, many.seconds),
-        ]
-        summary["throughput"] = throughput_rows(measured)
+            runs = {
+                c: await whole_run(ours, client, url, batch_of(prompts, c), c)
+                for c in CONCURRENCIES
+            }
+        summary["read_check"] = {str(c): check_share(r.counters) for c, r in runs.items()}
+        with clock.phase("engine streamed (TTFT)"):
+            streamed = {
+                c: await streamed_run(ours, client, url, batch_of(prompts, c), c)
+                for c in CONCURRENCIES
+            }
+        theirs = transformers_runs(reference, prompts, clock)
+        summary["throughput"] = throughput_rows(measurements(runs, streamed, theirs))
         with clock.phase("greedy agreement"):
-            ours_1 = await engine_ids(ours, sequential, by_name, concurrent=False)
-            ours_32 = await engine_ids(ours, batch, by_name, concurrent=True)
-        summary["agreement"] = {
-            "1": agreement(ours_1, theirs_1),
-            str(CONCURRENCY): agreement(ours_32, theirs_32),
-            "divergences_1": divergence_gaps(reference, sequential, ours_1, theirs_1),
-        }
+            summary["agreement"] = agreements(reference, prompts, ours_ids, theirs)
+        summary["long_prompts"] = []  # filled as each run ends: a cut run keeps what it has
+        with clock.phase("engine long prompts"):
+            for r, batch in long:
+                timed = await streamed_run(ours, client, url, batch, r.concurrency)
+                summary["long_prompts"].append(long_record(timed))
+    with clock.phase("device read check"):
+        summary["device_check"] = device_check(runs, pool, reference.device, new_tokens)
+
+
+def long_batches(
+    prompts: list[list[int]], runs: list[LongRun]
+) -> list[tuple[LongRun, list[list[int]]]]:
+    return [
+        (r, [long_prompt(prompts, r.prompt_tokens, i) for i in range(r.requests)]) for r in runs
+    ]
+
+
+def transformers_runs(
+    reference: Reference, prompts: list[list[int]], clock: Clock
+) -> dict[int, tuple[Timing, list[list[int]]]]:
+    """Each concurrency's timing and token ids, after an untimed pass of each: the first
+    prompt alone at 1, the batch itself at the others."""
+    with clock.phase("transformers warm-up"):
+        for c in CONCURRENCIES:
+            reference_run(reference, batch_of(prompts, c)[:c], c)
+    with clock.phase("transformers throughput"):
+        return {c: reference_run(reference, batch_of(prompts, c), c) for c in CONCURRENCIES}
+
+
+def measurements(
+    whole: dict[int, EngineRun],
+    streamed: dict[int, EngineRun],
+    theirs: dict[int, tuple[Timing, list[list[int]]]],
+) -> list[Measured]:
+    ours = [engine_measured(whole[c], streamed[c]) for c in whole]
+    return ours + [Measured(THEIRS, c, t.tokens_per_s, t.seconds) for c, (t, _) in theirs.items()]
+
+
+def agreements(
+    reference: Reference,
+    prompts: list[list[int]],
+    ours: dict[int, list[list[int]]],
+    theirs: dict[int, tuple[Timing, list[list[int]]]],
+) -> dict[str, Any]:
+    """Token-id agreement at each concurrency; transformers' logit gaps at c=1's divergences."""
+    result: dict[str, Any] = {str(c): agreement(ours[c], theirs[c][1]) for c in CONCURRENCIES}
+    result["divergences_1"] = divergence_gaps(
+        reference, batch_of(prompts, 1), ours[1], theirs[1][1]
+    )
+    return result
 
 
 def throughput_rows(measured: list[Measured]) -> list[dict[str, Any]]:
@@ -642,32 +996,24 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     ]
     if "prompt_tokens" in summary:
         lengths = summary["prompt_tokens"]
+        batched = ", ".join(f"c={c}" for c in CONCURRENCIES if c > 1)
         lines.append(
             f"prompts: {lengths['min']}-{lengths['max']} tokens; c=1: {SEQUENTIAL} requests "
-            f"one after another (transformers: batch 1); c={CONCURRENCY}: all in flight at once "
-            "(transformers: one left-padded batch)"
+            f"one after another (transformers: batch 1); {batched}: all in flight at once "
+            "(transformers: one left-padded batch); ours answered whole, then streamed"
         )
-    rows = summary.get("throughput", [])
-    if rows:
-        lines.append(f"{'system':<14}{'c':>4}{'tokens/s':>12}{'vs transformers':>18}")
-    for row in rows:
-        ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else ""
-        lines.append(
-            f"{row['system']:<14}{row['concurrency']:>4}{row['tokens_per_s']:>12.1f}{ratio:>18}"
-        )
+    lines += throughput_lines(summary.get("throughput", []))
+    lines += long_prompt_lines(summary.get("long_prompts", []))
     lines += agreement_lines(summary.get("agreement"))
-    checks = summary.get("read_check", {})
-    if checks:
-        parts = [
-            f"c={c} {v['share']:.2%} ({v['check_seconds']:.3f}s of {v['step_seconds']:.2f}s)"
-            for c, v in checks.items()
-        ]
-        lines.append("read check / engine step time: " + ", ".join(parts))
+    lines += read_check_lines(summary.get("read_check", {}))
+    lines += device_check_lines(summary.get("device_check"))
+    lines += fault_probe_lines(summary.get("fault_probe"))
     pool = summary.get("engine", {})
     if pool:
         lines.append(
             f"engine: weights {pool.get('weight_dtype')}, KV {pool.get('kv_dtype')}, "
-            f"{pool.get('pool_tokens')} pool tokens"
+            f"{pool.get('pool_tokens')} pool tokens ({pool.get('num_pages')} pages), context "
+            f"{pool.get('context_length_effective')}"
         )
     if env:
         lines.append(
@@ -681,10 +1027,49 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def ttft_cell(ttft_ms: dict[str, float] | None) -> str:
+    return f"{ttft_ms['median']:.1f} / {ttft_ms['p90']:.1f}" if ttft_ms else ""
+
+
+def throughput_lines(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        f"{'system':<14}{'c':>4}{'tokens/s':>12}{'vs transformers':>18}{'streamed tok/s':>16}"
+        f"{'TTFT p50 / p90 ms':>22}"
+    ]
+    for row in rows:
+        ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else ""
+        streamed = row["streamed_tokens_per_s"]
+        lines.append(
+            f"{row['system']:<14}{row['concurrency']:>4}{row['tokens_per_s']:>12.1f}{ratio:>18}"
+            f"{f'{streamed:.1f}' if streamed else '':>16}{ttft_cell(row['ttft_ms']):>22}"
+        )
+    return lines
+
+
+def long_prompt_lines(records: list[dict[str, Any]]) -> list[str]:
+    if not records:
+        return []
+    lines = [
+        "long prompts (kvfence only):",
+        f"{'prompt':>8}{'c':>4}{'requests':>10}{'tokens/s':>12}{'decode tok/s':>14}"
+        f"{'TTFT p50 / p90 ms':>22}{'read check':>12}",
+    ]
+    for r in records:
+        decode = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] else ""
+        lines.append(
+            f"{r['prompt_tokens']:>8}{r['concurrency']:>4}{r['requests']:>10}"
+            f"{r['streamed_tokens_per_s']:>12.1f}{decode:>14}{ttft_cell(r['ttft_ms']):>22}"
+            f"{r['read_check']['share']:>12.2%}"
+        )
+    return lines
+
+
 def agreement_lines(result: dict[str, Any] | None) -> list[str]:
     if not result:
         return []
-    levels = ("1", str(CONCURRENCY))
+    levels = [c for c in result if c != "divergences_1"]
     counts = ", ".join(
         f"c={c} {result[c]['identical']}/{result[c]['prompts']} prompts identical" for c in levels
     )
@@ -693,13 +1078,66 @@ def agreement_lines(result: dict[str, Any] | None) -> list[str]:
         firsts = [f for f in result[c]["first_divergence"] if f is not None]
         if firsts:
             lines.append(f"  c={c} first divergences at tokens {sorted(firsts)}")
-    for gap in result["divergences_1"]:
+    for gap in result.get("divergences_1", []):
         lines.append(
             f"  c=1 prompt {gap['prompt']} token {gap['at']}: ours {gap['ours']}, theirs "
             f"{gap['theirs']}; transformers' logit gap {gap['logit_gap']:.4g} "
             f"({gap['gap_in_spacings']:.1f} spacings of the dtype at that logit)"
         )
     return lines
+
+
+def read_check_lines(checks: dict[str, Any]) -> list[str]:
+    if not checks:
+        return []
+    parts = [
+        f"c={c} {v['share']:.2%} ({v['check_seconds']:.3f}s of {v['step_seconds']:.2f}s)"
+        for c, v in checks.items()
+    ]
+    return ["read check (host) / engine step time: " + ", ".join(parts)]
+
+
+def device_check_lines(result: dict[str, Any] | None) -> list[str]:
+    if result is None:
+        return []
+    if "error" in result:
+        return [f"device read check (check_decode): not measured: {result['error']}"]
+    parts = []
+    for c, v in result.items():
+        if "error" in v:
+            parts.append(f"c={c} failed: {v['error']}")
+            continue
+        wrong = (
+            ""
+            if not (v["rows_failed"] or v["slots_wrong"])
+            else (f" (WRONG: {v['rows_failed']} rows failed, {v['slots_wrong']} slots wrong)")
+        )
+        parts.append(
+            f"c={c} {v['check_ms'] * 1000:.1f} us = {v['share']:.2%} of a "
+            f"{v['decode_step_ms']:.2f} ms decode step{wrong}"
+        )
+    steps = {v.get("decode_step_from") for v in result.values()} - {None}
+    return [
+        f"device read check (check_decode; steps from {', '.join(sorted(steps))}): "
+        + ", ".join(parts)
+    ]
+
+
+def fault_probe_lines(result: dict[str, Any] | None) -> list[str]:
+    if not result:
+        return []
+    parts = []
+    for name, v in result.items():
+        if "error" in v:
+            parts.append(f"{name} failed: {v['error']}")
+            continue
+        other = f", other errors {v['other_errors']}" if v["other_errors"] else ""
+        mark = "as expected" if v["as_expected"] else f"UNEXPECTED, expected {v['expected']}"
+        parts.append(f"{name} {v['caught']}/{v['requests']} {v['verdict']} ({mark}{other})")
+    return [
+        f"fault probe (tiny shape, {FAULT_REQUESTS} concurrent requests, kv_isolation_violation "
+        "= caught): " + "; ".join(parts)
+    ]
 
 
 # --- entry ------------------------------------------------------------------------------------
@@ -757,7 +1195,7 @@ def main() -> int:
         "new_tokens": args.new_tokens,
         "seed": args.seed,
         "sequential_prompts": SEQUENTIAL,
-        "concurrency": CONCURRENCY,
+        "concurrencies": list(CONCURRENCIES),
     }
     arm_deadline(args.deadline)
     try:

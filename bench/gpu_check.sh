@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Ready for a GPU: `kvfence serve` against transformers on one GPU, random weights of
-# Llama-3.2-1B's shape, no network, under 8 minutes. Arguments go to bench/gpu_check.py, e.g.
+# Llama-3.2-1B's shape, no network, under 8 minutes: tokens/s and TTFT at concurrency 1, 32 and
+# 128, long prompts, greedy agreement, the read check's cost (host and device) and a fault
+# probe (bench/gpu_check.py's docstring). Arguments go to bench/gpu_check.py, e.g.
 #   bash bench/gpu_check.sh --out "$OUT/gpu_check.json"
 #   bash bench/gpu_check.sh --device cpu --shape tiny --new-tokens 8      (CPU smoke test)
 # Runs from a checkout, nothing installed: PYTHONPATH holds cli, engine and operator.
@@ -12,7 +14,9 @@
 #   typing-inspection 0.4.5, annotated-doc 0.0.7 (fastapi), opentelemetry-api 1.45.2 (fastapi
 #   imports it), typing-extensions 4.16.0 (pydantic and pydantic-core need >= 4.16.0).
 # Expected there already: torch, transformers, safetensors, tokenizers, xxhash, httpx,
-# prometheus-client, jinja2, numpy, anyio, h11, click, pyyaml.
+# prometheus-client, jinja2, numpy, anyio, h11, click, pyyaml. Optional: triton (torch's CUDA
+# wheels bring it), for the device read check; without it that phase records why and the run
+# goes on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

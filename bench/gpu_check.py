@@ -930,6 +930,20 @@ async def compare(
                 summary["long_prompts"].append(long_record(timed))
     with clock.phase("device read check"):
         summary["device_check"] = device_check(runs, pool, reference.device, new_tokens)
+    with clock.phase("decode kernels alone"):
+        summary["kernels"] = decode_kernels(reference.device)
+
+
+def decode_kernels(device: torch.device) -> dict[str, Any]:
+    """bench/gpu_kernels.py's cases: paged decode attention against the gather path, and the
+    read check kernel, alone; {"error": ...} where they cannot run."""
+    if device.type != "cuda":
+        return {"error": f"CUDA only; this run is on {device}"}
+    try:
+        cases = importlib.import_module("gpu_kernels").run_cases(device)
+    except Exception as exc:  # reported, never fatal: the engine's own figures stand
+        return failure(exc)
+    return {"cases": cases}
 
 
 def long_batches(
@@ -1007,6 +1021,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     lines += agreement_lines(summary.get("agreement"))
     lines += read_check_lines(summary.get("read_check", {}))
     lines += device_check_lines(summary.get("device_check"))
+    lines += kernel_lines(summary.get("kernels"))
     lines += fault_probe_lines(summary.get("fault_probe"))
     pool = summary.get("engine", {})
     if pool:
@@ -1095,6 +1110,15 @@ def read_check_lines(checks: dict[str, Any]) -> list[str]:
         for c, v in checks.items()
     ]
     return ["read check (host) / engine step time: " + ", ".join(parts)]
+
+
+def kernel_lines(result: dict[str, Any] | None) -> list[str]:
+    if not result:
+        return []
+    if "error" in result:
+        return [f"decode kernels alone: not measured: {result['error']}"]
+    table_lines = importlib.import_module("gpu_kernels").table_lines
+    return ["decode kernels alone (Llama-3.2-1B attention, bf16):", *table_lines(result["cases"])]
 
 
 def device_check_lines(result: dict[str, Any] | None) -> list[str]:

@@ -340,3 +340,12 @@ def test_cpu_smoke_run(tmp_path: Path) -> None:
     assert "greedy agreement (token ids): c=1 8/8" in result.stdout
     assert "early-release,no-tag-check 0/8 not caught (as expected)" in result.stdout
     assert "listening on http://127.0.0.1:" in (tmp_path / "gpu_check.engine.log").read_text()
+
+
+def test_the_kernel_bench_runs_its_cases_in_the_interpreter(gpu_check: ModuleType) -> None:
+    """bench/gpu_kernels.py before it first meets a GPU: its cases build, the check passes a
+    clean batch and the kernel's error against the float32 reference is small (bf16 inputs)."""
+    gpu_kernels = importlib.import_module("gpu_kernels")  # beside gpu_check, on its path
+    results = gpu_kernels.run_cases(torch.device("cpu"))
+    assert [(r["batch"], r["context"]) for r in results] == gpu_kernels.CPU_CASES
+    assert all(r["rel_error_vs_fp32_reference"] < 1e-2 for r in results)

@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import pytest
 
-from helpers.engines import make_tiny_engine, prompt_of, run_until_done, submit
+from helpers.engines import TinyEngineOptions, make_tiny_engine, prompt_of, run_until_done, submit
 from kvfence_engine.core.device_decode import BUCKETS, unsupported
 from kvfence_engine.core.engine import LLMEngine
 from kvfence_engine.core.request import Request
 from kvfence_engine.loading.loader import TINY_CONFIG
 
-DEVICE = {"device_decode": True, "enforce_eager": True}
+DEVICE: TinyEngineOptions = {"device_decode": True, "enforce_eager": True}
 
 
 def outputs(engine: LLMEngine, seqs: list[Request]) -> list[tuple[list[int], list[float]]]:
@@ -55,15 +55,16 @@ def test_preemption_and_row_reuse_recopy_the_page_tables() -> None:
     """A pool too small for all of them: the youngest is preempted and recomputed, with pages
     of its own again; more requests than rows pass through over time."""
 
-    def run(options: dict) -> list:
-        engine = make_tiny_engine(pages=7, max_num_seqs=2, **options)
+    def run(options: TinyEngineOptions) -> list:
+        engine = make_tiny_engine(pages=7, **(options | {"max_num_seqs": 2}))
         seqs = [
             submit(engine, prompt_of(40, seed=s), max_tokens=12, ignore_eos=True, logprobs=0)
             for s in range(4)
         ]
         result = outputs(engine, seqs)
         if options:
-            assert engine.metrics.registry.get_sample_value("kvfence_preemptions_total") >= 1
+            preempted = engine.metrics.registry.get_sample_value("kvfence_preemptions_total")
+            assert preempted is not None and preempted >= 1
             decoder = engine.device_decoder
             assert decoder is not None and len(decoder.rows) <= 2
         return result
@@ -72,7 +73,7 @@ def test_preemption_and_row_reuse_recopy_the_page_tables() -> None:
 
 
 def test_buckets_end_at_the_batch_limit() -> None:
-    engine = make_tiny_engine(max_num_seqs=20, **DEVICE)
+    engine = make_tiny_engine(**(DEVICE | {"max_num_seqs": 20}))
     decoder = engine.device_decoder
     assert decoder is not None
     assert decoder.buckets == [1, 2, 4, 8, 16, 20]

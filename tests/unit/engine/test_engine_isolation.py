@@ -1,6 +1,8 @@
 """Each in-engine bug class, switched on: the read check fails the request closed, and with the
 check switched off too, the test shows the foreign KV was really read (the negative control)."""
 
+from typing import Unpack
+
 import pytest
 import torch
 
@@ -34,14 +36,18 @@ def _pollute(engine, seed: int) -> None:
     assert all(s.error is None for s in seqs) and engine.pages.num_used == 0
 
 
-def _placeholder_victim(faults: tuple[str, ...], polluter_seed: int, **decode: object):
-    engine = make_tiny_engine(context_length=CONTEXT, faults=faults, **decode)
+def _placeholder_victim(
+    faults: tuple[str, ...], polluter_seed: int, **decode: Unpack[TinyEngineOptions]
+):
+    engine = make_tiny_engine(faults=faults, **(decode | {"context_length": CONTEXT}))
     _pollute(engine, polluter_seed)
     seq = generate(engine, prompt_of(OVER, seed=99), max_tokens=6, ignore_eos=True, logprobs=0)
     return engine, seq
 
 
-def test_reject_placeholder_fails_closed_with_the_unwritten_read_counter(decode) -> None:
+def test_reject_placeholder_fails_closed_with_the_unwritten_read_counter(
+    decode: TinyEngineOptions,
+) -> None:
     engine, seq = _placeholder_victim(("reject-placeholder",), polluter_seed=1, **decode)
     assert seq.error is not None and seq.error.status == 500
     assert seq.error.code == "kv_isolation_violation"
@@ -56,7 +62,9 @@ def test_without_the_fault_the_same_prompt_is_a_400_and_allocates_nothing() -> N
     assert engine.metrics.registry.get_sample_value("kvfence_kv_unwritten_read_total") == 0
 
 
-def test_reject_placeholder_without_tag_check_reads_the_other_tenants_kv(decode) -> None:
+def test_reject_placeholder_without_tag_check_reads_the_other_tenants_kv(
+    decode: TinyEngineOptions,
+) -> None:
     faults = ("reject-placeholder", "no-tag-check")
     _, after_a = _placeholder_victim(faults, polluter_seed=1, **decode)
     _, after_a_again = _placeholder_victim(faults, polluter_seed=1, **decode)
@@ -68,7 +76,9 @@ def test_reject_placeholder_without_tag_check_reads_the_other_tenants_kv(decode)
     assert (lp(after_a) - lp(after_b)).abs().max() > 1e-3
 
 
-def _early_release_victim(faults: tuple[str, ...], intruder_seed: int, **decode: object):
+def _early_release_victim(
+    faults: tuple[str, ...], intruder_seed: int, **decode: Unpack[TinyEngineOptions]
+):
     engine = make_tiny_engine(faults=faults, **decode)
     victim = submit(engine, prompt_of(40, seed=5), max_tokens=12, ignore_eos=True, logprobs=0)
     engine.step()  # victim prefilled; the fault hands its first page back to the free list
@@ -94,7 +104,9 @@ def test_early_release_robbed_page_goes_to_another_owner_not_back_to_the_victim(
     assert engine.pages.num_used == 0
 
 
-def test_early_release_fails_closed_with_the_tag_mismatch_counter(decode) -> None:
+def test_early_release_fails_closed_with_the_tag_mismatch_counter(
+    decode: TinyEngineOptions,
+) -> None:
     engine, victim, intruder = _early_release_victim(("early-release",), 6, **decode)
     assert victim.error is not None and victim.error.code == "kv_isolation_violation"
     assert engine.metrics.registry.get_sample_value("kvfence_kv_tag_mismatch_total") >= 1
@@ -102,7 +114,7 @@ def test_early_release_fails_closed_with_the_tag_mismatch_counter(decode) -> Non
     assert engine.pages.num_used == 0  # the stale release of the reassigned page was ignored
 
 
-def test_early_release_without_tag_check_reads_the_intruders_kv(decode) -> None:
+def test_early_release_without_tag_check_reads_the_intruders_kv(decode: TinyEngineOptions) -> None:
     faults = ("early-release", "no-tag-check")
     _, v1, _ = _early_release_victim(faults, 6, **decode)
     _, v1_again, _ = _early_release_victim(faults, 6, **decode)

@@ -31,6 +31,8 @@ class Decoder(nn.Module):
     context: the positions the engine serves (default max_positions), which longrope's
     factors depend on (core/rope.py)."""
 
+    embed_scale: torch.Tensor | None  # a buffer (Gemma)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -44,6 +46,10 @@ class Decoder(nn.Module):
         self.config = config
         w = Weights(weights, str(config.family))
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
+        # Gemma's embedding scale, in the model's dtype as transformers rounds it (a buffer: the
+        # step makes no tensor from a Python number, which a CUDA graph could not capture)
+        scale = None if config.embed_scale is None else torch.tensor(config.embed_scale)
+        self.register_buffer("embed_scale", scale, persistent=False)
         self.layers = nn.ModuleList(layer(config, w, i) for i in range(config.num_layers))
         self.norm = RMSNorm(w["model.norm.weight"], config.rms_eps, unit_offset=unit_offset_norm)
         # tied: the embedding table (a tied checkpoint's lm_head.weight, if saved, is a copy
@@ -91,8 +97,8 @@ class Decoder(nn.Module):
         """Run a flat batch of tokens; returns logits (float32) for the rows in logits_rows."""
         c = self.config
         x = F.embedding(input_ids, self.embed)
-        if c.embed_scale is not None:  # in the model's dtype, as transformers scales it
-            x = x * torch.tensor(c.embed_scale, dtype=x.dtype, device=x.device)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale.to(x.dtype)
         rope = self.rotary(positions, x.dtype)
         sliding_rope = (
             rope if self.sliding_rotary is None else self.sliding_rotary(positions, x.dtype)

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence_operator.crd.types import ConditionReason
-from kvfence_operator.meta import owner_description
+from kvfence_operator.decisions.pods import engine_failure
+from kvfence_operator.meta import LABEL_ROLE, owner_description
 
 
 class InvalidSpec(ValueError):
@@ -118,4 +119,28 @@ def record_refused(revision: str, refused: Sequence[str]) -> Problem:
         f"children, gates and backends are left as they are, neither judged nor put back by "
         "another revision's spec. Restore its kvfence.dev/spec annotation, or roll out a new "
         "revision",
+    )
+
+
+def engine_crash_loop(revision: str, pods: Sequence[Mapping[str, Any]]) -> Problem | None:
+    """A revision's engine pods whose container exited with an error and has not been ready
+    since (pods.engine_failure), as one problem: each failure once, with the pods it stopped,
+    in the engine's own words. No restart count, nothing that changes while the pods keep
+    failing the same way, so Degraded's message and its one Event hold across restarts."""
+    failures = [(pod, failure) for pod in pods if (failure := engine_failure(pod)) is not None]
+    if not failures:
+        return None
+    by_failure: dict[tuple[int, str], list[str]] = {}
+    for pod, failure in failures:
+        role = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE, "engine")
+        by_failure.setdefault((failure.exit_code, failure.reason), []).append(
+            f"{failure.pod} ({role})"
+        )
+    said = "; ".join(
+        f"{', '.join(names)} exited {code}: {reason}"
+        for (code, reason), names in by_failure.items()
+    )
+    return Problem(
+        ConditionReason.ENGINE_CRASH_LOOPING,
+        f"revision {revision}: engine pods crash-loop (not ready since they failed): {said}",
     )

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvfence_operator.crd.types import ConditionReason
 from kvfence_operator.decisions.pods import engine_failure
-from kvfence_operator.meta import LABEL_ROLE, owner_description
+from kvfence_operator.meta import LABEL_REVISION, owner_description
 
 
 class InvalidSpec(ValueError):
@@ -124,23 +124,18 @@ def record_refused(revision: str, refused: Sequence[str]) -> Problem:
 
 def engine_crash_loop(revision: str, pods: Sequence[Mapping[str, Any]]) -> Problem | None:
     """A revision's engine pods whose container exited with an error and has not been ready
-    since (pods.engine_failure), as one problem: each failure once, with the pods it stopped,
-    in the engine's own words. No restart count, nothing that changes while the pods keep
-    failing the same way, so Degraded's message and its one Event hold across restarts."""
-    failures = [(pod, failure) for pod in pods if (failure := engine_failure(pod)) is not None]
+    since (pods.engine_failure), as one problem: each distinct failure once, in the engine's
+    own words. Nothing that changes while the pods keep failing the same way (no restart
+    count, no pod names: the second pod to fail would change the words), so Degraded's message
+    and its one Event hold across restarts and as more pods of the revision fail alike."""
+    failures = [failure for pod in pods if (failure := engine_failure(pod)) is not None]
     if not failures:
         return None
-    by_failure: dict[tuple[int, str], list[str]] = {}
-    for pod, failure in failures:
-        role = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE, "engine")
-        by_failure.setdefault((failure.exit_code, failure.reason), []).append(
-            f"{failure.pod} ({role})"
-        )
     said = "; ".join(
-        f"{', '.join(names)} exited {code}: {reason}"
-        for (code, reason), names in by_failure.items()
+        dict.fromkeys(f"exited {failure.exit_code}: {failure.reason}" for failure in failures)
     )
     return Problem(
         ConditionReason.ENGINE_CRASH_LOOPING,
-        f"revision {revision}: engine pods crash-loop (not ready since they failed): {said}",
+        f"revision {revision}: its engine pods crash-loop (not ready since they failed; "
+        f"kubectl get pods -l {LABEL_REVISION}={revision}): {said}",
     )

@@ -26,7 +26,7 @@ def test_a_missing_gguf_path_says_no_such_file(tmp_path: Path, read, verb) -> No
 def test_a_folder_without_config_json_and_an_unknown_builtin_say_what_they_lack(
     tmp_path: Path, read, verb
 ) -> None:
-    with pytest.raises(ValueError, match="the folder has no config.json"):
+    with pytest.raises(ValueError, match=r"the folder has no config\.json"):
         read(str(tmp_path))
     missing = str(tmp_path / "weights")
     with pytest.raises(ValueError, match=r"no such file or folder"):

@@ -185,9 +185,11 @@ def test_a_crash_looping_engine_is_one_problem_in_its_own_words_the_same_across_
     problem = engine_crash_loop("r1", waiting)
     assert problem is not None and problem.reason == "EngineCrashLooping"
     assert problem.message == (
-        "revision r1: engine pods crash-loop (not ready since they failed): "
-        f"tiny-r1-prefill-a (prefill), tiny-r1-decode-b (decode) exited 1: {GONE}"
+        "revision r1: its engine pods crash-loop (not ready since they failed; kubectl get pods "
+        f"-l kvfence.dev/revision=r1): exited 1: {GONE}"
     )
+    # the same words when only one of them failed yet: a second pod failing alike is no new Event
+    assert engine_crash_loop("r1", waiting[:1]) == problem
     # restarted, loading again: the same failure, the same words (no flicker, no new Event)
     running = [engine_pod(p["metadata"]["name"], p["metadata"]["labels"]["kvfence.dev/role"],
                           {"running": {}}, failed()) for p in waiting]  # fmt: skip

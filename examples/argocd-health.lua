@@ -3,7 +3,9 @@
 -- Healthy      Ready=True, for the generation the operator last observed, and nothing rolling;
 --              or Ready=False with reason ScaledToZero (replicas: 0 is what the spec asks).
 -- Progressing  the operator has not observed the latest spec yet, or Progressing=True
---              (a new revision is starting, having its pools checked or being canaried).
+--              (a new revision is starting, having its pools checked or being canaried, or
+--              more pods of the serving revision start). Ready is a Deployment's Available:
+--              True while the old revision serves a rollout, so Progressing is read first.
 -- Degraded     Degraded=True, or CanaryPassed=False: the candidate revision failed its
 --              isolation canary and the old revision keeps serving.
 -- The message is the deciding condition's.

@@ -2,6 +2,7 @@
 
 import argparse
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvfence_cli.common import Subparsers, positive
@@ -67,7 +68,7 @@ def add_parser(sub: Subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvfence_operator.local.up import run_up
 
-    return run_up(args, check_engines=engine_start_problem)
+    return run_up(args, check_engines=engine_start_problem, estimate_pool=engine_pool)
 
 
 def engine_start_problem(source: str, context_length: int, device: str) -> str | None:
@@ -93,3 +94,35 @@ def engine_start_problem(source: str, context_length: int, device: str) -> str |
         except ValueError as exc:
             return str(exc)
     return None
+
+
+def engine_pool(argv: Sequence[str]) -> tuple[int, int] | None:
+    """The pool a `kvfence serve` command line will allocate, (num_pages, page_size), by
+    `kvfence preflight`'s arithmetic (the engine's own: pool_plan.plan_pool on the model's
+    metadata, in the dtype `serve` resolves), read with `serve`'s own parser. None where
+    only the engine can say: no --kv-cache-memory (a share of a device, or its default), a
+    budget that holds no page (the engine says so, in its words), a line it would refuse."""
+    from kvfence_cli import serve
+    from kvfence_engine.core.pool_plan import plan_pool
+    from kvfence_engine.loading.config import load_config
+    from kvfence_engine.preflight import DTYPE_BYTES, resolve_kv_dtype
+
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    serve.add_parser(parser.add_subparsers())
+    try:
+        args = parser.parse_args(list(argv))
+    except (argparse.ArgumentError, SystemExit):
+        return None
+    if args.kv_cache_memory is None:
+        return None
+    try:
+        dtype = resolve_kv_dtype(args.kv_cache_dtype, args.weight_dtype, args.device)
+        plan = plan_pool(
+            load_config(args.model),
+            page_size=args.page_size,
+            dtype_bytes=DTYPE_BYTES[dtype],
+            budget_bytes=args.kv_cache_memory,
+        )
+    except (OSError, ValueError, KeyError):
+        return None
+    return plan.num_pages, plan.page_size

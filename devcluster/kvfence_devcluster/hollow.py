@@ -18,8 +18,9 @@ processes use (kvfence_engine.contracts):
   given). The pool is what the real engine's arithmetic (pool_plan.plan_pool) gives for
   --kv-cache-memory and --page-size with builtin:tiny-random's KV cost per token (768 bytes,
   whatever --model says; --memory-fraction takes a share of HOLLOW_DEVICE_BYTES); a budget
-  that holds no page exits 1 with the engine's reason in the termination log. No model, no
-  /v1/completions, no KV transfers.
+  that holds no page, or a --model path that does not exist, exits 1 with the engine's reason
+  in the termination log, in the engine's words. No model, no /v1/completions, no KV
+  transfers.
 - `router`: GET /healthz, /readyz, and GET/PUT /internal/v1/backends (BackendsInForce, the
   backends file at start, the newest version pushed after; internal token required). It routes
   nothing.
@@ -61,7 +62,7 @@ from kvfence_engine.contracts import (
     Role,
 )
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, plan_pool
-from kvfence_engine.loading.config import TINY_CONFIG
+from kvfence_engine.loading.config import TINY_CONFIG, source_error
 from kvfence_engine.tools.units import parse_size
 
 HOLLOW = "hollow pod of the test kubelet (no engine)"
@@ -111,6 +112,10 @@ class HollowServer:
 class HollowEngine(HollowServer):
     def __init__(self, args: argparse.Namespace, token: str | None) -> None:
         super().__init__(token)
+        if not args.model.startswith("builtin:") and not Path(args.model).exists():
+            # the one check of --model it makes, with the engine's own words: a path that is
+            # not in the container (no volume) crash-loops a real engine with this message
+            raise source_error(args.model, "load", "config.json + *.safetensors")
         budget = (
             parse_size(args.kv_cache_memory)
             if args.kv_cache_memory is not None
@@ -353,10 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             server = HollowEngine(args, token)
-        except ValueError as exc:  # the budget holds no page: the engine's own reason
-            reason = f"kvfence serve: {exc}"
-            _write(args.termination_log, reason)
-            print(reason, file=sys.stderr, flush=True)
+        except ValueError as exc:  # no such model, or a budget that holds no page
+            reason = f"engine failed to start: ValueError: {exc}"  # as `kvfence serve` says it
+            _write(args.termination_log, reason + "\n")
+            print(f"kvfence serve: {reason}", file=sys.stderr, flush=True)
             return 1
     else:
         server = HollowRouter(args, token)

@@ -16,6 +16,7 @@ from gguf import GGUFReader
 from lupa import lua51
 
 from helpers.crd_admission import crd_admission
+from helpers.rollout import observation
 from kvfence_engine.core.model_config import ModelConfig
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, plan_pool
 from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
@@ -29,10 +30,22 @@ from kvfence_operator.builders.secret import USER_API_KEYS_KEY, RevisionCredenti
 from kvfence_operator.crd.types import (
     API_GROUP,
     KIND,
+    ConditionReason,
     InferenceDeployment,
     InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
     PoolPolicy,
+    RevisionStatus,
+    RoleReplicas,
 )
+from kvfence_operator.decisions.findings import Problem
+from kvfence_operator.decisions.rollout import (
+    CanaryOutcome,
+    JobPhase,
+    RevisionObservation,
+    plan_rollout,
+)
+from kvfence_operator.decisions.status import compute_status
 from kvfence_operator.meta import Instance
 from kvfence_operator.revision import revision_of
 
@@ -380,3 +393,48 @@ def test_flux_health_check_exprs_agree_with_the_argocd_check(
     name: str, obj: dict, verdict: str, message: str
 ) -> None:
     assert flux_health(obj) == FLUX_FOR_ARGO[verdict], name
+
+
+# ---- the checks on statuses the operator computes ----------------------------------------
+
+
+def computed_cases() -> list[tuple[str, dict, str]]:
+    """(name, object, Argo CD verdict) for statuses `compute_status` itself writes: Ready is a
+    Deployment's Available (True during a rollout and a scale-up), so the checks must read
+    Progressing and Degraded first to say Progressing and Degraded there."""
+    spec = InferenceDeploymentSpec.model_validate(
+        {"model": {"source": "builtin:tiny-random"}, "contextLength": 512,
+         "router": {"apiKeysSecret": "k"}}
+    )  # fmt: skip
+    r1, failed = observation("r1"), CanaryOutcome("j", JobPhase.FAILED, "kvfence canary FAIL")
+    seen = r1.replicas
+    scaling = RevisionObservation("r1", {**seen, "decode": RoleReplicas(ready=2, desired=3)},
+                                  r1.pools)  # fmt: skip
+    crash = Problem(ConditionReason.ENGINE_CRASH_LOOPING, "engine pods crash-loop: no such file")
+    serving = RevisionStatus(current="r1")
+    rolling = RevisionStatus(current="r1", candidate="r2")
+    cases = [
+        ("serving", "r1", serving, {"r1": r1}, (), HEALTHY),
+        ("a rollout, the old revision serving", "r2", rolling,
+         {"r1": r1, "r2": observation("r2", ready=0)}, (), PROGRESSING),
+        ("a failed canary, the old revision serving", "r2", rolling,
+         {"r1": r1, "r2": observation("r2", canary=failed)}, (), DEGRADED),
+        ("a scale-up", "r1", serving, {"r1": scaling}, (), PROGRESSING),
+        ("a first rollout", "r1", None, {"r1": observation("r1", ready=0)}, (), PROGRESSING),
+        ("a crash-looping engine", "r1", None, {"r1": observation("r1", ready=0)}, (crash,),
+         DEGRADED),
+    ]  # fmt: skip
+    out = []
+    for name, desired, revision, observed, problems, verdict in cases:
+        plan = plan_rollout(desired, revision, None, observed, True)
+        status = compute_status(
+            spec, 2, InferenceDeploymentStatus(), plan, observed, [], "http://x", problems=problems
+        )
+        out.append((name, infd(2, status.model_dump(mode="json", by_alias=True)), verdict))
+    return out
+
+
+def test_both_checks_judge_the_statuses_the_operator_computes() -> None:
+    for name, obj, verdict in computed_cases():
+        assert argocd_health(obj)["status"] == verdict, (name, argocd_health(obj))
+        assert flux_health(obj) == FLUX_FOR_ARGO[verdict], name

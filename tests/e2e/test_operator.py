@@ -145,8 +145,12 @@ def test_serving_after_the_canary_then_a_rollout_that_stops_on_a_bad_canary(tmp_
         assert condition(bad_job, "Failed")["reason"] == "PodFailurePolicy", "a finding: no retry"
         assert [t.get("exitCode") for t in canary_tries(cluster, bad_revision)] == [1]
         degraded = wait_condition(cluster, "Degraded", "True", reason="CanaryFailed")
-        assert condition(degraded, "Ready")["status"] == "False"
-        assert f"revision {r1} keeps serving" in condition(degraded, "Ready")["message"]
+        # r1 serves: Ready (a Deployment's Available), naming the candidate's verdict
+        assert condition(degraded, "Ready")["status"] == "True"
+        assert f"revision {r1} serves" in condition(degraded, "Ready")["message"]
+        assert (
+            f"revision {bad_revision} failed its canary" in condition(degraded, "Ready")["message"]
+        )
         assert cluster.require("Service", NAME)["spec"]["selector"][LABEL_REVISION] == r1
         assert complete(cluster, r1, prompt="still here") == 2
         operator.stop()
@@ -240,8 +244,8 @@ def test_a_canary_that_cannot_run_is_retried_then_rerun_on_request_and_scaling_w
         assert "could not run (BackoffLimitExceeded): no verdict in 4 tries" in message, message
         assert "last try: kvfence canary ERROR" in message, message
         assert condition(stuck, "CanaryPassed")["status"] == "Unknown"
-        assert condition(stuck, "Ready")["reason"] == "CanaryCouldNotRun"
-        assert f"revision {r1} keeps serving" in condition(stuck, "Ready")["message"]
+        assert condition(stuck, "Ready")["reason"] == "Serving"  # r1 serves
+        assert f"revision {r2} could not run its canary" in condition(stuck, "Ready")["message"]
         (job,) = cluster.list("Job", "default", selector_for(r2, Role.CANARY))
         failed = condition(job, "Failed")
         assert (failed["status"], failed["reason"]) == ("True", "BackoffLimitExceeded")

@@ -126,6 +126,10 @@ def test_refuse_with_a_pool_smaller_than_the_context_exits_non_zero_said_once_wi
     for role in ("prefill", "decode"):
         assert out.count(f"-{role}-0 ({role}) has a KV pool of 672 tokens, smaller") == 1, out
     assert out.count("raise kvCacheMemory by 53% or lower contextLength to 672") == 1, out
+    # refused from the model's metadata (preflight's arithmetic) before any engine loads
+    assert "before any engine loads" in out, out
+    assert "starting" not in out, out
+    assert not list((tmp_path / "state").glob("*/*.log")), "no process was started"
 
 
 def table_cell(out: str, column: str) -> str:
@@ -256,6 +260,7 @@ def test_lower_context_below_min_context_length_refuses(tmp_path):
         up.kill()
     assert code == 1, up.output
     assert "below minContextLength 1024" in up.output
+    assert "before any engine loads" in up.output and "starting" not in up.output
 
 
 def test_a_manifest_without_an_inference_deployment_is_a_clear_error(tmp_path):

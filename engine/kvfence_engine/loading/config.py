@@ -37,8 +37,28 @@ def load_config(source: str) -> ModelConfig:
         return gguf_config(GGUFReader(str(path)), path)[0]
     if path.is_dir() and (path / "config.json").exists():
         return hf_config(path)
-    raise ValueError(f"cannot read model {source!r}: expected one of {', '.join(BUILTINS)}, "
-                     "a .gguf file, or a folder with config.json")  # fmt: skip
+    raise source_error(source, "read", "config.json")
+
+
+def source_error(source: str, verb: str, folder_holds: str) -> ValueError:
+    """Why `source` names no model, in the words that fix it: a path that does not exist says
+    so (it is the usual mistake: a path on the machine that is not in the container), a folder
+    says what it lacks; only a source that is none of these lists what a source may be.
+    `folder_holds`: what a model folder needs, for the reader of `verb` (read: its config.json;
+    load: its weights and tokenizer too)."""
+    path = Path(source)
+    if not source.startswith("builtin:") and not path.exists():
+        kind = "file" if path.suffix == ".gguf" else "file or folder"
+        return ValueError(
+            f"cannot {verb} model {source!r}: no such {kind} (on a cluster the path is inside "
+            "the engine container: put the model there with spec.model.volume)"
+        )
+    if path.is_dir():
+        return ValueError(f"cannot {verb} model {source!r}: the folder has no config.json")
+    return ValueError(
+        f"cannot {verb} model {source!r}: expected one of {', '.join(BUILTINS)}, a .gguf "
+        f"file, or a folder with {folder_holds}"
+    )
 
 
 # Bump when what _convert_gguf produces changes: older cached conversions are then ignored.

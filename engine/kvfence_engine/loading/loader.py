@@ -25,6 +25,7 @@ from kvfence_engine.loading.config import (
     UNREADABLE,
     converted_header,
     converted_path,
+    source_error,
 )
 from kvfence_engine.loading.generation_config import (
     GENERATION_CONFIG,
@@ -36,7 +37,6 @@ from kvfence_engine.loading.hf_config import hf_config
 from kvfence_engine.loading.hf_weights import load_hf_weights
 from kvfence_engine.loading.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
 from kvfence_engine.loading.tokenizer_source import (
-    BUILTINS,
     SMOLLM2,
     TINY_RANDOM,
     gguf_tokenizer,
@@ -76,10 +76,7 @@ def _load(source: str) -> LoadedModel:
         return load_gguf(path)
     if path.is_dir() and (path / "config.json").exists():
         return load_hf_folder(path)
-    raise ValueError(
-        f"cannot load model {source!r}: expected one of {', '.join(BUILTINS)}, a .gguf file, "
-        "or a folder with config.json + *.safetensors + tokenizer.json"
-    )
+    raise source_error(source, "load", "config.json + *.safetensors + tokenizer.json")
 
 
 # --- GGUF -------------------------------------------------------------------------------------

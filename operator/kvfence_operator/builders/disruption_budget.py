@@ -7,6 +7,9 @@ from kvfence_operator.crd.types import Role
 from kvfence_operator.meta import Instance, child_name, labels, object_meta, selector
 
 BUDGETED_ROLES = (Role.PREFILL, Role.DECODE, Role.ROUTER)
+# one pod of each role may be down at a time: also what Ready's "minimum available" allows
+# (rollout.RevisionObservation.available)
+MAX_UNAVAILABLE = 1
 
 
 def build_disruption_budgets(instance: Instance, revision: str) -> list[dict[str, Any]]:
@@ -18,7 +21,7 @@ def build_disruption_budgets(instance: Instance, revision: str) -> list[dict[str
                 instance, child_name(instance, revision, role), labels(instance, revision, role)
             ),
             "spec": {
-                "maxUnavailable": 1,
+                "maxUnavailable": MAX_UNAVAILABLE,
                 "selector": {"matchLabels": selector(instance, revision, role)},
             },
         }

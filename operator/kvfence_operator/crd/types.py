@@ -582,6 +582,8 @@ class ConditionReason(StrEnum):
     SCALED_TO_ZERO = "ScaledToZero"
     # Progressing (Reconciling mirrors it)
     ROLLOUT_COMPLETE = "RolloutComplete"
+    # the serving revision serves (its minimum available) while more of its pods start
+    REPLICAS_STARTING = "ReplicasStarting"
     # Degraded (Stalled mirrors the terminal ones)
     AS_EXPECTED = "AsExpected"
     POOL_INSUFFICIENT = "PoolInsufficient"
@@ -591,6 +593,9 @@ class ConditionReason(StrEnum):
     CREATE_FAILED = "CreateFailed"  # the API refused to create a child (quota 403, webhook)
     CREATE_REJECTED = "CreateRejected"  # 422: the spec makes children the API server rejects
     API_KEYS_SECRET_MISSING = "ApiKeysSecretMissing"
+    # an engine container exited with an error and has not been ready since (its own reason,
+    # from its termination message)
+    ENGINE_CRASH_LOOPING = "EngineCrashLooping"
     # a kept revision with no record of its spec that hashes to it (revision.recorded_spec)
     REVISION_RECORD_REFUSED = "RevisionRecordRefused"
     # Stalled

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfence_operator.crd.types import ConditionReason
-from kvfence_operator.meta import owner_description
+from kvfence_operator.decisions.pods import engine_failure
+from kvfence_operator.meta import LABEL_REVISION, owner_description
 
 
 class InvalidSpec(ValueError):
@@ -118,4 +119,23 @@ def record_refused(revision: str, refused: Sequence[str]) -> Problem:
         f"children, gates and backends are left as they are, neither judged nor put back by "
         "another revision's spec. Restore its kvfence.dev/spec annotation, or roll out a new "
         "revision",
+    )
+
+
+def engine_crash_loop(revision: str, pods: Sequence[Mapping[str, Any]]) -> Problem | None:
+    """A revision's engine pods whose container exited with an error and has not been ready
+    since (pods.engine_failure), as one problem: each distinct failure once, in the engine's
+    own words. Nothing that changes while the pods keep failing the same way (no restart
+    count, no pod names: the second pod to fail would change the words), so Degraded's message
+    and its one Event hold across restarts and as more pods of the revision fail alike."""
+    failures = [failure for pod in pods if (failure := engine_failure(pod)) is not None]
+    if not failures:
+        return None
+    said = "; ".join(
+        dict.fromkeys(f"exited {failure.exit_code}: {failure.reason}" for failure in failures)
+    )
+    return Problem(
+        ConditionReason.ENGINE_CRASH_LOOPING,
+        f"revision {revision}: its engine pods crash-loop (not ready since they failed; "
+        f"kubectl get pods -l {LABEL_REVISION}={revision}): {said}",
     )

@@ -1,8 +1,10 @@
 """What a pod is to the operator, read off the pod object alone: whether it still counts as one
 of its revision's engines or routers, where it answers, which instance of its engine container
-runs, and the kvfence.dev/kv-pool readiness gate condition to write on it."""
+runs, the kvfence.dev/kv-pool readiness gate condition to write on it, and its engine's last
+failure."""
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -11,6 +13,7 @@ from kvfence_operator.meta import KV_POOL_GATE
 
 TERMINAL_PHASES = ("Failed", "Succeeded")
 ENGINE_CONTAINER = "engine"
+MESSAGE_LIMIT = 500  # of a termination message's last line, in a condition and an Event
 
 
 def may_serve(pod: Mapping[str, Any]) -> bool:
@@ -80,8 +83,42 @@ def gate_patch(
     }
 
 
-def gate_flipped(pod: Mapping[str, Any], gate: PodGate) -> bool:
-    """Whether writing `gate` changes the gate's status (an Event says so), not only its
-    message."""
+def gate_event_due(pod: Mapping[str, Any], gate: PodGate) -> bool:
+    """Whether writing `gate` is worth an Event: the pod starts taking traffic (True, for the
+    first time or again), or a pod whose gate was True stops. A pod's first gate False is
+    not: it is starting (no IP yet, its engine loading) or its revision's pools are refused,
+    which the revision's own Event says once (status.pool_events), not once per pod."""
     old = pod_condition(pod, KV_POOL_GATE)
-    return old is None or old.get("status") != ("True" if gate.sufficient else "False")
+    if gate.sufficient:
+        return old is None or old.get("status") != "True"
+    return old is not None and old.get("status") == "True"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFailure:
+    """An engine container that exited with an error and has not been ready since."""
+
+    pod: str
+    exit_code: int
+    reason: str  # the container's own last words: its termination message, else the kubelet's
+
+
+def engine_failure(pod: Mapping[str, Any]) -> EngineFailure | None:
+    """The engine container's last failure, while it has not been ready since: its exit code
+    and its termination message (`kvfence serve` writes its last error to --termination-log,
+    and the builders set FallbackToLogsOnError, so a message is there either way), its last
+    line. Read from `state` (a container that is not restarted) or `lastState` (one waiting
+    in CrashLoopBackOff, or running again but not ready yet): the same failure on every pass
+    until the container is ready, so Degraded and its Event do not flicker with restarts."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    engine = next((s for s in statuses if s.get("name") == ENGINE_CONTAINER), None)
+    if engine is None or engine.get("ready"):
+        return None
+    terminated = ((engine.get("state") or {}).get("terminated")
+                  or (engine.get("lastState") or {}).get("terminated"))  # fmt: skip
+    if not terminated or not terminated.get("exitCode"):
+        return None
+    lines = [line.strip() for line in str(terminated.get("message") or "").splitlines()]
+    said = next((line for line in reversed(lines) if line), "")
+    reason = said[:MESSAGE_LIMIT] or str(terminated.get("reason") or "no termination message")
+    return EngineFailure(pod["metadata"]["name"], int(terminated["exitCode"]), reason)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+from kvfence_operator.builders.disruption_budget import MAX_UNAVAILABLE
 from kvfence_operator.builders.secret import serving_seal
 from kvfence_operator.crd.types import (
     CanaryResult,
@@ -54,7 +55,19 @@ class RevisionObservation:
 
     @property
     def pods_ready(self) -> bool:
+        """Every replica of every role ready: what promotion waits for."""
         return all(r.desired > 0 and r.ready >= r.desired for r in self.replicas.values())
+
+    @property
+    def available(self) -> bool:
+        """A Deployment's "Available": each role serves with at least its minimum available,
+        one pod and no more than MAX_UNAVAILABLE (the PodDisruptionBudgets') short of its
+        replicas. An engine pod counts as ready only once its kv-pool gate is True (a
+        readiness gate), so a pod still starting or refused by the pool check is not one."""
+        return all(
+            r.desired > 0 and r.ready >= max(1, r.desired - MAX_UNAVAILABLE)
+            for r in self.replicas.values()
+        )
 
     @property
     def waiting_for(self) -> str:

@@ -6,7 +6,9 @@ Pure: the same inputs give the same status. Conditions are metav1.Conditions wri
 a merge patch (which replaces lists), keep their lastTransitionTime unless their status flips,
 and carry a reason from crd.types.ConditionReason. Stalled is True only when progress stopped:
 a terminal verdict (TERMINAL) or no progress for spec.rollout.progressDeadlineSeconds; a pod
-that restarts once is progress, not a stall. An unchanged status is not written.
+that restarts once is progress, not a stall. Ready is a Deployment's "Available": True while
+the serving revision serves with at least its minimum available, during a rollout or a
+scale-up too (Progressing says those). An unchanged status is not written.
 """
 
 import logging
@@ -33,7 +35,7 @@ from kvfence_operator.crd.types import (
 )
 from kvfence_operator.decisions.canary import JobPhase
 from kvfence_operator.decisions.findings import Conflict, Findings, Problem, summary
-from kvfence_operator.decisions.pool_gate import PodPool
+from kvfence_operator.decisions.pool_gate import PodPool, PoolDecision
 from kvfence_operator.decisions.rollout import (
     DISABLED,
     STOPPED,
@@ -178,10 +180,14 @@ def compute_status(
     refused = decision is not None and not decision.sufficient and _all_reported(pools)
     refusal = decision if refused else None  # the refusing decision, read by the branches
     serving = observed.get(plan.serve) if plan.serve else None
-    serving_ready = serving is not None and serving.pods_ready and serving.pools.sufficient
-    # a rollout stopped by its canary, or the serving revision down while nothing rolls
+    # Ready is a Deployment's "Available": the serving revision serves with at least its
+    # minimum available, whatever else is under way (a rollout, a scale-up, a pod restarting)
+    available = serving is not None and serving.available
+    complete = serving is not None and serving.pods_ready  # every replica too
+    # a rollout stopped by its canary, or the serving revision below its minimum available
     candidate_stopped = stopped if rolling else None
-    serving_down = plan.serve is not None and not serving_ready and not rolling
+    serving_down = plan.serve is not None and not available
+    serving_waits = f"revision {plan.serve}: {serving.waiting_for if serving else 'no pods'}"
 
     # a running canary is bounded by its own Job's deadline, not by the progress deadline
     canary_running = rolling and canary is not None and canary.result is CanaryResult.RUNNING
@@ -199,8 +205,9 @@ def compute_status(
         put(ConditionType.PROGRESSING, T, R.ROLLOUT_IN_PROGRESS,
             f"revision {plan.revision.candidate}: {waiting}")  # fmt: skip
     elif serving_down:
-        put(ConditionType.PROGRESSING, T, R.SERVING_REVISION_UNREADY,
-            f"revision {plan.serve}: {serving.waiting_for if serving else 'no pods'}")  # fmt: skip
+        put(ConditionType.PROGRESSING, T, R.SERVING_REVISION_UNREADY, serving_waits)
+    elif not complete:  # serving, and more of its pods start (a scale-up, a restart)
+        put(ConditionType.PROGRESSING, T, R.REPLICAS_STARTING, f"{serving_waits}; it serves")
     else:
         put(ConditionType.PROGRESSING, F, R.ROLLOUT_COMPLETE,
             f"revision {plan.revision.current} serves")  # fmt: skip
@@ -213,29 +220,28 @@ def compute_status(
     elif zero:
         put(ConditionType.DEGRADED, F, R.SCALED_TO_ZERO, scaled)
     elif serving_down:
-        put(ConditionType.DEGRADED, T, R.SERVING_REVISION_UNREADY,
-            f"revision {plan.serve}: {serving.waiting_for if serving else 'no pods'}")  # fmt: skip
+        put(ConditionType.DEGRADED, T, R.SERVING_REVISION_UNREADY, serving_waits)
     else:
         put(ConditionType.DEGRADED, F, R.AS_EXPECTED, "no fault observed")
     if (met := summary(problems)) is not None:
         put(ConditionType.DEGRADED, T, *met)
 
-    if not rolling and serving_ready:
-        put(ConditionType.READY, T, R.SERVING, f"revision {plan.serve} serves at {endpoint}")
-    elif zero:
+    if zero:
         put(ConditionType.READY, F, R.SCALED_TO_ZERO, f"{scaled}; nothing serves")
+    elif available:
+        put(ConditionType.READY, T, R.SERVING,
+            f"revision {plan.serve} serves at {endpoint}"
+            + _meanwhile(plan, candidate_stopped, stop_words, refusal))  # fmt: skip
+    elif serving_down:
+        put(ConditionType.READY, F, R.SERVING_REVISION_UNREADY, f"{serving_waits}; not serving")
     elif candidate_stopped is not None:
-        keeps = f"revision {plan.serve} keeps serving" if plan.serve else "nothing is served"
         put(ConditionType.READY, F, stop_reason,
-            f"revision {plan.revision.candidate} {stop_words}; {keeps}")  # fmt: skip
+            f"revision {plan.revision.candidate} {stop_words}; nothing is served")  # fmt: skip
     elif refusal is not None:
         put(ConditionType.READY, F, R.POOL_INSUFFICIENT, refusal.message)
-    elif rolling:
-        put(ConditionType.READY, F, R.ROLLOUT_IN_PROGRESS,
-            f"revision {plan.revision.candidate} is not promoted yet")  # fmt: skip
     else:
-        put(ConditionType.READY, F, R.SERVING_REVISION_UNREADY,
-            f"revision {plan.serve} is not ready")  # fmt: skip
+        put(ConditionType.READY, F, R.ROLLOUT_IN_PROGRESS,
+            f"revision {plan.revision.candidate} is not promoted yet; nothing serves")  # fmt: skip
 
     progressing = _condition(conditions, ConditionType.PROGRESSING)  # as put above: its mirror
     conditions = set_condition(
@@ -324,6 +330,20 @@ def _candidate(revision: str | None, judged: RevisionObservation | None) -> Cand
     )
 
 
+def _meanwhile(
+    plan: RolloutPlan, stopped: CanaryStatus | None, stop_words: str, refusal: PoolDecision | None
+) -> str:
+    """What Ready=True adds about a rollout under way: the candidate, and what stopped it."""
+    candidate = plan.revision.candidate
+    if candidate is None:
+        return ""
+    if stopped is not None:
+        return f"; revision {candidate} {stop_words}"
+    if refusal is not None:
+        return f"; revision {candidate} is refused by the pool check"
+    return f"; revision {candidate} is rolling out"
+
+
 def _all_reported(pools: list[PodPool]) -> bool:
     """A pool verdict is final once every pod answered; before that, pods are starting."""
     return bool(pools) and all(p.report is not None for p in pools)
@@ -367,6 +387,26 @@ def problem_events(
     if found.problems and _degraded(previous) != _degraded(status):
         return [Event("Warning", p.reason, p.message) for p in found.problems]
     return []
+
+
+def pool_events(
+    previous: InferenceDeploymentStatus, status: InferenceDeploymentStatus
+) -> list[Event]:
+    """One Warning `PoolInsufficient` when the pool check refuses a revision (every pod
+    reported, and a pool cannot serve), with the refusal's findings and remedy, as
+    Progressing says it: once when the refusal appears or its message changes, not on every
+    pass, and once for the revision, not once per pod (pods.gate_event_due)."""
+    now = _refusal(status)
+    if now is not None and now != _refusal(previous):
+        return [Event("Warning", R.POOL_INSUFFICIENT, now)]
+    return []
+
+
+def _refusal(status: InferenceDeploymentStatus) -> str | None:
+    progressing = find_condition(status.conditions, ConditionType.PROGRESSING)
+    if progressing is None or progressing.reason != R.POOL_INSUFFICIENT:
+        return None
+    return progressing.message
 
 
 def conflict_events(

@@ -5,8 +5,11 @@ lines, the pool decision (pool_gate.judge_pools), the canary gate and the promot
 (rollout.plan_rollout), the status (status.compute_status) and its printer columns.
 
 What a cluster does for free is done here before anything starts, so that a mistake costs
-seconds, not a model load: one `up` per state folder (a lock), the router's port held, and the
-model source, its positions and the device checked with the engine's own code.
+seconds, not a model load: one `up` per state folder (a lock), the router's port held, the
+model source, its positions and the device checked with the engine's own code, and the pool
+check run on the pools `kvfence preflight` computes from the model's metadata (a pool too
+small is refused before any engine loads; one that fits is checked again on the running
+engines' own reports).
 """
 
 import contextlib
@@ -32,7 +35,8 @@ import yaml
 from pydantic import ValidationError
 
 import kvfence_engine
-from kvfence_engine.contracts import EngineReadiness, ProgressReport
+from kvfence_engine.contracts import EngineReadiness, PoolGateReport, ProgressReport
+from kvfence_engine.core.pool_plan import ContextPolicy, effective_context
 from kvfence_engine.tools.cache_dir import cache_root
 from kvfence_engine.tools.localproc import (
     LocalProcess,
@@ -49,6 +53,7 @@ from kvfence_operator.crd.types import (
     InferenceDeployment,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
+    PoolPolicy,
     Role,
     RoleReplicas,
 )
@@ -68,6 +73,11 @@ START_TIMEOUT_SECONDS = 900.0
 # (model source, contextLength, device) -> why engines could not start, or None. Given by the
 # CLI: the checks need the engine's dependencies, which the operator package must not import.
 EngineCheck = Callable[[str, int, str], str | None]
+# A `kvfence serve` command line -> the pool it will allocate, (num_pages, page_size), by
+# `kvfence preflight`'s arithmetic from the model's metadata; None where only the engine can
+# say (a --memory-fraction of a device, a budget that holds no page). Given by the CLI, for
+# the same reason as EngineCheck.
+PoolEstimate = Callable[[Sequence[str]], tuple[int, int] | None]
 PROGRESS_POLL_SECONDS = 0.5
 
 
@@ -219,15 +229,16 @@ class PrefixCacheFiles:
         return {}
 
 
-def start_engines(
+def prepare_engines(
     manifest: InferenceDeployment,
     local: LocalDeployment,
     token_file: Path,
     device: str,
     threads: int | None,
-    say: Callable[[str], None],
     secrets: PrefixCacheFiles,
 ) -> None:
+    """Each engine process of the revision, with its command line and port, started not yet:
+    its pool can be estimated from that command line before anything loads."""
     spec, revision, workdir = manifest.spec, local.revision, local.workdir
     for role in ENGINE_ROLES:
         replicas = spec.prefill.replicas if role is Role.PREFILL else spec.decode.replicas
@@ -247,11 +258,44 @@ def start_engines(
             )
             proc = LocalProcess(args, log_path=workdir / f"{name}.log")
             local.engines[name] = (role, proc)
+
+
+def start_engines(
+    spec: InferenceDeploymentSpec, local: LocalDeployment, say: Callable[[str], None]
+) -> None:
     say(f"starting {len(local.engines)} engine processes, model {spec.model.source}")
     for _, proc in local.engines.values():
         proc.start()
     with engine_progress(local, say):
         wait_ready({name: proc for name, (_, proc) in local.engines.items()}, say)
+
+
+def estimated_pools(
+    spec: InferenceDeploymentSpec, local: LocalDeployment, estimate: PoolEstimate
+) -> list[PodPool] | None:
+    """Each engine's pool as `kvfence preflight` computes it from the model's metadata, in
+    the report the pool check reads, so that `judge_pools` gives the verdict (and the
+    remedy) it will give the running engines, before any loads. Only the pool is estimated:
+    the isolation defences are read from the running engines, after they start. None when
+    an engine's pool cannot be told from its command line."""
+    policy = ContextPolicy.LOWER if spec.pool_policy is PoolPolicy.LOWER_CONTEXT else None
+    pools = []
+    for name, (role, proc) in local.engines.items():
+        planned = estimate(proc.args)
+        if planned is None:
+            return None
+        num_pages, page_size = planned
+        tokens = num_pages * page_size
+        served = effective_context(
+            spec.context_length, tokens, page_size, policy or ContextPolicy.REFUSE
+        )
+        report = PoolGateReport(
+            role=role, revision=local.revision, pool_tokens=tokens, page_size=page_size,
+            num_pages=num_pages, context_length_effective=served, tag_check=True,
+            deferred_release=True,
+        )  # fmt: skip
+        pools.append(PodPool(name, str(role), local.revision, report=report))
+    return pools
 
 
 @contextlib.contextmanager
@@ -459,6 +503,7 @@ class LocalOptions:
     device: str = "cpu"
     threads: int | None = None
     check_engines: EngineCheck | None = None
+    estimate_pool: PoolEstimate | None = None
 
 
 def up(
@@ -510,16 +555,30 @@ def _run(
     secrets = PrefixCacheFiles.write(workdir, credentials)  # used where prefixCache is on
     replicas = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas}
     local = LocalDeployment(manifest.metadata.name, revision, workdir)
-    try:
-        start_engines(manifest, local, token_file, device, options.threads, say, secrets)
-        pools = read_pools(local, credentials.internal_token)
-        decision = judge_pools(
+
+    def judge(pools: list[PodPool]) -> PoolDecision:
+        return judge_pools(
             pools,
             spec.pool_policy,
             spec.context_length,
             spec.min_context_length,
             pool_share=spec.tenant_limits.max_pool_share_per_tenant,
         )
+
+    try:
+        prepare_engines(manifest, local, token_file, device, options.threads, secrets)
+        # preflight's arithmetic first: a pool too small is refused in a second, not after
+        # the engines load (the verdict the running engines would get, from the same numbers)
+        estimate = options.estimate_pool
+        estimated = estimated_pools(spec, local, estimate) if estimate is not None else None
+        if estimated is not None and not judge(estimated).sufficient:
+            pools = estimated
+            say("pool check from the model's metadata (kvfence preflight's arithmetic), "
+                "before any engine loads:")  # fmt: skip
+        else:
+            start_engines(spec, local, say)
+            pools = read_pools(local, credentials.internal_token)
+        decision = judge(pools)
         for line in pool_lines(pools, decision):
             say(line)
         canary: CanaryOutcome | None = None
@@ -586,13 +645,19 @@ def _interrupt(signum: int, frame: object) -> None:
     raise Interrupted(signum)
 
 
-def run_up(args: Any, check_engines: EngineCheck | None = None) -> int:
+def run_up(
+    args: Any,
+    check_engines: EngineCheck | None = None,
+    estimate_pool: PoolEstimate | None = None,
+) -> int:
     """Exit codes: 1 refused by the pool check or the canary; 2 a problem to fix (the message
     says what); 130 on Ctrl-C (SIGINT), 143 on SIGTERM, once every process is stopped. Serving
     ends only that way, so 0 is for callers of `up` that do not wait."""
     state_dir = args.state_dir or default_state_dir()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe is noise here
-    options = LocalOptions(args.port, args.api_key, args.device, args.threads, check_engines)
+    options = LocalOptions(
+        args.port, args.api_key, args.device, args.threads, check_engines, estimate_pool
+    )
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt)
     try:

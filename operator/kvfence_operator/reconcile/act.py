@@ -28,7 +28,7 @@ from kvfence_operator.cluster.router_push import BackendsPusher
 from kvfence_operator.decisions.drift import drift_patch, is_subset
 from kvfence_operator.decisions.findings import Conflict, Findings, create_problem
 from kvfence_operator.decisions.ownership import stable_service_patch
-from kvfence_operator.decisions.pods import gate_flipped, gate_patch
+from kvfence_operator.decisions.pods import gate_event_due, gate_patch
 from kvfence_operator.decisions.pool_gate import PodGate
 from kvfence_operator.decisions.retirement import Retirement
 from kvfence_operator.decisions.rollout import Event
@@ -178,11 +178,12 @@ class Act:
         return [event for pod, gate in writes.gates if (event := self._set_gate(pod, gate))]
 
     def _set_gate(self, pod: dict[str, Any], gate: PodGate) -> Event | None:
-        """Set the pod's kvfence.dev/kv-pool condition when it changed, with an Event when its
-        status flips. The kubelet writes the same conditions list, so the write is guarded by
-        resourceVersion; on a conflict the pod is read again and the write retried."""
+        """Set the pod's kvfence.dev/kv-pool condition when it changed, with an Event when the
+        pod starts or stops taking traffic (pods.gate_event_due). The kubelet writes the same
+        conditions list, so the write is guarded by resourceVersion; on a conflict the pod is
+        read again and the write retried."""
         ns, name = self.instance.namespace, pod["metadata"]["name"]
-        flipped = gate_flipped(pod, gate)
+        due = gate_event_due(pod, gate)
         for _ in range(GATE_WRITE_ATTEMPTS):
             patch = gate_patch(pod, gate)
             if patch is None:
@@ -199,7 +200,7 @@ class Act:
                 pod = fresh
         else:
             return None  # still contended: the next pass writes it
-        if not flipped:
+        if not due:
             return None
         return Event("Normal" if gate.sufficient else "Warning", gate.reason, gate.message)
 

@@ -40,7 +40,12 @@ from kvfence_operator.decisions.canary import (
     rerun_value,
 )
 from kvfence_operator.decisions.drift import declaring_spec
-from kvfence_operator.decisions.findings import Conflict, Problem, record_refused
+from kvfence_operator.decisions.findings import (
+    Conflict,
+    Problem,
+    engine_crash_loop,
+    record_refused,
+)
 from kvfence_operator.decisions.pods import may_serve, pod_url
 from kvfence_operator.decisions.pool_gate import PodGate, PodPool, judge_pools
 from kvfence_operator.decisions.replicas import with_replicas_of
@@ -168,6 +173,8 @@ def decide(
             judged or spec, instance, seen, canary, now_ms, unsafe_faults_allowed
         )
         pools_of[revision] = list(seen.pools)
+        if (crashing := engine_crash_loop(revision, seen.engine_pods)) is not None:
+            problems.append(crashing)
         if judged is None:
             problems.append(record_refused(revision, seen.records_refused))
         else:

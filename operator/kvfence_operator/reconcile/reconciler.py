@@ -32,6 +32,7 @@ from kvfence_operator.decisions.rollout import (
 from kvfence_operator.decisions.status import (
     compute_status,
     conflict_events,
+    pool_events,
     problem_events,
     read_status,
     with_conflicts,
@@ -155,7 +156,12 @@ class Reconciler:
             now=datetime.now(UTC),
             problems=found.problems,
         )
-        events = [*acted.events, *plan.rollout.events, *problem_events(previous, status, found)]
+        events = [
+            *acted.events,
+            *plan.rollout.events,
+            *pool_events(previous, status),
+            *problem_events(previous, status, found),
+        ]
         status = with_conflicts(status, found.unique_conflicts(), generation, now=datetime.now(UTC))
         return Outcome(status, [*events, *conflict_events(previous, status, found)])
 

@@ -162,8 +162,9 @@ def test_a_canary_that_could_not_run_is_degraded_but_not_a_failed_canary():
     assert c["Degraded"] == ("True", "CanaryCouldNotRun", "revision r2: could not run "
                              "(DeadlineExceeded): x")  # fmt: skip
     assert c["CanaryPassed"][:2] == ("Unknown", "CanaryCouldNotRun")
-    assert c["Ready"] == ("False", "CanaryCouldNotRun", "revision r2 could not run its canary; "
-                          "revision r1 keeps serving")  # fmt: skip
+    # r1 serves: Ready (a Deployment's Available), Degraded says the candidate's verdict
+    assert c["Ready"] == ("True", "Serving", "revision r1 serves at http://tiny:8000; "
+                          "revision r2 could not run its canary")  # fmt: skip
     assert c["Progressing"][:2] == ("False", "CanaryCouldNotRun")
     assert status.canary is not None and status.canary.result == "CouldNotRun"
 

@@ -37,7 +37,11 @@ def test_a_failed_canary_is_degraded_and_stalled_while_the_old_revision_serves()
     plan = plan_rollout("r2", RevisionStatus(current="r1", candidate="r2"), None, observed, True)
     status = status_for(plan, observed)
     c = conditions(status)
-    assert c["Ready"] == ("False", "CanaryFailed")
+    assert c["Ready"] == ("True", "Serving")  # r1 serves: a Deployment's Available
+    ready = next(cond for cond in status.conditions if cond.type == "Ready")
+    assert ready.message == (
+        "revision r1 serves at http://tiny.default.svc:8000; revision r2 failed its canary"
+    )
     assert c["CanaryPassed"] == ("False", "CanaryFailed")
     assert c["Degraded"] == c["Stalled"] == ("True", "CanaryFailed")
     assert c["Progressing"] == c["Reconciling"] == ("False", "CanaryFailed")

@@ -268,6 +268,24 @@ def test_a_manifest_without_an_inference_deployment_is_a_clear_error(tmp_path):
         load_manifest(path)
 
 
+@pytest.mark.parametrize("source", ["./tiny.gguf", "models/tiny.gguf", "tiny.gguf"])
+def test_a_relative_model_path_is_resolved_against_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    """`kvfence serve --model ./x.gguf` reads it from here; so does `kvfence up` (a cluster's
+    CRD takes builtin:NAME or an absolute path, a pod has no working directory of yours)."""
+    monkeypatch.chdir(tmp_path)
+    loaded = load_manifest(manifest(tmp_path, model={"source": source}))
+    assert loaded.spec.model.source == str(tmp_path / source.removeprefix("./"))
+
+
+def test_builtin_and_absolute_model_sources_are_kept_as_written(tmp_path: Path) -> None:
+    for source in ("builtin:tiny-random", "/models/tiny.gguf"):
+        assert load_manifest(manifest(tmp_path, model={"source": source})).spec.model.source == (
+            source
+        )
+
+
 def test_pod_paths_and_ports_are_replaced_not_duplicated():
     args = ["router", "--port", "8000", "--api-keys", "/a", "--api-keys=/b", "--model", "m"]
     assert override_flags(args, {"--api-keys": ["/local"], "--port": []}) == [

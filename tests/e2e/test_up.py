@@ -273,6 +273,24 @@ def test_a_manifest_without_an_inference_deployment_is_a_clear_error(tmp_path):
         load_manifest(path)
 
 
+@pytest.mark.parametrize("source", ["./tiny.gguf", "models/tiny.gguf", "tiny.gguf"])
+def test_a_relative_model_path_is_resolved_against_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    """`kvfence serve --model ./x.gguf` reads it from here; so does `kvfence up` (a cluster's
+    CRD takes builtin:NAME or an absolute path, a pod has no working directory of yours)."""
+    monkeypatch.chdir(tmp_path)
+    loaded = load_manifest(manifest(tmp_path, model={"source": source}))
+    assert loaded.spec.model.source == str(tmp_path / source.removeprefix("./"))
+
+
+def test_builtin_and_absolute_model_sources_are_kept_as_written(tmp_path: Path) -> None:
+    for source in ("builtin:tiny-random", "/models/tiny.gguf"):
+        assert load_manifest(manifest(tmp_path, model={"source": source})).spec.model.source == (
+            source
+        )
+
+
 def test_pod_paths_and_ports_are_replaced_not_duplicated():
     args = ["router", "--port", "8000", "--api-keys", "/a", "--api-keys=/b", "--model", "m"]
     assert override_flags(args, {"--api-keys": ["/local"], "--port": []}) == [
@@ -380,7 +398,7 @@ def test_a_router_port_in_use_is_refused_before_any_engine_starts(tmp_path):
         up = Up(manifest(tmp_path, **SERVES), tmp_path, port=port)
         assert finished(up) == 2, up.output
     assert f"the router's port {port} is not free (address already in use)" in up.output
-    assert "choose another with --port" in up.output
+    assert "choose another with --port N (make up PORT=N)" in up.output
     assert "starting" not in up.output
 
 

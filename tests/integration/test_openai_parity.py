@@ -88,6 +88,27 @@ def test_an_over_long_prompt_names_the_field_it_was_sent_in(front: tuple[str, di
         assert refused.value.body["param"] == param
 
 
+def test_a_misspelt_or_unimplemented_field_is_a_400_naming_it(front: tuple[str, dict[str, str]]):
+    """A typo is not ignored (it would generate to the end of the context), nor is a field
+    OpenAI defines that kvfence does not implement (tools, JSON mode)."""
+    client = client_of(front)
+    with pytest.raises(openai.BadRequestError) as typo:
+        client.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"max_tokns": 2})
+    with pytest.raises(openai.BadRequestError) as json_mode:
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2, response_format={"type": "json_object"}
+        )
+    with pytest.raises(openai.BadRequestError) as tools:
+        client.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_body={"tools": []})
+    for refused, param, says in (
+        (typo, "max_tokns", "Unrecognized request argument supplied: max_tokns"),
+        (json_mode, "response_format", "kvfence does not implement structured output"),
+        (tools, "tools", "Unrecognized request argument supplied: tools"),  # chat's, not here
+    ):
+        error = refused.value.body
+        assert isinstance(error, dict) and error["param"] == param and says in error["message"]
+
+
 def test_a_body_that_is_not_json_is_explained_in_words(front: tuple[str, dict[str, str]]):
     url, headers = front
     r = httpx.post(

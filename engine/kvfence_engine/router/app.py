@@ -36,6 +36,7 @@ from kvfence_engine.router.pool_views import (
     tenant_view,
 )
 from kvfence_engine.router.relay import in_flight, relay
+from kvfence_engine.router.request_counts import RequestCounts
 from kvfence_engine.router.state import RouterState
 from kvfence_engine.router.tenants import Slot
 from kvfence_engine.serving.gate import checked_first
@@ -63,6 +64,8 @@ ANY_TOKEN_ID = 1 << 31
 
 def create_router_app(state: RouterState) -> FastAPI:
     app = new_app("kvfence router")
+    # outside every other middleware: it counts their refusals too (the body cap's 413)
+    app.add_middleware(RequestCounts, tenant_of=state.tenant_label, requests=state.metrics.requests)
 
     @app.get("/readyz", responses=READYZ_RESPONSES)
     async def readyz() -> JSONResponse:

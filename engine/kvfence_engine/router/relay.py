@@ -64,7 +64,6 @@ async def in_flight(
         slot = state.inflight.enter(tenant)
     except EngineError as exc:
         state.metrics.rejected.labels(reason=exc.code).inc()
-        state.metrics.requests.labels(tenant=tenant, status=str(exc.status)).inc()
         raise
     try:
         response = await admitted(slot)
@@ -136,9 +135,6 @@ async def relay(
     except BaseException:
         await deltas.aclose()
         raise
-    state.metrics.requests.labels(
-        tenant=tenant, status="200" if first_delta.error is None else str(first_delta.error.status)
-    ).inc()
     return await respond(first_delta, deltas, out, body, request.is_disconnected)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter
+from starlette.datastructures import Headers
 
 from kvfence_engine.auth import bearer_of, presents_internal_token
 from kvfence_engine.contracts import DEFAULT_TENANT, TOKEN_HEADER, PoolSize, TenantPoolSummary
@@ -24,6 +25,7 @@ from kvfence_engine.router.engine_tokenizer import fetch_tokenizer
 from kvfence_engine.router.keys import ApiKeys
 from kvfence_engine.router.placement import PrefixRouting
 from kvfence_engine.router.recent import Recent
+from kvfence_engine.router.request_counts import OPERATOR, UNAUTHENTICATED
 from kvfence_engine.router.tenants import InflightCollector, TenantInflight
 from kvfence_engine.serving.connections import CLIENT_IDLE_SECONDS
 
@@ -42,7 +44,7 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "kvfence_router_requests",
-            "requests by tenant and HTTP status",
+            "answers of the API (/v1/...) by tenant and HTTP status (router/request_counts.py)",
             ["tenant", "status"],
             registry=r,
         )
@@ -103,6 +105,18 @@ class RouterState:
         if tenant is None:
             raise errors.invalid_api_key()
         return tenant
+
+    def tenant_label(self, headers: Headers) -> str:
+        """Whom a request's count goes to (router/request_counts.py): its tenant, the
+        operator for the internal token, else a fixed label, never the key it presented."""
+        if self.api_keys is None:
+            return DEFAULT_TENANT
+        tenant = self.api_keys.tenant_of(bearer_of(headers))
+        if tenant is not None:
+            return tenant
+        if self.internal_token and presents_internal_token(headers, self.internal_token):
+            return OPERATOR
+        return UNAUTHENTICATED
 
     async def load_tokenizer(self) -> None:
         """With tokenizer_from_engines: read the tokenizer from an engine of the backends,

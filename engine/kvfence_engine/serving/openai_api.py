@@ -222,6 +222,8 @@ def invalid_body(problems: Sequence[Any], body: bytes = b"", media: str = "") ->
         loc = list(problem.get("loc", ()))
         where = field_path(loc[1:] if loc[:1] == ["body"] else loc)
         message = str(problem.get("msg", "invalid")).removeprefix("Value error, ")
+        if problem.get("type") == "extra_forbidden":  # OpenAI's words (protocol.py, _Strict)
+            message = f"Unrecognized request argument supplied: {loc[-1]}"
         messages = by_field.setdefault(where, [])
         if message not in messages:  # a union repeats a message per branch
             messages.append(message)

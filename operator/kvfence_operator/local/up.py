@@ -98,6 +98,21 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum  # what a shell reports for a process the signal ended
 
 
+def with_local_source(document: dict[str, Any]) -> dict[str, Any]:
+    """The manifest with a relative `spec.model.source` (`./x.gguf`, `models/x.gguf`) made
+    absolute against the working directory, as `kvfence serve --model` reads it: on this
+    machine a relative path names a file here. The CRD takes only builtin:NAME or an absolute
+    path (a pod has no working directory of the user's), and its pattern would refuse it."""
+    spec = document.get("spec")
+    if not isinstance(spec, dict) or not isinstance(model := spec.get("model"), dict):
+        return document
+    source = model.get("source")
+    if not isinstance(source, str) or not source or source.startswith(("builtin:", "/")):
+        return document
+    local = {**model, "source": str(Path(source).absolute())}
+    return {**document, "spec": {**spec, "model": local}}
+
+
 def load_manifest(path: Path) -> InferenceDeployment:
     try:
         documents = [d for d in yaml.safe_load_all(path.read_text()) if d]
@@ -107,7 +122,7 @@ def load_manifest(path: Path) -> InferenceDeployment:
     if len(found) != 1:
         raise UpError(f"{path} must hold exactly one InferenceDeployment, found {len(found)}")
     try:
-        return InferenceDeployment.model_validate(found[0])
+        return InferenceDeployment.model_validate(with_local_source(found[0]))
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
@@ -194,7 +209,8 @@ def reserve_port(port: int) -> socket.socket:
     except OSError as exc:
         reason = (exc.strerror or str(exc)).lower()
         raise UpError(
-            f"the router's port {port} is not free ({reason}): choose another with --port"
+            f"the router's port {port} is not free ({reason}): choose another with --port N "
+            "(make up PORT=N)"
         ) from None
 
 

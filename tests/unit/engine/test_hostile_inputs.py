@@ -1,10 +1,12 @@
-"""Hostile request bodies: every field has the range the engine's arithmetic supports, every
-refusal is a 400 in the OpenAI shape from the engine and the router alike, and anything
+"""Hostile request bodies: every field has the range the engine's arithmetic supports, a field
+the API does not know (a typo) or does not implement (OpenAI's `tools`) is refused by name,
+every refusal is a 400 in the OpenAI shape from the engine and the router alike, and anything
 unexpected is a JSON 500 that names no internals."""
 
 import json
 import logging
 import re
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
+from pydantic import BaseModel
 
 from helpers.engines import generate, make_tiny_engine, prompt_of, run_until_done, submit
 from kvfence_engine.core.engine import LLMEngine
@@ -26,6 +29,13 @@ from kvfence_engine.router.state import RouterState
 from kvfence_engine.serving.app import create_app
 from kvfence_engine.serving.async_engine import AsyncEngine
 from kvfence_engine.serving.openai_api import new_app
+from kvfence_engine.serving.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    StreamOptions,
+    TextPart,
+)
 from kvfence_engine.serving.state import ServerState
 
 PAGES = 64
@@ -135,6 +145,8 @@ def post(client: TestClient, path: str, body: dict[str, Any]) -> Any:
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 LONE = "\ud800"
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+JSON_MODE = {"type": "json_object"}
 HOSTILE: list[tuple[str, dict[str, Any], str]] = [
     (COMPLETIONS, {"prompt": "hi", "seed": SEED_MAX + 1}, "seed"),
     (COMPLETIONS, {"prompt": "hi", "seed": SEED_MIN - 1}, "seed"),
@@ -154,6 +166,35 @@ HOSTILE: list[tuple[str, dict[str, Any], str]] = [
     (COMPLETIONS, {"prompt": "hi", "top_p": 0}, "top_p"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs"),
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    # a field the API does not know, at any depth: a typo is never ignored (issue 34, item 6)
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokns": 2}, "max_tokns"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokns": 2}, "max_tokns"),
+    (CHAT, {"messages": [{"role": "user", "contnet": "hi"}]}, "messages[0].contnet"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
+        "messages[0].content[0].x",
+    ),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "stream": True, "stream_options": {"include_usag": True}},
+        "stream_options.include_usag",
+    ),
+    # a field OpenAI defines and kvfence does not implement: refused by name, never ignored
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": [TOOL]}, "tools"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": JSON_MODE},
+        "response_format",
+    ),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages[0].name"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"5": 100}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of"),
+    (
+        COMPLETIONS,
+        {"prompt": "hi", "stream": True, "stream_options": {"include_obfuscation": True}},
+        "stream_options.include_obfuscation",
+    ),
 ]
 
 
@@ -179,6 +220,126 @@ def test_the_router_refuses_them_with_the_same_400(
     router_app: TestClient, path: str, body: dict[str, Any], param: str
 ) -> None:
     _is_invalid_request(post(router_app, path, body), param)
+
+
+def test_an_unrecognised_field_is_refused_in_openai_words(
+    engine_app: tuple[TestClient, LLMEngine], router_app: TestClient
+) -> None:
+    """A typo of max_tokens would otherwise generate to the end of the context."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokns": 2}
+    for client in (engine_app[0], router_app):
+        error = post(client, CHAT, body).json()["error"]
+        assert (error["message"], error["param"], error["code"]) == (
+            "max_tokns: Unrecognized request argument supplied: max_tokns",
+            "max_tokns",
+            "invalid_request",
+        )
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "says"),
+    [
+        (CHAT, {"tools": [TOOL]}, "tools: kvfence does not implement tool calling"),
+        (
+            CHAT,
+            {"response_format": JSON_MODE},
+            "response_format: kvfence does not implement structured output",
+        ),
+        (
+            COMPLETIONS,
+            {"best_of": 3},
+            "best_of: kvfence does not implement the best of several completions",
+        ),
+    ],
+)
+def test_a_field_openai_defines_and_kvfence_does_not_implement_says_so(
+    engine_app: tuple[TestClient, LLMEngine],
+    router_app: TestClient,
+    path: str,
+    body: dict[str, Any],
+    says: str,
+) -> None:
+    prompt = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {"prompt": "hi"}
+    for client in (engine_app[0], router_app):
+        message = post(client, path, prompt | body).json()["error"]["message"]
+        assert message.startswith(says), message
+
+
+def test_an_unimplemented_field_sent_as_null_or_as_what_kvfence_does_is_served(
+    engine_app: tuple[TestClient, LLMEngine],
+) -> None:
+    """null is OpenAI's "not given"; `store: false` and `include_obfuscation: false` ask for
+    what kvfence does anyway (SDKs that serialise every field send these)."""
+    client, llm = engine_app
+    body = {
+        "messages": [{"role": "user", "content": "hi", "name": None, "tool_calls": None}],
+        "max_tokens": 2,
+        "tools": None,
+        "tool_choice": None,
+        "response_format": None,
+        "logit_bias": None,
+        "store": False,
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    }
+    r = post(client, CHAT, body)
+    assert r.status_code == 200, r.text
+    assert r.text.endswith("data: [DONE]\n\n")
+    r = post(client, COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "best_of": 1, "suffix": None})
+    assert r.status_code == 200, r.text
+    assert llm.pages.num_free == PAGES
+
+
+def _fields_of(*typed_dicts: type) -> set[str]:
+    return {name for cls in typed_dicts for name in typing.get_type_hints(cls)}
+
+
+def test_every_field_the_openai_client_can_send_is_served_or_refused_by_name() -> None:
+    """Each request field of the installed `openai` client is a field of kvfence's models
+    (served, or declared as not implemented so that its refusal names what it asks for), not
+    an unrecognised one: a newer client's new field fails here first."""
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import (
+        chat_completion_assistant_message_param as assistant,
+    )
+    from openai.types.chat import (
+        chat_completion_content_part_text_param as text_part,
+    )
+    from openai.types.chat import (
+        chat_completion_developer_message_param as developer,
+    )
+    from openai.types.chat import (
+        chat_completion_stream_options_param as stream_options,
+    )
+    from openai.types.chat import (
+        chat_completion_system_message_param as system,
+    )
+    from openai.types.chat import (
+        chat_completion_tool_message_param as tool,
+    )
+    from openai.types.chat import (
+        chat_completion_user_message_param as user,
+    )
+    from openai.types.chat import completion_create_params as chat
+
+    pairs: list[tuple[set[str], type[BaseModel]]] = [
+        (_fields_of(chat.CompletionCreateParamsStreaming), ChatCompletionRequest),
+        (_fields_of(completion.CompletionCreateParamsStreaming), CompletionRequest),
+        (
+            _fields_of(
+                system.ChatCompletionSystemMessageParam,
+                developer.ChatCompletionDeveloperMessageParam,
+                user.ChatCompletionUserMessageParam,
+                assistant.ChatCompletionAssistantMessageParam,
+                tool.ChatCompletionToolMessageParam,
+            ),
+            ChatMessage,
+        ),
+        (_fields_of(text_part.ChatCompletionContentPartTextParam), TextPart),
+        (_fields_of(stream_options.ChatCompletionStreamOptionsParam), StreamOptions),
+    ]
+    for openai_fields, model in pairs:
+        assert openai_fields - set(model.model_fields) == set(), model.__name__
 
 
 def test_a_lone_surrogate_error_says_where_it_is() -> None:

@@ -14,6 +14,7 @@ EPILOG = """\
 examples:
   kvfence up examples/smollm2-local.yaml
   kvfence up examples/lower-context.yaml --port 9000 --api-key my-key
+  kvfence up examples/smollm2-local.yaml --tenant sk-a-01234567=team-a --tenant sk-b-01234567=team-b
 
 exit codes:
   1    not served: the pool check or the canary refused the revision (the output says why)
@@ -44,8 +45,28 @@ def add_parser(sub: Subparsers) -> None:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("KVFENCE_API_KEY", DEFAULT_LOCAL_KEY),
-        help=f"key for the local tenant (default ${{KVFENCE_API_KEY}} or {DEFAULT_LOCAL_KEY})",
+        default=os.environ.get("KVFENCE_API_KEY"),
+        help="key of the tenant named 'local' (default: $KVFENCE_API_KEY; without it "
+        f"{DEFAULT_LOCAL_KEY}, unless --tenant or --api-keys names the tenants)",
+    )
+    p.add_argument(
+        "--tenant",
+        dest="tenants",
+        action="append",
+        type=tenant_entry,
+        default=[],
+        metavar="KEY=NAME",
+        help="a tenant and its key, as many as you like (e.g. --tenant sk-a-01234567=team-a "
+        "--tenant sk-b-01234567=team-b); names are 1 to 95 of A-Z a-z 0-9 _ . : -",
+    )
+    p.add_argument(
+        "--api-keys",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FILE",
+        help="a keys file of yours, 'KEY TENANT' a line (the format of `kvfence router "
+        "--api-keys` and of the cluster's api-keys Secret); the router re-reads it when it changes",
     )
     p.add_argument("--device", default="cpu", help="where the engines run: cpu, cuda or cuda:N")
     p.add_argument(
@@ -65,9 +86,20 @@ def add_parser(sub: Subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def tenant_entry(text: str) -> tuple[str, str]:
+    """`KEY=NAME` as (key, name); the key may hold '=', a name may not. Checked in full, with
+    the router's rules, before anything starts (kvfence_operator/local/tenants.py)."""
+    key, sep, name = text.rpartition("=")
+    if not sep or not key or not name:
+        raise argparse.ArgumentTypeError("expected KEY=NAME, e.g. sk-a-0123456789=team-a")
+    return key, name
+
+
 def run(args: argparse.Namespace) -> int:
     from kvfence_operator.local.up import run_up
 
+    if args.api_key is None and not args.tenants and not args.api_keys:
+        args.api_key = DEFAULT_LOCAL_KEY  # a first `up` needs no flag to be called
     return run_up(args, check_engines=engine_start_problem, estimate_pool=engine_pool)
 
 

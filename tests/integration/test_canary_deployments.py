@@ -440,3 +440,27 @@ def test_the_timeout_bounds_the_run_and_is_exit_code_2(healthy: Deployment) -> N
     report = run_canary(CanaryConfig(healthy.router.url, KEY_A, KEY_B, timeout=2.0))
     assert time.monotonic() - start < 4
     assert report.exit_code == 2 and report.reason.startswith("timed out after 2s")
+
+
+def test_counters_it_cannot_read_are_said_at_the_second_step_and_end_the_run_could_not_run(
+    healthy: Deployment,
+) -> None:
+    """Issue 34: without the internal token, the counters' check was printed FAIL (a finding)
+    after the whole run, though the first reading of /metrics, step 2, had already answered
+    403. Now it is said right after that step, the run goes on (a leak would still fail it),
+    and it ends without a verdict: exit 2, "could not run"."""
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvfence_cli", "canary", "--target", healthy.router.url,
+         "--tenant-a-key", KEY_A, "--tenant-b-key", KEY_B, "--rounds", str(BROKEN_ROUNDS)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert cli.returncode == 2, cli.stdout + cli.stderr
+    lines = cli.stdout.splitlines()
+    second = lines.index("canary [2/11] reading engine counters")
+    said = "it needs the internal token (--internal-token-file). The other checks go on"
+    assert lines[second + 1].startswith("engine_counters could not run: /metrics answered 40")
+    assert said in lines[second + 1], cli.stdout
+    assert lines[second + 2] == "canary [3/11] sizing tenant A's marker prompt"
+    assert "  COULD NOT RUN engine_counters " in cli.stdout
+    assert "FAIL" not in cli.stdout  # nothing failed: the other seven checks passed
+    assert lines[-1].startswith("  no verdict: could not run 1 of 8 checks: engine_counters: ")

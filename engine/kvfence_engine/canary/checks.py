@@ -1,9 +1,10 @@
 """The canary's verdicts: pure functions of what it recorded, one per check of
 docs/canary.md#the-checks.
 
-Each returns a CheckResult with the inputs it judged. A check that had nothing to judge fails
-(a canary that cannot fail is worse than none), except the latency floor, which states plainly
-when no prefill on this target is long enough to tell a shortcut from noise."""
+Each returns a CheckResult with the inputs it judged. A check that had nothing to judge could
+not run: no verdict, and never a pass (a canary that cannot fail is worse than none), except the
+latency floor, which states plainly when no prefill on this target is long enough to tell a
+shortcut from noise."""
 
 import re
 from collections.abc import Sequence
@@ -13,8 +14,8 @@ from typing import Any
 from kvfence_engine.canary.counters import (
     INFORMATIONAL,
     MUST_NOT_RISE,
-    NOT_EXPORTED_BY_ALL,
     CounterSnapshot,
+    unreadable_reasons,
 )
 from kvfence_engine.canary.latency import PrefillCalibration
 from kvfence_engine.canary.observations import (
@@ -42,23 +43,40 @@ CHAT_MARKUP = "chat_markup"
 NOT_A_REFUSAL = (401, 403, 404, 408, 429)
 
 
+PASS, FAIL, COULD_NOT_RUN = "pass", "fail", "could not run"
+
+
 @dataclass(slots=True)
 class CheckResult:
     name: str
     passed: bool
-    reason: str  # why it failed (the first finding), or what passing covered
+    reason: str  # why it failed (the first finding), why it could not run, or what passing covered
     inputs: dict[str, Any]
     findings: list[str] = field(default_factory=list)  # every violation seen
+    # False: the check could not be performed (nothing to judge, counters it could not read).
+    # That is no finding (exit 2, not 1: the operator retries it) and never a pass.
+    ran: bool = True
+
+    def __post_init__(self) -> None:
+        assert self.ran or not (self.passed or self.findings), "a check that did not run judged"
+
+    @property
+    def verdict(self) -> str:
+        if not self.ran:
+            return COULD_NOT_RUN
+        return PASS if self.passed else FAIL
 
 
 def _verdict(
     name: str, inputs: dict[str, Any], findings: list[str], passed: str, vacuous: str | None
 ) -> CheckResult:
+    """Findings fail the check; without any, `vacuous` (why there was nothing to judge) means
+    it could not run; else it passed."""
     if findings:
         more = f" (+{len(findings) - 1} more)" if len(findings) > 1 else ""
         return CheckResult(name, False, findings[0] + more, inputs, findings)
     if vacuous is not None:
-        return CheckResult(name, False, vacuous, inputs)
+        return CheckResult(name, False, vacuous, inputs, ran=False)
     return CheckResult(name, True, passed, inputs)
 
 
@@ -283,8 +301,10 @@ def check_latency_floor(
 def check_engine_counters(
     before: CounterSnapshot | None, after: CounterSnapshot | None, unread: str | None = None
 ) -> CheckResult:
-    """The engines' isolation counters must not rise during the run. `unread`: why the
-    target's /metrics could not be read, when it could not."""
+    """The engines' isolation counters must not rise during the run, nor go down (an engine
+    restarted: what it counted is lost). Counters that could not be read (`unread`: why the
+    target's /metrics could not be; or a backend the router could not read; or a counter the
+    target does not export) leave the check without a verdict: it could not run."""
     inputs: dict[str, Any] = {
         "must_not_rise": list(MUST_NOT_RISE),
         "before": before.as_dict() if before else None,
@@ -295,18 +315,7 @@ def check_engine_counters(
         return _verdict(
             ENGINE_COUNTERS, inputs, [], "", f"the target's /metrics could not be read{why}"
         )
-    findings = [
-        f"could not read the counters of {source} ({when} the run)"
-        for when, snapshot in (("before", before), ("after", after))
-        for source in snapshot.unreadable
-    ]
-    findings += [
-        f"the target exposes no {counter}_total"
-        for counter in MUST_NOT_RISE
-        if counter not in NOT_EXPORTED_BY_ALL
-        and (counter not in before.counters() or counter not in after.counters())
-    ]
-    moved: dict[str, float] = {}
+    findings, moved = [], {}
     for (counter, source), value in after.values.items():
         rise = value - before.values.get((counter, source), 0.0)
         if rise:
@@ -319,11 +328,21 @@ def check_engine_counters(
         elif rise > 0 and counter in MUST_NOT_RISE:
             findings.append(f"{counter}_total on {source} rose by {rise:g} during the run")
     inputs["moved"] = moved
+    unreadable = [
+        f"{reason} ({when} the run)"
+        for when, snapshot in (("before", before), ("after", after))
+        for reason in unreadable_reasons(snapshot)
+    ]
+    inputs["unreadable"] = unreadable
+    vacuous = None
+    if unreadable:
+        more = f" (+{len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
+        vacuous = unreadable[0] + more
     sources = {source for _, source in after.values}
     quiet = [f"{c}_total" for c in INFORMATIONAL]
     engines = f"{len(sources)} engine{'s' if len(sources) != 1 else ''}"
     passed = f"no isolation counter rose on {engines} ({', '.join(quiet)} reported only)"
-    return _verdict(ENGINE_COUNTERS, inputs, findings, passed, None)
+    return _verdict(ENGINE_COUNTERS, inputs, findings, passed, vacuous)
 
 
 def check_prefix_cache(

@@ -3,6 +3,11 @@
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# The whole run, seconds: the InferenceDeployment's default spec.canary.timeoutSeconds, what the
+# operator's canary Job gets (a test holds the two equal). SmolLM2 on a busy 2-core machine has
+# taken 13.7 minutes; 300 s, the default before, timed out there.
+DEFAULT_TIMEOUT = 900.0
+
 
 @dataclass(frozen=True, slots=True)
 class CanaryConfig:
@@ -13,7 +18,7 @@ class CanaryConfig:
     # name every tenant); everything else the canary does, it does as a tenant.
     internal_token: str | None = None
     context_length: int | None = None  # the served context; default: the target's max_model_len
-    timeout: float = 300.0  # whole run, seconds; past it the run stops and exits 2
+    timeout: float = DEFAULT_TIMEOUT  # whole run, seconds; past it the run stops and exits 2
     max_requests: int = 1000  # hard bound on HTTP requests; the plan stays well below it
     rounds: int = 3  # rounds of A-pollution and neutral pollution, each followed by B's probes
     request_timeout: float = 120.0  # one request, seconds
@@ -31,6 +36,9 @@ class CanaryConfig:
     seed: int | None = None  # prompts and marker; random when None (recorded in the report)
     # told each step as it starts, in the order of run.planned_steps (a progress display)
     progress: Callable[[str], None] | None = None
+    # told at once what the run learns mid-way that the verdict will say (a check that cannot
+    # run), so that a person need not wait for the end to read it; a line of text
+    notice: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         problems = []

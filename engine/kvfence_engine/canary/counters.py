@@ -68,3 +68,16 @@ def _engine_name(name: str) -> str:
 
 def _source(labels: dict[str, str]) -> str:
     return f"{labels.get('role', '')} {labels.get('backend', '')}".strip() or "the target"
+
+
+def unreadable_reasons(snapshot: CounterSnapshot) -> list[str]:
+    """Why this snapshot cannot judge every engine: a backend whose /metrics the router could
+    not read, a counter that must not rise but is not exported. Known from the first snapshot,
+    before the run sends a probe; check_engine_counters cannot run with any."""
+    reasons = [f"could not read the counters of {source}" for source in snapshot.unreadable]
+    reasons += [
+        f"the target exposes no {counter}_total"
+        for counter in MUST_NOT_RISE
+        if counter not in NOT_EXPORTED_BY_ALL and counter not in snapshot.counters()
+    ]
+    return reasons

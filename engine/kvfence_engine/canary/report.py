@@ -6,11 +6,11 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvfence_engine.canary.checks import CheckResult
+from kvfence_engine.canary.checks import COULD_NOT_RUN, FAIL, CheckResult
 
 EXIT_PASS = 0
 EXIT_FAIL = 1  # an isolation or status check failed
-EXIT_CANNOT_RUN = 2  # no verdict: target down, key refused, out of time or requests
+EXIT_CANNOT_RUN = 2  # no verdict: target down, key refused, out of time, a check not run
 TERMINATION_LOG = "/dev/termination-log"
 TERMINATION_LIMIT = 4000  # bytes; Kubernetes keeps at most 4096 of a termination message
 
@@ -54,11 +54,12 @@ class CanaryReport:
                 f"from {f['context_source']}, engines' pools >= {f['pool_tokens']} tokens)"
             )
         for check in self.checks:
-            mark = "PASS" if check.passed else "FAIL"
+            mark = check.verdict.upper()  # PASS, FAIL, COULD NOT RUN
             lines.append(f"  {mark} {check.name:<20} {check.reason}")
             lines += [f"         - {finding}" for finding in check.findings[1:6]]
-        if self.outcome == "error":
-            lines.append(f"  could not finish: {self.reason}")
+        if self.outcome == "error":  # complete: every step ran, but a check could not
+            stopped = "no verdict" if self.complete else "could not finish"
+            lines.append(f"  {stopped}: {self.reason}")
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -68,17 +69,23 @@ class CanaryReport:
 def decide(
     checks: list[CheckResult], error: str | None, seconds: float, requests: int
 ) -> tuple[str, int, str]:
-    """(outcome, exit code, reason). An error stops the run without a verdict; but a violation
-    it already saw is a finding (exit 1, never retried as "could not run"), named with the
-    error, so a timeout or a target that went away does not hide a leak."""
-    failed = [c for c in checks if not c.passed]
+    """(outcome, exit code, reason). A finding fails the run (exit 1, never retried as "could
+    not run"), even when the run then stopped or another check could not run: a timeout, a
+    target that went away or a counter it could not read does not hide a leak. Without one, an
+    error, or a check that could not run, leaves the run without a verdict (exit 2)."""
+    failed = [c for c in checks if c.verdict == FAIL]
+    not_run = [c for c in checks if c.verdict == COULD_NOT_RUN]
+    found = "; ".join(f"{c.name}: {c.reason}" for c in failed)
     if error is not None:
-        seen = [f"{c.name}: {c.reason}" for c in failed if c.findings]
-        if seen:
-            return "fail", EXIT_FAIL, f"{'; '.join(seen)} (then the run stopped: {error})"
+        if failed:
+            return "fail", EXIT_FAIL, f"{found} (then the run stopped: {error})"
         return "error", EXIT_CANNOT_RUN, error
     if failed:
-        return "fail", EXIT_FAIL, "; ".join(f"{c.name}: {c.reason}" for c in failed)
+        return "fail", EXIT_FAIL, found
+    if not_run:
+        why = "; ".join(f"{c.name}: {c.reason}" for c in not_run)
+        count = f"{len(not_run)} of {len(checks)} checks"
+        return "error", EXIT_CANNOT_RUN, f"could not run {count}: {why}"
     return (
         "pass",
         EXIT_PASS,

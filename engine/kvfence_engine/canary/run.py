@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvfence_engine.canary.checks import (
+    ENGINE_COUNTERS,
     CheckResult,
     check_chat_markup,
     check_differential_replay,
@@ -26,7 +27,7 @@ from kvfence_engine.canary.checks import (
     check_status_codes,
 )
 from kvfence_engine.canary.config import CanaryConfig
-from kvfence_engine.canary.counters import CounterSnapshot, parse_counters
+from kvfence_engine.canary.counters import CounterSnapshot, parse_counters, unreadable_reasons
 from kvfence_engine.canary.discovery import TargetFacts, discover
 from kvfence_engine.canary.latency import decode_seconds_per_token
 from kvfence_engine.canary.observations import (
@@ -113,6 +114,7 @@ class CanaryRun:
             )
             self._at("reading engine counters")
             self.before = await self.read_counters()
+            self.say_if_counters_cannot_be_judged()
             self._at("sizing tenant A's marker prompt")
             await self.size_marker_prompt(facts.limit)
             self._at("calibrating prefill time")
@@ -144,6 +146,25 @@ class CanaryRun:
         log.debug("canary: %s", step)
         if self.config.progress is not None:
             self.config.progress(step)
+
+    def say_if_counters_cannot_be_judged(self) -> None:
+        """The first reading of the counters already tells whether their check can run: say so
+        now, not at the end of a run that may take many minutes. The run goes on, because a
+        leak the other checks see is still a finding (exit 1); but it can no longer pass."""
+        if self.config.notice is None:
+            return
+        if self.before is None:
+            why = self.counters_unread or "/metrics could not be read"
+        else:
+            reasons = unreadable_reasons(self.before)
+            if not reasons:
+                return
+            why = "; ".join(reasons)
+        self.config.notice(
+            f"{ENGINE_COUNTERS} could not run: {why}. The other checks go on (a leak they see "
+            "still fails the run), but without this one the run ends 'could not run' (exit 2) "
+            "at best"
+        )
 
     async def read_counters(self) -> CounterSnapshot | None:
         r = await self.target.get("/metrics")

@@ -41,6 +41,22 @@ class KeysFileError(ValueError):
 FileState = tuple[int, int, int, int] | None  # (device, inode, size, mtime_ns); None: missing
 
 
+def entry_problem(key: str, tenant: str) -> str | None:
+    """What is wrong with one key and its tenant, or None; never quoting the key. Also what
+    `kvfence up --tenant KEY=NAME` is held to: its entries end up in a keys file."""
+    if not _KEY.fullmatch(key):
+        return (
+            "the key may hold only printable ASCII characters without spaces (an "
+            "Authorization header carries nothing else)"
+        )
+    if not TENANT.fullmatch(tenant):
+        return (
+            f"tenant {tenant!r} is not a valid tenant name: use 1 to {TENANT_MAX} of the "
+            "characters A-Z a-z 0-9 _ . : - (it starts every request id of the tenant)"
+        )
+    return None
+
+
 def parse_keys_files(paths: list[str]) -> dict[str, str]:
     """key -> tenant from every file, or KeysFileError (OSError: a file cannot be read)."""
     keys: dict[str, str] = {}
@@ -56,17 +72,8 @@ def parse_keys_files(paths: list[str]) -> dict[str, str]:
                 if len(parts) != 2:  # the line is not echoed: it may hold a key
                     raise KeysFileError(f"{here}: expected 'KEY TENANT', got {len(parts)} fields")
                 key, tenant = parts
-                if not _KEY.fullmatch(key):
-                    raise KeysFileError(
-                        f"{here}: the key may hold only printable ASCII characters (an "
-                        "Authorization header carries nothing else)"
-                    )
-                if not TENANT.fullmatch(tenant):
-                    raise KeysFileError(
-                        f"{here}: tenant {tenant!r} is not a valid tenant name: use 1 to "
-                        f"{TENANT_MAX} of the characters A-Z a-z 0-9 _ . : - (it starts "
-                        "every request id of the tenant)"
-                    )
+                if problem := entry_problem(key, tenant):
+                    raise KeysFileError(f"{here}: {problem}")
                 if key in keys:
                     raise KeysFileError(f"{here}: this key is already given at {where[key]}")
                 keys[key], where[key] = tenant, here

@@ -51,6 +51,7 @@ class Progress:
         self.step = ""
         self._lock = threading.Lock()  # a loader thread advances, an HTTP thread reads `line`
         stream = stream or sys.stdout
+        self._stream = stream
         self._write = write or (lambda text: print(text, file=stream, flush=True))
         self._every = max(1, self.total // lines)  # counted units: a plain line this often
         self._bar: tqdm | None = None
@@ -87,6 +88,14 @@ class Progress:
             self._bar.update(self.done - self._bar.n)
         else:
             self._write(self.line)
+
+    def say(self, text: str) -> None:
+        """A line of its own, between the steps: above the bar on a terminal (never inside
+        it), through `write` otherwise."""
+        if self._bar is not None:
+            self._bar.write(text, file=self._stream)
+        else:
+            self._write(text)
 
     def advance(self, units: int = 1) -> None:
         """`units` more of the total are done."""

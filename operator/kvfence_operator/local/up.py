@@ -37,7 +37,6 @@ from pydantic import ValidationError
 import kvfence_engine
 from kvfence_engine.contracts import EngineReadiness, PoolGateReport, ProgressReport
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context
-from kvfence_engine.tools.cache_dir import cache_root
 from kvfence_engine.tools.localproc import (
     LocalProcess,
     ProcessFailed,
@@ -66,10 +65,16 @@ from kvfence_operator.decisions.rollout import (
 )
 from kvfence_operator.decisions.status import compute_status
 from kvfence_operator.local.printer import table
+from kvfence_operator.local.state import SERVING_RECORD, ServingRecord, default_state_dir
+from kvfence_operator.local.tenants import LocalTenants, TenantsError
 from kvfence_operator.revision import revision_of
 
-LOCAL_TENANT = "local"
 START_TIMEOUT_SECONDS = 900.0
+KEYS_FILE_HEADER = (
+    "# Written by `kvfence up` at every start: the canary's tenants, then --api-key and\n"
+    "# --tenant KEY=NAME. Edits here are lost; keep keys of your own in a file given to\n"
+    "# --api-keys FILE (re-read when it changes).\n"
+)
 # (model source, contextLength, device) -> why engines could not start, or None. Given by the
 # CLI: the checks need the engine's dependencies, which the operator package must not import.
 EngineCheck = Callable[[str, int, str], str | None]
@@ -396,7 +401,7 @@ def start_router(
     decision: PoolDecision,
     reserved_port: socket.socket,
     token_file: Path,
-    keys_file: Path,
+    keys_files: Sequence[Path],
     say: Callable[[str], None],
     secrets: PrefixCacheFiles,
 ) -> None:
@@ -416,7 +421,7 @@ def start_router(
             "--host": ["127.0.0.1"],
             "--port": [],
             "--backends-file": [str(backends_file)],
-            "--api-keys": [str(keys_file)],
+            "--api-keys": [str(path) for path in keys_files],
             "--internal-token-file": [str(token_file)],
             **secrets.overrides(spec, Role.ROUTER),
         },
@@ -478,7 +483,7 @@ def run_canary_gate(
     )
     steps = Progress("canary", len(planned_steps(config.rounds)), write=lambda s: say(f"  {s}"))
     with steps:
-        report = run_canary(replace(config, progress=steps.start_step))
+        report = run_canary(replace(config, progress=steps.start_step, notice=steps.say))
     say(report.summary)
     if not report.passed:
         return CanaryOutcome("local", JobPhase.FAILED, report.summary)
@@ -515,7 +520,7 @@ class LocalOptions:
     """How to run a manifest here: what a cluster has and a laptop must be told."""
 
     port: int
-    api_key: str
+    tenants: LocalTenants
     device: str = "cpu"
     threads: int | None = None
     check_engines: EngineCheck | None = None
@@ -561,13 +566,14 @@ def _run(
 ) -> int:
     created = datetime.now(UTC)
     spec = manifest.spec
-    api_key, device = options.api_key, options.device
+    device = options.device
     credentials = RevisionCredentials.generate()
     token_file = _write_private(workdir / "internal-token", credentials.internal_token + "\n")
-    keys_file = _write_private(
+    keys_file = _write_private(  # up's own: rewritten at every start (local/tenants.py)
         workdir / "api-keys",
-        credentials.api_keys_file() + f"{api_key} {LOCAL_TENANT}\n",
+        KEYS_FILE_HEADER + credentials.api_keys_file() + options.tenants.keys_file_lines(),
     )
+    keys_files = [keys_file, *options.tenants.files]
     secrets = PrefixCacheFiles.write(workdir, credentials)  # used where prefixCache is on
     replicas = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas}
     local = LocalDeployment(manifest.metadata.name, revision, workdir)
@@ -601,7 +607,7 @@ def _run(
         if decision.sufficient:
             say(f"pool check ({spec.pool_policy}): {decision.message}")
             start_router(
-                manifest, local, decision, router_port, token_file, keys_file, say, secrets
+                manifest, local, decision, router_port, token_file, keys_files, say, secrets
             )
             if spec.canary.enabled:
                 assert local.router is not None and decision.effective_context is not None
@@ -625,7 +631,16 @@ def _run(
         if plan.serve != revision:  # the reason was said above, once
             say("not serving: " + ("the canary failed" if canary else "the pool check refused"))
             return 1
-        say(f"serving: {endpoint}  (OpenAI API; api key: {api_key})")
+        assert local.router is not None
+        ServingRecord(  # what `kvfence canary --target` of this router finds (local/state.py)
+            manifest.metadata.name,
+            revision,
+            os.getpid(),
+            local.router.url,
+            str(token_file),
+            float(spec.canary.timeout_seconds),
+        ).write(workdir)
+        say(f"serving: {endpoint}  (OpenAI API; {options.tenants.describe()})")
         if wait:
             _serve_until_stopped(local)
         return 0
@@ -633,6 +648,7 @@ def _run(
         say(f"interrupted ({exc})")
         raise
     finally:
+        (workdir / SERVING_RECORD).unlink(missing_ok=True)  # stale from here on
         say("stopping ...")
         stopped = local.stop()
         if stopped:
@@ -651,10 +667,6 @@ def _serve_until_stopped(local: LocalDeployment) -> None:
         time.sleep(0.5)
 
 
-def default_state_dir() -> Path:
-    return cache_root() / "up"
-
-
 def _interrupt(signum: int, frame: object) -> None:
     for other in (signal.SIGINT, signal.SIGTERM):  # one stop at a time: later signals wait
         signal.signal(other, signal.SIG_IGN)
@@ -671,8 +683,13 @@ def run_up(
     ends only that way, so 0 is for callers of `up` that do not wait."""
     state_dir = args.state_dir or default_state_dir()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe is noise here
+    try:
+        tenants = LocalTenants.make(args.api_key, args.tenants, args.api_keys)
+    except TenantsError as exc:
+        print(f"kvfence up: {exc}", file=sys.stderr)
+        return 2
     options = LocalOptions(
-        args.port, args.api_key, args.device, args.threads, check_engines, estimate_pool
+        args.port, tenants, args.device, args.threads, check_engines, estimate_pool
     )
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _interrupt)

@@ -1,7 +1,7 @@
 """The canary's verdicts as pure functions of recorded answers: each check passes on clean
-records, fails on a doctored one with a reason naming what was wrong, and fails when it had
-nothing to judge. Plus the probe plan, the report and the exit codes (the import weight, in a
-fresh interpreter: tests/integration/test_commands.py)."""
+records, fails on a doctored one with a reason naming what was wrong, and could not run (never
+a pass, never a finding) when it had nothing to judge. Plus the probe plan, the report and the
+exit codes (the import weight, in a fresh interpreter: tests/integration/test_commands.py)."""
 
 import asyncio
 import json
@@ -235,15 +235,22 @@ def test_engine_counters_report_dropped_late_writes_without_failing() -> None:
     assert result.inputs["moved"] == {"kvfence_late_writes_dropped_total decode http://d": 1.0}
 
 
-def test_engine_counters_fail_when_they_cannot_be_read_or_reset() -> None:
+def test_engine_counters_that_cannot_be_read_could_not_run_and_a_reset_fails() -> None:
+    """Issue 34: an unreadable counter was printed FAIL, a finding, though nothing was judged.
+    It is "could not run": never a pass, and no finding (exit 2, which the operator retries)."""
     down = check_engine_counters(parse_counters(metrics()), parse_counters(metrics(up=0)))
-    assert not down.passed and "could not read the counters of decode http://d" in down.reason
-    reset = check_engine_counters(parse_counters(metrics(3)), parse_counters(metrics(0)))
-    assert not reset.passed and "restarted" in reset.reason
+    assert down.verdict == "could not run" and not down.passed and down.findings == []
+    assert down.reason == "could not read the counters of decode http://d (after the run)"
     bare = parse_counters("# TYPE other_total counter\nother_total 1\n")
     missing = check_engine_counters(bare, bare)
-    assert not missing.passed and "exposes no kvfence_kv_tag_mismatch_total" in missing.reason
-    assert not check_engine_counters(None, None).passed
+    assert missing.verdict == "could not run"
+    assert "exposes no kvfence_kv_tag_mismatch_total (before the run)" in missing.reason
+    assert check_engine_counters(None, None).verdict == "could not run"
+    reset = check_engine_counters(parse_counters(metrics(3)), parse_counters(metrics(0)))
+    assert reset.verdict == "fail" and "restarted" in reset.reason
+    # a rise is a finding even where another engine could not be read
+    rose = check_engine_counters(parse_counters(metrics(0)), parse_counters(metrics(1, up=0)))
+    assert rose.verdict == "fail" and "rose by 1" in rose.reason
 
 
 def test_an_engines_own_metrics_read_like_the_routers_re_export() -> None:
@@ -302,6 +309,42 @@ def test_a_routers_pool_summary_lists_every_engine() -> None:
 
 def failed_check() -> CheckResult:
     return CheckResult("status_codes", False, "over-limit-513 was answered 200", {}, ["x"])
+
+
+def not_run_check() -> CheckResult:
+    return check_engine_counters(None, None, "/metrics answered 403: it needs the internal token")
+
+
+def test_a_check_that_could_not_run_leaves_the_run_without_a_verdict_but_hides_no_finding() -> None:
+    ok = CheckResult("marker", True, "fine", {})
+    assert decide([ok, not_run_check()], None, 1.0, 10) == (
+        "error",
+        2,
+        "could not run 1 of 2 checks: engine_counters: the target's /metrics could not be read "
+        "(/metrics answered 403: it needs the internal token)",
+    )
+    assert decide([not_run_check(), failed_check()], None, 1.0, 10)[:2] == ("fail", 1)
+    assert decide([not_run_check()], "timed out after 5s", 5.0, 10)[:2] == ("error", 2)
+    report = CanaryReport(
+        "http://t", "error", 2, "could not run 1 of 1 checks: x", True, "now", 1.0, 10, 1,
+        None, None, [not_run_check()], [],
+    )  # fmt: skip
+    lines = report.human().splitlines()
+    assert lines[1].startswith("  COULD NOT RUN engine_counters ")
+    assert lines[-1] == "  no verdict: could not run 1 of 1 checks: x"
+
+
+def test_the_default_timeout_is_what_the_operator_gives_its_canary() -> None:
+    """300 s timed out where `kvfence up`'s own canary had 600 (issue 34): the CLI's default is
+    spec.canary.timeoutSeconds' default; against a local `up`, that `up`'s own value."""
+    from kvfence_engine.canary.config import DEFAULT_TIMEOUT
+    from kvfence_operator.crd.types import CanarySpec
+
+    assert (
+        DEFAULT_TIMEOUT
+        == CanarySpec().timeout_seconds
+        == CanaryConfig("http://t", "a", "b").timeout
+    )
 
 
 def test_exit_codes_pass_fail_and_could_not_run() -> None:
@@ -371,7 +414,7 @@ def metrics_behind_a_token(request: httpx.Request) -> httpx.Response:
     """A router's /metrics that answers only its internal token, as a real router with keys
     and a token does (a tenant's key gets 403)."""
     if request.headers.get(TOKEN_HEADER) == "tok":
-        return httpx.Response(200, text="kvfence_kv_tag_mismatch_total 0.0\n")
+        return httpx.Response(200, text=metrics())
     return httpx.Response(403, json={"error": {"message": "no", "type": "permission_error"}})
 
 
@@ -379,14 +422,25 @@ def metrics_behind_a_token(request: httpx.Request) -> httpx.Response:
 def test_the_canary_reads_the_routers_metrics_with_the_token_and_says_why_not_without(
     token: str | None,
 ) -> None:
-    config = CanaryConfig("http://router", "key-a", "key-b", internal_token=token)
+    notices: list[str] = []
+    config = CanaryConfig(
+        "http://router", "key-a", "key-b", internal_token=token, notice=notices.append
+    )
     run = CanaryRun(config, seed=1)
     run.target.http = httpx.AsyncClient(transport=httpx.MockTransport(metrics_behind_a_token))
-    snapshot = asyncio.run(run.read_counters())
+    run.before = asyncio.run(run.read_counters())
+    run.say_if_counters_cannot_be_judged()
     if token is not None:
-        assert snapshot is not None and run.counters_unread is None
+        assert run.before is not None and run.counters_unread is None and notices == []
         return
-    assert snapshot is None
+    assert run.before is None
     result = check_engine_counters(None, None, run.counters_unread)
-    assert not result.passed  # as any unreadable /metrics: no verdict on the counters
+    assert result.verdict == "could not run"  # as any unreadable /metrics: no verdict
     assert "needs the internal token (--internal-token-file)" in result.reason
+    # said when learnt, at the first reading, not at the end of a run of many minutes
+    (notice,) = notices
+    assert notice.startswith(
+        "engine_counters could not run: /metrics answered 403: it needs the internal token "
+        "(--internal-token-file). "
+    )
+    assert "ends 'could not run' (exit 2) at best" in notice

@@ -207,12 +207,13 @@ def test_a_first_start_shows_each_engines_weight_conversion(tmp_path):
     path = manifest(
         tmp_path,
         model={"source": "builtin:smollm2-135m-instruct"},
-        engine={"kvCacheMemory": "16Mi"},  # 352 tokens: refused, once loaded
+        engine={"kvCacheMemory": "32Mi"},  # 704 tokens: the pool holds the context
         contextLength=512,
     )
     up = Up(path, tmp_path, env={"KVFENCE_CACHE_DIR": str(tmp_path / "empty-cache")})
     try:
-        up.proc.wait(600)
+        up.wait_for("ready (", timeout=600)
+        assert up.interrupt() == 130, up.output
     finally:
         up.kill()
     out = up.output
@@ -478,7 +479,7 @@ def test_threads_reach_every_engine_and_sigterm_while_serving_exits_143(tmp_path
 @pytest.mark.parametrize(
     ("phase", "spec"),
     [
-        ("starting 2 engine processes", {}),
+        ("starting 2 engine processes", SERVES),
         ("canary: tenant B tries", {**SERVES, "canary": {"enabled": True}}),
     ],
 )

@@ -11,9 +11,10 @@ What lives on the device, updated incrementally:
 A step is one CUDA graph per batch-size bucket, captured at start: the read check
 (paged_decode.check_decode) over every page each row holds, the model with paged decode
 attention that reads only the pages a row attends to and nothing for a row that failed, then
-greedy argmax. Only the token ids and verdicts come back, and the logits of rows that sample
-or want logprobs (core/sampler runs on those, as on the host path). A row beyond the batch
-in its bucket is a padding row whose table is empty: it fails the check and reads nothing.
+greedy argmax. Rows that sample are drawn after it, on the device too (core/device_sampler),
+and the logprobs rows ask for are computed there: only token ids, verdicts and those few
+numbers per row come back. A row beyond the batch in its bucket is a padding row whose table
+is empty: it fails the check and reads nothing.
 
 core/runner.py + core/isolation.py stay the path for prefill and for every CPU step.
 """
@@ -24,12 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfence_engine.core import device_sampler as sampler
 from kvfence_engine.core.attention import Scoring, StepBatch
 from kvfence_engine.core.decoder import Decoder
+from kvfence_engine.core.device_sampler import SamplingRows
 from kvfence_engine.core.isolation import ReadCheck
 from kvfence_engine.core.model_config import ModelConfig
 from kvfence_engine.core.page_manager import PageManager
-from kvfence_engine.core.request import Request
+from kvfence_engine.core.request import Request, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +49,12 @@ def unsupported(config: ModelConfig) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class DecodeResult:
-    """Per batch row: its greedy token and the read check's verdict (paged_decode.OK or why it
-    failed); logits [rows, V] float32 on the host for `logit_rows` (None if none asked)."""
+    """Per batch row: its token, the read check's verdict (paged_decode.OK or why it failed)
+    and the logprobs it asked for (None where it asked none)."""
 
     tokens: list[int]
     verdicts: list[int]
-    logits: torch.Tensor | None
+    logprobs: list[TokenLogprob | None]
 
     def read_check(self) -> ReadCheck:
         return ReadCheck.of_verdicts(torch.tensor(self.verdicts))
@@ -209,7 +212,7 @@ class DeviceDecoder:
     def bucket_for(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    def step(self, seqs: Sequence[Request], logit_rows: list[int]) -> DecodeResult:
+    def step(self, seqs: Sequence[Request]) -> DecodeResult:
         """One decode step of `seqs` (at most max_seqs): each writes its position
         num_tokens - 1 and attends to every earlier one. The pages it will write were
         allocated (the scheduler's may_append)."""
@@ -235,12 +238,57 @@ class DeviceDecoder:
             graph.replay()
         else:
             self._body(bucket)
-        logits = None
-        if logit_rows:
-            picked = torch.tensor(logit_rows, device=self.device)
-            logits = self.logits[bucket].index_select(0, picked).cpu()
-        out = self.out[:, :batch].cpu()
-        return DecodeResult(out[0].tolist(), out[1].tolist(), logits)
+        return self._choose(seqs, self.logits[bucket][:batch])
+
+    def _choose(self, seqs: Sequence[Request], logits: torch.Tensor) -> DecodeResult:
+        """The batch's tokens and the logprobs its rows ask for, drawn from the step's logits
+        where they are; one copy of ids and one of numbers comes back."""
+        batch = len(seqs)
+        ids = self.out[:, :batch]  # the graph's argmax, the check's verdicts
+        sampled = [not s.params.greedy for s in seqs]
+        if any(sampled):
+            params = [s.params for s in seqs]
+            rows = SamplingRows(
+                temperature=self._to_device(
+                    [0.0 if p.greedy else p.temperature for p in params], torch.float32
+                ),
+                top_k=self._to_device([p.top_k for p in params], torch.int64),
+                top_p=self._to_device([p.top_p for p in params], torch.float32),
+                seed=self._to_device([s.seed for s in seqs], torch.int64),
+                position=self._to_device([s.num_tokens for s in seqs], torch.int64),
+            )
+            finite = torch.isfinite(logits).all(dim=-1) | (rows.temperature == 0)
+            ids = torch.cat([sampler.sample(logits, rows)[None], ids[1:], (~finite).long()[None]])
+        vocab = logits.shape[-1]
+        tops = [None if s.params.logprobs is None else min(s.params.logprobs, vocab) for s in seqs]
+        wanted = [n for n in tops if n is not None]
+        numbers = None
+        if wanted:
+            chosen, values, top_ids = sampler.logprobs(logits, ids[0], max(wanted))
+            ids = torch.cat([ids, top_ids.T])
+            numbers = torch.cat([chosen[None], values.T]).cpu()
+        host = ids.cpu()
+        tokens = host[0].tolist()
+        if any(sampled) and bool(host[2].any()):
+            raise ValueError("the model's logits are not finite: nothing to sample from")
+        logprobs: list[TokenLogprob | None] = [None] * batch
+        if numbers is not None:
+            first_top = 3 if any(sampled) else 2
+            for b, n in enumerate(tops):
+                if n is None:
+                    continue
+                top = tuple(
+                    zip(
+                        host[first_top : first_top + n, b].tolist(),
+                        numbers[1 : 1 + n, b].tolist(),
+                        strict=True,
+                    )
+                )
+                logprobs[b] = TokenLogprob(tokens[b], float(numbers[0, b]), top)
+        return DecodeResult(tokens, host[1].tolist(), logprobs)
+
+    def _to_device(self, values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _sync_state(self) -> None:
         changes = self.pages.take_changes()

@@ -357,6 +357,7 @@ class LLMEngine(Generic[TokenizerT]):
         if params.seed is not None or not params.greedy:
             seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4))
             seq.generator = torch.Generator().manual_seed(seed)
+            seq.seed = seed
         if self.prefix is not None:
             seq.cache_keys = self.prefix.page_keys(tenant, cache_salt, seq.prompt_ids)
         return seq
@@ -464,20 +465,9 @@ class LLMEngine(Generic[TokenizerT]):
 
     def _decode_on_device(self, decoder: DeviceDecoder, seqs: list[Request]) -> None:
         """One decode step as device kernels: the read check ran on the device over the pages
-        each row holds; a row it failed wrote only the scratch page and read nothing."""
-        wants = [
-            i for i, s in enumerate(seqs) if not s.params.greedy or s.params.logprobs is not None
-        ]
-        result = decoder.step(seqs, wants)
-        tokens = result.tokens
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        if result.logits is not None:  # the rows that sample, or want logprobs
-            picked = [seqs[i] for i in wants]
-            chosen, chosen_logprobs = sample(
-                result.logits, [s.params for s in picked], [s.generator for s in picked]
-            )
-            for i, token, logprob in zip(wants, chosen, chosen_logprobs, strict=True):
-                tokens[i], logprobs[i] = token, logprob
+        each row holds (a row it failed wrote only the scratch page and read nothing), and
+        the tokens were drawn there (core/device_sampler)."""
+        result = decoder.step(seqs)
         check = result.read_check()
         passed = (~check.failed).tolist()
         if not all(passed):
@@ -490,7 +480,7 @@ class LLMEngine(Generic[TokenizerT]):
             torch.tensor([s.pages[p // page] for s, p in zip(safe, written, strict=True)]),
             torch.tensor([p % page for p in written]),
         )
-        self._advance(safe, [tokens[i] for i in keep], [logprobs[i] for i in keep])
+        self._advance(safe, [result.tokens[i] for i in keep], [result.logprobs[i] for i in keep])
 
     def _count_prefill(self, seqs: list[Request]) -> None:
         """A prefill batch's size, and its prefix-cache hits: a request's first prefill decides

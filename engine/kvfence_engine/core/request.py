@@ -91,7 +91,8 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # stop | length | abort | error
     error: EngineError | None = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # the host path's draws (core/sampler)
+    seed: int = 0  # what the device path's draws are a function of (core/device_sampler)
     first_token_at: float | None = None
     request_id: str | None = None  # the router's id, for disaggregated requests
     tenant: str = "default"  # whose share of the KV pool it reserves (core/tenants)

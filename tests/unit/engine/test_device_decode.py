@@ -22,32 +22,62 @@ def outputs(engine: LLMEngine, seqs: list[Request]) -> list[tuple[list[int], lis
     return [(s.output_ids, [round(x.logprob, 4) for x in s.output_logprobs]) for s in seqs]
 
 
+def sampled(engine: LLMEngine, seed: int, prompt_seed: int = 3) -> Request:
+    return submit(
+        engine,
+        prompt_of(33, seed=prompt_seed),
+        max_tokens=6,
+        ignore_eos=True,
+        temperature=0.8,
+        top_k=50,
+        seed=seed,
+        logprobs=1,
+    )
+
+
 def mixed_batch(engine: LLMEngine) -> list[Request]:
-    """Prompts that end just before, on and past page boundaries (pages of 16), greedy and
-    seeded, all in flight at once."""
+    """Prompts that end just before, on and past page boundaries (pages of 16), greedy with
+    and without logprobs, and a seeded sampled one, all in flight at once."""
     return [
         submit(engine, prompt_of(15, seed=1), max_tokens=6, ignore_eos=True, logprobs=2),
         submit(engine, prompt_of(16, seed=2), max_tokens=6, ignore_eos=True, logprobs=0),
-        submit(
-            engine,
-            prompt_of(33, seed=3),
-            max_tokens=6,
-            ignore_eos=True,
-            temperature=0.8,
-            seed=7,
-            logprobs=0,
-        ),
+        sampled(engine, seed=7),
         submit(engine, prompt_of(5, seed=4), max_tokens=6, ignore_eos=True),
     ]
 
 
+GREEDY = [0, 1, 3]  # mixed_batch's greedy rows
+
+
 @pytest.mark.slow
-def test_device_decode_gives_the_host_paths_tokens_and_logprobs() -> None:
+def test_device_decode_gives_the_host_paths_greedy_tokens_and_logprobs() -> None:
     host = make_tiny_engine()
     device = make_tiny_engine(**DEVICE)
     assert host.device_decoder is None and device.device_decoder is not None
-    assert outputs(device, mixed_batch(device)) == outputs(host, mixed_batch(host))
+    ours, theirs = outputs(device, mixed_batch(device)), outputs(host, mixed_batch(host))
+    assert [ours[i] for i in GREEDY] == [theirs[i] for i in GREEDY]
     assert device.metrics.registry.get_sample_value("kvfence_engine_decode_steps_total") == 5
+
+
+@pytest.mark.slow
+def test_a_seeded_draw_on_the_device_is_its_own_whatever_the_batch() -> None:
+    """The device draws from (seed, position) alone (core/device_sampler): the same request
+    alone or beside others gets the same tokens; another seed others. Its logprobs are the
+    model's: the same as a greedy engine reports for the same tokens fed back."""
+    engine = make_tiny_engine(**DEVICE)
+    in_batch = outputs(engine, mixed_batch(engine))[2]
+    alone = outputs(engine, [sampled(engine, seed=7)])[0]
+    assert alone == in_batch
+    assert outputs(engine, [sampled(engine, seed=8)])[0][0] != alone[0]
+    tokens, logprobs = alone
+    prompt = prompt_of(33, seed=3)
+    for i in range(1, len(tokens)):  # the prefill's first draw is the host sampler's
+        fed = submit(engine, prompt + tokens[:i], max_tokens=1, logprobs=50)
+        run_until_done(engine)
+        (top,) = fed.output_logprobs
+        by_id = dict(top.top)
+        assert tokens[i] in by_id, "a token outside the top 50 was drawn"
+        assert abs(by_id[tokens[i]] - logprobs[i]) < 1e-3
 
 
 @pytest.mark.slow

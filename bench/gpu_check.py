@@ -95,6 +95,7 @@ from engine_throughput import EngineClient, Streamed, Timing, send_all
 from kvfence_engine.contracts import ErrorCode
 from kvfence_engine.core.faults import ALLOW_ENV, Fault
 from kvfence_engine.core.rope import rope_frequencies
+from kvfence_engine.serving.connections import CLIENT_IDLE_SECONDS
 from kvfence_engine.loading.config import load_config
 from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed
 
@@ -123,7 +124,9 @@ INIT_STD = 0.02  # transformers' initializer_range
 UNK, BOS, EOS = "[UNK]", "<|begin_of_text|>", "<|end_of_text|>"
 READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 180.0
-KEEPALIVE_S = 5.0
+# an idle connection is dropped well before the engine closes it (serving/connections.py): at
+# the server's own 5 s, a reuse raced its close and read as ReadError on a loaded machine
+KEEPALIVE_S = CLIENT_IDLE_SECONDS
 LOG_TAIL_LINES = 60
 ACCESS_LOG = re.compile(r'^INFO: +[0-9.:]+ - "(GET|POST) ')
 STEP, CHECK = "kvfence_engine_step_seconds", "kvfence_kv_read_check_seconds"

@@ -95,8 +95,8 @@ from engine_throughput import EngineClient, Streamed, Timing, send_all
 from kvfence_engine.contracts import ErrorCode
 from kvfence_engine.core.faults import ALLOW_ENV, Fault
 from kvfence_engine.core.rope import rope_frequencies
-from kvfence_engine.serving.connections import CLIENT_IDLE_SECONDS
 from kvfence_engine.loading.config import load_config
+from kvfence_engine.serving.connections import CLIENT_IDLE_SECONDS
 from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed
 
 # How `kvfence serve` starts without installing the project (PYTHONPATH holds cli, engine and

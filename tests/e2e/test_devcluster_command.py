@@ -22,7 +22,7 @@ import urllib3
 import yaml
 from kubernetes import client, config
 
-from helpers.waits import eventually
+from helpers.waits import READY_S, eventually
 from helpers.web_pods import pod, service
 from kvfence_devcluster.apiserver import INFERENCE_DEPLOYMENT_CRD
 
@@ -243,7 +243,7 @@ def test_the_console_script_runs_the_operator_whose_service_answers_and_stops_on
             c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or []
         )
 
-    eventually(ready, "the InferenceDeployment to be Ready", timeout=240)
+    eventually(ready, "the InferenceDeployment to be Ready", timeout=READY_S)
     # Raw JSON: the client's models refuse integer quantities (a real API server would have
     # written them back as strings; this one keeps what it got).
     # (_preload_content=False answers urllib3's response, which the client's hints do not say)

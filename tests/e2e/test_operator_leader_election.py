@@ -195,7 +195,7 @@ def test_a_stopped_leader_releases_the_lease_and_a_standby_answers_liveness_mean
     cluster.wait_for(
         lambda: httpx.get(liveness, timeout=5).status_code,
         "kopf's liveness",
-        30,
+        READY_S,
         until=lambda code: code == 200,
     )
     assert b.stop(grace=20) == 0

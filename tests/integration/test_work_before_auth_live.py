@@ -33,7 +33,7 @@ BODY_TIMEOUT = 2.0  # seconds: --client-body-timeout
 PROBE_DEADLINE = 2.0  # seconds
 # How long a connection may stay open before the server is said never to close it: a hang
 # guard, 20 times the header deadline (the server closes at the deadline; a server without one
-# would keep a trickled request open for minutes, until its size limit).
+# would keep a trickled request open for a minute or more, until a size limit).
 CLOSE_GUARD = 20 * HEADER_TIMEOUT
 RSS_ALLOWANCE = 100 * 1024 * 1024  # bytes over idle
 

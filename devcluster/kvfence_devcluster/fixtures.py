@@ -34,7 +34,7 @@ from .proxy import ServiceProxy
 from .resources import ResourceType
 from .sandbox import VENV_BIN
 from .store import MERGE_PATCH
-from .waiting import eventually
+from .waiting import FACT_S, eventually
 
 T = TypeVar("T")
 PATCH_TYPES = {
@@ -222,7 +222,7 @@ class Cluster:
         self,
         observe: Callable[[], T | None],
         what: str,
-        timeout: float = 30.0,
+        timeout: float = FACT_S,
         *,
         interval: float = 0.1,
     ) -> T: ...
@@ -232,7 +232,7 @@ class Cluster:
         self,
         observe: Callable[[], T],
         what: str,
-        timeout: float = 30.0,
+        timeout: float = FACT_S,
         until: Callable[[T], object] = bool,
         interval: float = 0.1,
     ) -> T: ...
@@ -241,7 +241,7 @@ class Cluster:
         self,
         observe: Callable[[], T],
         what: str,
-        timeout: float = 30.0,
+        timeout: float = FACT_S,
         until: Callable[[T], object] = bool,
         interval: float = 0.1,
     ) -> T:

@@ -1029,11 +1029,16 @@ def test_a_deleted_pod_leaves_the_service_then_sleeps_its_pre_stop_before_sigter
         cluster.wait_gone("Pod", name)
         # out of the Service at once, but still running, and no SIGTERM yet: the preStop sleep
         assert not answers(through_service)
-        time.sleep(1.5)  # a time under test: halfway through the 3 s preStop, still no SIGTERM
-        assert alive(pid) and "SIGTERM at" not in cluster.pod_log(name)
+        # a time under test: halfway through the 3 s preStop, still no SIGTERM (a loaded
+        # machine may be past it by now: then the lower bound below says it all the same)
+        time.sleep(max(0.0, deleted_at + 1.5 - time.time()))
+        if time.time() - deleted_at < 2.5:
+            assert alive(pid) and "SIGTERM at" not in cluster.pod_log(name)
         cluster.wait_for(lambda: alive(pid), "the pod's process to exit", until=lambda a: not a)
         log = cluster.pod_log(name)
         assert "all drained" in log, log  # it stopped on its own, within the grace period
         term_at = float(log.split("SIGTERM at ", 1)[1].split()[0])
-        assert 2.5 < term_at - deleted_at < 6, term_at - deleted_at
+        # after the preStop, and soon after it rather than at the grace period's end (20 s):
+        # the upper bound leaves a loaded machine 10 s
+        assert 2.5 < term_at - deleted_at < 13, term_at - deleted_at
         assert not cluster.problems()

@@ -22,7 +22,7 @@ import urllib3
 import yaml
 from kubernetes import client, config
 
-from helpers.waits import eventually
+from helpers.waits import FACT_S, READY_S, eventually
 from helpers.web_pods import pod, service
 from kvfence_devcluster.apiserver import INFERENCE_DEPLOYMENT_CRD
 
@@ -46,7 +46,7 @@ class Command:
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
-    def next_line(self, timeout: float = 60.0) -> str:
+    def next_line(self, timeout: float = READY_S) -> str:
         """The next line it prints (a thread reads them, so none waits in a buffer)."""
         try:
             line = self._lines.get(timeout=timeout)
@@ -80,7 +80,7 @@ class Command:
             found |= frontier
         return {(pid, start) for pid in found if (start := start_time(pid)) is not None}
 
-    def stop(self, sig: signal.Signals, timeout: float = 30.0) -> int:
+    def stop(self, sig: signal.Signals, timeout: float = FACT_S) -> int:
         self.proc.send_signal(sig)
         return self.proc.wait(timeout)
 
@@ -179,10 +179,10 @@ def test_a_killed_command_leaves_no_pod_running(tmp_path, commands):
         "default", client.V1Pod.model_validate(pod("hello", {"app": "hello"}))
     )
     api.close()
-    running = eventually(command.descendants, "the pod to run under the command", 60)
+    running = eventually(command.descendants, "the pod to run under the command", READY_S)
     command.proc.kill()
     command.proc.wait()
-    eventually(lambda: not still_running(running), "the pod's processes to die with it", 10.0)
+    eventually(lambda: not still_running(running), "the pod's processes to die with it")
 
 
 @pytest.mark.slow
@@ -198,13 +198,13 @@ def test_the_console_script_runs_the_operator_whose_service_answers_and_stops_on
         *("--kubeconfig", str(kubeconfig), "--operator", "--state-dir", str(tmp_path / "state")),
     )
     commands.append(command)
-    assert "export KUBECONFIG=" in command.next_line(timeout=120)
+    assert "export KUBECONFIG=" in command.next_line()
 
     # As a user would: the CRD first (a new cluster has none), then the keys and the example.
     api = config.new_client_from_config(config_file=str(kubeconfig))
     crd = yaml.safe_load(INFERENCE_DEPLOYMENT_CRD.read_text())
     client.ApiextensionsV1Api(api).create_custom_resource_definition(crd)
-    assert command.next_line(timeout=120).endswith("the operator is running\n")
+    assert command.next_line().endswith("the operator is running\n")
     operator = [p for p in command.descendants() if "operator" in cmdline(p[0])]
     assert operator, "the operator runs under the command"
     keys = base64.b64encode(f"{USER_KEY} team-a\n".encode()).decode()
@@ -243,7 +243,7 @@ def test_the_console_script_runs_the_operator_whose_service_answers_and_stops_on
             c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or []
         )
 
-    eventually(ready, "the InferenceDeployment to be Ready", timeout=240)
+    eventually(ready, "the InferenceDeployment to be Ready", timeout=READY_S)
     # Raw JSON: the client's models refuse integer quantities (a real API server would have
     # written them back as strings; this one keeps what it got).
     # (_preload_content=False answers urllib3's response, which the client's hints do not say)

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers.waits import GiveUp, eventually
+from helpers.waits import READY_S, GiveUp, eventually
 from kvfence_devcluster.hollow import HOLLOW_SCRIPT
 from kvfence_devcluster.processes import ManagedProcess
 from kvfence_engine.contracts import TOKEN_HEADER, BackendsFile, BackendsInForce, EngineReadiness
@@ -46,7 +46,7 @@ def serving(tmp_path: Path, name: str, args: list[str]) -> Iterator[str]:
                 raise GiveUp(f"it exited {process.poll()}:\n{process.log()}")
             return httpx.get(url + "/healthz", timeout=1).status_code
 
-        eventually(healthz, f"the hollow {name} to answer", 30, until=lambda code: code == 200)
+        eventually(healthz, f"the hollow {name} to answer", READY_S, until=lambda c: c == 200)
         yield url
 
 

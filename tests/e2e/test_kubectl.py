@@ -255,7 +255,6 @@ def test_watch_prints_rows_as_they_change_and_wait_returns_on_the_condition(
         eventually(
             printed.read_text,
             "the watch to print the Ready row",
-            10,
             until=lambda out: any(
                 line.split()[:3] == ["tiny", "True", "512"] for line in out.splitlines()
             ),

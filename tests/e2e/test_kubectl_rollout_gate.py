@@ -28,6 +28,7 @@ from helpers.tiny_infd import (
     wait_promoted,
     with_max_num_seqs,
 )
+from helpers.waits import READY_S
 from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_devcluster.options import KubeletOptions
 from kvfence_operator.builders.canary_job import build_canary_job
@@ -51,12 +52,12 @@ def serving_then_rolling(cluster: Cluster) -> tuple[Operator, str]:
     cluster.create(api_keys_secret())
     operator = start_operator(cluster)
     first = cluster.create(manifest(rollout=NO_DRAIN))
-    wait_condition(cluster, "Ready", "True", timeout=240)
+    wait_condition(cluster, "Ready", "True", timeout=READY_S)
     update_spec(cluster, SECOND["spec"])
     cluster.wait_for(
         lambda: cluster.list("Pod", "default", selector_for(R2, Role.CANARY)),
         "the candidate's canary to run",
-        timeout=180,
+        timeout=READY_S,
         until=lambda pods: any(p["status"].get("phase") == "Running" for p in pods),
     )
     return operator, revision_of_manifest(first)

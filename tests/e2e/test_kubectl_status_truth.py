@@ -29,6 +29,7 @@ from helpers.tiny_infd import (
     revision_of_manifest,
     with_max_num_seqs,
 )
+from helpers.waits import READY_S
 from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_devcluster.options import KubeletOptions
 
@@ -52,7 +53,7 @@ def wait_for_condition(cluster: Cluster, kind: str, status: str, reason: str) ->
         return (c.get("status"), c.get("reason")) == (status, reason)
 
     return cluster.wait_for(
-        lambda: infd(cluster), f"{kind}={status} {reason}", timeout=240, until=holds
+        lambda: infd(cluster), f"{kind}={status} {reason}", timeout=READY_S, until=holds
     )
 
 
@@ -88,7 +89,7 @@ def test_a_model_path_not_in_the_container_is_engine_crash_looping_in_its_words_
 
     # more restarts and passes: the same words, one Event, and no Warning for the pods
     cluster.wait_for(lambda: restarts(cluster, revision), "two restarts of each engine",
-                     timeout=240, until=lambda n: n >= 2)  # fmt: skip
+                     timeout=READY_S, until=lambda n: n >= 2)  # fmt: skip
     operator.wait_passes(3, NAME)
     assert condition(infd(cluster), "Degraded")["message"] == said
     (event,) = events(cluster, "EngineCrashLooping")
@@ -152,7 +153,7 @@ def test_a_healthy_start_is_no_warning_and_a_rollout_keeps_ready_while_the_old_r
         during = cluster.wait_for(
             canary_running,
             "the candidate's canary running",
-            timeout=240,
+            timeout=READY_S,
             until=lambda o: (
                 (o["status"].get("canary") or {}).get("result") == "Running"
                 and (o["status"].get("canary") or {}).get("revision") == r2
@@ -165,14 +166,15 @@ def test_a_healthy_start_is_no_warning_and_a_rollout_keeps_ready_while_the_old_r
         assert (ready["status"], ready["reason"]) == ("True", "Serving")
         assert f"revision {r1} serves" in ready["message"]
         assert f"revision {r2} is rolling out" in ready["message"]
-        # `kubectl wait` on Ready answers at once while the old revision serves
-        cluster.kubectl("wait", "--for=condition=Ready", f"infd/{NAME}", "--timeout=5s")
+        # `kubectl wait` on Ready answers while the old revision serves (the candidate's canary
+        # is held until the release below: Ready cannot turn True meanwhile; 60 s: a guard)
+        cluster.kubectl("wait", "--for=condition=Ready", f"infd/{NAME}", "--timeout=60s")
 
         release.write_text("go")
         cluster.wait_for(
             canary_running,
             "the candidate promoted",
-            timeout=240,
+            timeout=READY_S,
             until=lambda o: (
                 o["status"]["revision"].get("current") == r2
                 and condition(o, "Progressing").get("status") == "False"

@@ -42,6 +42,7 @@ from helpers.tiny_infd import (
     wait_promoted,
     with_max_num_seqs,
 )
+from helpers.waits import READY_S
 from kvfence_devcluster.fixtures import start_cluster
 from kvfence_devcluster.options import KubeletOptions
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
@@ -84,7 +85,7 @@ def test_lower_context_serves_the_smallest_pool_and_refuses_below_min_context(cl
         )
     )
     revision = revision_of(InferenceDeploymentSpec.model_validate(created["spec"]))
-    ready = wait_condition(cluster, "Ready", "True", timeout=180)
+    ready = wait_condition(cluster, "Ready", "True", timeout=READY_S)
     assert ready["status"]["contextLength"] == {"requested": 1024, "effective": 640}
     assert "lowered from 1024" in condition(ready, "PoolSufficient")["message"]
 
@@ -134,7 +135,7 @@ def test_serving_after_the_canary_then_a_rollout_that_stops_on_a_bad_canary(tmp_
         assert complete(cluster, r1, tokens=4) == 4
 
         update_spec(cluster, bad["spec"])
-        failed = wait_condition(cluster, "CanaryPassed", "False", timeout=240)
+        failed = wait_condition(cluster, "CanaryPassed", "False", timeout=READY_S)
         status = failed["status"]
         assert status["revision"] == {"current": r1, "candidate": bad_revision}
         assert status["canary"]["result"] == "Failed"
@@ -236,7 +237,9 @@ def test_a_canary_that_cannot_run_is_retried_then_rerun_on_request_and_scaling_w
 
         cannot_run.touch()
         update_spec(cluster, second["spec"])
-        stuck = wait_condition(cluster, "Degraded", "True", timeout=240, reason="CanaryCouldNotRun")
+        stuck = wait_condition(
+            cluster, "Degraded", "True", timeout=READY_S, reason="CanaryCouldNotRun"
+        )
         status = stuck["status"]
         assert status["revision"] == {"current": r1, "candidate": r2}
         assert status["canary"]["result"] == "CouldNotRun"
@@ -367,7 +370,7 @@ def test_objects_that_are_not_ours_stay_untouched_and_the_stable_service_follows
     served = cluster.wait_for(
         lambda: infd(cluster),
         "the revision to be promoted",
-        timeout=240,
+        timeout=READY_S,
         until=lambda o: (
             (o.get("status") or {}).get("revision", {}).get("current") == revision
             and condition(o, "Ready").get("reason") in ("Serving", "NameConflict")
@@ -536,7 +539,7 @@ def test_a_stream_in_flight_at_promotion_completes_and_the_old_revision_goes_aft
         operator = start_operator(cluster)
         first = cluster.create(spec("16"))
         r1 = revision_of(InferenceDeploymentSpec.model_validate(first["spec"]))
-        wait_condition(cluster, "Ready", "True", timeout=240)
+        wait_condition(cluster, "Ready", "True", timeout=READY_S)
         uid = first["metadata"]["uid"]
         budgets = cluster.list("PodDisruptionBudget", "default", {LABEL_REVISION: r1})
         assert sorted(b["metadata"]["labels"]["kvfence.dev/role"] for b in budgets) == [
@@ -564,7 +567,7 @@ def test_a_stream_in_flight_at_promotion_completes_and_the_old_revision_goes_aft
         promoted = cluster.wait_for(
             lambda: infd(cluster)["status"]["revision"],
             "the promotion of r2",
-            timeout=240,
+            timeout=READY_S,
             until=lambda revision: revision.get("current") == r2,
         )
         # switched, and r1 drains: kept whole, in status as retiring

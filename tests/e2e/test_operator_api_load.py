@@ -12,6 +12,7 @@ import pytest
 from helpers.counting_proxy import CountingProxy
 from helpers.operators import start_operator
 from helpers.tiny_infd import NAME, api_keys_secret, manifest, wait_condition
+from helpers.waits import READY_S
 from kvfence_devcluster.apiserver import write_kubeconfig
 
 PASSES = 10
@@ -35,7 +36,7 @@ def test_a_ready_deployment_costs_at_most_one_request_a_pass_and_no_writes(
         cluster.create(api_keys_secret())
         operator = start_operator(cluster, ["--standalone", *args], {"KUBECONFIG": str(kubeconfig)})
         cluster.create(manifest(canary={"enabled": False}))
-        wait_condition(cluster, "Ready", "True", timeout=240)
+        wait_condition(cluster, "Ready", "True", timeout=READY_S)
         # the watches that the caches opened at start are not per pass
         assert pods in {s.path for s in proxy.seen if s.watch}
         wait_condition(cluster, "Progressing", "False", timeout=60)

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from helpers.tiny_infd import NAME, api_keys_secret, manifest, wait_condition
+from helpers.waits import READY_S
 from kvfence_devcluster.fixtures import Cluster
 from kvfence_operator.builders.secret import INTERNAL_TOKEN_KEY, RevisionCredentials, secret_name
 from kvfence_operator.cluster.metrics_token import SCRAPERS_ENV, TOKEN_SECRET_ENV
@@ -77,7 +78,7 @@ def test_engine_and_router_pods_answer_metrics_to_the_token_in_the_operators_sec
         assert {"from": SCRAPERS, "ports": [{"protocol": "TCP", "port": 8000}]} in policy["spec"][
             "ingress"
         ], role
-    wait_condition(cluster, "Ready", "True", timeout=240)
+    wait_condition(cluster, "Ready", "True", timeout=READY_S)
     key_secret = cluster.get("Secret", "kvfence-credentials-key", OPERATOR_NS)
     assert key_secret is not None, "made at start-up"
     key = base64.b64decode(key_secret["data"]["key"])

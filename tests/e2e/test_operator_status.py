@@ -23,6 +23,7 @@ from helpers.tiny_infd import (
     wait_condition,
     with_max_num_seqs,
 )
+from helpers.waits import READY_S
 from kvfence_devcluster.fixtures import start_cluster
 from kvfence_devcluster.options import KubeletOptions
 from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION
@@ -42,10 +43,10 @@ def test_reverting_the_spec_after_a_failed_canary_says_the_serving_revision_pass
         operator = start_operator(cluster)
         first = cluster.create(manifest())
         r1 = revision_of_manifest(first)
-        wait_condition(cluster, "Ready", "True", timeout=240)
+        wait_condition(cluster, "Ready", "True", timeout=READY_S)
 
         update_spec(cluster, bad["spec"])
-        failed = wait_condition(cluster, "CanaryPassed", "False", timeout=240)
+        failed = wait_condition(cluster, "CanaryPassed", "False", timeout=READY_S)
         assert failed["status"]["revision"] == {"current": r1, "candidate": bad_revision}
         assert condition(failed, "Stalled")["reason"] == "CanaryFailed"
 
@@ -73,7 +74,7 @@ def test_an_evicted_engine_pod_is_ignored_and_the_serving_revision_stays_ready(c
     operator = start_operator(cluster)
     created = cluster.create(manifest())
     r1 = revision_of_manifest(created)
-    wait_condition(cluster, "Ready", "True", timeout=240)
+    wait_condition(cluster, "Ready", "True", timeout=READY_S)
 
     (decode,) = [
         p
@@ -154,7 +155,7 @@ def test_a_missing_api_keys_secret_is_degraded_with_one_event_then_serves_once_c
     assert event["type"] == "Warning" and event["message"] == message
 
     cluster.create(api_keys_secret())
-    ready = wait_condition(cluster, "Ready", "True", timeout=240)
+    ready = wait_condition(cluster, "Ready", "True", timeout=READY_S)
     assert condition(ready, "Degraded")["status"] == "False"
     operator.stop()
     assert not cluster.problems()

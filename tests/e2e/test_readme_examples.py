@@ -44,7 +44,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers.waits import GiveUp, eventually
+from helpers.waits import READY_S, GiveUp, eventually
 from kvfence_engine.tools.localproc import LocalProcess, free_port
 
 ROOT = Path(__file__).parents[2]
@@ -138,7 +138,7 @@ def test_an_openai_snippet_prints_what_its_page_shows(example: Example, tmp_path
     args = ["serve", "--model", example.arg, "--kv-cache-memory", "256Mi", "--threads", "2"]
     server = LocalProcess(args, log_path=tmp_path / "serve.log").start()
     try:
-        server.wait_ready(timeout=300)  # the first start of a GGUF converts its weights
+        server.wait_ready(timeout=READY_S)  # the first start of a GGUF converts its weights
         ran = subprocess.run(
             [sys.executable, "-c", example.code.replace(SNIPPET_URL, server.url + "/v1")],
             capture_output=True,

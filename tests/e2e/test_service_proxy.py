@@ -3,7 +3,6 @@ loopback address that really reaches its ready pods, and follows them."""
 
 import ipaddress
 import socket
-import time
 
 import httpx
 import pytest
@@ -86,10 +85,9 @@ def test_a_cluster_ip_reaches_ready_pods_and_follows_their_readiness(cluster: Cl
         "both pods' containers to be ready",
         until=lambda cs: all(c and c["status"] == "True" for c in cs),
     )
-    # Running but not Ready (the gate): no endpoint, so the connection is refused, at once.
-    started = time.monotonic()
+    # Running but not Ready (the gate): no endpoint, so the connection is refused, at once
+    # (refused, not accepted and left hanging: a connect that times out raises instead).
     assert refused(address, 8000)
-    assert time.monotonic() - started < 1.0
 
     set_gate(cluster, "web-1", "True")
     cluster.wait_for(lambda: answer(url), "web-1 to answer", until=lambda a: a == "web-1")

@@ -10,6 +10,7 @@ from kvfence_engine.tools.localproc import LocalProcess
 
 from .engines import tiny_budget
 from .processes import serve
+from .waits import READY_S
 
 
 @dataclass
@@ -83,7 +84,7 @@ def start_deployment(
         for proc in deployment.all:
             proc.start()
         for proc in deployment.all:
-            proc.wait_ready(timeout=120)
+            proc.wait_ready(timeout=READY_S)
     except BaseException:
         deployment.stop()
         raise

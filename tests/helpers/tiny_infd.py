@@ -20,6 +20,8 @@ from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import KV_POOL_GATE, LABEL_REVISION, LABEL_ROLE, Instance, selector
 from kvfence_operator.revision import revision_of
 
+from .waits import READY_S
+
 NAME = "tiny"
 USER_KEY = "sk-user-a-0123456789"
 KIND = ("InferenceDeployment", "kvfence.dev/v1alpha1")
@@ -87,7 +89,7 @@ def events(cluster: Cluster, reason: str) -> list[dict[str, Any]]:
 
 
 def wait_condition(
-    cluster: Cluster, kind: str, status: str, timeout: float = 120.0, reason: str | None = None
+    cluster: Cluster, kind: str, status: str, timeout: float = READY_S, reason: str | None = None
 ) -> dict[str, Any]:
     def holds(obj: dict[str, Any]) -> bool:
         c = condition(obj, kind)
@@ -219,7 +221,7 @@ def check_first_rollout(
 ) -> None:
     """Children owned by the InferenceDeployment, gates open, canary passed, stable Service on
     the revision, status complete, and the router routing to the revision's engines."""
-    ready = wait_condition(cluster, "Ready", "True", timeout=240)
+    ready = wait_condition(cluster, "Ready", "True", timeout=READY_S)
     status = ready["status"]
 
     assert status["revision"]["current"] == revision
@@ -262,7 +264,7 @@ def wait_promoted(cluster: Cluster, revision: str, what: str) -> dict[str, Any]:
     promoted = cluster.wait_for(
         lambda: infd(cluster),
         what,
-        timeout=240,
+        timeout=READY_S,
         until=lambda o: (
             o["status"]["revision"].get("current") == revision
             and condition(o, "Ready").get("status") == "True"

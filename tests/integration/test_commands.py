@@ -9,6 +9,7 @@ from pathlib import Path
 from helpers.deployments import Deployment
 from helpers.engines import tiny_budget
 from helpers.fuzzing import FUZZ_KEY
+from helpers.waits import FACT_S
 from kvfence_cli.main import main
 from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.crd.schema import CRD_PATH
@@ -82,7 +83,7 @@ def test_the_operator_without_cluster_access_exits_at_once_saying_which_config_i
         [sys.executable, "-m", "kvfence_cli", "operator", "--standalone"],
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=FACT_S,  # a hang guard
         env=env,
     )
     assert done.returncode == 2, done.stderr

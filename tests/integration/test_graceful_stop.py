@@ -8,13 +8,14 @@ from pathlib import Path
 import httpx
 
 from helpers.deployments import start_deployment
+from helpers.waits import FACT_S
 
 # tiny-random streams 100-400 tokens/s here: 4000 tokens outlast the fixed 5 s drain there was
 # (and the 60 s drain given here does not cut them)
 LONG_STREAM = 4000
 
 
-def refuses_connections(url: str, within: float = 5.0) -> bool:
+def refuses_connections(url: str, within: float = FACT_S) -> bool:  # a hang guard
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         try:
@@ -57,6 +58,6 @@ def test_a_stream_in_flight_at_sigterm_finishes_then_every_server_exits_0(
         assert time.monotonic() - stopped_at > 5  # it outlasted the fixed drain there was
         for proc in deployment.all:
             assert proc.proc is not None
-            assert proc.proc.wait(30) == 0, proc.describe()
+            assert proc.proc.wait(FACT_S) == 0, proc.describe()
     finally:
         deployment.stop()

@@ -15,6 +15,7 @@ from openai.types.chat import completion_create_params as chat_params
 from helpers.engines import prompt_of, tiny_budget
 from helpers.openai_usage import cached_tokens
 from helpers.processes import metric, serve
+from helpers.waits import READY_S
 from kvfence_engine.tools.localproc import LocalProcess
 
 ENGINE_ARGS = ("--model", "builtin:tiny-random", "--context-length", "512")
@@ -129,7 +130,7 @@ def test_an_unusable_prefix_cache_secret_is_a_usage_error(logs_dir: Path, tmp_pa
     }
     for name, flags in cases.items():
         proc = serve(logs_dir, name, *ENGINE_ARGS, *flags).start()
-        assert proc.proc is not None and proc.proc.wait(timeout=60) == 2, name
+        assert proc.proc is not None and proc.proc.wait(timeout=READY_S) == 2, name
         last = (logs_dir / f"{name}.log").read_text().strip().splitlines()[-1]
         assert last.startswith("kvfence serve: ") and "Traceback" not in last, last
     assert "at least 16 bytes" in (logs_dir / "prefix-short.log").read_text()

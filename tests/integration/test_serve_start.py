@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from helpers.processes import serve
+from helpers.waits import READY_S
 from kvfence_engine.tools.localproc import LocalProcess
 
 
-def kvfence(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+def kvfence(*args: str, timeout: float = READY_S) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "kvfence_cli", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
@@ -25,13 +26,11 @@ def test_an_unloadable_model_exits_1_with_the_reason_on_stderr_and_in_the_termin
     tmp_path: Path,
 ) -> None:
     reason_file = tmp_path / "termination-log"
-    started = time.monotonic()
     done = kvfence(
         "serve", "--model", "builtin:tiny-randm", "--port", "0", "--threads", "1",
         "--termination-log", str(reason_file),
     )  # fmt: skip
-    assert done.returncode == 1, done.stderr
-    assert time.monotonic() - started < 60
+    assert done.returncode == 1, done.stderr  # it exits (kvfence's timeout: a hang guard)
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("kvfence serve: engine failed to start: ValueError: cannot load model")
     assert "builtin:tiny-random" in last, "the valid builtins are named"
@@ -49,7 +48,7 @@ def test_while_loading_health_answers_and_readyz_says_loading_or_why_it_failed(
         log_path=tmp_path / "bad.log",
     ).start()
     seen: set[str] = set()
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + READY_S  # a hang guard
     try:
         assert proc.proc is not None
         while proc.proc.poll() is None:

@@ -11,6 +11,7 @@ from openai.types.completion_create_params import CompletionCreateParamsBase
 
 from helpers.engines import TINY_TOKEN_BYTES, tiny_budget
 from helpers.processes import metric, serve
+from helpers.waits import READY_S
 from kvfence_engine.loading.loader import tiny_random
 from kvfence_engine.tools.localproc import LocalProcess
 
@@ -259,7 +260,7 @@ def test_unsafe_faults_are_refused_at_start_without_the_switch(logs_dir) -> None
     proc = serve(
         logs_dir, "refused", "--model", "builtin:tiny-random", "--unsafe-fault", "no-tag-check"
     ).start()
-    assert proc.proc is not None and proc.proc.wait(timeout=60) == 2
+    assert proc.proc is not None and proc.proc.wait(timeout=READY_S) == 2
     assert "KVFENCE_ALLOW_UNSAFE" in (logs_dir / "refused.log").read_text()
 
 

@@ -22,6 +22,7 @@ from helpers import slow_engine
 from helpers.deployments import Deployment, start_deployment
 from helpers.engines import prompt_of
 from helpers.processes import metric
+from helpers.waits import READY_S
 from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_engine.tools.localproc import LocalProcess, free_port
 
@@ -65,7 +66,7 @@ def router(secrets: tuple[Path, Path], logs_dir: Path) -> Iterator[LocalProcess]
             except httpx.HTTPError:
                 assert time.monotonic() < deadline, "the stand-in backend did not start"
                 time.sleep(0.1)
-        proc.start().wait_ready(timeout=120)
+        proc.start().wait_ready(timeout=READY_S)
         yield proc
     finally:
         proc.stop()

@@ -182,14 +182,19 @@ def test_a_body_sent_a_byte_at_a_time_reaches_the_app_in_joined_pieces() -> None
 
 
 def test_a_body_that_does_not_arrive_in_time_gets_408() -> None:
+    sent = [0]
+
     async def trickle() -> Message:
+        """A byte every 50 ms; after 600 of them (30 s: a hang guard) the body ends, and a
+        limit that never fired answers 200."""
         await asyncio.sleep(0.05)
-        return {"type": "http.request", "body": b"x", "more_body": True}
+        sent[0] += 1
+        return {"type": "http.request", "body": b"x", "more_body": sent[0] < 600}
 
     app = Recorder()
     start = time.monotonic()
     status, body = run_asgi(BodyLimit(app, RequestLimits(1 << 20, 0.5)), http_scope({}), trickle)
-    assert status == 408 and 0.5 <= time.monotonic() - start < 1.5
+    assert status == 408 and time.monotonic() - start >= 0.5  # at the deadline, not before
     error = json.loads(body)["error"]
     assert error["code"] == "request_timeout" and error["type"] == "invalid_request_error"
 
@@ -399,13 +404,14 @@ def test_the_router_tokenizes_a_prompt_of_exactly_the_character_cap(tokenized: l
 
 @pytest.fixture
 def slow_tokenizer(monkeypatch: pytest.MonkeyPatch) -> dict[str, threading.Event]:
-    """Tokenize as slowly as a huge prompt would (0.5 s), without holding the GIL."""
-    events = {"started": threading.Event(), "finished": threading.Event()}
+    """Tokenize as slowly as a huge prompt would, without holding the GIL: until the test
+    sets "release" (after its probe), 30 s at most (a hang guard)."""
+    events = {e: threading.Event() for e in ("started", "release", "finished")}
     encode = Tokenizer.encode
 
     def slow(self: Tokenizer, text: str) -> list[int]:
         events["started"].set()
-        time.sleep(0.5)
+        events["release"].wait(30)
         events["finished"].set()
         return encode(self, text)
 
@@ -417,16 +423,17 @@ async def request_and_probe(
     app: FastAPI, path: str, body: dict[str, Any], events: dict[str, threading.Event]
 ) -> tuple[float, bool]:
     """Send `body`; once its tokenization has started, time a /readyz and say whether it came
-    back while the tokenization was still going on."""
+    back while the tokenization was still going on (it is held until then)."""
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://kvfence") as client:
         work = asyncio.ensure_future(client.post(path, json=body, timeout=30.0))
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + 30.0  # a hang guard
         while not events["started"].is_set() and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         start = time.monotonic()
         probe = await client.get("/readyz")
         latency, during = time.monotonic() - start, not events["finished"].is_set()
+        events["release"].set()
         assert probe.status_code == 200
         await work
     return latency, during
@@ -442,12 +449,13 @@ async def request_and_probe(
         ),
     ],
 )
-def test_readyz_answers_within_0_2_s_while_a_prompt_is_being_tokenized(
+def test_readyz_answers_while_a_prompt_is_being_tokenized(
     app: FastAPI, slow_tokenizer: dict[str, threading.Event], path: str, body: dict[str, Any]
 ) -> None:
+    """The fact, not a latency: the tokenization is held until /readyz has answered, so an
+    event loop that waited for it answers only after the 30 s guard, and `during` is False."""
     latency, during = asyncio.run(request_and_probe(app, path, body, slow_tokenizer))
-    assert during, "/readyz waited for the tokenization to finish"
-    assert latency < 0.2
+    assert during, f"/readyz waited for the tokenization to finish ({latency:.1f} s)"
 
 
 def test_tokenizing_a_long_prompt_lets_other_threads_run() -> None:

@@ -173,9 +173,9 @@ def test_a_hanging_probe_does_not_hold_the_pass():
     reader.answer = "hang"
     prober = PoolProber(reader, wait_seconds=0.2)
     try:
-        started = time.monotonic()
+        # The read hangs until released (30 s at most): PROBING, not the read's own answer, is
+        # what a pass that waited for it could not return.
         [pool] = prober.pools([probe()])
-        assert time.monotonic() - started < 1.0  # the probe timeout is 3 s; this one hangs
         assert pool.error == PROBING and pool.report is None
         [pool] = prober.pools([probe()])  # the next pass: still probing, not probed twice
         assert pool.error == PROBING and reader.reads == 1
@@ -201,9 +201,7 @@ def test_a_pass_with_a_hanging_probe_returns_and_judges_the_pod_unknown():
     try:
         reconciler.reconcile(obj)
         play_kubelet(kube, store, revision)
-        started = time.monotonic()
-        status = reconciler.reconcile(obj).status
-        assert time.monotonic() - started < 1.5
+        status = reconciler.reconcile(obj).status  # returns while both reads still hang
         assert reader.reads == 2  # both engine pods are being probed
         gate = kube.objects[("Pod", f"tiny-{revision}-decode-0")]["status"]["conditions"][0]
         assert (gate["status"], gate["reason"]) == ("False", "PoolUnknown")
@@ -267,16 +265,19 @@ def test_a_name_taken_by_someone_elses_object_is_read_from_the_api_and_posted_on
 
 
 def test_reads_wait_for_a_kinds_first_list_then_go_to_the_api_without_waiting():
+    """A latency property, kept as one. The first read waits out the sync timeout (a lower
+    bound: a loaded machine only lengthens it); the next five would wait 5 s if each waited
+    again, and 2.5 s is a hang guard no loaded machine reaches for five in-memory reads."""
     kube = MemoryKube(KEYS)
     store = Store(["default"])  # no LIST has come in
-    cached = CachedKube(kube, store, sync_timeout=0.3)
+    cached = CachedKube(kube, store, sync_timeout=1.0)
     started = time.monotonic()
     assert cached.get("apps/v1", "Deployment", "default", "x") is None
-    assert 0.25 < time.monotonic() - started < 2  # waited for the first LIST, then the API
+    assert time.monotonic() - started > 0.8  # waited for the first LIST, then the API
     started = time.monotonic()
     for _ in range(5):
         cached.get("apps/v1", "Deployment", "default", "x")
-    assert time.monotonic() - started < 0.2  # past the deadline: no more waiting
+    assert time.monotonic() - started < 2.5  # past the deadline: no more waiting
     assert kube.requests == [("get", "Deployment", "x")] * 6
     store.replace("Deployment", "default", [])
     kube.requests.clear()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers.memory_kube import MemoryKube
+from helpers.waits import FACT_S
 from kvfence_operator.cluster.metrics_token import (
     SCRAPERS_ENV,
     TOKEN_SECRET_ENV,
@@ -89,7 +90,7 @@ def test_the_operator_with_bad_scrapers_exits_at_once_in_one_line(tmp_path: Path
         [sys.executable, "-m", "kvfence_cli", "operator", "--standalone"],
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=FACT_S,  # a hang guard
         env=env,
     )
     assert done.returncode == 2, done.stderr

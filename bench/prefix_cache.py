@@ -22,8 +22,8 @@ on its router (prefix-aware routing within a tenant). Each gets the same workloa
 Reported per deployment: TTFT p50 of first turns and of turns 2.. (the ones a cache can serve),
 requests/s and prompt tokens/s over the conversations, the cached tokens reported to the
 tenants themselves, and the cross-tenant hits. Whether the cache is on is read from each prefill
-engine's /v1/kvpool (`prefix_cache`), never assumed: a prefill role that refuses --prefix-cache
-(before it reuses cached pages) is started without it, said so, and the speedup is then ~1x.
+engine's /v1/kvpool (`prefix_cache`), never assumed: an engine that reports it off (a decode
+role, which computes no prompt, ignores the flag) is said so, and the speedup is then ~1x.
 The last line:
 
     ttft_p50_cold_ms=.. ttft_p50_cached_ms=.. speedup=..x cross_tenant_hits=0 prefix_cache=on

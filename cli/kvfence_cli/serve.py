@@ -277,11 +277,12 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.core.faults import Faults, UnsafeFaultRefused
     from kvfence_engine.core.metrics import EngineMetrics
     from kvfence_engine.core.pool_plan import ContextPolicy
-    from kvfence_engine.loading.loader import load_model
+    from kvfence_engine.loading.loader import plan_load
     from kvfence_engine.serving.app import create_app
     from kvfence_engine.serving.async_engine import AsyncEngine
     from kvfence_engine.serving.limits import set_request_limits
     from kvfence_engine.serving.state import ServerState
+    from kvfence_engine.tools.progress import Progress
 
     # Everything that can be checked before the loader thread starts: after it, an exit
     # tears down torch's threads mid-work (`terminate called without an active exception`).
@@ -329,7 +330,21 @@ def run(args: argparse.Namespace) -> int:
         logging.warning("UNSAFE FAULTS ENABLED: %s (test only)", ", ".join(sorted(faults.enabled)))
 
     def build(metrics: EngineMetrics) -> AsyncEngine:
-        return AsyncEngine(LLMEngine(load_model(args.model), engine_args, metrics))
+        """The load's named steps, then the model built and its pool allocated: a step each
+        on /readyz and a line in the log, so that no part of a start is a silence. Lines even
+        on a terminal: uvicorn's own log lines, written past tools/progress.say, would land
+        in a bar (a GGUF conversion, the long step, is still a bar there)."""
+        plan = plan_load(args.model)
+        with Progress(
+            f"loading {args.model}",
+            len(plan.steps) + 1,
+            stream=sys.stderr,
+            write=logging.getLogger("kvfence_engine.loading").info,
+            bar=False,
+        ) as loading:
+            loaded = plan.run(loading.start_step)
+            loading.start_step(f"building the model on {args.device} and allocating its KV pool")
+            return AsyncEngine(LLMEngine(loaded, engine_args, metrics))
 
     state = ServerState(role=role, internal_token=token, metrics_token_sha256=metrics_token)
     app = create_app(state)

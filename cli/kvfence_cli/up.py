@@ -1,11 +1,16 @@
 """`kvfence up`: an InferenceDeployment manifest as local processes."""
 
 import argparse
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvfence_cli.common import Subparsers, positive
+
+if TYPE_CHECKING:
+    from kvfence_engine.core.model_config import ModelConfig
 
 DEFAULT_LOCAL_KEY = "kvfence-local"
 
@@ -103,16 +108,25 @@ def run(args: argparse.Namespace) -> int:
     return run_up(args, check_engines=engine_start_problem, estimate_pool=engine_pool)
 
 
+@functools.lru_cache(maxsize=4)
+def model_config(source: str) -> "ModelConfig":
+    """The model's metadata, read once for all the checks before start (the source check
+    and each engine's pool): before a GGUF's first conversion that is its header, which holds
+    the whole vocabulary and takes seconds to parse."""
+    from kvfence_engine.loading.config import load_config
+
+    return load_config(source)
+
+
 def engine_start_problem(source: str, context_length: int, device: str) -> str | None:
     """What would stop the engines from starting, found with their own code before any
     starts: a model source that does not resolve, a context beyond the model's positions
     (preflight's rule), a device this machine does not have. Here, not in the operator
     package: it may not import the engine's dependencies."""
-    from kvfence_engine.loading.config import load_config
     from kvfence_engine.preflight import positions_problem
 
     try:
-        config = load_config(source)
+        config = model_config(source)
     except (OSError, ValueError, KeyError) as exc:
         return f"spec.model.source: {exc}"
     problem = positions_problem(context_length, config.max_positions)
@@ -136,7 +150,6 @@ def engine_pool(argv: Sequence[str]) -> tuple[int, int] | None:
     budget that holds no page (the engine says so, in its words), a line it would refuse."""
     from kvfence_cli import serve
     from kvfence_engine.core.pool_plan import plan_pool
-    from kvfence_engine.loading.config import load_config
     from kvfence_engine.preflight import DTYPE_BYTES, resolve_kv_dtype
 
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
@@ -150,7 +163,7 @@ def engine_pool(argv: Sequence[str]) -> tuple[int, int] | None:
     try:
         dtype = resolve_kv_dtype(args.kv_cache_dtype, args.weight_dtype, args.device)
         plan = plan_pool(
-            load_config(args.model),
+            model_config(args.model),
             page_size=args.page_size,
             dtype_bytes=DTYPE_BYTES[dtype],
             budget_bytes=args.kv_cache_memory,

@@ -198,13 +198,18 @@ class ModelReport(_Reading):
 
 
 class ProgressReport(_Reading):
-    """Long work under way: `done` of `total` units (tools/progress.Progress)."""
+    """Long work under way: `done` of `total` units or named steps (tools/progress.Progress)."""
 
     label: str  # what is being done, e.g. "converting model.gguf"
     done: Count
     total: Positive
     unit: str  # e.g. "tensor"
     line: str  # the same in words: "converting model.gguf: 136/272 tensors"
+    # named steps: the one under way, `done` its number ("saving the converted weights");
+    # empty for counted units
+    step: str = ""
+    # the work this is part of, itself a report (a GGUF's conversion is within a load step)
+    within: "ProgressReport | None" = None
 
 
 class EngineReadiness(_Reading):

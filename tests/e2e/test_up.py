@@ -21,6 +21,7 @@ from helpers.openai_usage import cached_tokens
 from helpers.waits import FACT_S, READY_S, GiveUp, eventually
 from kvfence_engine.tools import cache_dir
 from kvfence_operator.local.up import (
+    STARTING_STEP,
     UpError,
     canary_cache_file,
     engine_code_identity,
@@ -202,28 +203,50 @@ def test_a_manifest_with_the_prefix_cache_on_passes_the_canary_and_serves_hits(t
 
 
 @pytest.mark.slow
-def test_a_first_start_shows_each_engines_weight_conversion(tmp_path):
-    """The engines log to files; `up` shows what their /readyz says they are doing."""
+def test_a_first_start_shows_every_phase_of_each_engine_to_its_end(tmp_path):
+    """The engines log to files; `up` shows what their /readyz says they are doing, from the
+    process starting to ready: each load step, and the conversion's tensors within its step,
+    said to the last tensor (the engine moves on between two polls: it once stayed at 94%)."""
     path = manifest(
         tmp_path,
         model={"source": "builtin:smollm2-135m-instruct"},
-        engine={"kvCacheMemory": "32Mi"},  # 704 tokens: the pool holds the context
+        engine={"kvCacheMemory": "32Mi"},  # 720 tokens: served
         contextLength=512,
     )
     up = Up(path, tmp_path, env={"KVFENCE_CACHE_DIR": str(tmp_path / "empty-cache")})
     try:
-        up.wait_for("ready (")
-        assert up.interrupt() == 130, up.output
+        up.wait_for("serving: http", timeout=900)
+        assert up.interrupt() == 130
     finally:
         up.kill()
     out = up.output
+    steps = [
+        "reading SmolLM2-135M-Instruct.Q4_1.gguf (header and vocabulary)",
+        "dequantizing the weights",
+        "building the tokenizer",
+        "saving the converted weights to the cache",
+        "building the model on cpu and allocating its KV pool",
+    ]
     for role in ("prefill", "decode"):
+        name = re.search(rf"(\S+-{role}-0): starting \[1/1\] ", out)
+        assert name, out
+        mine = [line.strip() for line in out.splitlines() if name[1] in line]
+        phases = [line for line in mine if "(still at it after" not in line]
+        said = [f"{name[1]}: starting [1/1] {STARTING_STEP}"] + [
+            f"{name[1]}: loading builtin:smollm2-135m-instruct [{i}/5] {step}"
+            for i, step in enumerate(steps, 1)
+        ]
+        assert [line for line in phases if line in said] == said, mine
         shown = re.findall(
-            rf"-{role}-0: converting SmolLM2-135M-Instruct\.Q4_1\.gguf: (\d+)/(\d+) tensors", out
+            rf"{name[1]}: converting SmolLM2-135M-Instruct\.Q4_1\.gguf: (\d+)/(\d+) tensors", out
         )
-        assert shown, out
-        assert len(shown) <= 11, out  # a line every tenth of the way at most, not per tensor
-    assert out.index("converting") < out.index("ready (")
+        assert shown and len(shown) <= 11, out  # a line every tenth of the way at most
+        assert shown[-1][0] == shown[-1][1], out  # to the end
+        converted = phases.index(f"{name[1]}: converting SmolLM2-135M-Instruct.Q4_1.gguf: "
+                                 f"{shown[-1][0]}/{shown[-1][1]} tensors")  # fmt: skip
+        assert phases.index(said[2]) < converted < phases.index(said[3]), mine
+        ready = [i for i, line in enumerate(phases) if line.startswith(f"{name[1]} ready (")]
+        assert ready and phases.index(said[-1]) < ready[0], mine
 
 
 def test_lower_context_serves_the_lowered_context_and_rejects_above_it(tmp_path):
@@ -497,7 +520,7 @@ def test_threads_reach_every_engine_and_sigterm_while_serving_exits_143(tmp_path
 @pytest.mark.parametrize(
     ("phase", "spec"),
     [
-        ("starting 2 engine processes", SERVES),
+        ("starting 2 engine processes", SERVES),  # TINY's own pool is refused before start
         ("canary: tenant B tries", {**SERVES, "canary": {"enabled": True}}),
     ],
 )

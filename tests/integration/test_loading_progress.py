@@ -12,10 +12,21 @@ from kvfence_engine.contracts import EngineReadiness
 from kvfence_engine.tools.localproc import LocalProcess
 
 CONVERTING = r"converting SmolLM2-135M-Instruct\.Q4_1\.gguf: (\d+)/(\d+) tensors"
+LOADING = r"loading builtin:smollm2-135m-instruct \[(\d)/5\] (.+)"
+STEPS = [
+    "reading SmolLM2-135M-Instruct.Q4_1.gguf (header and vocabulary)",
+    "dequantizing the weights",
+    "building the tokenizer",
+    "saving the converted weights to the cache",
+    "building the model on cpu and allocating its KV pool",
+]
 
 
 @pytest.mark.slow
 def test_weight_conversion_shows_on_readyz_and_as_plain_lines_in_the_log(tmp_path: Path) -> None:
+    """And every step of the load around it, each a line in the log as it starts: nothing of
+    a start after the HTTP server answers goes unsaid (what follows the conversion, the save
+    and the model's build, once froze `kvfence up`'s conversion bar short of the end)."""
     engine = LocalProcess(
         ["serve", "--model", "builtin:smollm2-135m-instruct", "--kv-cache-memory", "16Mi",
          "--threads", "1"],
@@ -49,3 +60,8 @@ def test_weight_conversion_shows_on_readyz_and_as_plain_lines_in_the_log(tmp_pat
     assert logged[-1] == (total, total), logged
     assert 10 <= len(logged) <= 11, logged  # a line every tenth of the way, not one per tensor
     assert "\r" not in log  # no bar drawn into a file
+    steps = [m.groups() for m in re.finditer(LOADING, log)]
+    assert steps == [(str(i), step) for i, step in enumerate(STEPS, 1)], steps
+    tensors_at = [m.start() for m in re.finditer(CONVERTING, log)]  # within their step
+    assert log.index(STEPS[1]) < tensors_at[0] and tensors_at[-1] < log.index(STEPS[2]), log
+    assert any(re.fullmatch(LOADING, line) for line in said), said  # /readyz says the steps

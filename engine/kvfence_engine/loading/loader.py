@@ -4,6 +4,9 @@ for a GGUF, also the file's own Q4_0/Q4_1 blocks (int4), which the engine packs 
 SRC is `builtin:smollm2-135m-instruct`, `builtin:tiny-random`, a `.gguf` file, or a folder with
 config.json + *.safetensors (one file, or shards and their index: hf_weights.py) +
 tokenizer.json, and perhaps generation_config.json (its eos ids: generation_config.py).
+
+A load is planned before it runs (plan_load): its named steps, known from the source and the
+cache, are what `kvfence serve` counts on /readyz while it loads.
 """
 
 import contextlib
@@ -12,6 +15,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,23 +64,59 @@ class LoadedModel:
     int4: dict[str, Int4Groups] = field(default_factory=dict)
 
 
-def load_model(source: str) -> LoadedModel:
-    loaded = _load(source)
-    loaded.source = source
-    return loaded
+Step = Callable[[str], None]  # told each named step of a load as it starts
 
 
-def _load(source: str) -> LoadedModel:
+def _silent(step: str) -> None:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """How a source will load, decided once: its named steps in order (what a progress display
+    counts: `kvfence serve` shows them on /readyz) and the load itself, which tells `step`
+    each one as it starts. A cache entry found unreadable on the way is converted again, in
+    steps beyond the plan."""
+
+    steps: tuple[str, ...]
+    run: Callable[[Step], "LoadedModel"]
+
+
+def load_model(source: str, step: Step = _silent) -> LoadedModel:
+    return plan_load(source).run(step)
+
+
+def plan_load(source: str) -> LoadPlan:
+    """The steps and the load of `source` (load_model: the same, run at once)."""
+    plan = _plan(source)
+
+    def run(step: Step) -> LoadedModel:
+        loaded = plan.run(step)
+        loaded.source = source
+        return loaded
+
+    return LoadPlan(plan.steps, run)
+
+
+def _plan(source: str) -> LoadPlan:
     if source == SMOLLM2:
-        return load_gguf(smollm2_gguf_path(), name="smollm2-135m-instruct")
+        return _gguf_plan(smollm2_gguf_path(), name="smollm2-135m-instruct")
     if source == TINY_RANDOM:
-        return tiny_random()
+        return _one_step("generating the tiny random weights", tiny_random)
     path = Path(source)
     if path.suffix == ".gguf" and path.is_file():
-        return load_gguf(path)
+        return _gguf_plan(path)
     if path.is_dir() and (path / "config.json").exists():
-        return load_hf_folder(path)
+        return _one_step(f"reading {path.name}'s safetensors", lambda: load_hf_folder(path))
     raise source_error(source, "load", "config.json + *.safetensors + tokenizer.json")
+
+
+def _one_step(name: str, load: Callable[[], "LoadedModel"]) -> LoadPlan:
+    def run(step: Step) -> LoadedModel:
+        step(name)
+        return load()
+
+    return LoadPlan((name,), run)
 
 
 # --- GGUF -------------------------------------------------------------------------------------
@@ -120,17 +160,49 @@ def load_gguf(path: Path, name: str | None = None) -> LoadedModel:
     Parsing and dequantizing take seconds (the header
     alone holds the whole vocabulary), so the converted weights are kept in the cache as
     safetensors, keyed by the file and CONVERSION; a cache that cannot be read is rebuilt."""
+    return _gguf_plan(path, name).run(_silent)
+
+
+CACHE_READ_STEP = "reading the converted weights from the cache"
+SAVE_STEP = "saving the converted weights to the cache"
+
+
+def _gguf_plan(path: Path, name: str | None = None) -> LoadPlan:
+    """From the cache when it holds this file's conversion (one step), else converted: the
+    header read, the tensors dequantized (a counted progress of its own), the tokenizer built,
+    and, where there is a cache, the conversion saved (a whole model written: seconds)."""
     converted = converted_path(path)
+
+    def convert(step: Step) -> LoadedModel:
+        loaded = _convert_gguf(path, step)
+        if converted is not None:
+            step(SAVE_STEP)
+            with contextlib.suppress(OSError):
+                _save_converted(loaded, converted)
+        if name is not None:
+            loaded.name = name
+        return loaded
+
     if converted is not None and converted.exists():
-        with contextlib.suppress(*UNREADABLE):
-            return _load_converted(converted, path, name)
-    loaded = _convert_gguf(path)
-    if converted is not None:
-        with contextlib.suppress(OSError):
-            _save_converted(loaded, converted)
-    if name is not None:
-        loaded.name = name
-    return loaded
+
+        def cached(step: Step) -> LoadedModel:
+            step(CACHE_READ_STEP)
+            with contextlib.suppress(*UNREADABLE):
+                return _load_converted(converted, path, name)
+            return convert(step)
+
+        return LoadPlan((CACHE_READ_STEP,), cached)
+    saving = (SAVE_STEP,) if converted is not None else ()
+    return LoadPlan((*convert_steps(path), *saving), convert)
+
+
+def convert_steps(path: Path) -> tuple[str, str, str]:
+    """The named steps of `_convert_gguf`, in order."""
+    return (
+        f"reading {path.name} (header and vocabulary)",
+        "dequantizing the weights",
+        "building the tokenizer",
+    )
 
 
 def _save_converted(loaded: LoadedModel, target: Path) -> None:
@@ -176,12 +248,15 @@ INT4_SUFFIX = ":int4."  # cache keys of a tensor's int4 groups: NAME:int4.q, .sc
 INT4_PARTS = ("q", "scale", "zero")
 
 
-def _convert_gguf(path: Path) -> LoadedModel:
+def _convert_gguf(path: Path, step: Step = _silent) -> LoadedModel:
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
+    reading, dequantizing, tokenizing = convert_steps(path)
+    step(reading)
     reader = GGUFReader(str(path))
     config, fields = gguf_config(reader, path)
+    step(dequantizing)
     arch = fields["general.architecture"]
     weights: dict[str, torch.Tensor] = {}
     int4: dict[str, Int4Groups] = {}
@@ -215,6 +290,7 @@ def _convert_gguf(path: Path) -> LoadedModel:
             if groups is not None:
                 int4[hf_name(tensor.name)] = groups
             converting.advance()
+    step(tokenizing)
     return LoadedModel(
         name=str(fields.get("general.name", path.stem)),
         config=config,

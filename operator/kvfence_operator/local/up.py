@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import httpx
 import yaml
@@ -44,6 +44,8 @@ from kvfence_engine.tools.localproc import (
     loopback_socket,
     wait_all_ready,
 )
+from kvfence_engine.tools.progress import Progress
+from kvfence_engine.tools.progress import say as say_line
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES, caches_prefixes, engine_args
 from kvfence_operator.builders.router_deployment import router_args, router_backends
 from kvfence_operator.builders.secret import RevisionCredentials
@@ -84,6 +86,7 @@ EngineCheck = Callable[[str, int, str], str | None]
 # the same reason as EngineCheck.
 PoolEstimate = Callable[[Sequence[str]], tuple[int, int] | None]
 PROGRESS_POLL_SECONDS = 0.5
+QUIET = 10.0  # off a terminal, a phase says its line again after this long without one
 
 
 class UpError(Exception):
@@ -287,8 +290,8 @@ def start_engines(
     say(f"starting {len(local.engines)} engine processes, model {spec.model.source}")
     for _, proc in local.engines.values():
         proc.start()
-    with engine_progress(local, say):
-        wait_ready({name: proc for name, (_, proc) in local.engines.items()}, say)
+    with engine_progress(local, say) as shown:
+        wait_ready({name: proc for name, (_, proc) in local.engines.items()}, say, shown.finish)
 
 
 def estimated_pools(
@@ -319,56 +322,141 @@ def estimated_pools(
     return pools
 
 
-@contextlib.contextmanager
-def engine_progress(local: LocalDeployment, say: Callable[[str], None]) -> Iterator[None]:
-    """While the engines load, show the work their /readyz reports (a weight conversion takes
-    a while on a first start): a bar per engine on a terminal, a line every tenth of the way
-    otherwise. The engines log to files; this is what a person at `up` sees of them."""
-    from kvfence_engine.tools.progress import Progress
+STARTING_STEP = "the process: python, torch, its HTTP server"
 
-    shown: dict[tuple[str, str], Progress] = {}
+
+class EngineProgress:
+    """What each engine is doing while it loads, from its /readyz: before its HTTP server
+    answers, that its process is starting (python importing torch takes seconds, a minute on
+    a busy machine); then its load steps and the counted work within one (a GGUF's tensors
+    dequantized), a bar each on a terminal, lines otherwise (tools/progress.Progress, which
+    also keeps a long step from being silent). The engines log to files; this is what a person
+    at `up` sees of them.
+
+    Each engine's work is a stack, as the engine reports it (tools/progress.current: the
+    latest unfinished, within the ones before it): work shown that a report no longer holds is
+    finished, whatever it last said (its last tensors may convert between two polls), and the
+    engine ready means all of it is."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        say: Callable[[str], None],
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._say = say
+        self._stream = stream  # where bars are drawn, if a terminal (default: stdout)
+        self._clock = clock  # for tests, as Progress's
+        self._lock = threading.Lock()  # the watcher shows, `wait_ready` finishes
+        self._shown: dict[str, list[tuple[str, Progress]]] = {}
+        for name in names:
+            starting = self._progress(name, "starting", 1, "step")
+            starting.start_step(STARTING_STEP)
+            self._shown[name] = [("", starting)]  # no label of the engine's: finished first
+
+    def _progress(self, name: str, label: str, total: int, unit: str) -> Progress:
+        return Progress(
+            f"  {name}: {label}", total, unit=unit, stream=self._stream, write=self._say,
+            quiet=QUIET, clock=self._clock,
+        )  # fmt: skip
+
+    def show(self, name: str, readiness: EngineReadiness | None) -> None:
+        """What the engine's /readyz said (None: it does not answer yet)."""
+        if readiness is None:
+            return
+        with self._lock:
+            shown = self._shown.get(name)
+            if shown is None:  # finished
+                return
+            if shown and shown[0][0] == "":  # it answers: its process has started
+                self._end(shown, 0)
+            if readiness.status != "loading" or readiness.progress is None:
+                return
+            chain: list[ProgressReport] = []  # the outermost work first
+            report: ProgressReport | None = readiness.progress
+            while report is not None:
+                chain.insert(0, report)
+                report = report.within
+            kept = 0  # the work still under way: what is shown and reported alike
+            while kept < min(len(shown), len(chain)) and shown[kept][0] == chain[kept].label:
+                kept += 1
+            self._end(shown, kept)  # what the engine has moved on from
+            for report in chain[kept:]:
+                shown.append((report.label, self._progress(name, report.label, report.total,
+                                                           report.unit)))  # fmt: skip
+            for i, ((_, progress), report) in enumerate(zip(shown, chain, strict=True)):
+                progress.follow(report)  # the outer step's line before the work within it
+                # the latest work speaks for the steps it is within
+                progress.quiet = QUIET if i == len(chain) - 1 else None
+
+    def finish(self, name: str) -> None:
+        """The engine is ready: all it was doing is done."""
+        with self._lock:
+            shown = self._shown.pop(name, None)
+            if shown is not None:
+                self._end(shown, 0)
+
+    def close(self) -> None:
+        """Stopped watching (the engines are ready, or one failed): whatever is still shown
+        goes, as it was last seen."""
+        with self._lock:
+            for shown in self._shown.values():
+                for _, progress in reversed(shown):
+                    progress.close()
+            self._shown.clear()
+
+    @staticmethod
+    def _end(shown: list[tuple[str, Progress]], keep: int) -> None:
+        """Finish the work above the first `keep`, the latest first."""
+        while len(shown) > keep:
+            _, progress = shown.pop()
+            progress.finish()
+            progress.close()
+
+
+@contextlib.contextmanager
+def engine_progress(local: LocalDeployment, say: Callable[[str], None]) -> Iterator[EngineProgress]:
+    """EngineProgress, fed by a thread that polls each engine's /readyz."""
+    shown = EngineProgress(list(local.engines), say)
     stop = threading.Event()
 
     def watch() -> None:
         while not stop.wait(PROGRESS_POLL_SECONDS):
             for name, (_, proc) in local.engines.items():
-                report = _loading_progress(proc.url)
-                if report is None:
-                    continue
-                key = (name, report.label)
-                if key not in shown:
-                    shown[key] = Progress(
-                        f"  {name}: {report.label}", report.total, unit=report.unit, write=say
-                    )
-                shown[key].move_to(report.done)
+                shown.show(name, _readiness(proc.url))
 
     watcher = threading.Thread(target=watch, name="kvfence-up-progress", daemon=True)
     watcher.start()
     try:
-        yield
+        yield shown
     finally:
         stop.set()
         watcher.join()
-        for progress in shown.values():
-            progress.close()
+        shown.close()
 
 
-def _loading_progress(url: str) -> ProgressReport | None:
-    """The work an engine's /readyz reports under way; None when it reports none (or is not
-    answering yet: it is starting)."""
+def _readiness(url: str) -> EngineReadiness | None:
+    """An engine's /readyz; None while it does not answer (its process is starting)."""
     try:
         answer = httpx.get(url + "/readyz", timeout=PROGRESS_POLL_SECONDS)
-        return EngineReadiness.model_validate_json(answer.content).progress
+        return EngineReadiness.model_validate_json(answer.content)
     except (httpx.HTTPError, ValueError):
         return None
 
 
-def wait_ready(procs: Mapping[str, LocalProcess], say: Callable[[str], None]) -> None:
+def wait_ready(
+    procs: Mapping[str, LocalProcess],
+    say: Callable[[str], None],
+    before_ready: Callable[[str], None] = lambda name: None,
+) -> None:
     """All at once, each process and its /readyz: the first that exits or says it failed
-    ends the wait within a second or so, quoting its own words and naming its log."""
+    ends the wait within a second or so, quoting its own words and naming its log.
+    `before_ready` is told a process is ready before that is said (its progress ends)."""
     started = time.monotonic()
 
     def ready(name: str, proc: LocalProcess) -> None:
+        before_ready(name)
         say(f"  {name} ready ({time.monotonic() - started:.0f}s) on {proc.url}")
 
     try:
@@ -470,7 +558,6 @@ def run_canary_gate(
         say(f"canary: passed for this revision at {cached['at']} (cached in {cache})")
         return CanaryOutcome("local", JobPhase.SUCCEEDED, cached["summary"])
     from kvfence_engine.canary import CanaryConfig, planned_steps, run_canary
-    from kvfence_engine.tools.progress import Progress
 
     say(f"canary: tenant B tries to see tenant A's secret (timeout {timeout:.0f}s) ...")
     config = CanaryConfig(
@@ -481,7 +568,9 @@ def run_canary_gate(
         context_length=context,
         timeout=timeout,
     )
-    steps = Progress("canary", len(planned_steps(config.rounds)), write=lambda s: say(f"  {s}"))
+    steps = Progress(
+        "canary", len(planned_steps(config.rounds)), write=lambda s: say(f"  {s}"), quiet=QUIET
+    )
     with steps:
         report = run_canary(replace(config, progress=steps.start_step, notice=steps.say))
     say(report.summary)
@@ -532,7 +621,7 @@ def up(
     options: LocalOptions,
     state_dir: Path,
     wait: bool = True,
-    say: Callable[[str], None] = lambda line: print(line, flush=True),
+    say: Callable[[str], None] = say_line,
 ) -> int:
     """0 once served and stopped cleanly; 1 when the pool check or the canary refuses;
     UpError (exit 2) for a manifest, a check before start, or a process that failed;
@@ -548,6 +637,8 @@ def up(
         say(f"kvfence up: {manifest.metadata.name}, revision {revision} (logs in {workdir})")
         spec = manifest.spec
         if options.check_engines is not None:
+            # a GGUF's header holds its whole vocabulary: seconds to read, said first
+            say(f"checking {spec.model.source}, the context, the device and the pools ...")
             problem = options.check_engines(spec.model.source, spec.context_length, options.device)
             if problem:
                 raise UpError(problem)

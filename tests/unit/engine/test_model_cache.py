@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from kvfence_engine.loading import loader as model_loader
 from kvfence_engine.loading.config import load_config
-from kvfence_engine.loading.loader import LoadedModel, load_gguf
-from kvfence_engine.loading.tokenizer_source import gguf_tokenizer, smollm2_gguf_path
+from kvfence_engine.loading.loader import CACHE_READ_STEP, LoadedModel, load_gguf, plan_load
+from kvfence_engine.loading.tokenizer_source import SMOLLM2, gguf_tokenizer, smollm2_gguf_path
 from kvfence_engine.tools import cache_dir as kvfence_cache
 
 TEXT = "Hello, world! 12345 héllo <|im_start|>user"
@@ -89,6 +89,18 @@ def test_converted_weights_load_from_the_cache_exactly_as_converted(
     assert not list(cache_dir.glob("*.partial"))
 
 
+def test_a_cached_conversion_is_one_step_read_from_the_cache(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a restart's /readyz shows: the cache read, not a conversion."""
+    monkeypatch.setattr(model_loader, "_convert_gguf", _must_not_convert)
+    plan = plan_load(SMOLLM2)
+    told: list[str] = []
+    loaded = plan.run(told.append)
+    assert plan.steps == (CACHE_READ_STEP,) and told == list(plan.steps)
+    assert loaded.source == SMOLLM2 and loaded.name == "smollm2-135m-instruct"
+
+
 def test_a_corrupt_weights_cache_is_converted_again_and_replaced(
     cache_dir: Path, converted: tuple[Path, LoadedModel], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,7 +108,8 @@ def test_a_corrupt_weights_cache_is_converted_again_and_replaced(
     (stored,) = cache_dir.glob("weights-*.safetensors")
     conversions: list[Path] = []
 
-    def convert(path: Path) -> LoadedModel:  # the conversion itself is the test above
+    # the conversion itself is the test above
+    def convert(path: Path, step: object = None) -> LoadedModel:
         conversions.append(path)
         return LoadedModel(fresh.name, fresh.config, dict(fresh.weights), fresh.tokenizer)
 
@@ -110,7 +123,7 @@ def test_a_corrupt_weights_cache_is_converted_again_and_replaced(
     assert len(conversions) == 2
 
 
-def _must_not_convert(path: Path) -> LoadedModel:
+def _must_not_convert(path: Path, step: object = None) -> LoadedModel:
     raise AssertionError(f"{path} was converted again despite a valid cache entry")
 
 
@@ -128,7 +141,7 @@ def test_with_the_weights_cache_off_no_weights_are_written_or_read(
     kept = {p.name for p in tmp_path.iterdir()}
     conversions: list[Path] = []
 
-    def convert(path: Path) -> LoadedModel:
+    def convert(path: Path, step: object = None) -> LoadedModel:
         conversions.append(path)
         return LoadedModel(fresh.name, fresh.config, dict(fresh.weights), fresh.tokenizer)
 

@@ -29,9 +29,13 @@ PR_SET_PDEATHSIG = 1
 
 def die_with_parent() -> None:
     """Linux: SIGTERM this child when the thread that started it dies, even by SIGKILL, so a
-    killed `kvfence up` (or test run) never leaves engines running behind it."""
+    killed `kvfence up` (or test run) never leaves engines running behind it. And Ctrl-C
+    reaches it as it would from a shell: an ignored SIGINT is inherited across exec (`up`
+    ignores further signals while it stops), and a server that starts with SIGINT ignored
+    shuts down on it but exits 0, not 130."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # A port free_port handed out stays off-limits to the next free_port or loopback_socket, in

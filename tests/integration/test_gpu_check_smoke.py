@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvfence_engine.core.isolation import check_reads
+from kvfence_engine.core.paged_decode import check_decode
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -241,30 +242,6 @@ def test_device_check_state_is_one_the_host_check_passes(gpu_check: ModuleType) 
     ]
 
 
-def reference_check_decode(
-    pool_state: torch.Tensor,
-    block_table: torch.Tensor,
-    held_tags: torch.Tensor,
-    num_held: torch.Tensor,
-    rows: torch.Tensor,
-    positions: torch.Tensor,
-    seq_tenant: torch.Tensor,
-    *,
-    page_size: int,
-    scratch_slot: int,
-    verdict: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:
-    """check_decode's contract, computed on the host: what the kernel must give."""
-    arguments = (pool_state, block_table, held_tags, num_held, rows, positions, seq_tenant)
-    failed = host_check(arguments, page_size).failed
-    pos = positions.long()
-    table = block_table[rows.long()].long()
-    own = table[torch.arange(len(pos)), pos // page_size] * page_size + pos % page_size
-    verdict.copy_(failed.int())
-    slots.copy_(torch.where(failed, scratch_slot, own))
-
-
 def test_time_check_decode_checks_the_kernels_answer_then_times_it(gpu_check: ModuleType) -> None:
     def do_bench(fn: Any, return_mode: str) -> float:
         assert return_mode == "median"
@@ -272,7 +249,8 @@ def test_time_check_decode_checks_the_kernels_answer_then_times_it(gpu_check: Mo
         return 0.02
 
     inputs = device_inputs(gpu_check)
-    timed = gpu_check.time_check_decode(reference_check_decode, do_bench, inputs)
+    # the real kernel, in Triton's interpreter here (tests/conftest.py)
+    timed = gpu_check.time_check_decode(check_decode, do_bench, inputs)
     assert timed == {
         "rows": 4,
         "pages_per_row_max": 8,

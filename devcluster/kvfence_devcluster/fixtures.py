@@ -413,6 +413,9 @@ class Cluster:
             self._api_client.close()
 
 
+TEARDOWN_S = 60.0
+
+
 @contextlib.contextmanager
 def start_cluster(
     workdir: Path,
@@ -456,7 +459,12 @@ def start_cluster(
         try:
             if running is not None:
                 running.close()
-            loop.run(stack.aclose(), timeout=60)
+            try:
+                loop.run(stack.aclose(), timeout=TEARDOWN_S)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"the test cluster did not stop in {TEARDOWN_S} s:\n{loop.stacks()}"
+                ) from None
         finally:
             loop.stop()
             if running is not None and running.kubelet is not None:

@@ -2,7 +2,10 @@
 test's own code stays synchronous and reaches them over HTTP (or with `run`)."""
 
 import asyncio
+import io
+import sys
 import threading
+import traceback
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -28,6 +31,16 @@ class BackgroundLoop:
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60.0) -> T:
         """Run a coroutine on the loop and wait for its result from this thread."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stacks(self) -> str:
+        """Where the loop's thread and each of its tasks are now (read from another thread, for
+        a report: say why a wait on the loop ran out)."""
+        report = io.StringIO()
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        report.write("loop thread:\n" + "".join(traceback.format_stack(frame)) if frame else "")
+        for task in list(asyncio.all_tasks(self.loop)):
+            task.print_stack(file=report)
+        return report.getvalue()
 
     def stop(self, timeout: float = 10.0) -> None:
         if self._thread.is_alive():

@@ -12,6 +12,7 @@ count then tells A's work from A's silence.
 """
 
 import concurrent.futures
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -20,6 +21,7 @@ import pytest
 from helpers.deployments import Deployment, start_deployment, two_tenant_router_args
 from helpers.engines import prompt_of
 from helpers.openai_usage import cached_tokens
+from helpers.processes import metric
 
 KEY_A, KEY_B, TOKEN = "probe-key-a", "probe-key-b", "probe-internal-token"
 PAGE = 16
@@ -49,15 +51,39 @@ def a_works(d: Deployment) -> None:
     own cache), and one more of another prompt."""
     a = d.client(KEY_A)
     prompts = [prompt_of(A_PROMPT_TOKENS, seed=9100 + i) for i in range(2)]
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for _ in range(2):
-            list(pool.map(lambda p: complete(a, p), prompts))
+    for _ in range(2):
+        complete_together(a, prompts)
     complete(a, prompt_of(A_PROMPT_TOKENS, seed=9102))
+
+
+def complete_together(client: openai.OpenAI, prompts: list[list[int]]) -> None:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(lambda p: complete(client, p), prompts))
+
+
+BATCHED_PAIR_TRIES = 40
+
+
+def a_works_until_a_pair_is_prefilled_together(d: Deployment) -> None:
+    """A's pool-filling prompts, two at once, fresh ones each time, until the prefill engine
+    has taken a pair in one step: only then do A's requests hold more pages at once than the
+    pool has left (sent at once, on a loaded machine they can reach it a step apart, and each
+    then fits alone)."""
+    a = d.client(KEY_A)
+    url = d.prefills[0].url
+    for attempt in range(BATCHED_PAIR_TRIES):
+        seeds = (9200 + 2 * attempt, 9201 + 2 * attempt)
+        complete_together(a, [prompt_of(A_PROMPT_TOKENS, seed=s) for s in seeds])
+        steps = metric(url, "kvfence_prefill_batch_requests_count")
+        single = metric(url, 'kvfence_prefill_batch_requests_bucket{le="1.0"}')
+        if steps > single:
+            return
+    pytest.fail(f"no pair of A's prompts was prefilled in one step in {BATCHED_PAIR_TRIES} tries")
 
 
 def evicted_markers(
     logs: Path, router_args: list[str], name: str, a_active: bool, engine_args: list[str],
-    faults: tuple[str, ...] = (),
+    faults: tuple[str, ...] = (), a_work: Callable[[Deployment], None] = a_works,
 ) -> int:  # fmt: skip
     """B's estimate of A's pages: how many of its markers it finds evicted."""
     d = start_deployment(
@@ -74,7 +100,7 @@ def evicted_markers(
         for marker in primed:
             assert complete(b, marker) == 0
         if a_active:
-            a_works(d)
+            a_work(d)
         return sum(complete(b, marker) == 0 for marker in reversed(primed))
     finally:
         d.stop()
@@ -101,5 +127,8 @@ def test_with_the_shared_cache_eviction_fault_b_counts_as_pages(
 ) -> None:
     fault = ("shared-cache-eviction",)
     quiet = evicted_markers(logs_dir, router_args, "probe-fault-quiet", False, CACHE_ON, fault)
-    busy = evicted_markers(logs_dir, router_args, "probe-fault-busy", True, CACHE_ON, fault)
+    busy = evicted_markers(
+        logs_dir, router_args, "probe-fault-busy", True, CACHE_ON, fault,
+        a_work=a_works_until_a_pair_is_prefilled_together,
+    )  # fmt: skip
     assert quiet == 0 and busy > 0, (quiet, busy)

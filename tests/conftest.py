@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from helpers import pool_watch
+from helpers.forked import ForkServer
+from kvfence_engine.tools.localproc import LocalProcess
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -18,6 +20,8 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Two CPUs: in-process models use both, unless two xdist workers share them.
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+    # Engines and routers fork from a server that imported them once (helpers/forked.py).
+    LocalProcess.spawner = ForkServer()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -8,12 +8,22 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from helpers.forked import fresh_interpreters
 from helpers.waits import FACT_S, READY_S
 from kvfence_engine.tools.localproc import LocalProcess, ProcessFailed
+
+
+@pytest.fixture(autouse=True)
+def real_subprocesses() -> Iterator[None]:
+    """This module's subject is how a process starts: a fresh interpreter, not a fork."""
+    with fresh_interpreters():
+        yield
+
 
 NOBODY = "http://127.0.0.1:9"  # the discard port: nothing answers there
 

@@ -6,15 +6,24 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from helpers.forked import fresh_interpreters
 from helpers.processes import serve
 from helpers.waits import READY_S
 from kvfence_engine.tools.localproc import LocalProcess
+
+
+@pytest.fixture(autouse=True)
+def real_subprocesses() -> Iterator[None]:
+    """This module's subject is how a process starts: a fresh interpreter, not a fork."""
+    with fresh_interpreters():
+        yield
 
 
 def kvfence(*args: str, timeout: float = READY_S) -> subprocess.CompletedProcess[str]:

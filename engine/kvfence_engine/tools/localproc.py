@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import httpx
 
@@ -143,6 +143,35 @@ def last_line(path: Path | None) -> str:
     return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
+class Child(Protocol):
+    """A started child, as LocalProcess and its callers use it: subprocess.Popen's verbs."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class Spawner(Protocol):
+    """Starts `kvfence ARGS --listen-fd N` serving on the child's copy N of `listener`, with
+    exactly `env` as its environment and its stdout and stderr in `log` (nothing if None)."""
+
+    def __call__(
+        self, args: Sequence[str], env: Mapping[str, str], log: Path | None, listener: socket.socket
+    ) -> Child: ...
+
+
 @dataclass
 class LocalProcess:
     """A `kvfence <command>` child process serving HTTP on 127.0.0.1:port.
@@ -155,9 +184,12 @@ class LocalProcess:
     listener: socket.socket = field(default_factory=loopback_socket)
     env: Mapping[str, str] | None = None
     log_path: Path | None = None
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Child | None = None
     port: int = field(init=False)
     launcher: ClassVar[Sequence[str]] = (sys.executable, "-m", "kvfence_cli")
+    # None: a fresh interpreter runs `launcher ARGS` (subprocess). The tests fork theirs from a
+    # server that has imported the engine already (tests/helpers/forked.py).
+    spawner: ClassVar[Spawner | None] = None
 
     def __post_init__(self) -> None:
         self.port = int(self.listener.getsockname()[1])
@@ -167,24 +199,31 @@ class LocalProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "LocalProcess":
-        fd = self.listener.fileno()
-        command = [*self.launcher, *self.args, "--listen-fd", str(fd)]
         env = {**os.environ, **(self.env or {})}
-        log = open(self.log_path, "wb") if self.log_path else None  # noqa: SIM115
         try:
-            self.proc = subprocess.Popen(
-                command,
+            spawn = self.spawner or self._subprocess
+            self.proc = spawn(self.args, env, self.log_path, self.listener)
+        finally:
+            self.listener.close()  # the child has its own copy: the port is its now
+        return self
+
+    def _subprocess(
+        self, args: Sequence[str], env: Mapping[str, str], log: Path | None, listener: socket.socket
+    ) -> Child:
+        fd = listener.fileno()
+        out = open(log, "wb") if log else None  # noqa: SIM115
+        try:
+            return subprocess.Popen(
+                [*self.launcher, *args, "--listen-fd", str(fd)],
                 env=env,
-                stdout=log or subprocess.DEVNULL,
+                stdout=out or subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
                 pass_fds=(fd,),
                 preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         finally:
-            self.listener.close()  # the child has its own copy: the port is its now
-            if log is not None:
-                log.close()  # and its own copy of this
-        return self
+            if out is not None:
+                out.close()  # the child has its own copy of this
 
     def probe(self, path: str = "/readyz") -> Probe:
         """One look at the process and its readiness endpoint."""

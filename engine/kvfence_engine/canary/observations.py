@@ -27,9 +27,10 @@ def after(flavour: str, round_: int) -> str:
     return f"after-{flavour}-{round_}"
 
 
-def during(flavour: str, round_: int) -> str:
-    """B's long answer while a pollution burst of this flavour runs next to it."""
-    return f"during-{flavour}-{round_}"
+def during(flavour: str, round_: int, attempt: int = 1) -> str:
+    """B's long answer while a pollution burst of this flavour runs next to it (`attempt`: sent
+    again because the last one ended before the burst did)."""
+    return f"during-{flavour}-{round_}" + (f"-again-{attempt}" if attempt > 1 else "")
 
 
 @dataclass(slots=True)

@@ -62,6 +62,10 @@ from kvfence_engine.canary.report import CanaryReport, decide
 from kvfence_engine.canary.target import CannotRun, TargetClient
 
 log = logging.getLogger(__name__)
+# B's answer during a burst is sent again, up to this many times in all, while it ends before
+# the burst does (on a machine that got faster or busier since calibration): only B's tokens
+# decoded after A's KV is in the pool can show a page B lost to A.
+OVERLAP_TRIES = 3
 FLAVOURS = ("A", "N")  # A: tenant A's marker prompts; N: neutral token ids of the same lengths
 
 
@@ -94,6 +98,7 @@ class CanaryRun:
         self.facts: TargetFacts | None = None
         self.probes: tuple[Probe, ...] = ()
         self.concurrent: Probe | None = None
+        self.overlapped: list[str] = []  # B's answers during a burst that outlived it
         self.marker_prompt: str | None = None
         self.marker_tokens: int | None = None
         self.before: CounterSnapshot | None = None
@@ -289,7 +294,7 @@ class CanaryRun:
             await self.ask_b(probe, BASELINE)
             context = BASELINE
         else:
-            await self.concurrent_answer(probe, flavour, round_)
+            await self.concurrent_answers(probe, flavour, round_)
             context = after(flavour, round_)
             assert self.facts is not None
             top_up = min(probe.length + probe.max_tokens, self.facts.limit)
@@ -297,18 +302,29 @@ class CanaryRun:
         for boundary in self.probes:
             await self.ask_b(boundary, context)
 
-    async def concurrent_answer(self, probe: Probe, flavour: str, round_: int) -> None:
-        """B's answer, with the burst sent the moment its first token arrives."""
-        context = during(flavour, round_)
+    async def concurrent_answers(self, probe: Probe, flavour: str, round_: int) -> None:
+        """B's answer during a burst, sent again while it ends before the burst does."""
+        for attempt in range(1, OVERLAP_TRIES + 1):
+            if await self.concurrent_answer(probe, flavour, during(flavour, round_, attempt)):
+                return
+
+    async def concurrent_answer(self, probe: Probe, flavour: str, context: str) -> bool:
+        """B's answer, with the burst sent the moment its first token arrives. True if B was
+        still decoding when every request of the burst had been answered."""
         first = asyncio.Event()
         answer = asyncio.ensure_future(self.ask_b(probe, context, first.set))
         started = asyncio.ensure_future(first.wait())
+        outlived = False
         try:
             await asyncio.wait({answer, started}, return_when=asyncio.FIRST_COMPLETED)
             if first.is_set():
                 keep_free = probe.length + probe.max_tokens
                 await self.pollute(flavour, context, self.burst_lengths(keep_free))
+                outlived = not answer.done()
+                if outlived:
+                    self.overlapped.append(context)
             await answer
+            return outlived
         finally:
             for task in (answer, started):
                 task.cancel()
@@ -368,6 +384,7 @@ class CanaryRun:
             "marker_prompt_tokens": self.marker_tokens,
             "probes": [_probe_dict(p) for p in self.probes],
             "concurrent_probe": _probe_dict(self.concurrent) if self.concurrent else None,
+            "concurrent_outlived_burst": self.overlapped,
             "logprob_tolerance": c.logprob_tolerance,
             "latency_factor": c.latency_factor,
             "latency_min_prefill": c.latency_min_prefill,

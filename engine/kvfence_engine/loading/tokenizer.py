@@ -1,6 +1,7 @@
 """Tokenizer and chat template, from GGUF metadata or a tokenizer.json folder."""
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,10 +195,14 @@ def tokenizer_of_data(data: dict[str, Any]) -> Tokenizer:
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
-    """One JSON file: tokenizer_data."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(tokenizer_data(tokenizer)))
-    tmp.replace(path)  # atomic: concurrent processes never read half a file
+    """One JSON file: tokenizer_data. Written under a name of this process's and renamed: a
+    reader never sees half a file, and two processes saving at once never mix their writes."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(json.dumps(tokenizer_data(tokenizer)))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def load_saved_tokenizer(path: Path) -> Tokenizer:

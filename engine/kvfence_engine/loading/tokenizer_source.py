@@ -74,12 +74,21 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
 
 
 def remember_tokenizer(path: Path, tokenizer: Tokenizer) -> Tokenizer:
-    """Keep a tokenizer built from a GGUF file in the cache, for gguf_tokenizer."""
+    """Keep a tokenizer built from a GGUF file in the cache, for gguf_tokenizer: once per
+    file (a conversion to another weight type builds the same tokenizer again)."""
     cached = _tokenizer_cache(path)
-    if cached is not None:
+    if cached is not None and not _readable(cached):
         with contextlib.suppress(OSError):
             save_tokenizer(tokenizer, cached)
     return tokenizer
+
+
+def _readable(cached: Path) -> bool:
+    try:
+        load_saved_tokenizer(cached)
+    except (ValueError, KeyError, OSError):
+        return False
+    return True
 
 
 def _tokenizer_cache(path: Path) -> Path | None:

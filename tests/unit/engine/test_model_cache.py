@@ -3,6 +3,7 @@ to parse) and the dequantized weights with the 4-bit blocks (seconds more), each
 file; a cache entry that cannot be read is rebuilt, never trusted, and a cache that cannot be
 written only costs time."""
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,12 @@ from safetensors.torch import load_file
 from kvfence_engine.loading import loader as model_loader
 from kvfence_engine.loading.config import load_config
 from kvfence_engine.loading.loader import CACHE_READ_STEP, LoadedModel, load_gguf, plan_load
-from kvfence_engine.loading.tokenizer_source import SMOLLM2, gguf_tokenizer, smollm2_gguf_path
+from kvfence_engine.loading.tokenizer_source import (
+    SMOLLM2,
+    gguf_tokenizer,
+    remember_tokenizer,
+    smollm2_gguf_path,
+)
 from kvfence_engine.tools import cache_dir as kvfence_cache
 
 TEXT = "Hello, world! 12345 héllo <|im_start|>user"
@@ -58,6 +64,18 @@ def test_a_corrupt_cache_file_is_rebuilt_not_trusted(cache_dir: Path) -> None:
     cached.write_text("{not json")
     assert gguf_tokenizer(smollm2_gguf_path()).encode("Paris") == [38634]
     assert cached.read_text().startswith('{"tokenizer"')
+
+
+def test_a_cached_tokenizer_is_written_once_not_at_every_conversion(
+    cache_dir: Path, converted: tuple[Path, LoadedModel]
+) -> None:
+    """A conversion to another weight type builds the same tokenizer again: the file a running
+    engine (or `kvfence up` restarting from its caches) reads stays as it was."""
+    (cached,) = cache_dir.glob("tokenizer-*.json")
+    os.utime(cached, ns=(1, 1))
+    remember_tokenizer(smollm2_gguf_path(), converted[1].tokenizer)
+    assert cached.stat().st_mtime_ns == 1
+    assert not list(cache_dir.glob("*.partial"))
 
 
 def test_an_unwritable_cache_location_only_costs_time(monkeypatch: pytest.MonkeyPatch) -> None:

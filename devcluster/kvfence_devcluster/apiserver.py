@@ -43,9 +43,8 @@ CRD_TYPE = ResourceType(
 )
 # kmock matches every request against every reaction by scanning the kept request history
 # (`request in reaction`), so each request costs O(kept x reactions): 1000 kept made a call
-# take ~60 ms and an operator's reconcile pass ~2 s. A request is matched right after it is
-# recorded, so a short history is enough.
-REQUESTS_KEPT = 16
+# take ~60 ms and an operator's reconcile pass ~2 s. Nothing reads that history, and a request
+# is matched while it is being handled: only those are kept (a watch's, once it streams, not).
 VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
 APPLY_PATCH = "application/apply-patch+yaml"
 PodLogs = Callable[[str, str, str | None], str | None]  # namespace, pod, container -> text
@@ -103,6 +102,7 @@ class ApiServer(kmock.KubernetesScaffold):
     _schemas: dict[tuple[str, str, str], dict[str, Any]] = attrs.field(factory=dict, init=False)
     _admissions: dict[tuple[str, str, str], CrdAdmission] = attrs.field(factory=dict, init=False)
     _strict_fields: bool = attrs.field(default=False, init=False)  # the request being served
+    _matching: set[int] = attrs.field(factory=set, init=False)  # ids of requests being matched
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -272,10 +272,19 @@ class ApiServer(kmock.KubernetesScaffold):
             return await super().__call__(raw_request)
         finally:
             # kmock keeps every request (and its body) for assertions; an operator polling for
-            # minutes would grow that without bound, and matching slows with it (REQUESTS_KEPT).
-            for holder in (self, *self._payloads):
-                kept: list[Any] = holder._requests  # type: ignore[attr-defined]  # kmock's own
-                del kept[:-REQUESTS_KEPT]
+            # minutes would grow that without bound, and matching slows with it (see above).
+            kept: list[Any] = self._requests  # kmock's own
+            kept[:] = [r for r in kept if id(r) in self._matching]
+            for reaction in self._payloads:
+                reaction._requests.clear()  # what each one served
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """kmock's dispatch, with `request` kept in its history only while it is matched."""
+        self._matching.add(id(request))
+        try:
+            return await super()._handle(request)
+        finally:
+            self._matching.discard(id(request))
 
     def _target(self, request: rendering.Request) -> tuple[ResourceType, str | None]:
         resource = request.resource
@@ -531,6 +540,7 @@ class ApiServer(kmock.KubernetesScaffold):
         )
 
     async def _serve_watch(self, request: rendering.Request) -> Any:
+        self._matching.discard(id(request))  # matched: this reaction serves it while it streams
         try:
             rt, namespace = self._target(request)
             labels, fields = self._selectors(request)

@@ -9,7 +9,7 @@ replayable history. The HTTP layer (apiserver.py) and the test kubelet both writ
 """
 
 import asyncio
-import copy
+import pickle
 import re
 import uuid
 from collections import deque
@@ -96,11 +96,18 @@ class Watcher:
 ObjectKey = tuple[str, str, str, str]  # group, plural, namespace ("" if cluster-scoped), name
 
 
+def snapshot(obj: Any) -> Any:
+    """A deep copy of a JSON-like object: what copy.deepcopy gives, about five times faster
+    (the kubelet and the controllers list every pod at every write)."""
+    return pickle.loads(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+
+
 class Store:
     """Every object of every kind. Not thread-safe: use it from the server's event loop."""
 
     def __init__(self, history_limit: int = 20_000) -> None:
         self._objects: dict[ObjectKey, dict[str, Any]] = {}
+        self._by_kind: dict[tuple[str, str], dict[ObjectKey, dict[str, Any]]] = {}  # the same
         self._kinds: dict[tuple[str, str], ResourceType] = {}
         self._uids: dict[str, ObjectKey] = {}
         self._rv = 0
@@ -126,7 +133,7 @@ class Store:
 
     def find(self, rt: ResourceType, namespace: str | None, name: str) -> dict[str, Any] | None:
         obj = self._objects.get(self._key(rt, namespace, name))
-        return copy.deepcopy(obj) if obj is not None else None
+        return snapshot(obj) if obj is not None else None
 
     def get(self, rt: ResourceType, namespace: str | None, name: str) -> dict[str, Any]:
         obj = self.find(rt, namespace, name)
@@ -137,9 +144,7 @@ class Store:
     def _select(
         self, rt: ResourceType, namespace: str | None, labels: Selector, fields: Selector
     ) -> Iterator[dict[str, Any]]:
-        for (group, plural, ns, _), obj in sorted(self._objects.items()):
-            if (group, plural) != (rt.group, rt.plural):
-                continue
+        for (_, _, ns, _), obj in sorted(self._by_kind.get((rt.group, rt.plural), {}).items()):
             if namespace is not None and ns != namespace:
                 continue
             meta = obj["metadata"]
@@ -153,7 +158,7 @@ class Store:
         labels: Selector = (),
         fields: Selector = (),
     ) -> list[dict[str, Any]]:
-        return [copy.deepcopy(o) for o in self._select(rt, namespace, labels, fields)]
+        return [snapshot(o) for o in self._select(rt, namespace, labels, fields)]
 
     def exists_uid(self, uid: str) -> bool:
         return uid in self._uids
@@ -175,12 +180,14 @@ class Store:
         self._rv += 1
         new["metadata"]["resourceVersion"] = str(self._rv)
         uid = new["metadata"]["uid"]
+        of_kind = self._by_kind.setdefault((rt.group, rt.plural), {})
         if kind == "DELETED":
             self._objects.pop(key, None)
+            of_kind.pop(key, None)
             self._uids.pop(uid, None)
             self._propagation.pop(key, None)
         else:
-            self._objects[key] = new
+            self._objects[key] = of_kind[key] = new
             self._uids[uid] = key
         self._kinds[(rt.group, rt.plural)] = rt
         change = Change(rt, kind, old, new, self._rv)
@@ -226,7 +233,7 @@ class Store:
         nothing stored or announced."""
         if not isinstance(body, dict) or not isinstance(body.get("metadata", {}), dict):
             raise bad_request(f"a {rt.kind} must be a JSON object with metadata")
-        obj = copy.deepcopy(body)
+        obj = snapshot(body)
         meta = obj.setdefault("metadata", {})
         if meta.get("resourceVersion"):
             raise bad_request("resourceVersion should not be set on objects to be created")
@@ -262,7 +269,7 @@ class Store:
             self.admit(rt, obj)
         if dry_run:
             return obj
-        return copy.deepcopy(self._commit(rt, key, None, obj, "ADDED"))
+        return snapshot(self._commit(rt, key, None, obj, "ADDED"))
 
     def _allocate_cluster_ip(self, rt: ResourceType, service: dict[str, Any]) -> None:
         """A Service's clusterIP, as the API server allocates it: a loopback address 127.0.x.y
@@ -339,7 +346,7 @@ class Store:
         if not isinstance(candidate, dict):
             raise bad_request(f"a {rt.kind} must be a JSON object")
         if subresource == "status":
-            new = copy.deepcopy(old)
+            new = snapshot(old)
             if "status" in candidate:
                 new["status"] = candidate["status"]
             else:
@@ -348,7 +355,7 @@ class Store:
             new = candidate
             if rt.has_status and subresource is None:
                 if "status" in old:
-                    new["status"] = copy.deepcopy(old["status"])
+                    new["status"] = snapshot(old["status"])
                 else:
                     new.pop("status", None)
         else:
@@ -372,13 +379,13 @@ class Store:
             if self.admit is not None and self._spec(rt, new) != self._spec(rt, old):
                 self.admit(rt, new)
         if new == old:
-            return copy.deepcopy(old)  # a no-op write changes nothing, not even resourceVersion
+            return snapshot(old)  # a no-op write changes nothing, not even resourceVersion
         if rt.tracks_generation and self._spec(rt, new) != self._spec(rt, old):
             meta["generation"] = int(meta.get("generation") or 0) + 1
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             self._remove(rt, key, old, new)
-            return copy.deepcopy(new)
-        return copy.deepcopy(self._commit(rt, key, old, new, "MODIFIED"))
+            return snapshot(new)
+        return snapshot(self._commit(rt, key, old, new, "MODIFIED"))
 
     @staticmethod
     def _keep_cluster_ip(rt: ResourceType, old: dict[str, Any], new: dict[str, Any]) -> None:
@@ -410,7 +417,7 @@ class Store:
         if isinstance(body, dict) and (body.get("metadata") or {}).get("name", name) != name:
             raise bad_request("the name of the object does not match the name on the URL")
         self._check_resource_version(rt, old, body)
-        return self._finish_update(rt, key, old, copy.deepcopy(body), subresource)
+        return self._finish_update(rt, key, old, snapshot(body), subresource)
 
     def patch(
         self,
@@ -447,7 +454,7 @@ class Store:
                 )
         except PatchError as exc:
             raise ApiError(422, "Invalid", f"the patch cannot be applied: {exc}") from None
-        return self._finish_update(rt, key, old, copy.deepcopy(candidate), subresource)
+        return self._finish_update(rt, key, old, snapshot(candidate), subresource)
 
     def update(
         self,
@@ -462,7 +469,7 @@ class Store:
         old = self._objects.get(key)
         if old is None:
             return None
-        candidate = copy.deepcopy(old)
+        candidate = snapshot(old)
         mutate(candidate)
         return self._finish_update(rt, key, old, candidate, subresource)
 
@@ -489,14 +496,14 @@ class Store:
         if meta.get("finalizers"):
             self._propagation[key] = propagation
             if meta.get("deletionTimestamp"):
-                return copy.deepcopy(old)
-            new = copy.deepcopy(old)
+                return snapshot(old)
+            new = snapshot(old)
             new["metadata"]["deletionTimestamp"] = now_rfc3339()
             new["metadata"]["deletionGracePeriodSeconds"] = 0
             if rt.tracks_generation:
                 new["metadata"]["generation"] = int(meta.get("generation") or 0) + 1
-            return copy.deepcopy(self._commit(rt, key, old, new, "MODIFIED"))
-        self._remove(rt, key, old, copy.deepcopy(old), propagation)
+            return snapshot(self._commit(rt, key, old, new, "MODIFIED"))
+        self._remove(rt, key, old, snapshot(old), propagation)
         return None
 
     def delete_collection(
@@ -512,7 +519,7 @@ class Store:
             meta = obj["metadata"]
             if self._key(rt, meta.get("namespace"), meta["name"]) in self._objects:
                 self.delete(rt, meta.get("namespace"), meta["name"], propagation)
-        return [copy.deepcopy(o) for o in doomed]
+        return [snapshot(o) for o in doomed]
 
     def _remove(
         self,

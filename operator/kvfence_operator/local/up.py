@@ -37,6 +37,7 @@ from pydantic import ValidationError
 import kvfence_engine
 from kvfence_engine.contracts import EngineReadiness, PoolGateReport, ProgressReport
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context
+from kvfence_engine.tools import http_clients
 from kvfence_engine.tools.localproc import (
     LocalProcess,
     ProcessFailed,
@@ -439,7 +440,7 @@ def engine_progress(local: LocalDeployment, say: Callable[[str], None]) -> Itera
 def _readiness(url: str) -> EngineReadiness | None:
     """An engine's /readyz; None while it does not answer (its process is starting)."""
     try:
-        answer = httpx.get(url + "/readyz", timeout=PROGRESS_POLL_SECONDS)
+        answer = http_clients.get(url + "/readyz", timeout=PROGRESS_POLL_SECONDS)
         return EngineReadiness.model_validate_json(answer.content)
     except (httpx.HTTPError, ValueError):
         return None

@@ -40,7 +40,10 @@ from helpers.transformers_reference import (
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.layers import SparseMoE
 from kvfence_engine.core.quantization import pack_int4_linears
-from kvfence_engine.core.request import SamplingParams
+from kvfence_engine.core.request import Request, SamplingParams
+from kvfence_engine.disagg.receiver import KVReceiver
+from kvfence_engine.disagg.reservations import DecodeReservations
+from kvfence_engine.disagg.transfer import Layout, send_kv
 from kvfence_engine.loading.loader import LoadedModel, int4_groups, load_model
 
 # Each case builds and runs transformers' model too: make test runs them, test-fast does not.
@@ -184,6 +187,20 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # the served context (--context-length) of a case that sets one
 SERVED = {"phi3-longrope-short": 320}
+# One case of each family, a sliding window wherever the family has one: what the serving
+# paths beyond the combined engine's (disaggregation, preemption) are checked on. Untied:
+# a tied tiny model's greedy token is mostly its input token again, whatever the KV says
+# (its pages sent in reverse order, the tied llama3 and gemma3 cases still passed).
+FAMILIES = [
+    "llama-llama3",
+    "mistral-window",
+    "qwen2-window",
+    "qwen3-window-layer-types",
+    "gemma2-small-caps",
+    "gemma3-softcaps",
+    "phi3-longrope",
+    "qwen3-moe-window",
+]
 
 
 def engine_for_loaded(loaded: LoadedModel, **args: Unpack[TinyEngineOptions]) -> LLMEngine:
@@ -402,3 +419,86 @@ def test_longrope_served_past_its_original_context_turns_a_short_prompt_by_the_l
     )
     assert to_long < TOLERANCE
     assert to_short > 100 * TOLERANCE
+
+
+def greedy_params() -> SamplingParams:
+    return SamplingParams(max_tokens=1, logprobs=0, ignore_eos=True)
+
+
+def run(engine: LLMEngine, seq: Request) -> None:
+    engine.add(seq)
+    while engine.has_work():
+        engine.step()
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_prefill_then_a_kv_transfer_then_decode_gives_transformers_greedy_tokens(
+    case: str, tmp_path: Path
+) -> None:
+    """A prefill engine computes the prompt's KV (a second time: from the prefix cache's pages
+    the first left), streams it over TCP into the pages a decode engine reserved (the transfer
+    protocol, checksums on), and decode continues from prefill's first token: the 64 tokens
+    and their log-probs are transformers'. Pages of 8 tokens: the prompt's last page is part
+    filled, and the window (where there is one) slides across the transferred pages."""
+    config_class, overrides = CASES[case]
+    theirs = hf_model(tmp_path, config_class, **overrides)
+    # one tenant: the prefix cache's whole share of the pool is its own
+    prefill = engine_for(tmp_path, role="prefill", prefix_cache=True, prefix_cache_tenants=1)
+    decode = engine_for(tmp_path, role="decode")
+    book = DecodeReservations(decode)
+    receiver = KVReceiver(book, "127.0.0.1", 0, token=None)
+    receiver.start()
+    try:
+        decode.args.transfer_port = receiver.port
+        ids = random_prompt(PROMPT - 3)  # 197: the last of 25 pages holds 5 tokens
+        for attempt in ("cold", "cached"):
+            first = prefill.admit(ids, greedy_params(), max_tokens=1)
+            first.export_kv = True
+            run(prefill, first)
+            assert attempt == "cold" or first.cached_tokens >= len(ids) - PAGE
+            assert first.exported is not None and first.output_logprobs
+            k, v, written = first.exported
+            seq = decode.admit(ids, greedy_params(), max_tokens=NEW)
+            handle = book.reserve(seq, f"{case}-{attempt}")
+            send_kv(handle, k, v, written, Layout.of(prefill.pages.kv), token=None)
+            book.start_decode(handle.request_id, first.output_logprobs[0])
+            while decode.has_work():
+                decode.step()
+            tokens = seq.output_ids
+            logprobs = [lp.logprob for lp in seq.output_logprobs]
+            ref_tokens, ref_logprobs = their_greedy(theirs, ids, NEW)
+            lp_diff = max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True))
+            print(f"{case} ({attempt} prefill): max |dlogprob| {lp_diff:.2e} after the transfer")
+            assert len(ref_tokens) == NEW and tokens == ref_tokens
+            assert lp_diff < TOLERANCE
+        assert decode.pages.num_used == 0
+    finally:
+        receiver.stop()
+
+
+@pytest.mark.parametrize("case", FAMILIES)
+def test_requests_preempted_and_recomputed_give_transformers_greedy_tokens(
+    case: str, tmp_path: Path
+) -> None:
+    """Three prompts in a pool that holds two of them whole: decoding, the youngest is preempted
+    (its pages released) and later computed again from its prompt and the tokens it had, and
+    every one of them still gets transformers' greedy tokens. (Every prompt is longer than the
+    64 positions of phi3-longrope's original context: transformers rotates a shorter one by
+    the short factors, which a paged pool cannot, docs/engine.md#supported-models.)"""
+    config_class, overrides = CASES[case]
+    theirs = hf_model(tmp_path, config_class, **overrides)
+    loaded = load_model(str(tmp_path))
+    footprint = (96 + NEW) // PAGE + 1  # pages of the longest request, whole
+    budget = loaded.config.kv_bytes_per_token(4) * PAGE * 2 * footprint
+    engine = LLMEngine(loaded, EngineArgs(kv_cache_memory=budget, page_size=PAGE))
+    prompts = [random_prompt(n, seed=10 + n) for n in (96, 80, 70)]
+    seqs = [engine.admit(ids, greedy_params(), max_tokens=NEW) for ids in prompts]
+    for seq in seqs:
+        engine.add(seq)
+    while engine.has_work():
+        engine.step()
+    preempted = engine.metrics.registry.get_sample_value("kvfence_preemptions_total")
+    assert preempted is not None and preempted >= 1
+    for ids, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_ids == their_greedy(theirs, ids, NEW)[0]
+    assert engine.pages.num_used == 0

@@ -18,15 +18,15 @@ def pytest_configure(config: pytest.Config) -> None:
     # No test has a GPU: the device decode kernels (core/paged_decode) run on CPU tensors in
     # Triton's interpreter, which reads this when the kernels are defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Two CPUs: in-process models use both, unless two xdist workers share them.
+    # Two CPUs: in-process models use both, unless xdist workers share them.
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
     # Engines and routers fork from a server that imported them once (helpers/forked.py).
     LocalProcess.spawner = ForkServer()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests first: with two xdist workers (`make test`), a long test that starts last
-    would run alone at the end while the other worker idles."""
+    """Slow tests first: with xdist workers (`make test`), a long test that starts last
+    would run alone at the end while the other workers idle."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

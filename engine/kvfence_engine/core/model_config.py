@@ -26,6 +26,9 @@ class RopeType(StrEnum):
     LLAMA3 = "llama3"
     YARN = "yarn"
     LONGROPE = "longrope"  # Phi-3/4: short or long factors, by the served context (core/rope.py)
+    # a GGUF's rope_freqs tensor (llama.cpp's form of Llama 3.1's scaling): each frequency
+    # divided by its own factor; no config.json names it
+    FREQ_FACTORS = "freq_factors"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,8 @@ class RopeScaling:
     # and for longer ones (factor: the context ratio its attention_factor is derived from)
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # freq_factors: one factor per rotated frequency, at every context
+    freq_factors: tuple[float, ...] = ()
     # any variant: the leading fraction of each head dim that is rotated (the rest passes)
     partial_rotary_factor: float = 1.0
 
@@ -55,6 +60,7 @@ class RopeScaling:
         object.__setattr__(self, "type", RopeType(self.type))  # from JSON: a plain string
         object.__setattr__(self, "short_factor", tuple(self.short_factor))  # JSON: lists
         object.__setattr__(self, "long_factor", tuple(self.long_factor))
+        object.__setattr__(self, "freq_factors", tuple(self.freq_factors))
 
     def rotary_dim(self, head_dim: int) -> int:
         """How many leading dims of a head RoPE rotates, as transformers rounds it."""

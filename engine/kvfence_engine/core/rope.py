@@ -120,6 +120,8 @@ def rope_frequencies(
         inv_freq /= scaling.factor
     elif kind is RopeType.LLAMA3:
         inv_freq = _llama3(inv_freq, scaling)
+    elif kind is RopeType.FREQ_FACTORS:  # as ggml's rope: theta / freq_factors[i]
+        inv_freq = inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
     return inv_freq, 1.0
 
 

@@ -3,11 +3,16 @@
 (hf_name). RoPE scaling: `none` and `linear` (llama.cpp's freq_scale = 1 / factor on
 positions is transformers' linear: frequencies / factor); YaRN is refused, since llama.cpp's
 attn_factor and ext_factor do not mean what transformers' yarn parameters do, and nothing here
-checks llama.cpp's against a reference."""
+checks llama.cpp's against a reference. A `rope_freqs.weight` tensor (how llama.cpp's
+converter writes Llama 3.1's llama3 scaling: one factor per frequency, which ggml's rope
+divides it by) is read into the config, not the weights: frequencies / factors, which for the
+factors that converter computes is transformers' llama3 (test_model_families.py)."""
 
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from kvfence_engine.core.model_config import Family, ModelConfig, RopeScaling, RopeType
 from kvfence_engine.loading.tokenizer_source import gguf_fields
@@ -61,10 +66,7 @@ _MODEL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_REFUSED_TENSORS = {
-    "rope_freqs.weight": "per-dimension RoPE frequency factors, llama.cpp's form of Llama 3.1 "
-    "rope scaling",
-}
+ROPE_FREQS = "rope_freqs.weight"  # RoPE's per-frequency factors: the config's, not a weight
 
 
 def hf_name(gguf_name: str) -> str:
@@ -75,8 +77,9 @@ def hf_name(gguf_name: str) -> str:
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_PARTS:
         _, layer, part, kind = parts
         return f"model.layers.{layer}.{_LAYER_PARTS[part]}.{kind}"
-    why = _REFUSED_TENSORS.get(gguf_name, "it may change the computation")
-    raise ValueError(f"GGUF tensor {gguf_name!r} is not one kvfence implements ({why})")
+    raise ValueError(
+        f"GGUF tensor {gguf_name!r} is not one kvfence implements (it may change the computation)"
+    )
 
 
 def gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
@@ -118,11 +121,14 @@ def gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
                 f"{head_dim} and is not implemented"
             )
     tensor_names = {t.name for t in reader.tensors}
-    for name in sorted(tensor_names):
+    for name in sorted(tensor_names - {ROPE_FREQS}):
         try:
             hf_name(name)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        rope = _freq_factors(np.asarray(freqs.data, dtype=np.float32), rope, head_dim, path)
     config = ModelConfig(
         vocab_size=len(fields["tokenizer.ggml.tokens"]),
         hidden_size=hidden,
@@ -158,3 +164,19 @@ def _rope_scaling(arch: str, get: Callable[..., Any], path: Path) -> RopeScaling
         f"{path}: GGUF rope scaling type {kind!r} ('{arch}.rope.scaling.type') is "
         "not supported by kvfence (supported: none, linear)"
     )
+
+
+def _freq_factors(values: np.ndarray, rope: RopeScaling, head_dim: int, path: Path) -> RopeScaling:
+    """rope_freqs.weight: one positive factor per rotated frequency, and no other scaling."""
+    if rope.type is not RopeType.DEFAULT:
+        raise ValueError(
+            f"{path}: GGUF tensor '{ROPE_FREQS}' beside rope scaling type '{rope.type}' is "
+            "not supported by kvfence (llama.cpp would apply both)"
+        )
+    factors = values.reshape(-1)
+    if factors.size != head_dim // 2 or not bool(np.all(np.isfinite(factors) & (factors > 0))):
+        raise ValueError(
+            f"{path}: GGUF tensor '{ROPE_FREQS}' holds {factors.size} factors; kvfence needs "
+            f"{head_dim // 2} (one per rotated frequency of head dim {head_dim}), each positive"
+        )
+    return RopeScaling(type=RopeType.FREQ_FACTORS, freq_factors=tuple(factors.tolist()))

@@ -27,7 +27,7 @@ class RopeRules:
     partial_rotary: bool = False
 
 
-STANDARD = RopeRules(frozenset(RopeType) - {RopeType.LONGROPE})
+STANDARD = RopeRules(frozenset(RopeType) - {RopeType.LONGROPE, RopeType.FREQ_FACTORS})
 
 # Keys each variant reads (besides rope_type/type and rope_theta), and which must be given.
 KEYS: dict[RopeType, set[str]] = {

@@ -36,7 +36,7 @@ from kvfence_engine.loading.generation_config import (
     folder_eos_ids,
     read_generation_config,
 )
-from kvfence_engine.loading.gguf_config import gguf_config, hf_name
+from kvfence_engine.loading.gguf_config import ROPE_FREQS, gguf_config, hf_name
 from kvfence_engine.loading.hf_config import hf_config
 from kvfence_engine.loading.hf_weights import load_hf_weights
 from kvfence_engine.loading.tokenizer import Tokenizer, tokenizer_from_folder, tokenizer_from_gguf
@@ -271,6 +271,9 @@ def _convert_gguf(path: Path, step: Step = _silent) -> LoadedModel:
         write=log.info,
     ) as converting:
         for tensor in reader.tensors:
+            if tensor.name == ROPE_FREQS:  # read into config.rope by gguf_config
+                converting.advance()
+                continue
             array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
             array = array.reshape(tuple(reversed([int(d) for d in tensor.shape])))
             groups = None

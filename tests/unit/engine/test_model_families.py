@@ -19,11 +19,13 @@ factors), and served within it (320, short factors).
 """
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Unpack
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -39,8 +41,10 @@ from helpers.transformers_reference import (
 )
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.layers import SparseMoE
+from kvfence_engine.core.model_config import RopeScaling, RopeType
 from kvfence_engine.core.quantization import pack_int4_linears
 from kvfence_engine.core.request import Request, SamplingParams
+from kvfence_engine.core.rope import rope_frequencies
 from kvfence_engine.disagg.receiver import KVReceiver
 from kvfence_engine.disagg.reservations import DecodeReservations
 from kvfence_engine.disagg.transfer import Layout, send_kv
@@ -502,3 +506,125 @@ def test_requests_preempted_and_recomputed_give_transformers_greedy_tokens(
     for ids, seq in zip(prompts, seqs, strict=True):
         assert seq.output_ids == their_greedy(theirs, ids, NEW)[0]
     assert engine.pages.num_used == 0
+
+
+# --- a GGUF as llama.cpp's converter writes a Llama 3.1 (its llama3 RoPE as rope_freqs) -------
+
+
+def llama_cpp_rope_factors(rope: dict[str, Any], head_dim: int) -> list[float]:
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py derives it from a llama3 rope:
+    1 for short wavelengths, `factor` for long ones, a smooth band between (its rule, restated)."""
+    freqs = 1.0 / rope["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return factors
+
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order for the llama architecture (interleaved RoPE pairs)."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_llama_gguf(model: torch.nn.Module, path: Path) -> None:
+    """`model` (a transformers Llama with a llama3 rope) as a float32 GGUF: llama.* keys,
+    llama.cpp's tensor names and Q/K order, a byte-level tokenizer of the same 256 ids, and
+    the rope scaling as rope_freqs.weight alone, as llama.cpp's converter writes Llama 3.1."""
+    from gguf import GGUFWriter
+
+    c: Any = model.config  # a transformers LlamaConfig
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, c.vocab_size))])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(1)
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+           "output_norm.weight", "lm_head.weight": "output.weight"}  # fmt: skip
+    for name, tensor in model.state_dict().items():
+        array = tensor.float().numpy()
+        if name in top:
+            writer.add_tensor(top[name], array)
+            continue
+        _, _, layer, *part, kind = name.split(".")
+        gguf_part = parts[".".join(part)]
+        if gguf_part in ("attn_q", "attn_k"):
+            heads = c.num_attention_heads if gguf_part == "attn_q" else c.num_key_value_heads
+            array = llama_cpp_permute(array, heads)
+        writer.add_tensor(f"blk.{layer}.{gguf_part}.{kind}", np.ascontiguousarray(array))
+    factors = llama_cpp_rope_factors(c.rope_parameters, c.head_dim)
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_llama_3_gguf_with_rope_freqs_is_its_transformers_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Llama 3.1-style GGUF (its llama3 scaling as llama.cpp's rope_freqs tensor, the only
+    form llama.cpp's converter writes) serves what transformers computes from the folder it
+    was converted from: teacher-forced log-probs over 200 tokens, most of them past the
+    original context of 64, and 64 greedy tokens."""
+    monkeypatch.setenv("KVFENCE_CACHE_DIR", str(tmp_path / "cache"))
+    config_class, overrides = CASES["llama-llama3"]
+    (tmp_path / "hf").mkdir()
+    theirs = hf_model(tmp_path / "hf", config_class, **overrides)
+    path = tmp_path / "llama3.gguf"
+    write_llama_gguf(theirs, path)
+    engine = engine_for(path)
+    assert engine.config.rope.type is RopeType.FREQ_FACTORS
+    ids = random_prompt(PROMPT)
+    with torch.no_grad():
+        expected = torch.log_softmax(theirs(torch.tensor([ids])).logits[0].float(), -1)
+    diff = (torch.log_softmax(our_prefill_logits(engine, ids), -1) - expected).abs().max().item()
+    tokens, _ = our_greedy(engine, ids, NEW)
+    print(f"llama3 GGUF with rope_freqs: max |dlogprob| {diff:.2e}")
+    assert diff < TOLERANCE
+    assert tokens == their_greedy(theirs, ids, NEW)[0]
+    assert load_model(str(path)).config == engine.config  # from the converted weights' cache
+
+
+def test_rope_freqs_of_the_real_llama_3_2_1b_are_transformers_llama3_frequencies() -> None:
+    """On Llama-3.2-1B's own config (factor 32, original context 8192, head dim 64): the
+    factors llama.cpp writes, divided out as ggml does, give transformers' llama3 frequencies
+    to float32 rounding."""
+    import transformers
+
+    raw = json.loads((Path(__file__).parents[3] / "bench/configs/llama-3.2-1b.json").read_text())
+    config = transformers.LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    theirs = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](config, None)[0]
+    head_dim = raw["head_dim"]
+    factors = llama_cpp_rope_factors(dict(config.rope_parameters or {}), head_dim)
+    scaling = RopeScaling(type=RopeType.FREQ_FACTORS, freq_factors=tuple(factors))
+    ours, attention = rope_frequencies(head_dim, raw["rope_theta"], scaling, 131072)
+    assert attention == 1.0
+    assert torch.allclose(ours, theirs.float(), rtol=1e-6, atol=0)
+    plain = rope_frequencies(head_dim, raw["rope_theta"], RopeScaling(), 8)[0]
+    assert not torch.allclose(ours, plain)

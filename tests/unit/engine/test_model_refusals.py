@@ -759,10 +759,16 @@ GGUF_REFUSED: dict[str, tuple[dict[str, Any], tuple[str, ...], str]] = {
         (),
         "GGUF key 'llama.feed_forward_length' is missing",
     ),
-    "llama 3.1 frequency factors": (
+    # (write_gguf's tensors are 4 x 32: 128 factors for a head dim of 16)
+    "frequency factors of another head dim": (
         {},
         ("rope_freqs.weight",),
-        "GGUF tensor 'rope_freqs.weight' is not one kvfence implements (per-dimension RoPE",
+        "GGUF tensor 'rope_freqs.weight' holds 128 factors; kvfence needs 8 (one per rotated",
+    ),
+    "frequency factors beside a scaling type": (
+        {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0},
+        ("rope_freqs.weight",),
+        "GGUF tensor 'rope_freqs.weight' beside rope scaling type 'linear' is not supported",
     ),
     "an unknown tensor": (
         {},

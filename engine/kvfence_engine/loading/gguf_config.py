@@ -1,5 +1,5 @@
 """A GGUF file's model metadata, strictly: every key of the architecture's namespace (`llama.`,
-`qwen2.`) is one kvfence implements or a refusal that names it, and so is every tensor
+`qwen2.`, `qwen3.`) is one kvfence implements or a refusal that names it, and so is every tensor
 (hf_name). RoPE scaling: `none` and `linear` (llama.cpp's freq_scale = 1 / factor on
 positions is transformers' linear: frequencies / factor); YaRN is refused, since llama.cpp's
 attn_factor and ext_factor do not mean what transformers' yarn parameters do, and nothing here
@@ -17,7 +17,7 @@ import numpy as np
 from kvfence_engine.core.model_config import Family, ModelConfig, RopeScaling, RopeType
 from kvfence_engine.loading.tokenizer_source import gguf_fields
 
-FAMILIES = {"llama": Family.LLAMA, "qwen2": Family.QWEN2}
+FAMILIES = {"llama": Family.LLAMA, "qwen2": Family.QWEN2, "qwen3": Family.QWEN3}
 # the architecture's keys kvfence reads (prefixed with "<arch>.")
 KEYS = {
     "block_count",
@@ -57,6 +57,8 @@ _LAYER_PARTS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3's per-head q/k norms
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -141,8 +143,8 @@ def gguf_config(reader: Any, path: Path) -> tuple[ModelConfig, dict[str, Any]]:
         rms_eps=float(get("attention.layer_norm_rms_epsilon")),
         max_positions=int(get("context_length")),
         tie_embeddings="output.weight" not in tensor_names,
-        # llama.cpp's llama: optional biases on q, k, v and o; qwen2: on q, k, v always
-        attention_bias=arch == "llama" and "blk.0.attn_q.bias" in tensor_names,
+        # llama and qwen3: optional biases on q, k, v and o; qwen2: on q, k, v always
+        attention_bias=arch in ("llama", "qwen3") and "blk.0.attn_q.bias" in tensor_names,
         family=FAMILIES[arch],
         rope=rope,
     )

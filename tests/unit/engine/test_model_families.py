@@ -539,29 +539,31 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_llama_gguf(model: torch.nn.Module, path: Path) -> None:
-    """`model` (a transformers Llama with a llama3 rope) as a float32 GGUF: llama.* keys,
-    llama.cpp's tensor names and Q/K order, a byte-level tokenizer of the same 256 ids, and
-    the rope scaling as rope_freqs.weight alone, as llama.cpp's converter writes Llama 3.1."""
+def write_gguf_as_llama_cpp(model: torch.nn.Module, path: Path, arch: str) -> None:
+    """`model` (a transformers Llama or Qwen3) as a float32 GGUF the way llama.cpp's converter
+    writes one: `<arch>.` keys, its tensor names, Q/K rows in its order for llama (not qwen3),
+    a llama3 rope as rope_freqs.weight alone, and a byte-level tokenizer of the same ids."""
     from gguf import GGUFWriter
 
-    c: Any = model.config  # a transformers LlamaConfig
-    writer = GGUFWriter(str(path), "llama")
+    c: Any = model.config  # a transformers LlamaConfig or Qwen3Config
+    writer = GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
     writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(c.head_dim)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(["a", "b", "ab", *(f"t{i}" for i in range(3, c.vocab_size))])
     writer.add_token_merges(["a b"])
     writer.add_eos_token_id(1)
     parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
@@ -573,39 +575,48 @@ def write_llama_gguf(model: torch.nn.Module, path: Path) -> None:
             continue
         _, _, layer, *part, kind = name.split(".")
         gguf_part = parts[".".join(part)]
-        if gguf_part in ("attn_q", "attn_k"):
+        if arch == "llama" and gguf_part in ("attn_q", "attn_k"):
             heads = c.num_attention_heads if gguf_part == "attn_q" else c.num_key_value_heads
             array = llama_cpp_permute(array, heads)
         writer.add_tensor(f"blk.{layer}.{gguf_part}.{kind}", np.ascontiguousarray(array))
-    factors = llama_cpp_rope_factors(c.rope_parameters, c.head_dim)
-    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+    if c.rope_parameters["rope_type"] == "llama3":
+        factors = llama_cpp_rope_factors(c.rope_parameters, c.head_dim)
+        writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def test_a_llama_3_gguf_with_rope_freqs_is_its_transformers_model(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+# GGUF architecture, the case whose folder it is converted from
+GGUF_CASES = {"llama-llama3": "llama", "qwen3-tied-biases": "qwen3"}
+
+
+@pytest.mark.parametrize("case", GGUF_CASES)
+def test_a_gguf_written_as_llama_cpp_writes_it_is_its_transformers_model(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Llama 3.1-style GGUF (its llama3 scaling as llama.cpp's rope_freqs tensor, the only
-    form llama.cpp's converter writes) serves what transformers computes from the folder it
-    was converted from: teacher-forced log-probs over 200 tokens, most of them past the
-    original context of 64, and 64 greedy tokens."""
+    """A GGUF converted from a folder as llama.cpp converts it serves what transformers
+    computes from the folder: teacher-forced log-probs over 200 tokens and 64 greedy tokens.
+    llama-llama3: a Llama 3.1-style GGUF (the llama3 scaling as llama.cpp's rope_freqs tensor,
+    the only form its converter writes; most of the 200 positions past the original 64).
+    qwen3-tied-biases: Qwen3's per-head q/k norms, its own head dim, biases, tied."""
     monkeypatch.setenv("KVFENCE_CACHE_DIR", str(tmp_path / "cache"))
-    config_class, overrides = CASES["llama-llama3"]
+    config_class, overrides = CASES[case]
     (tmp_path / "hf").mkdir()
     theirs = hf_model(tmp_path / "hf", config_class, **overrides)
-    path = tmp_path / "llama3.gguf"
-    write_llama_gguf(theirs, path)
+    path = tmp_path / f"{case}.gguf"
+    write_gguf_as_llama_cpp(theirs, path, GGUF_CASES[case])
     engine = engine_for(path)
-    assert engine.config.rope.type is RopeType.FREQ_FACTORS
+    assert engine.config.family == GGUF_CASES[case]
+    llama3 = case == "llama-llama3"
+    assert (engine.config.rope.type is RopeType.FREQ_FACTORS) == llama3
     ids = random_prompt(PROMPT)
     with torch.no_grad():
         expected = torch.log_softmax(theirs(torch.tensor([ids])).logits[0].float(), -1)
     diff = (torch.log_softmax(our_prefill_logits(engine, ids), -1) - expected).abs().max().item()
     tokens, _ = our_greedy(engine, ids, NEW)
-    print(f"llama3 GGUF with rope_freqs: max |dlogprob| {diff:.2e}")
+    print(f"{case} as a GGUF: max |dlogprob| {diff:.2e}")
     assert diff < TOLERANCE
     assert tokens == their_greedy(theirs, ids, NEW)[0]
     assert load_model(str(path)).config == engine.config  # from the converted weights' cache

@@ -107,7 +107,8 @@ class Store:
 
     def __init__(self, history_limit: int = 20_000) -> None:
         self._objects: dict[ObjectKey, dict[str, Any]] = {}
-        self._by_kind: dict[tuple[str, str], dict[ObjectKey, dict[str, Any]]] = {}  # the same
+        # the same objects by (group, plural): a list reads one kind, not every object
+        self._by_kind: dict[tuple[str, str], dict[ObjectKey, dict[str, Any]]] = {}
         self._kinds: dict[tuple[str, str], ResourceType] = {}
         self._uids: dict[str, ObjectKey] = {}
         self._rv = 0

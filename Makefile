@@ -37,8 +37,11 @@ serve: setup
 # Three workers on a 2-core machine: a third of an e2e test's time is waiting (an operator's
 # pass, a pod's readiness), which another worker fills. Measured on 2 cores: 15:15 with two,
 # 11:16 with three; beside a busy loop, 18:46 with two and 15:00 with three.
+# Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE, set on
+# some CI images): the suite starts about 400 Python processes, and each would compile the
+# project's sources again, as each worker would its assertion-rewritten test modules.
 test: setup lint
-	$(VENV)/bin/pytest -q -n 3 --dist worksteal
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -q -n 3 --dist worksteal
 
 # Style, types (pyproject [tool.mypy]) and import contracts (pyproject [tool.importlinter]),
 # both read from this checkout's folders, not from wherever the package is installed.
@@ -50,7 +53,7 @@ lint: setup
 
 # The tests that start no process (tests/unit, less the few marked slow): well under a minute.
 test-fast: setup
-	$(VENV)/bin/pytest -q -n 2 --dist worksteal -m "not slow" tests/unit
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -q -n 2 --dist worksteal -m "not slow" tests/unit
 
 # llama.cpp, the CPU anchor of bench/vs_llamacpp.py: a bench-only dependency in a venv of its
 # own, built from PyPI's source distribution (about 5 minutes) only when missing. `make test`

@@ -10,6 +10,7 @@ import torch
 
 from helpers import pool_watch
 from helpers.forked import ForkServer
+from kvfence_devcluster.processes import ManagedProcess
 from kvfence_engine.tools.localproc import LocalProcess
 
 
@@ -20,8 +21,11 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Two CPUs: in-process models use both, unless xdist workers share them.
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
-    # Engines and routers fork from a server that imported them once (helpers/forked.py).
-    LocalProcess.spawner = ForkServer()
+    # Engines, routers, operators and pods fork from a server that imported them once
+    # (helpers/forked.py).
+    forks = ForkServer()
+    LocalProcess.spawner = forks
+    ManagedProcess.spawner = forks.managed
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -11,8 +11,19 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Protocol
 
-from kvfence_engine.tools.localproc import die_with_parent
+from kvfence_engine.tools.localproc import Child, die_with_parent
+
+
+class ProcessSpawner(Protocol):
+    """Starts ARGV in a session of its own, in `cwd` with exactly `env`, stdin empty, stdout
+    and stderr appended to `log`, as ManagedProcess's subprocess would; or None for an ARGV it
+    does not start (ManagedProcess then runs a subprocess)."""
+
+    def __call__(
+        self, argv: Sequence[str], env: Mapping[str, str], cwd: Path | None, log: Path
+    ) -> Child | None: ...
 
 
 @dataclass
@@ -21,7 +32,10 @@ class ManagedProcess:
     log_path: Path
     env: Mapping[str, str] | None = None
     cwd: Path | None = None
-    popen: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    popen: Child | None = field(default=None, init=False)
+    # None: every ARGV runs as a subprocess. The tests fork `kvfence` and hollow pods from a
+    # server that imported them once (tests/helpers/forked.py).
+    spawner: ClassVar[ProcessSpawner | None] = None
 
     def start(self) -> "ManagedProcess":
         assert self.popen is None, "a ManagedProcess starts once; make a new one to restart"
@@ -29,12 +43,17 @@ class ManagedProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"[cluster] starting: {' '.join(self.argv)}\n".encode())
             log.flush()
+            env = dict(self.env) if self.env is not None else dict(os.environ)
+            if self.spawner is not None:
+                self.popen = self.spawner(self.argv, env, self.cwd, self.log_path)
+                if self.popen is not None:
+                    return self
             # Its own session: stopping it also stops whatever it started (sh -c ...). And it
             # dies with the thread that started it, so a killed test run or `kvfence-devcluster`
             # leaves no pod or operator running behind it.
             self.popen = subprocess.Popen(
                 list(self.argv),
-                env=dict(self.env) if self.env is not None else None,
+                env=env,
                 cwd=self.cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -57,8 +76,12 @@ class ManagedProcess:
         if self.popen.returncode is None:
             try:  # exited? look without reaping: until reaped, the group id is still ours
                 exited = os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
+            except ChildProcessError:  # a spawner's child: its fork server reaps it
                 exited = None
+                if self.popen.poll() is not None:
+                    # the leader is gone; its group id is not reused while a member lives
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(self.popen.pid, signal.SIGKILL)
             if exited is not None:
                 self._signal_group(signal.SIGKILL)
         return self.popen.poll()

@@ -25,6 +25,7 @@ still fails a reassigned page closed. Served over HTTP: tests/integration/test_s
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -193,7 +194,7 @@ def _greedy_batch(engine: LLMEngine, prompts: list[list[int]], n: int) -> list[l
     return [s.output_ids for s in seqs]
 
 
-def _smollm2_reference() -> dict[str, object]:
+def _smollm2_reference() -> dict[str, Any]:
     loaded = load_model(SMOLLM2)
     weights, int4 = dict(loaded.weights), dict(loaded.int4)
     prompts = _bench_prompts(loaded.tokenizer, 16)

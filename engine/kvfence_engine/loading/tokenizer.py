@@ -10,8 +10,8 @@ from typing import Any
 from jinja2 import StrictUndefined
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 # llama.cpp's token_type values
 _CONTROL = 3
@@ -47,11 +47,18 @@ class Tokenizer:
         self.control_strings = tuple(sorted(set(special.values()), key=len, reverse=True))
 
     def encode(self, text: str) -> list[int]:
-        """Text as token ids, a special token's text as that token (a completion's prompt is
-        the tenant's own to mark up; a chat's markup is the template's)."""
+        """Text as token ids, a special token's text as that token, and nothing added: a
+        chat's rendered template (which writes its own BOS where the model wants one)."""
         # encode_batch works without the GIL (encode holds it throughout): a long prompt
         # tokenized on a worker thread must not stop the event loop or the engine thread
         return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completion's text prompt as the model's tokenizer encodes one: a special token's
+        text as that token (the prompt is the tenant's own to mark up), and the tokens its
+        post-processor adds (Llama's and Mistral's BOS; a GGUF's `add_bos_token`), as
+        transformers, vLLM and llama.cpp add them."""
+        return self.backend.encode_batch([text], add_special_tokens=True)[0].ids
 
     def encode_text(self, texts: list[str]) -> list[list[int]]:
         """Each text as token ids, a special token's text as the ordinary tokens that spell it,
@@ -134,6 +141,22 @@ def max_chars_per_token(backend: HFTokenizer) -> int | None:
     return max(map(len, backend.get_vocab(with_added_tokens=True)))
 
 
+# The splits before the byte-level BPE of the vocabularies whose GGUF pre-tokenizer
+# (`tokenizer.ggml.pre`, llama.cpp's name) kvfence knows: the regexes of the tokenizer.json
+# files the vocabularies come with. Llama 3's keeps runs of up to three digits; Qwen2's (also
+# Qwen2.5's and Qwen3's) splits every digit.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+GGUF_PRE_TOKENIZERS = ("smollm", "starcoder", "refact", "gpt-2", "default", *_SPLITS)
+
+
 def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("smollm", "starcoder", "refact"):
@@ -141,7 +164,20 @@ def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in ("gpt-2", "gpt2", "default"):
         return byte_level
-    raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (known: smollm, gpt-2)")
+    if pre in _SPLITS:
+        split = pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated")
+        bytes_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        return pre_tokenizers.Sequence([split, bytes_only])
+    raise ValueError(
+        f"GGUF pre-tokenizer {pre!r} is not supported (known: {', '.join(GGUF_PRE_TOKENIZERS)})"
+    )
+
+
+def _gguf_flag(fields: dict[str, Any], key: str, default: bool) -> bool:
+    value = fields.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"GGUF {key} must be a boolean, got {value!r}")
+    return value
 
 
 def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
@@ -162,6 +198,17 @@ def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
     backend.add_special_tokens(special)
     bos = int(fields.get("tokenizer.ggml.bos_token_id", 0))
     eos = int(fields["tokenizer.ggml.eos_token_id"])
+    # llama.cpp adds BOS to a prompt when the file says so (absent: no, for a BPE vocabulary)
+    if _gguf_flag(fields, "tokenizer.ggml.add_bos_token", False):
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]}:0 $A:0",
+            pair=f"{tokens[bos]}:0 $A:0 {tokens[bos]}:1 $B:1",
+            special_tokens=[(tokens[bos], bos)],
+        )
+    if _gguf_flag(fields, "tokenizer.ggml.add_eos_token", False):
+        raise ValueError(
+            "GGUF tokenizer.ggml.add_eos_token=true is not supported (a prompt ending in EOS)"
+        )
     return Tokenizer(
         backend=backend,
         eos_ids=frozenset({eos}),

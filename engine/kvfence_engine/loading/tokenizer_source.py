@@ -91,9 +91,15 @@ def _readable(cached: Path) -> bool:
     return True
 
 
+# Changes whenever what a GGUF file's tokenizer is built into does (2: add_bos_token's BOS as
+# a post-processor), so that no cached tokenizer of an older build is served.
+TOKENIZER_BUILD = "2"
+
+
 def _tokenizer_cache(path: Path) -> Path | None:
     root = cache.writable_cache_dir()
-    return root / f"tokenizer-{cache.file_key(path)}.json" if root else None
+    key = cache.file_key(path, salt=f"tokenizer-{TOKENIZER_BUILD}")
+    return root / f"tokenizer-{key}.json" if root else None
 
 
 def smollm2_tokenizer() -> Tokenizer:

@@ -281,14 +281,14 @@ def completion_prompt(
     prompt: str | list[int] | list[str], tokenizer: Tokenizer, vocab: int
 ) -> list[int]:
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return tokenizer.encode_prompt(prompt)
     if prompt and all(isinstance(p, int) for p in prompt):
         ids = [int(p) for p in prompt]
         if any(not 0 <= t < vocab for t in ids):
             raise errors.invalid_request(f"prompt token ids must be in [0, {vocab})", "prompt")
         return ids
     if len(prompt) == 1 and isinstance(prompt[0], str):
-        return tokenizer.encode(prompt[0])
+        return tokenizer.encode_prompt(prompt[0])
     raise errors.invalid_request("exactly one prompt per request is supported", "prompt")
 
 

@@ -463,7 +463,7 @@ def test_the_engine_answers_a_crash_in_its_own_handler_with_a_json_500(
         with TestClient(
             create_app(ServerState(engine=engine)), raise_server_exceptions=False
         ) as client:
-            monkeypatch.setattr(Tokenizer, "encode", broken_encode)
+            monkeypatch.setattr(Tokenizer, "encode_prompt", broken_encode)
             _is_internal_error_naming_nothing(post(client, COMPLETIONS, {"prompt": "hi"}))
             monkeypatch.undo()
             assert post(client, COMPLETIONS, {"prompt": "hi", "max_tokens": 2}).status_code == 200
@@ -482,6 +482,6 @@ def test_the_router_answers_a_crash_in_its_own_handler_with_a_json_500(
     def broken_encode(_self: Tokenizer, _text: str) -> list[int]:
         raise TypeError(SECRET)
 
-    monkeypatch.setattr(Tokenizer, "encode", broken_encode)
+    monkeypatch.setattr(Tokenizer, "encode_prompt", broken_encode)
     with TestClient(create_router_app(state), raise_server_exceptions=False) as client:
         _is_internal_error_naming_nothing(post(client, COMPLETIONS, {"prompt": "hi"}))

@@ -320,15 +320,16 @@ def test_the_character_bound_is_derived_only_where_no_character_is_dropped_or_me
 
 @pytest.fixture
 def tokenized(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """What Tokenizer.encode was asked to tokenize (it still tokenizes)."""
+    """What Tokenizer.encode and encode_prompt were asked to tokenize (they still tokenize)."""
     texts: list[str] = []
-    encode = Tokenizer.encode
+    for name in ("encode", "encode_prompt"):
+        encode = getattr(Tokenizer, name)
 
-    def recording(self: Tokenizer, text: str) -> list[int]:
-        texts.append(text)
-        return encode(self, text)
+        def recording(self: Tokenizer, text: str, encode: Any = encode) -> list[int]:
+            texts.append(text)
+            return encode(self, text)
 
-    monkeypatch.setattr(Tokenizer, "encode", recording)
+        monkeypatch.setattr(Tokenizer, name, recording)
     return texts
 
 
@@ -407,15 +408,16 @@ def slow_tokenizer(monkeypatch: pytest.MonkeyPatch) -> dict[str, threading.Event
     """Tokenize as slowly as a huge prompt would, without holding the GIL: until the test
     sets "release" (after its probe), 30 s at most (a hang guard)."""
     events = {e: threading.Event() for e in ("started", "release", "finished")}
-    encode = Tokenizer.encode
+    for name in ("encode", "encode_prompt"):  # a chat's, a completion's
+        encode = getattr(Tokenizer, name)
 
-    def slow(self: Tokenizer, text: str) -> list[int]:
-        events["started"].set()
-        events["release"].wait(30)
-        events["finished"].set()
-        return encode(self, text)
+        def slow(self: Tokenizer, text: str, encode: Any = encode) -> list[int]:
+            events["started"].set()
+            events["release"].wait(30)
+            events["finished"].set()
+            return encode(self, text)
 
-    monkeypatch.setattr(Tokenizer, "encode", slow)
+        monkeypatch.setattr(Tokenizer, name, slow)
     return events
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from .controllers import Controllers, pod_ready
+from .loop import woken
 from .options import KubeletOptions
 from .pods import Container, PodRuntime
 from .processes import ManagedProcess
@@ -80,8 +81,7 @@ class Kubelet:
             except Exception:
                 self.errors.append(traceback.format_exc())
                 logger.exception("test kubelet: reconcile failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.options.tick)
+            await woken(self._wake, self.options.tick)
             await asyncio.sleep(0.01)  # let a burst of writes settle into one pass
 
     def reconcile(self) -> None:

@@ -2,6 +2,7 @@
 test's own code stays synchronous and reaches them over HTTP (or with `run`)."""
 
 import asyncio
+import contextlib
 import io
 import sys
 import threading
@@ -10,6 +11,16 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+async def woken(event: asyncio.Event, timeout: float) -> None:
+    """Until `event` is set or `timeout` seconds have passed: a controller loop's wait for its
+    next pass. Not asyncio.wait_for, which on Python 3.11 drops a cancellation that lands just
+    as the event is set (CPython gh-86296): the loop then runs on, and the cluster's teardown,
+    which cancels it and waits, hung for its whole limit on a loaded machine."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await event.wait()
 
 
 class BackgroundLoop:

@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .loop import woken
 from .resources import ResourceType
 
 if TYPE_CHECKING:
@@ -76,8 +77,7 @@ class ServiceProxy:
             except Exception:
                 self.errors.append(traceback.format_exc())
                 logger.exception("test kube-proxy: sync failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 1.0)
+            await woken(self._wake, 1.0)
             await asyncio.sleep(0.01)  # let a burst of writes settle into one pass
 
     def _wanted(self) -> dict[ListenerKey, tuple[dict[str, Any], dict[str, Any]]]:

@@ -230,6 +230,7 @@ def test_the_console_script_runs_the_operator_whose_service_answers_and_stops_on
             "prefill": {"resources": {"requests": {"cpu": "1"}}},
             "decode": {"resources": {"requests": {"cpu": "1"}}},
             "router": {"apiKeysSecret": "tiny-keys"},
+            "canary": {"enabled": False},  # the command is the subject; canaries have their own
         },
     }
     objects = client.CustomObjectsApi(api)

@@ -101,7 +101,7 @@ class ForkServer:
         """A ManagedProcess spawner: `kvfence ARGS` or a hollow pod, forked; None otherwise."""
         from kvfence_devcluster.hollow import HOLLOW_SCRIPT, hollow_argv
 
-        if argv[:1] == [KVFENCE]:
+        if list(argv[:1]) == [KVFENCE]:
             script = None
         elif list(argv[:3]) == hollow_argv([KVFENCE]):
             script = HOLLOW_SCRIPT

@@ -200,6 +200,8 @@ def tokenizer_from_gguf(fields: dict[str, Any]) -> Tokenizer:
     eos = int(fields["tokenizer.ggml.eos_token_id"])
     # llama.cpp adds BOS to a prompt when the file says so (absent: no, for a BPE vocabulary)
     if _gguf_flag(fields, "tokenizer.ggml.add_bos_token", False):
+        if "tokenizer.ggml.bos_token_id" not in fields:
+            raise ValueError("GGUF tokenizer.ggml.add_bos_token=true names no bos_token_id")
         backend.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]}:0 $A:0",
             pair=f"{tokens[bos]}:0 $A:0 {tokens[bos]}:1 $B:1",

@@ -149,6 +149,7 @@ def test_the_comparison_tells_the_two_splits_apart(tmp_path: Path) -> None:
     [
         ("deepseek-llm", None, "GGUF pre-tokenizer 'deepseek-llm' is not supported"),
         ("llama-bpe", "add_eos", "add_eos_token=true is not supported"),
+        ("llama-bpe", "add_bos_without_bos", "add_bos_token=true names no bos_token_id"),
     ],
 )
 def test_a_gguf_tokenizer_kvfence_does_not_implement_is_refused_by_name(
@@ -161,6 +162,9 @@ def test_a_gguf_tokenizer_kvfence_does_not_implement_is_refused_by_name(
     fields = gguf_fields(GGUFReader(str(path)))
     if flag == "add_eos":
         fields["tokenizer.ggml.add_eos_token"] = True
+    if flag == "add_bos_without_bos":
+        fields["tokenizer.ggml.add_bos_token"] = True
+        del fields["tokenizer.ggml.bos_token_id"]
     with pytest.raises(ValueError, match=refusal):
         tokenizer_from_gguf(fields)
 

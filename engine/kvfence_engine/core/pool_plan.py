@@ -85,9 +85,12 @@ def plan_pool(
 def effective_context(
     requested: int, pool_tokens: int, page_size: int, policy: ContextPolicy
 ) -> int:
-    if policy is ContextPolicy.REFUSE:
+    """What is served: `requested` under Refuse, and under LowerContext too when the pool holds
+    it (a context that is not a whole number of pages is never lowered below what the pool
+    holds); else the whole pages of the pool."""
+    if policy is ContextPolicy.REFUSE or requested <= pool_tokens:
         return requested
-    return min(requested, pool_tokens) // page_size * page_size
+    return pool_tokens // page_size * page_size
 
 
 def admission_limit(effective: int, pool_tokens: int) -> int:

@@ -67,6 +67,20 @@ def test_lower_context_never_serves_more_than_asked():
     assert decision.effective_context == 2048
 
 
+def test_lower_context_never_lowers_a_context_the_pool_holds():
+    """A context that is not a whole number of pages is served as asked when every pool holds
+    it: 1000 tokens with 16-token pages, in pools of 8192 (it was lowered to 992, and with
+    minContextLength 1000 the pools were refused)."""
+    pools = [pod("p-0", 8192, "prefill"), pod("d-0", 8192)]
+    served = judge_pools(pools, PoolPolicy.LOWER_CONTEXT, 1000, None)
+    assert served.sufficient and served.effective_context == 1000
+    floored = judge_pools(pools, PoolPolicy.LOWER_CONTEXT, 1000, 1000)
+    assert floored.sufficient and floored.effective_context == 1000
+    # a pool smaller than the context still serves whole pages of it
+    lowered = judge_pools([pod("d-0", 1000 // 16 * 16)], PoolPolicy.LOWER_CONTEXT, 1000, None)
+    assert lowered.effective_context == 992
+
+
 def test_lower_context_below_min_context_length_refuses_every_pod():
     decision = judge_pools(
         [pod("p-0", 4096, "prefill"), pod("d-0", 256)], PoolPolicy.LOWER_CONTEXT, 2048, 512

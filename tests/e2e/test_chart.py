@@ -509,7 +509,7 @@ APPLICATION_RULES = [
     {
         "apiGroups": ["policy"],
         "resources": ["poddisruptionbudgets"],
-        "verbs": ["get", "list", "watch", "create", "delete"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
     },
 ]
 
@@ -678,6 +678,25 @@ class RecordingKube:
         self.calls.add(("delete", api_version, kind, ""))
         self.objects.pop((api_version, kind, namespace, name), None)
 
+    def edit_children(self) -> set[str]:
+        """Edits one declared field of each kept child, as another hand would; the kinds."""
+        edits = {
+            "PodDisruptionBudget": lambda o: o["spec"].update(maxUnavailable=3),
+            "NetworkPolicy": lambda o: o["spec"].update(ingress=[]),
+            "Deployment": lambda o: o["spec"]["template"]["spec"]["containers"][0].update(
+                image="registry.example/someone-else:latest"
+            ),
+            "Service": lambda o: o["spec"]["ports"][0].update(port=1),
+            "ConfigMap": lambda o: o.update(data={"edited": "by hand"}),
+        }
+        kinds = set()
+        for obj in self.objects.values():
+            if obj["kind"] in edits and obj["metadata"].get("ownerReferences"):
+                edits[obj["kind"]](obj)
+                kinds.add(obj["kind"])
+        assert kinds == set(edits), f"a rollout made no {set(edits) - kinds}"
+        return kinds
+
     def play_controllers(self) -> None:
         """Deployments get a ReplicaSet and ready pods (with an IP and the template's ports),
         owned as on a real cluster (pod -> ReplicaSet -> Deployment); Jobs complete."""
@@ -797,12 +816,22 @@ def recorded_rollout_and_update(legacy: bool = False) -> RecordingKube:
     }
     body["metadata"]["generation"] = 2
     roll_out(reconciler, kube, body)
+    # Someone else edits every child the operator keeps as declared (an SRE relaxes a
+    # PodDisruptionBudget to drain a node, ...): the next pass puts each back with a patch.
+    edited = kube.edit_children()
+    kube.send_watch_events()
+    reconciler.reconcile(body)
+    repaired = {kind for verb, _, kind, sub in kube.calls if verb == "patch" and not sub}
+    assert edited <= repaired, f"drift repair patched {repaired}, not every edited {edited}"
     return kube
 
 
 def test_rbac_grants_every_call_the_operator_makes_in_a_rollout_and_an_update(
     default_docs: list[dict[str, Any]],
 ) -> None:
+    """The calls of two rollouts and of drift repair over every kind of child (a
+    PodDisruptionBudget an SRE relaxed was patched back under a rule without patch: every
+    pass died on the 403)."""
     role = operator_cluster_role(default_docs)
     kube = recorded_rollout_and_update()
     # no get: reads come from the caches (a get is for a name someone else's object took, or

@@ -132,8 +132,9 @@ InferenceDeployment resource from API discovery, which every authenticated clien
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # application: PodDisruptionBudgets that let a voluntary disruption take one pod of a
-# revision's role at a time; retired with the revision.
+# revision's role at a time; patched back when someone edits them (drift repair), retired
+# with the revision.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 {{- end -}}

@@ -281,6 +281,22 @@ def _plan_serving(
     return _promote(candidate, current, passed, events, retire_after_seconds)
 
 
+def canary_refused(plan: RolloutPlan, refusal: str) -> RolloutPlan:
+    """The plan as it stands when the API refused the canary Job it starts (`refusal`: what
+    the API answered): no canary started, so none is said to have (no CanaryStarted) and the
+    candidate's canary is Pending with the refusal, not Running. A Running canary is bounded
+    by its Job's deadline; a Pending one by the progress deadline, so a refusal that lasts
+    (a quota never raised) ends Stalled. The Job is tried again each pass."""
+    assert plan.start_canary is not None
+    canary = CanaryStatus(
+        revision=plan.start_canary,
+        result=CanaryResult.PENDING,
+        message=f"its canary Job could not be created ({refusal}); tried again each pass",
+    )
+    events = [e for e in plan.events if e.reason is not EventReason.CANARY_STARTED]
+    return replace(plan, canary=canary, start_canary=None, events=events)
+
+
 def kept_verdict(canary: CanaryStatus | None, outcome: CanaryOutcome | None) -> bool:
     """Whether the candidate's verdict in status stands whatever its Job says now: a failed
     canary, or one that could not run, is never forgotten because its Job is gone (the TTL

@@ -194,6 +194,9 @@ def compute_status(
     waiting = judged.waiting_for if judged else "waiting for pods"
     if canary_running:
         waiting = "its canary is running"
+    elif rolling and _canary_held(canary, judged):
+        assert canary is not None
+        waiting = f"ready, but {canary.message}"
     if candidate_stopped is not None:
         put(ConditionType.PROGRESSING, F, stop_reason,
             _about(candidate_stopped, candidate_stopped.message or ""))  # fmt: skip
@@ -285,6 +288,18 @@ def compute_status(
         endpoint=endpoint if plan.serve else None,
         candidate=_candidate(plan.revision.candidate, judged) if rolling else None,
         progress=progressed,
+    )
+
+
+def _canary_held(canary: CanaryStatus | None, judged: RevisionObservation | None) -> bool:
+    """A candidate ready to be judged whose canary is still Pending: its Job could not be
+    created, or the Job of its name is not the operator's (the canary's message says which)."""
+    return (
+        canary is not None
+        and canary.result is CanaryResult.PENDING
+        and judged is not None
+        and judged.pods_ready
+        and judged.pools.sufficient
     )
 
 

@@ -26,7 +26,7 @@ from kvfence_operator.cluster.cache import ClusterVerbs
 from kvfence_operator.cluster.kube import KubeError, api_message
 from kvfence_operator.cluster.router_push import BackendsPusher
 from kvfence_operator.decisions.drift import drift_patch, is_subset
-from kvfence_operator.decisions.findings import Conflict, Findings, create_problem
+from kvfence_operator.decisions.findings import Conflict, Findings, Problem, create_problem
 from kvfence_operator.decisions.ownership import stable_service_patch
 from kvfence_operator.decisions.pods import gate_event_due, gate_patch
 from kvfence_operator.decisions.pool_gate import PodGate
@@ -42,6 +42,7 @@ GATE_WRITE_ATTEMPTS = 3
 class Acted:
     events: list[Event]  # of the writes that changed something worth an Event
     served: bool  # the stable Service is ours and selects the serving revision
+    canary_refused: Problem | None = None  # the API refused the canary Job the plan starts
 
 
 @dataclass(frozen=True)
@@ -70,14 +71,15 @@ class Act:
         for writes in plan.revisions:
             events += self.gate(writes)
             self.write_backends(writes)
+        canary_refused = None
         if plan.canary_job is not None:
-            self.claim(plan.canary_job)
+            canary_refused = self.start_canary(plan.canary_job)
         served = False
         if plan.stable_service is not None:
             self.fence_routers(plan.rollout.keep, plan.open_routers)
             served = self.serve(plan.stable_service)
         self.retire(plan.retirement)
-        return Acted(events, served)
+        return Acted(events, served, canary_refused)
 
     # ---- ownership -----------------------------------------------------------------------
 
@@ -164,6 +166,13 @@ class Act:
             self.kube.create(secret)
         except KubeError as exc:  # forbidden (quota), rejected: said, and the pass goes on
             self._refused(secret, exc)
+
+    def start_canary(self, job: Mapping[str, Any]) -> Problem | None:
+        """Create the candidate's canary Job; what the API answered if it refused it (a quota,
+        an admission policy), also found for Degraded."""
+        problems = len(self.found.problems)
+        self.claim(job)
+        return self.found.problems[problems] if len(self.found.problems) > problems else None
 
     def rerun_canary(self, revision: str, wanted: str) -> Event:
         """Delete the revision's canary Job (its pods with it): the user gave

@@ -25,6 +25,7 @@ from kvfence_operator.decisions.canary import rerun_value
 from kvfence_operator.decisions.findings import Findings, InvalidSpec, keys_secret_problem
 from kvfence_operator.decisions.rollout import (
     Event,
+    canary_refused,
     sealed_revision,
     selected_revision,
     serving_revision,
@@ -145,11 +146,14 @@ class Reconciler:
         endpoint = (
             service_url(instance, instance.name, spec.router.service.port) if acted.served else None
         )
+        rollout = plan.rollout
+        if acted.canary_refused is not None:
+            rollout = canary_refused(rollout, acted.canary_refused.message)
         status = compute_status(
             spec,
             generation,
             previous,
-            plan.rollout,
+            rollout,
             plan.observed,
             list(plan.pools),
             endpoint,
@@ -158,7 +162,7 @@ class Reconciler:
         )
         events = [
             *acted.events,
-            *plan.rollout.events,
+            *rollout.events,
             *pool_events(previous, status),
             *problem_events(previous, status, found),
         ]

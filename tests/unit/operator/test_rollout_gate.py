@@ -9,6 +9,7 @@ import pytest
 
 from helpers.gate import COMPLETE, FINDING, INSTANCE, Gate, serving_then_rolling
 from kvfence_operator.builders.canary_job import build_canary_job
+from kvfence_operator.cluster.kube import KubeError
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
 from kvfence_operator.meta import (
     ANNOTATION_RERUN_CANARY,
@@ -240,3 +241,70 @@ def test_a_failed_canarys_job_replaced_by_another_does_not_change_the_verdict():
     gate.reconcile(3)
     assert gate.status["canary"]["result"] == "Failed"
     assert gate.status["revision"] == {"current": r1, "candidate": r2}
+
+
+# ---- 12. a canary Job the API refuses ---------------------------------------------------------
+
+JOB_QUOTA = ('jobs.batch "tiny-x-canary" is forbidden: exceeded quota: compute, requested: '
+             "requests.cpu=1, used: requests.cpu=4, limited: requests.cpu=4")  # fmt: skip
+
+
+def refusing_jobs(gate: Gate, status: int, message: str) -> None:
+    """The API server answers `status` to creating any Job from now on (a quota, an
+    admission policy)."""
+    create = gate.kube.create
+
+    def refusing(obj: dict[str, Any], dry_run: bool = False) -> bool:
+        if obj["kind"] == "Job":
+            body = json.dumps({"kind": "Status", "status": "Failure", "message": message})
+            raise KubeError(status, "POST", "/apis/batch/v1/namespaces/default/jobs", body)
+        return create(obj, dry_run)
+
+    gate.kube.create = refusing  # type: ignore[method-assign]
+
+
+def test_a_canary_job_the_api_refuses_is_a_condition_with_one_event_and_stalls_at_the_deadline():
+    """It said CanaryStarted every pass, and its status Running "starting" forever: a running
+    canary is exempt from the progress deadline, so it never stalled."""
+    gate = Gate()
+    r1 = gate.revision
+    gate.verdicts[r1] = COMPLETE
+    gate.reconcile(6)
+    refusing_jobs(gate, 403, JOB_QUOTA)
+    r2 = gate.set_spec(contextLength=2048)
+    gate.reconcile(5)
+    assert gate.child("Job", r2, Role.CANARY) is None
+    assert not [e for e in gate.events_of("CanaryStarted") if r2 in e.message]
+    assert len(gate.events_of("CreateFailed")) == 1, gate.events
+    canary = gate.status["canary"]
+    assert (canary["revision"], canary["result"]) == (r2, "Pending"), canary
+    assert JOB_QUOTA in canary["message"]
+    assert gate.condition("Degraded")["reason"] == "CreateFailed"
+    assert JOB_QUOTA in gate.condition("Progressing")["message"]
+    assert gate.condition("Ready")["status"] == "True"  # r1 serves on
+    assert gate.condition("Stalled")["status"] == "False"  # a quota can be raised
+
+    # no progress for the deadline: Stalled
+    gate.obj["status"]["progress"]["lastProgressTime"] = "2020-01-01T00:00:00Z"
+    gate.reconcile()
+    assert gate.condition("Stalled")["status"] == "True"
+    assert gate.condition("Stalled")["reason"] == "ProgressDeadlineExceeded"
+    assert gate.status["revision"] == {"current": r1, "candidate": r2}
+
+    # the quota raised: the canary starts, passes, and promotes
+    gate.kube.create = type(gate.kube).create.__get__(gate.kube)  # type: ignore[method-assign]
+    gate.verdicts[r2] = COMPLETE
+    gate.reconcile(3)
+    assert gate.status["revision"] == {"current": r2}
+    assert [e for e in gate.events_of("CanaryStarted") if r2 in e.message]
+
+
+def test_a_canary_job_an_admission_policy_rejects_stalls_at_once():
+    gate = Gate()
+    message = 'Job.batch "tiny-x-canary" is invalid: spec.template.spec.priorityClassName'
+    refusing_jobs(gate, 422, message)
+    gate.reconcile(4)
+    assert gate.status["canary"]["result"] == "Pending"
+    assert gate.condition("Stalled")["reason"] == "CreateRejected"
+    assert len(gate.events_of("CreateRejected")) == 1
+    assert not gate.events_of("CanaryStarted")

@@ -23,7 +23,7 @@ from kvfence_operator.cluster.cache import (
     start_informers,
     wait_filled,
 )
-from kvfence_operator.cluster.kube import Kube, load_cluster_config
+from kvfence_operator.cluster.kube import Kube, load_cluster_config, with_retries
 from kvfence_operator.cluster.metrics_token import metrics_access
 from kvfence_operator.cluster.own_secrets import credentials_key
 from kvfence_operator.cluster.prober import PoolProber
@@ -56,8 +56,10 @@ def exact_namespaces(patterns: list[str] | None) -> list[str] | None:
 
 
 def api_client() -> client.ApiClient:
+    """The cluster's client for the passes and the caches: a transient answer is retried
+    inside the call (kube.with_retries)."""
     load_cluster_config()
-    return client.ApiClient()
+    return client.ApiClient(with_retries(client.Configuration.get_default_copy()))
 
 
 @kopf.on.startup()

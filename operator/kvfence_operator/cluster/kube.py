@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client, config
+from urllib3.util.retry import Retry
 
 from kvfence_operator.crd.types import API_GROUP, API_VERSION, KIND, PLURAL
 
@@ -51,6 +52,36 @@ def load_cluster_config() -> None:
             f"({str(exc).rstrip('.')}); point KUBECONFIG at a kubeconfig file, or run the "
             "operator in a pod with a service account"
         ) from None
+
+
+# Answers that say "try again" (API priority and fairness' 429, an apiserver or etcd blip):
+# retried inside the call, so one of them neither escapes the pass into kopf's 60 s backoff nor
+# shows as Degraded. A create retried after a 500 that had been stored meets a 409, which the
+# callers read as "it exists"; patches are merge patches and deletes ignore 404, so every verb
+# may be retried.
+TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+RETRY_AFTER_MAX_S = 5  # a server's Retry-After, at most: a pass must not stall on one call
+
+
+def with_retries(configuration: client.Configuration) -> client.Configuration:
+    """`configuration`, its calls retried on a transient answer by urllib3 (the official
+    client's transport): three retries, after the server's Retry-After (at most
+    RETRY_AFTER_MAX_S) or a short exponential backoff; the last answer is returned as it is,
+    so an error that lasts still reaches the caller as a KubeError."""
+    configuration.retries = Retry(
+        total=3,
+        connect=3,
+        read=1,
+        status=3,
+        allowed_methods=None,  # every verb: see TRANSIENT_STATUSES
+        status_forcelist=TRANSIENT_STATUSES,
+        backoff_factor=0.25,
+        backoff_max=2.0,
+        respect_retry_after_header=True,
+        retry_after_max=RETRY_AFTER_MAX_S,
+        raise_on_status=False,
+    )
+    return configuration
 
 
 class KubeError(RuntimeError):

@@ -260,7 +260,7 @@ def refusing_jobs(gate: Gate, status: int, message: str) -> None:
             raise KubeError(status, "POST", "/apis/batch/v1/namespaces/default/jobs", body)
         return create(obj, dry_run)
 
-    gate.kube.create = refusing  # type: ignore[method-assign]
+    gate.kube.create = refusing  # type: ignore[method-assign,assignment]
 
 
 def test_a_canary_job_the_api_refuses_is_a_condition_with_one_event_and_stalls_at_the_deadline():

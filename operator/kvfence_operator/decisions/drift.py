@@ -7,7 +7,12 @@ is `declared ⊆ live`, so fields the API server defaults and annotations or lab
 add are not drift, and an unchanged child is never written:
 
 - every field the builder declares must hold its value (lists element by element, same length:
-  an added container, env var or volume is drift);
+  an added container or argument is drift);
+- in the lists other managers add to (`env`, `volumes`, `volumeMounts`, `imagePullSecrets`:
+  a mutating webhook's env var, a CA bundle's volume), entries are matched by name: each one
+  the operator declares must be there and hold, and entries others added stay, as server-side
+  apply keeps another field manager's entries, except an env var named `KVFENCE_…` (the
+  engine's own settings: one added is drift);
 - label selectors (`selector`, `podSelector`, `namespaceSelector`) and NetworkPolicy rules
   must match exactly: a key added to one changes what it selects or admits;
 - a declared empty list or null matches only an absent or empty one; a declared empty map
@@ -17,10 +22,10 @@ add are not drift, and an unchanged child is never written:
 - metadata: the labels the operator sets, and its controller ownerReference; others' labels,
   annotations and ownerReferences stay.
 
-The patch is a JSON merge patch of what is declared (lists are replaced whole, a selector's
-added keys are removed); fields the operator does not declare and no one may rely on are left
-as they are, as server-side apply with a field manager would. Pure functions; the reconciler
-reads and writes.
+The patch is a JSON merge patch of what is declared (lists are replaced whole, keeping the
+entries others added to the lists above; a selector's added keys are removed); fields the
+operator does not declare and no one may rely on are left as they are, as server-side apply
+with a field manager would. Pure functions; the reconciler reads and writes.
 """
 
 from collections.abc import Mapping
@@ -34,6 +39,9 @@ from kvfence_operator.revision import judged_spec, revision_of
 # label selectors, and a NetworkPolicy's rules (a `from` added to a rule narrows who is admitted)
 EXACT_KEYS = frozenset({"selector", "podSelector", "namespaceSelector", "ingress", "egress"})
 QUANTITY_KEYS = frozenset({"requests", "limits"})
+# lists whose entries are keyed by name and that others add entries to (see the module doc)
+SHARED_LISTS = frozenset({"env", "volumes", "volumeMounts", "imagePullSecrets"})
+RESERVED_ENV_PREFIX = "KVFENCE_"
 # top-level fields that are not the child's declaration: identity, server-owned, or (a router
 # ConfigMap's data and spec record) written from the pods' pools by the reconciler itself
 NOT_DECLARED = frozenset({"apiVersion", "kind", "metadata", "status"})
@@ -60,10 +68,32 @@ def _empty(value: Any) -> bool:
     return value is None or value == {} or value == []
 
 
-def holds(wanted: Any, live: Any, exact: bool = False, quantity: bool = False) -> bool:
-    """Does `live` hold everything `wanted` declares (see the module doc)?"""
+def _named(entries: Any) -> bool:
+    return isinstance(entries, list) and all(
+        isinstance(e, Mapping) and isinstance(e.get("name"), str) for e in entries
+    )
+
+
+def _others(key: str, wanted: list[Any], live: Any) -> list[Any] | None:
+    """The entries others added to a shared list (SHARED_LISTS) beside the declared ones, in
+    their order; None when they may not stay (the list is not one others share, an entry has
+    no name, or an env var takes the engine's reserved prefix)."""
+    if key not in SHARED_LISTS or not _named(wanted) or not _named(live):
+        return None
+    declared = {e["name"] for e in wanted}
+    added = [e for e in live if e["name"] not in declared]
+    if key == "env" and any(e["name"].startswith(RESERVED_ENV_PREFIX) for e in added):
+        return None
+    return added
+
+
+def holds(
+    wanted: Any, live: Any, exact: bool = False, quantity: bool = False, key: str = ""
+) -> bool:
+    """Does `live` hold everything `wanted` declares (see the module doc)? `key`: the field
+    `wanted` is the value of."""
     if wanted is None or wanted == [] or (wanted == {} and exact):
-        return _empty(live)
+        return _empty(live) or (not exact and wanted == [] and _others(key, [], live) is not None)
     if isinstance(wanted, Mapping):
         if not isinstance(live, Mapping):
             return not wanted and live is None
@@ -75,10 +105,17 @@ def holds(wanted: Any, live: Any, exact: bool = False, quantity: bool = False) -
                 live.get(k),
                 exact=exact or k in EXACT_KEYS,
                 quantity=quantity or k in QUANTITY_KEYS,
+                key=k,
             )
             for k, v in wanted.items()
         )
     if isinstance(wanted, list):
+        if not exact and _others(key, wanted, live) is not None:
+            by_name = {e["name"]: e for e in live}
+            return all(
+                e["name"] in by_name and holds(e, by_name[e["name"]], exact, quantity)
+                for e in wanted
+            )
         return (
             isinstance(live, list)
             and len(wanted) == len(live)
@@ -112,9 +149,31 @@ def _patch_of(wanted: Any, live: Any) -> Any:
         return wanted
     live_map = live if isinstance(live, Mapping) else {}
     return {
-        k: _exact(v, live_map.get(k)) if k in EXACT_KEYS else _patch_of(v, live_map.get(k))
+        k: _exact(v, live_map.get(k))
+        if k in EXACT_KEYS
+        else _whole(k, v, live_map.get(k))
+        if isinstance(v, list)
+        else _patch_of(v, live_map.get(k))
         for k, v in wanted.items()
     }
+
+
+def _whole(key: str, wanted: list[Any], live: Any) -> list[Any]:
+    """A list as a merge patch sets it (whole): the declared entries, each with what others
+    added to its own shared lists, then the entries others added beside them (_others)."""
+    live_entries = {e["name"]: e for e in live} if _named(live) else {}
+
+    def entry(declared: Any) -> Any:
+        if not isinstance(declared, Mapping) or "name" not in declared:
+            return declared
+        current = live_entries.get(declared["name"])
+        current_map = current if isinstance(current, Mapping) else {}
+        return {
+            k: _whole(k, v, current_map.get(k)) if isinstance(v, list) else v
+            for k, v in declared.items()
+        }
+
+    return [entry(e) for e in wanted] + (_others(key, wanted, live) or [])
 
 
 def declared_fields(child: Mapping[str, Any]) -> dict[str, Any]:

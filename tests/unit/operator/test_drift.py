@@ -89,7 +89,8 @@ def test_set_image_on_a_deployment_is_reverted_with_the_whole_template():
 @pytest.mark.parametrize(
     "edit",
     [
-        lambda d: container(d)["env"].append({"name": "KVFENCE_UNSAFE", "value": "1"}),
+        lambda d: container(d)["env"].append({"name": "KVFENCE_ALLOW_UNSAFE", "value": "1"}),
+        lambda d: container(d)["env"][0].update(value="changed"),
         lambda d: container(d)["args"].append("--unsafe-fault"),
         lambda d: d["spec"]["template"]["spec"]["containers"].append(
             {"name": "sidecar", "image": "x"}
@@ -100,13 +101,54 @@ def test_set_image_on_a_deployment_is_reverted_with_the_whole_template():
         lambda d: d["spec"].update(replicas=9),
         lambda d: d["metadata"]["labels"].pop("app.kubernetes.io/managed-by"),
     ],
-    ids=["env", "args", "sidecar", "volume", "pod-label", "selector", "replicas", "label"],
+    ids=[
+        *("kvfence-env", "env-value", "args", "sidecar", "volume"),
+        *("pod-label", "selector", "replicas", "label"),
+    ],
 )
 def test_any_change_to_what_a_deployment_declares_is_reverted(edit):
     child = deployment()
     edited = live(child)
     edit(edited)
     reverted(child, edited)
+
+
+def webhooked(d: dict[str, Any]) -> None:
+    """What a mutating webhook (or another controller) adds beside the operator's entries: an
+    env var, a volume and its mount, an image pull secret."""
+    pod = d["spec"]["template"]["spec"]
+    container(d).setdefault("env", []).insert(0, {"name": "OTEL_SERVICE_NAME", "value": "x"})
+    container(d).setdefault("volumeMounts", []).append({"name": "ca", "mountPath": "/etc/ca"})
+    pod.setdefault("volumes", []).append({"name": "ca", "configMap": {"name": "ca"}})
+    pod.setdefault("imagePullSecrets", []).append({"name": "mirror"})
+
+
+def test_entries_others_add_beside_the_operators_are_not_drift():
+    """A webhook that adds an env var to every pod template made the operator PATCH each
+    Deployment every pass (36 a minute per object): another manager's list entries stay, as
+    server-side apply keeps them; what the operator declares of each entry is still its own."""
+    child = deployment()
+    edited = live(child)
+    webhooked(edited)
+    assert drift_patch(child, edited) is None
+
+
+def test_a_repair_keeps_what_others_added_beside_it():
+    child = deployment()
+    edited = live(child)
+    webhooked(edited)
+    container(edited)["image"] = "evil/engine:latest"
+    container(edited)["env"][1]["value"] = "changed"
+    fixed = reverted(child, edited)
+    assert container(fixed)["image"] == container(child)["image"]
+    assert {"name": "OTEL_SERVICE_NAME", "value": "x"} in container(fixed)["env"]
+    assert [e for e in container(fixed)["env"] if e["name"] != "OTEL_SERVICE_NAME"] == container(
+        child
+    )["env"]
+    assert {"name": "ca", "mountPath": "/etc/ca"} in container(fixed)["volumeMounts"]
+    assert {"name": "ca", "configMap": {"name": "ca"}} in fixed["spec"]["template"]["spec"][
+        "volumes"
+    ]
 
 
 def test_replicas_come_from_the_objects_spec_for_every_kept_revision():
@@ -196,7 +238,7 @@ def test_owner_references_are_restored_and_others_kept():
     assert drift_patch(child, edited) is None
 
 
-def test_compare_tolerates_defaults_canonical_quantities_and_empties_but_not_list_additions():
+def test_compare_tolerates_defaults_quantities_empties_and_others_entries_not_list_additions():
     assert holds({"a": {"b": 1}}, {"a": {"b": 1, "c": 2}, "d": 3})
     assert holds({"requests": {"cpu": 1}}, {"requests": {"cpu": "1"}})
     assert holds(
@@ -207,7 +249,10 @@ def test_compare_tolerates_defaults_canonical_quantities_and_empties_but_not_lis
     assert not holds({"port": 8000}, {"port": "8000"})  # only quantities compare as text
     assert holds({"env": [], "x": None, "y": {}}, {})
     assert holds({"y": {}}, {"y": {"defaulted": True}})
-    assert not holds({"env": []}, {"env": [{"name": "A"}]})
+    assert not holds({"args": []}, {"args": ["--unsafe-fault"]})
+    assert holds({"env": []}, {"env": [{"name": "A"}]})  # others' entries (SHARED_LISTS)
+    assert not holds({"env": []}, {"env": [{"name": "KVFENCE_ALLOW_UNSAFE"}]})
+    assert not holds({"env": [{"name": "A", "value": "1"}]}, {"env": [{"name": "B"}]})
     assert not holds({"x": None}, {"x": 1})
     assert not holds({"l": [1]}, {"l": [1, 2]})
     assert not holds({"selector": {"a": "1"}}, {"selector": {"a": "1", "b": "2"}})

@@ -1,10 +1,12 @@
 """One reconcile pass keeps both revisions of a rollout as declared, each from its own spec,
 against an in-memory API server that applies merge patches (the real reconcile code)."""
 
+import copy
 from typing import Any
 
 from helpers.builders import CREDENTIALS, OPERATOR_NAMESPACE, container, instance_for
 from helpers.crd_admission import load_sample
+from helpers.gate import COMPLETE, Gate
 from helpers.memory_kube import MemoryKube
 from helpers.reconciling import never_probed
 from kvfence_operator.builders import build_revision_children
@@ -93,3 +95,36 @@ def test_the_serving_routers_stay_open_without_a_stable_service_of_ours():
     reconciler.reconcile(body(spec, revision))
     assert kube.writes == []
     assert kube.objects[policy]["spec"] == opened["spec"]
+
+
+def test_a_webhook_that_adds_an_env_var_to_every_template_costs_no_patch_per_pass():
+    """Issue 26 item 9: each pass PATCHed every Deployment back, and the webhook added its env
+    var again (36 PATCHes a minute per object)."""
+    gate = Gate()
+    create, patch = gate.kube.create_object, gate.kube.patch
+
+    def admitted(obj: dict[str, Any]) -> dict[str, Any]:
+        if obj["kind"] == "Deployment":
+            obj = copy.deepcopy(obj)
+            for each in obj["spec"]["template"]["spec"]["containers"]:
+                each.setdefault("env", []).append({"name": "OTEL_SERVICE_NAME", "value": "x"})
+        return obj
+
+    def webhooked_create(obj: dict[str, Any]) -> Any:
+        return create(admitted(obj))
+
+    def webhooked_patch(*args: Any, **kwargs: Any) -> Any:
+        result = patch(*args, **kwargs)
+        key = (args[1], args[3])
+        if args[1] == "Deployment" and key in gate.kube.objects:
+            gate.kube.objects[key] = admitted(gate.kube.objects[key])
+        return result
+
+    gate.kube.create_object = webhooked_create  # type: ignore[method-assign,assignment]
+    gate.kube.patch = webhooked_patch  # type: ignore[method-assign]
+    gate.verdicts[gate.revision] = COMPLETE
+    gate.reconcile(6)
+    assert gate.condition("Ready")["status"] == "True"
+    gate.kube.writes.clear()
+    gate.reconcile(5)
+    assert not [w for w in gate.kube.writes if w[:2] == ("patch", "Deployment")]

@@ -28,6 +28,7 @@ BASE = {
 FINDING = {"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
            "message": "Container canary for pod default/x failed with exit code 1"}  # fmt: skip
 COMPLETE = {"type": "Complete", "status": "True"}
+STARTED_AT = "2026-01-01T00:00:00Z"  # when every pod's container started: before any gate
 
 
 def spec_dict(**change: Any) -> dict[str, Any]:
@@ -137,16 +138,18 @@ class Gate:
 
 
 def ready_pod(name: str, revision: str, role: Role, deployment_uid: str) -> dict[str, Any]:
+    container = "router" if role is Role.ROUTER else "engine"  # as the builders name them
     owner = {"kind": "Deployment", "uid": deployment_uid, "controller": True}
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": "default", "uid": f"u-{name}",
                      "labels": selector(INSTANCE, revision, role), "ownerReferences": [owner]},
-        "spec": {"containers": [{"name": str(role),
+        "spec": {"containers": [{"name": container,
                                  "ports": [{"name": "http", "containerPort": 8000}]}]},
         "status": {"phase": "Running", "podIP": "10.0.0.1", "conditions": [],
-                   "containerStatuses": [{"name": str(role), "restartCount": 0}]},
+                   "containerStatuses": [{"name": container, "restartCount": 0, "ready": True,
+                                          "state": {"running": {"startedAt": STARTED_AT}}}]},
     }  # fmt: skip
 
 

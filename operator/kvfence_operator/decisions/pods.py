@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from kvfence_operator.decisions.pool_gate import PodGate
+from kvfence_operator.decisions.pool_gate import PodGate, PodPool
 from kvfence_operator.meta import KV_POOL_GATE
 
 TERMINAL_PHASES = ("Failed", "Succeeded")
@@ -81,6 +81,34 @@ def gate_patch(
         "metadata": {"resourceVersion": pod["metadata"].get("resourceVersion")},
         "status": {"conditions": [*others, new]},
     }
+
+
+def gate_held(pod: Mapping[str, Any], pool: PodPool) -> bool:
+    """Whether this pass must leave the pod's True gate as it is though it has no report of
+    its pool: a new operator (a restart, a leader handover) whose probes have not finished
+    yet, or a read that failed. It holds while the engine instance it was judged for runs and
+    is ready: the gate turned True after that container started (a pool cannot change while
+    its engine runs) and the kubelet's readiness probe passes (a hung engine's fails, and its
+    gate is then judged like any other). "Unknown" never turns a True gate False."""
+    if pool.report is not None:
+        return False
+    gate = pod_condition(pod, KV_POOL_GATE)
+    if gate is None or gate.get("status") != "True":
+        return False
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    engine = next((s for s in statuses if s.get("name") == ENGINE_CONTAINER), None)
+    if engine is None or not engine.get("ready"):
+        return False
+    started = _time(((engine.get("state") or {}).get("running") or {}).get("startedAt"))
+    since = _time(gate.get("lastTransitionTime"))
+    return started is not None and since is not None and since >= started
+
+
+def _time(stamp: object) -> datetime | None:
+    try:
+        return datetime.fromisoformat(str(stamp)) if stamp else None
+    except ValueError:
+        return None
 
 
 def gate_event_due(pod: Mapping[str, Any], gate: PodGate) -> bool:

@@ -118,6 +118,8 @@ def judge_pools(
     *,
     unsafe_faults_allowed: bool = False,
     pool_share: float | None = None,
+    held: frozenset[str] = frozenset(),
+    held_context: int | None = None,
 ) -> PoolDecision:
     """Refuse: a pod may serve only if its pool holds `context_length`. LowerContext: the
     served context is the smallest pool (whole pages, at most `context_length`); below
@@ -126,10 +128,23 @@ def judge_pools(
     is never sufficient. `unsafe_faults_allowed` (the operator under KVFENCE_ALLOW_UNSAFE=1,
     for tests whose canary must catch a fault) lets a pod's faults through; nothing else.
     `pool_share` (spec.tenantLimits.maxPoolSharePerTenant): a request is one tenant's, so what
-    must hold the context is one tenant's share of each pool, not the whole pool."""
+    must hold the context is one tenant's share of each pool, not the whole pool.
+    `held`: pods without a report whose True gate stands (pods.gate_held), judged before at
+    `held_context` (the routers' served context then); under LowerContext the served context
+    is at most that, and without it they are unknown like any pod without a report."""
     gates: dict[str, PodGate] = {}
     reports: dict[str, PoolGateReport] = {}
+    if policy is PoolPolicy.LOWER_CONTEXT and held_context is None:
+        held = frozenset()
     for pool in pools:
+        if pool.report is None and pool.pod in held:
+            gates[pool.pod] = PodGate(
+                pool.pod,
+                True,
+                ConditionReason.POOL_HOLDS_CONTEXT,
+                f"pod {pool.pod}: judged before and its engine runs on; not read again yet",
+            )
+            continue
         if pool.report is None:
             gates[pool.pod] = PodGate(
                 pool.pod,
@@ -175,11 +190,13 @@ def judge_pools(
         smallest_share = (
             f"; a tenant's share of it holds {min_usable}" if _shared(pool_share) else ""
         )
-        effective = None
         page = max((r.page_size for r in reports.values()), default=1)
-        if min_usable is not None:
-            lowered = effective_context(context_length, min_usable, page, ContextPolicy.LOWER)
-            effective = lowered if lowered >= floor else None
+        served = [
+            *([effective_context(context_length, min_usable, page, ContextPolicy.LOWER)]
+              if min_usable is not None else []),
+            *([held_context] if held and held_context is not None else []),
+        ]  # fmt: skip
+        effective = min(served) if served and min(served) >= floor else None
         smallest = min(usable, key=lambda pod: usable[pod], default=None)
         for pod, report in reports.items():
             if effective is None:

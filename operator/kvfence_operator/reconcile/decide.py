@@ -46,7 +46,7 @@ from kvfence_operator.decisions.findings import (
     engine_crash_loop,
     record_refused,
 )
-from kvfence_operator.decisions.pods import may_serve, pod_url
+from kvfence_operator.decisions.pods import gate_held, may_serve, pod_url
 from kvfence_operator.decisions.pool_gate import PodGate, PodPool, judge_pools
 from kvfence_operator.decisions.replicas import with_replicas_of
 from kvfence_operator.decisions.retirement import Retirement, retirement
@@ -296,7 +296,14 @@ def _revision(
     now_ms: int,
     unsafe_faults_allowed: bool,
 ) -> tuple[RevisionObservation, RevisionWrites]:
-    """`spec`: the one this revision is judged by (revision.judged_spec)."""
+    """`spec`: the one this revision is judged by (revision.judged_spec). A pod whose True
+    gate this pass cannot judge (pods.gate_held: a new operator's probes still running) keeps
+    it, unwritten, and its place in the backends, at the context they were given."""
+    held = frozenset(
+        pool.pod
+        for pod, pool in zip(seen.engine_pods, seen.pools, strict=True)
+        if gate_held(pod, pool)
+    )
     decision = judge_pools(
         seen.pools,
         spec.pool_policy,
@@ -304,8 +311,14 @@ def _revision(
         spec.min_context_length,
         unsafe_faults_allowed=unsafe_faults_allowed,
         pool_share=spec.tenant_limits.max_pool_share_per_tenant,
+        held=held,
+        held_context=seen.backends.context_length if seen.backends else None,
     )
-    gates = tuple((pod, decision.gates[pod["metadata"]["name"]]) for pod in seen.engine_pods)
+    gates = tuple(
+        (pod, decision.gates[name])
+        for pod in seen.engine_pods
+        if (name := pod["metadata"]["name"]) not in held
+    )
     urls: dict[str, list[str]] = {str(role): [] for role in ENGINE_ROLES}
     for pod, pool in zip(seen.engine_pods, seen.pools, strict=True):
         url = pod_url(pod)

@@ -258,3 +258,19 @@ def test_the_remedy_is_the_arithmetic_preflight_shows():
         [pod("d-0", 1456)], PoolPolicy.REFUSE, context_length=2048, min_context_length=None
     )
     assert "raise kvCacheMemory by 41% or lower contextLength to 1456" in decision.message
+
+
+def test_a_held_gate_stands_without_a_report_at_the_context_it_was_given():
+    """pods.gate_held: a new operator that has not read a serving pod's pool yet."""
+    unread = PodPool("d-0", "decode", "r1", error="probing")
+    pools = [pod("p-0", 4096, "prefill"), unread]
+    refuse = judge_pools(pools, PoolPolicy.REFUSE, 1024, None, held=frozenset({"d-0"}))
+    assert refuse.sufficient and refuse.gates["d-0"].sufficient
+    lower = judge_pools(
+        pools, PoolPolicy.LOWER_CONTEXT, 2048, None, held=frozenset({"d-0"}), held_context=1024
+    )
+    assert lower.sufficient and lower.effective_context == 1024  # not the reported 2048
+    # with no context the routers were given, a held pod is unknown like any unread one
+    blind = judge_pools(pools, PoolPolicy.LOWER_CONTEXT, 2048, None, held=frozenset({"d-0"}))
+    assert not blind.sufficient and blind.gates["d-0"].reason == "PoolUnknown"
+    assert not judge_pools(pools, PoolPolicy.REFUSE, 1024, None).gates["d-0"].sufficient

@@ -13,9 +13,19 @@ when a stream ends without a finish_reason. The failures are listed by cause. Th
 
     requests=N failed=N rollout_seconds=S
 
+With --handover the change is the operator's, not the spec's: two `kvfence operator
+--leader-elect` replicas run (the cluster starts none), and under the same load the leader is
+killed (SIGKILL, as a node loss or an OOM kill) and then the new leader's first passes run with
+nothing read yet; a third replica is started as the next standby, and the leader is stopped
+gracefully too (SIGTERM, as a chart rolling update does), twice the handover. The load runs
+until each new leader has made --settle passes (a pass a second). Its last line:
+
+    requests=N failed=N handovers=2 handover_seconds=S
+
 Exit status 1 if any request failed, 2 if the cluster or the rollout did not get there.
 
     python bench/rollout_under_load.py            # about 3 minutes on 2 cores
+    python bench/rollout_under_load.py --handover # about 2 minutes
 """
 
 import argparse
@@ -34,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from kubernetes import client as kube_client
+from kubernetes import config as kube_config
 
 NAME = "rollout-bench"
 NAMESPACE = "default"
@@ -116,15 +128,16 @@ def wait(observe: Callable[[], Any], what: str, timeout: float) -> Any:
 
 
 @contextlib.contextmanager
-def devcluster(state: Path, grace_cap: int) -> Iterator[Path]:
-    """`kvfence-devcluster --operator --install-crds`; its kubeconfig once it answers."""
+def devcluster(state: Path, grace_cap: int, operator: bool = True) -> Iterator[Path]:
+    """`kvfence-devcluster --install-crds` (with `--operator` unless the bench runs its own);
+    its kubeconfig once it answers."""
     kubeconfig = state / "kubeconfig"
     env = {**os.environ, "KVFENCE_RECONCILE_INTERVAL": "1"}
     command = [
         sys.executable, "-m", "kvfence_devcluster",
         "--kubeconfig", str(kubeconfig),
         "--state-dir", str(state / "cluster"),
-        "--operator", "--install-crds",
+        *(["--operator"] if operator else []), "--install-crds",
         "--grace-cap", str(grace_cap),
     ]  # fmt: skip
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
@@ -228,11 +241,28 @@ def main() -> int:
     parser.add_argument("--retire-after", type=int, default=30, help="retireAfterSeconds")
     parser.add_argument("--grace", type=int, default=60, help="terminationGracePeriodSeconds")
     parser.add_argument("--timeout", type=float, default=600, help="for the rollout, seconds")
+    parser.add_argument(
+        "--handover",
+        action="store_true",
+        help="hand the operator's leadership over under load (SIGKILL, then SIGTERM) "
+        "instead of rolling out a new revision",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=20,
+        help="passes each new leader makes before the next step (--handover; one a second)",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp:
         try:
-            with devcluster(Path(tmp), grace_cap=args.grace) as kubeconfig:
+            with devcluster(
+                Path(tmp), grace_cap=args.grace, operator=not args.handover
+            ) as kubeconfig:
+                if args.handover:
+                    with Replicas(kubeconfig, Path(tmp)) as replicas:
+                        return handover(Kubectl(kubeconfig), replicas, args)
                 return run(Kubectl(kubeconfig), args)
         except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
             print(f"rollout_under_load: {exc}", file=sys.stderr)
@@ -276,6 +306,95 @@ def run(kubectl: Kubectl, args: argparse.Namespace) -> int:
         print(f"  {count:5d}  {cause}")
     failed = sum(load.failures.values())
     print(f"requests={load.requests} failed={failed} rollout_seconds={rollout_seconds:.0f}")
+    return 1 if failed else 0
+
+
+LEASE = "kvfence-operator"
+
+
+class Replicas:
+    """`kvfence operator --leader-elect` replicas against the cluster, each named by its
+    POD_NAME (the Lease's holderIdentity), a pass a second."""
+
+    def __init__(self, kubeconfig: Path, logs: Path) -> None:
+        self.kubeconfig, self.logs = kubeconfig, logs
+        self.running: dict[str, subprocess.Popen[bytes]] = {}
+        kube_config.load_kube_config(str(kubeconfig))
+        self.leases = kube_client.CoordinationV1Api()
+
+    def __enter__(self) -> "Replicas":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for replica in self.running.values():
+            replica.terminate()
+        for replica in self.running.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                replica.wait(30)
+
+    def start(self, name: str) -> None:
+        kvfence = Path(sys.executable).with_name("kvfence")
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "POD_NAME": name,
+               "OPERATOR_NAMESPACE": NAMESPACE, "KVFENCE_RECONCILE_INTERVAL": "1"}  # fmt: skip
+        with (self.logs / f"{name}.log").open("ab") as log:
+            self.running[name] = subprocess.Popen(
+                [str(kvfence), "operator", "--leader-elect", "--all-namespaces"],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+
+    def holder(self) -> str | None:
+        try:
+            lease = self.leases.read_namespaced_lease(LEASE, NAMESPACE)
+        except kube_client.ApiException:
+            return None
+        return lease.spec.holder_identity or None
+
+    def passes(self, name: str) -> int:
+        """The reconcile passes `name` has logged so far (kopf's line for each)."""
+        text = (self.logs / f"{name}.log").read_text(errors="replace")
+        return text.count("Timer 'reconcile' succeeded")
+
+
+def handover(kubectl: Kubectl, replicas: Replicas, args: argparse.Namespace) -> int:
+    kubectl.apply(keys_secret())
+    replicas.start("replica-a")
+    wait(lambda: replicas.holder() == "replica-a", "replica-a to lead", 120)
+    replicas.start("replica-b")
+    kubectl.apply(manifest(16, args.retire_after, args.grace))
+    kubectl(
+        "wait", "--for=condition=Ready", f"infd/{NAME}", "-n", NAMESPACE, "--timeout=400s",
+        timeout=420,
+    )  # fmt: skip
+    address = kubectl.jsonpath(f"service/{NAME}", ".spec.clusterIP")
+    print(f"serving at http://{address}:8000/v1; replica-a leads", flush=True)
+    load = Load(f"http://{address}:8000/v1", args.streams, args.rate, args.stream_tokens)
+    load.start()
+    time.sleep(10)  # the load runs under the first leader
+    started = time.monotonic()
+    try:
+        steps = [("replica-a", "kill", "replica-b", "replica-c"),
+                 ("replica-b", "terminate", "replica-c", None)]  # fmt: skip
+        for leader, how, successor, standby in steps:
+            getattr(replicas.running[leader], how)()
+            took = time.monotonic()
+            wait(lambda s=successor: replicas.holder() == s, f"{successor} to lead", 120)
+            print(f"{leader} {how}ed; {successor} leads after {time.monotonic() - took:.0f} s",
+                  flush=True)  # fmt: skip
+            if standby is not None:
+                replicas.start(standby)
+            first = replicas.passes(successor)
+            wait(lambda s=successor, f=first: replicas.passes(s) >= f + args.settle,
+                 f"{args.settle:g} passes of {successor}", 300)  # fmt: skip
+    finally:
+        handover_seconds = time.monotonic() - started
+        load.finish()
+    for cause, count in load.failures.most_common():
+        print(f"  {count:5d}  {cause}")
+    failed = sum(load.failures.values())
+    print(
+        f"requests={load.requests} failed={failed} handovers=2 "
+        f"handover_seconds={handover_seconds:.0f}"
+    )
     return 1 if failed else 0
 
 

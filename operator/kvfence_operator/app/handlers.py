@@ -23,6 +23,7 @@ from kvfence_operator.cluster.cache import (
     start_informers,
     wait_filled,
 )
+from kvfence_operator.cluster.crd_check import CrdCheck
 from kvfence_operator.cluster.kube import Kube, load_cluster_config, with_retries
 from kvfence_operator.cluster.metrics_token import metrics_access
 from kvfence_operator.cluster.own_secrets import credentials_key
@@ -89,6 +90,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     if not wait_filled(store, SYNC_TIMEOUT_SECONDS):
         logging.warning("the child caches are not filled yet: passes read from the API until then")
     kube = Kube(api)
+    memo.crd = CrdCheck(kube)
+    if (outdated := memo.crd.outdated()) is not None:
+        logging.error("%s", outdated)
     namespace = os.environ.get(OPERATOR_NAMESPACE_ENV, "kvfence-system")
     memo.reconciler = Reconciler(
         CachedKube(kube, store),
@@ -119,6 +123,15 @@ def reconcile(
     meta = body["metadata"]
     # Counted when the pass ends, however it ends (app/metrics.py).
     with memo.metrics.counting(meta["namespace"], meta["name"]) as record:
+        crd: CrdCheck | None = memo.get("crd")
+        if crd is not None and (outdated := crd.outdated()) is not None:
+            # Nothing is read or written but this condition: every write would lose fields.
+            record.outcome = PassOutcome.CRD_OUTDATED
+            reason = ConditionReason.CRD_OUTDATED
+            if _report_degraded(body, patch, reason, outdated):
+                kopf.event(body, type="Warning", reason=reason, message=outdated)
+                logger.error("%s", outdated)
+            return
         try:
             outcome = memo.reconciler.reconcile(body)
         except InvalidSpec as exc:

@@ -30,6 +30,7 @@ class PassOutcome(StrEnum):
     RECONCILED = "reconciled"  # the whole pass ran (its status written if it changed)
     INVALID_SPEC = "invalid_spec"  # stopped at the spec: kopf.PermanentError
     CREDENTIALS_UNREADABLE = "credentials_unreadable"  # stopped before probing or gating
+    CRD_OUTDATED = "crd_outdated"  # stopped before reading anything: the CRD is older
     ERROR = "error"  # an exception kopf retries
 
 

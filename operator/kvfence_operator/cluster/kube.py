@@ -137,6 +137,15 @@ class Kube:
             raise KubeError(response.status, method, path, data.decode(errors="replace"))
         return dict(json.loads(data))
 
+    def document(self, path: str) -> dict[str, Any] | None:
+        """GET a non-resource path (an OpenAPI document); None for 404."""
+        try:
+            return self._call("GET", path)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self._call("GET", f"{collection_path(api_version, kind, namespace)}/{name}")

@@ -590,6 +590,8 @@ class ConditionReason(StrEnum):
     NAME_CONFLICT = "NameConflict"
     INVALID_SPEC = "InvalidSpec"
     CREDENTIALS_UNREADABLE = "CredentialsUnreadable"
+    # the installed CRD lacks fields of this operator's (crd/installed.py): nothing reconciled
+    CRD_OUTDATED = "CrdOutdated"
     CREATE_FAILED = "CreateFailed"  # the API refused to create a child (quota 403, webhook)
     CREATE_REJECTED = "CreateRejected"  # 422: the spec makes children the API server rejects
     API_KEYS_SECRET_MISSING = "ApiKeysSecretMissing"

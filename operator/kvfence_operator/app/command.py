@@ -4,6 +4,10 @@ import argparse
 import os
 import sys
 
+# how long a stopping leader waits for its running pass before it releases the Lease (within
+# the chart's terminationGracePeriodSeconds)
+STOP_WAIT_SECONDS = 20.0
+
 
 def run_operator(args: argparse.Namespace) -> int:
     import logging
@@ -12,6 +16,7 @@ def run_operator(args: argparse.Namespace) -> int:
 
     from kvfence_operator.app import handlers  # noqa: F401  (registers the handlers)
     from kvfence_operator.app.handlers import OPERATOR_NAMESPACE_ENV
+    from kvfence_operator.app.in_flight import PassesInFlight
     from kvfence_operator.app.metrics import operator_metrics, parse_metrics_url, serve_metrics
     from kvfence_operator.cluster.kube import NoClusterAccess, load_cluster_config
     from kvfence_operator.cluster.leader import Election, Leadership, Stopped, default_identity
@@ -36,6 +41,7 @@ def run_operator(args: argparse.Namespace) -> int:
         logging.getLogger().setLevel(logging.DEBUG)
     else:  # the library logs every try of a standby at INFO; ours says what changes
         logging.getLogger("leaderelection").setLevel(logging.WARNING)
+    in_flight = PassesInFlight()
     leadership: Leadership | None = None
     if args.leader_elect:
         namespace = args.leader_elect_namespace or os.environ.get(
@@ -54,7 +60,7 @@ def run_operator(args: argparse.Namespace) -> int:
             clusterwide=not args.namespace,
             namespaces=args.namespace,
             # the child caches watch the same namespaces; the handlers count passes in metrics
-            memo=kopf.Memo(namespaces=args.namespace, metrics=metrics),
+            memo=kopf.Memo(namespaces=args.namespace, metrics=metrics, in_flight=in_flight),
         )
     except KeyboardInterrupt:
         return 0
@@ -63,5 +69,8 @@ def run_operator(args: argparse.Namespace) -> int:
         return 2
     finally:
         if leadership is not None:
+            # the pass kopf left running in its thread pool ends before the next leader starts
+            if not in_flight.idle(STOP_WAIT_SECONDS):
+                logging.warning("a reconcile pass still runs after %g s", STOP_WAIT_SECONDS)
             leadership.release()
     return 0

@@ -1,6 +1,7 @@
 """kopf handlers: thin. One startup function holds every setting; one timer runs the
 level-based reconcile (reconcile.Reconciler) and writes its status and events."""
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -16,6 +17,7 @@ from kvfence_operator.app.finalizer_free import (
     remember_deletions,
     without_finalizer,
 )
+from kvfence_operator.app.in_flight import PassesInFlight
 from kvfence_operator.app.metrics import PassOutcome
 from kvfence_operator.cluster.cache import (
     SYNC_TIMEOUT_SECONDS,
@@ -121,8 +123,13 @@ def reconcile(
     body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     meta = body["metadata"]
-    # Counted when the pass ends, however it ends (app/metrics.py).
-    with memo.metrics.counting(meta["namespace"], meta["name"]) as record:
+    in_flight: PassesInFlight | None = memo.get("in_flight")
+    # Counted when the pass ends, however it ends (app/metrics.py); a stopping operator waits
+    # for it before it gives up its Lease (app/in_flight.py).
+    with (
+        in_flight.running() if in_flight is not None else contextlib.nullcontext(),
+        memo.metrics.counting(meta["namespace"], meta["name"]) as record,
+    ):
         crd: CrdCheck | None = memo.get("crd")
         if crd is not None and (outdated := crd.outdated()) is not None:
             # Nothing is read or written but this condition: every write would lose fields.

@@ -33,6 +33,9 @@ MANAGED_ANNOTATIONS = f"{API_GROUP}/managed-annotations"
 ANNOTATION_SERVING = f"{API_GROUP}/serving"
 # On a revision's router ConfigMap: the spec that revision is judged by (revision.spec_record).
 ANNOTATION_SPEC = f"{API_GROUP}/spec"
+# On a revision's Deployments: what they were built as, sealed (decisions/declaration.py), so
+# an operator upgrade whose builders differ rolls no kept revision.
+ANNOTATION_DECLARED = f"{API_GROUP}/declared"
 # On the InferenceDeployment, and recorded on its canary Job: a new value asks for a new run of
 # a candidate's canary (decisions/canary.py).
 ANNOTATION_RERUN_CANARY = f"{API_GROUP}/rerun-canary"

@@ -25,6 +25,7 @@ from kvfence_operator.builders.secret import (
 from kvfence_operator.cluster.cache import ClusterVerbs
 from kvfence_operator.cluster.kube import KubeError, api_message
 from kvfence_operator.cluster.router_push import BackendsPusher
+from kvfence_operator.decisions.declaration import declared_as
 from kvfence_operator.decisions.drift import drift_patch, is_subset
 from kvfence_operator.decisions.findings import Conflict, Findings, Problem, create_problem
 from kvfence_operator.decisions.ownership import stable_service_patch
@@ -145,12 +146,17 @@ class Act:
             if kind == "Secret" and key is not None:
                 self._create_unread(child)
                 continue
+            built = child
+            if kind == "Deployment":  # recorded as built (declaration.py)
+                child = declared_as(built, None, key, self.instance, revision)
             conflicts = len(self.found.conflicts)
             existing = self.claim(child)
             if len(self.found.conflicts) > conflicts:
                 return
             if existing is None or kind == "Secret":
                 continue
+            if kind == "Deployment":  # as its record says, when an earlier release built it
+                child = declared_as(built, existing, key, self.instance, revision)
             patch = drift_patch(child, existing)
             if patch is not None:
                 self.kube.patch(child["apiVersion"], kind, ns, child["metadata"]["name"], patch)

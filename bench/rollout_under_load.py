@@ -17,10 +17,12 @@ With --handover the change is the operator's, not the spec's: two `kvfence opera
 --leader-elect` replicas run (the cluster starts none), and under the same load the leader is
 killed (SIGKILL, as a node loss or an OOM kill) and then the new leader's first passes run with
 nothing read yet; a third replica is started as the next standby, and the leader is stopped
-gracefully too (SIGTERM, as a chart rolling update does), twice the handover. The load runs
-until each new leader has made --settle passes (a pass a second). Its last line:
+gracefully too (SIGTERM, as a chart rolling update does), twice the handover. Before it,
+--hung engine pods of another InferenceDeployment are made to hang (SIGSTOP), so the new
+leader's pool probes wait on them (3 s each, 8 at a time) as on a cluster with hung pods. The
+load runs until each new leader has made --settle passes (a pass a second). Its last line:
 
-    requests=N failed=N handovers=2 handover_seconds=S
+    requests=N failed=N handovers=2 handover_seconds=S gates_closed_by_new_leaders=N
 
 Exit status 1 if any request failed, 2 if the cluster or the rollout did not get there.
 
@@ -34,6 +36,7 @@ import collections
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,11 +57,11 @@ TINY_KV_BYTES_PER_TOKEN = 768  # builtin:tiny-random
 REVISION_LABEL = "kvfence.dev/revision"
 
 
-def manifest(max_num_seqs: int, retire_after: int, grace: int) -> dict[str, Any]:
+def manifest(max_num_seqs: int, retire_after: int, grace: int, name: str = NAME) -> dict[str, Any]:
     return {
         "apiVersion": "kvfence.dev/v1alpha1",
         "kind": "InferenceDeployment",
-        "metadata": {"name": NAME, "namespace": NAMESPACE},
+        "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {
             "model": {"source": "builtin:tiny-random"},
             "engine": {
@@ -220,10 +223,12 @@ class Load:
             self.stop.wait(max(0.0, due - time.monotonic()))
 
     def start(self) -> None:
-        for _ in range(self.streams):
-            self.threads.append(threading.Thread(target=self._stream_forever, daemon=True))
-        self.threads.append(threading.Thread(target=self._paced, daemon=True))
-        for thread in self.threads:
+        # a list of its own: the paced thread adds each request's thread to self.threads
+        first = [threading.Thread(target=self._stream_forever, daemon=True)
+                 for _ in range(self.streams)]  # fmt: skip
+        first.append(threading.Thread(target=self._paced, daemon=True))
+        self.threads.extend(first)
+        for thread in first:
             thread.start()
 
     def finish(self) -> None:
@@ -246,6 +251,13 @@ def main() -> int:
         action="store_true",
         help="hand the operator's leadership over under load (SIGKILL, then SIGTERM) "
         "instead of rolling out a new revision",
+    )
+    parser.add_argument(
+        "--hung",
+        type=int,
+        default=12,
+        help="engine pods of another InferenceDeployment that hang (SIGSTOP) before the "
+        "handover, holding the new leader's pool probes (--handover; 0: none)",
     )
     parser.add_argument(
         "--settle",
@@ -354,12 +366,59 @@ class Replicas:
         text = (self.logs / f"{name}.log").read_text(errors="replace")
         return text.count("Timer 'reconcile' succeeded")
 
+    def gates_closed(self, name: str, instance: str) -> int:
+        """The kv-pool gates `name` turned False on `instance`'s pods (the Warning Events it
+        logged for a pod leaving traffic, reason PoolUnknown)."""
+        text = (self.logs / f"{name}.log").read_text(errors="replace")
+        return sum(
+            1 for line in text.splitlines() if "PoolUnknown: " in line and f"{instance}-" in line
+        )
+
+
+HUNG = "hung-bench"
+
+
+def hung_deployment(args: argparse.Namespace) -> dict[str, Any]:
+    """Another InferenceDeployment of --hung engine pods (one prefill, the rest decode; no
+    canary), applied before the bench's own: a new leader lists it first (by name, and here by
+    creation too), so its probes are queued first."""
+    hung = manifest(16, args.retire_after, args.grace, name=HUNG)
+    hung["spec"]["decode"]["replicas"] = args.hung - 1
+    hung["spec"]["canary"] = {"enabled": False}
+    return hung
+
+
+def hang_engines(kubectl: Kubectl) -> list[int]:
+    """Stop (SIGSTOP) the hung deployment's engine processes, once Ready: a probe's connection
+    is accepted and never answered, as a hung pod's, so a new leader, which has read no pool
+    yet, waits its 3 s timeout on each with its 8 probe workers. The pids."""
+    kubectl(
+        "wait", "--for=condition=Ready", f"infd/{HUNG}", "-n", NAMESPACE, "--timeout=400s",
+        timeout=420,
+    )  # fmt: skip
+    selector = f"app.kubernetes.io/instance={HUNG}"
+    listed = kubectl("get", "pods", "-n", NAMESPACE, "-l", selector, "-o", "json")
+    pods = json.loads(listed)["items"]
+    pids = [
+        int(status["containerID"].rpartition("://")[2])
+        for pod in pods
+        if pod["metadata"]["labels"].get("kvfence.dev/role") in ("prefill", "decode")
+        for status in pod["status"].get("containerStatuses") or []
+        if status.get("containerID")
+    ]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    print(f"{len(pids)} engine pods of {HUNG} hang", flush=True)
+    return pids
+
 
 def handover(kubectl: Kubectl, replicas: Replicas, args: argparse.Namespace) -> int:
     kubectl.apply(keys_secret())
     replicas.start("replica-a")
     wait(lambda: replicas.holder() == "replica-a", "replica-a to lead", 120)
     replicas.start("replica-b")
+    if args.hung > 0:
+        kubectl.apply(hung_deployment(args))
     kubectl.apply(manifest(16, args.retire_after, args.grace))
     kubectl(
         "wait", "--for=condition=Ready", f"infd/{NAME}", "-n", NAMESPACE, "--timeout=400s",
@@ -367,18 +426,19 @@ def handover(kubectl: Kubectl, replicas: Replicas, args: argparse.Namespace) -> 
     )  # fmt: skip
     address = kubectl.jsonpath(f"service/{NAME}", ".spec.clusterIP")
     print(f"serving at http://{address}:8000/v1; replica-a leads", flush=True)
+    hung = hang_engines(kubectl) if args.hung > 0 else []
     load = Load(f"http://{address}:8000/v1", args.streams, args.rate, args.stream_tokens)
     load.start()
     time.sleep(10)  # the load runs under the first leader
     started = time.monotonic()
     try:
-        steps = [("replica-a", "kill", "replica-b", "replica-c"),
-                 ("replica-b", "terminate", "replica-c", None)]  # fmt: skip
-        for leader, how, successor, standby in steps:
+        steps = [("replica-a", "kill", "killed", "replica-b", "replica-c"),
+                 ("replica-b", "terminate", "stopped", "replica-c", None)]  # fmt: skip
+        for leader, how, done, successor, standby in steps:
             getattr(replicas.running[leader], how)()
             took = time.monotonic()
             wait(lambda s=successor: replicas.holder() == s, f"{successor} to lead", 120)
-            print(f"{leader} {how}ed; {successor} leads after {time.monotonic() - took:.0f} s",
+            print(f"{leader} {done}; {successor} leads after {time.monotonic() - took:.0f} s",
                   flush=True)  # fmt: skip
             if standby is not None:
                 replicas.start(standby)
@@ -388,12 +448,16 @@ def handover(kubectl: Kubectl, replicas: Replicas, args: argparse.Namespace) -> 
     finally:
         handover_seconds = time.monotonic() - started
         load.finish()
+        for pid in hung:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
     for cause, count in load.failures.most_common():
         print(f"  {count:5d}  {cause}")
     failed = sum(load.failures.values())
+    closed = sum(replicas.gates_closed(name, NAME) for name in ("replica-b", "replica-c"))
     print(
         f"requests={load.requests} failed={failed} handovers=2 "
-        f"handover_seconds={handover_seconds:.0f}"
+        f"handover_seconds={handover_seconds:.0f} gates_closed_by_new_leaders={closed}"
     )
     return 1 if failed else 0
 

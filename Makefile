@@ -12,7 +12,7 @@ PORT   ?= 8000
 # found with the index too: find-links are read besides it).
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup up serve test test-fast lint bench
+.PHONY: setup up serve test test-fast lint bench images
 
 setup: $(STAMP)
 
@@ -56,6 +56,13 @@ lint: setup
 # The tests that start no process (tests/unit, less the few marked slow): well under a minute.
 test-fast: setup
 	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -q -n 2 --dist worksteal -m "not slow" tests/unit
+
+# The operator image and a CPU engine image, with podman (or docker): images/build.sh. Without
+# a registry, podman's base is a local Debian one (images/base.sh, mmdebstrap); layers are
+# cached between runs. On 2 cores with no cache: 118 s for the base and both images (the engine
+# 1.5 GB, the operator 444 MB); a rebuild after a source change, about a minute.
+images:
+	images/build.sh
 
 # llama.cpp, the CPU anchor of bench/vs_llamacpp.py: a bench-only dependency in a venv of its
 # own, built from PyPI's source distribution (about 5 minutes) only when missing. `make test`

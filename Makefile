@@ -12,7 +12,7 @@ PORT   ?= 8000
 # found with the index too: find-links are read besides it).
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup up serve test test-fast lint bench images
+.PHONY: setup up serve test test-fast lint bench images test-images
 
 setup: $(STAMP)
 
@@ -43,7 +43,7 @@ serve: setup
 # some CI images): the suite starts about 400 Python processes, and each would compile the
 # project's sources again, as each worker would its assertion-rewritten test modules.
 test: setup lint
-	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -q -n 4 --dist worksteal
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -q -n 4 --dist worksteal -m "not images"
 
 # Style, types (pyproject [tool.mypy]) and import contracts (pyproject [tool.importlinter]),
 # both read from this checkout's folders, not from wherever the package is installed.
@@ -63,6 +63,11 @@ test-fast: setup
 # 1.5 GB, the operator 444 MB); a rebuild after a source change, about a minute.
 images:
 	images/build.sh
+
+# The images built and run with podman (tests/images): the engine serving from a mounted model
+# read-only, unprivileged; the operator without torch. Needs podman, runc and mmdebstrap.
+test-images: setup
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -q -m images tests/images
 
 # llama.cpp, the CPU anchor of bench/vs_llamacpp.py: a bench-only dependency in a venv of its
 # own, built from PyPI's source distribution (about 5 minutes) only when missing. `make test`

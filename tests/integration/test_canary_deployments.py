@@ -153,7 +153,9 @@ def test_early_release_without_the_tag_check_leaks_into_bs_running_answer(
         decode_faults=["early-release", "no-tag-check"],
     )
     try:
-        report = canary(d.router.url, rounds=BROKEN_ROUNDS)
+        # the leak needs B's request to land while A's released pages still hold A's KV: one
+        # round missed it twice in cold-cache fresh-clone runs on a loaded 2-core machine
+        report = canary(d.router.url, rounds=3)
     finally:
         d.stop()
     assert report.exit_code == 1

@@ -38,7 +38,7 @@ serve: setup
 # a pod's readiness), which another worker fills. Measured on 2 cores: 15:15 with two, 11:16
 # with three (beside a busy loop, 18:46 and 15:00); once the kubelet's containers forked from
 # a preloaded server too, a fresh clone's suite took 12:11 with three and 10:14 to 11:27 with
-# four (three runs), in at most 14.3 GB.
+# four (three runs), in at most 14.3 GB; with cold caches, as on CI, 11:25 to 13:31.
 # Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE, set on
 # some CI images): the suite starts about 400 Python processes, and each would compile the
 # project's sources again, as each worker would its assertion-rewritten test modules.

@@ -108,6 +108,11 @@ class Kubectl:
     def apply(self, obj: dict[str, Any]) -> None:
         self("apply", "-f", "-", stdin=json.dumps(obj))
 
+    def wait_ready(self, name: str) -> None:
+        """Until the InferenceDeployment `name` has condition Ready True."""
+        self("wait", "--for=condition=Ready", f"infd/{name}", "-n", NAMESPACE, "--timeout=400s",
+             timeout=420)  # fmt: skip
+
     def jsonpath(self, what: str, path: str) -> str:
         return self("get", what, "-n", NAMESPACE, "-o", f"jsonpath={{{path}}}").strip()
 
@@ -284,10 +289,7 @@ def main() -> int:
 def run(kubectl: Kubectl, args: argparse.Namespace) -> int:
     kubectl.apply(keys_secret())
     kubectl.apply(manifest(16, args.retire_after, args.grace))
-    kubectl(
-        "wait", "--for=condition=Ready", f"infd/{NAME}", "-n", NAMESPACE, "--timeout=400s",
-        timeout=420,
-    )  # fmt: skip
+    kubectl.wait_ready(NAME)
     first = kubectl.jsonpath(f"infd/{NAME}", ".status.revision.current")
     address = kubectl.jsonpath(f"service/{NAME}", ".spec.clusterIP")
     print(f"revision {first} serves at http://{address}:8000/v1", flush=True)
@@ -392,10 +394,7 @@ def hang_engines(kubectl: Kubectl) -> list[int]:
     """Stop (SIGSTOP) the hung deployment's engine processes, once Ready: a probe's connection
     is accepted and never answered, as a hung pod's, so a new leader, which has read no pool
     yet, waits its 3 s timeout on each with its 8 probe workers. The pids."""
-    kubectl(
-        "wait", "--for=condition=Ready", f"infd/{HUNG}", "-n", NAMESPACE, "--timeout=400s",
-        timeout=420,
-    )  # fmt: skip
+    kubectl.wait_ready(HUNG)
     selector = f"app.kubernetes.io/instance={HUNG}"
     listed = kubectl("get", "pods", "-n", NAMESPACE, "-l", selector, "-o", "json")
     pods = json.loads(listed)["items"]
@@ -420,10 +419,7 @@ def handover(kubectl: Kubectl, replicas: Replicas, args: argparse.Namespace) -> 
     if args.hung > 0:
         kubectl.apply(hung_deployment(args))
     kubectl.apply(manifest(16, args.retire_after, args.grace))
-    kubectl(
-        "wait", "--for=condition=Ready", f"infd/{NAME}", "-n", NAMESPACE, "--timeout=400s",
-        timeout=420,
-    )  # fmt: skip
+    kubectl.wait_ready(NAME)
     address = kubectl.jsonpath(f"service/{NAME}", ".spec.clusterIP")
     print(f"serving at http://{address}:8000/v1; replica-a leads", flush=True)
     hung = hang_engines(kubectl) if args.hung > 0 else []

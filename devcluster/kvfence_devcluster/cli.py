@@ -1,6 +1,7 @@
 """`kvfence-devcluster`: the test cluster as a command, for kubectl and a person at a shell.
 
-It starts the API server, the process kubelet and the kube-proxy (and, with --operator,
+It starts the API server, the kubelet (pods as processes, or with --runtime podman as
+containers of their images) and the kube-proxy (and, with --operator,
 `kvfence operator` against them), writes the kubeconfig once all of them answer, prints one
 line saying how to use it, and runs until SIGINT or SIGTERM; then it stops every process it
 started (pods and operator) and removes the kubeconfig it wrote. The operator finds its
@@ -28,7 +29,7 @@ from kvfence_engine.tools.localproc import free_port
 
 from .apiserver import INFERENCE_DEPLOYMENT_CRD, write_kubeconfig
 from .fixtures import Cluster, start_cluster
-from .options import KubeletOptions
+from .options import RUNTIMES, KubeletOptions
 from .processes import ManagedProcess
 
 PROG = "kvfence-devcluster"
@@ -93,6 +94,15 @@ def _parser() -> argparse.ArgumentParser:
         help=f"install {INFERENCE_DEPLOYMENT_CRD.name} at start instead of waiting for kubectl",
     )
     parser.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        default="process",
+        help="how pods' containers run: as local processes (the default; no image needed) or "
+        "as podman containers of their images, which must be on this machine (`make images`; "
+        "podman's storage and configuration as images/podman-env.sh sets them) "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--hollow",
         action="store_true",
         help="hollow pods: each kvfence container runs a small stand-in that answers the "
@@ -145,7 +155,7 @@ def _crd_established(cluster: Cluster) -> bool:
 
 def _serve(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
     crds = (INFERENCE_DEPLOYMENT_CRD,) if args.install_crds else ()
-    kubelet = KubeletOptions(grace_cap=args.grace_cap, hollow=args.hollow)
+    kubelet = KubeletOptions(grace_cap=args.grace_cap, hollow=args.hollow, runtime=args.runtime)
     with start_cluster(state / "cluster", crds=crds, kubelet=kubelet) as cluster:
         # The operator watches no CRDs (it finds its resource once, at start, as kopf does
         # with scanning off), so it starts once its CRD is established, as after a chart's crds/.
@@ -191,7 +201,10 @@ def _serve(args: argparse.Namespace, state: Path, stop: threading.Event) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.hollow and args.runtime != "process":
+        parser.error("--hollow runs stand-ins as processes: it takes no --runtime podman")
     if not _ours(args.kubeconfig):
         print(
             f"{PROG}: error: {args.kubeconfig} exists and is not a kubeconfig {PROG} wrote; "

@@ -26,6 +26,7 @@ from kubernetes import client, config
 from .apiserver import INFERENCE_DEPLOYMENT_CRD, ApiServer, write_kubeconfig
 from .controllers import condition
 from .counting import RequestCounts
+from .in_cluster import https_listener
 from .kubelet import Kubelet
 from .loop import BackgroundLoop
 from .options import KubeletOptions
@@ -439,7 +440,10 @@ def start_cluster(
         node, proxy = None, None
         if kubelet is not False:
             options = kubelet if isinstance(kubelet, KubeletOptions) else KubeletOptions()
-            node = Kubelet(server.store, server.resource_type, workdir, options)
+            access = None
+            if options.runtime == "podman":  # pods in containers reach the API as real ones
+                access = await stack.enter_async_context(https_listener(server))
+            node = Kubelet(server.store, server.resource_type, workdir, options, access)
             server.pod_logs = node.pod_log
             await node.start()
             stack.push_async_callback(node.shutdown)

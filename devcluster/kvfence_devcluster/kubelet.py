@@ -21,12 +21,15 @@ from typing import Any
 import aiohttp
 
 from .controllers import Controllers, pod_ready
+from .in_cluster import InClusterAccess
 from .loop import woken
-from .options import KubeletOptions
+from .options import KubeletOptions, host_cache_env
+from .podman import PodmanRuntime
 from .pods import Container, PodRuntime
 from .processes import ManagedProcess
 from .proxy import served_address
 from .resources import ResourceType
+from .runtime import ContainerRuntime, ProcessRuntime
 from .sandbox import POD_IP, NotReadyToStart, named_port
 from .selectors import selector_from_label_selector
 from .store import Store
@@ -42,9 +45,15 @@ class Kubelet:
         resource_type: Callable[[str, str, str], ResourceType],
         workdir: Path,
         options: KubeletOptions | None = None,
+        in_cluster: InClusterAccess | None = None,
     ) -> None:
         self.store = store
         self.options = options or KubeletOptions()
+        self.runtime: ContainerRuntime = ProcessRuntime(self)
+        if self.options.runtime == "podman":
+            if in_cluster is None:
+                raise ValueError("the podman runtime needs the API server's HTTPS access")
+            self.runtime = PodmanRuntime(self, in_cluster)
         self.pods_dir, self.logs_dir = workdir / "pods", workdir / "logs"
         self.pods = resource_type("", "v1", "pods")
         self.services = resource_type("", "v1", "services")
@@ -115,6 +124,7 @@ class Kubelet:
         await asyncio.gather(
             *(r.terminate() for r in runtimes), *self._terminating, return_exceptions=True
         )
+        self.runtime.sweep()
         if self._http is not None:
             await self._http.close()
 
@@ -122,6 +132,7 @@ class Kubelet:
         """The last resort at teardown, from any thread: SIGKILL every container ever started."""
         for process in self.processes:
             process.kill()
+        self.runtime.sweep()
 
     # ---- what pods need -----------------------------------------------------------------------
 
@@ -132,10 +143,12 @@ class Kubelet:
             for k, v in os.environ.items()
             if k not in ("KUBECONFIG", "HOME") and not k.startswith("KUBERNETES_")
         }
-        if self.options.allow_unsafe:
-            env["KVFENCE_ALLOW_UNSAFE"] = "1"
-        env.update(self.options.extra_env)
-        return env
+        return {**env, **host_cache_env(), **self.pod_env()}
+
+    def pod_env(self) -> dict[str, str]:
+        """What the test kubelet adds to every container's environment, whatever runs it."""
+        env = {"KVFENCE_ALLOW_UNSAFE": "1"} if self.options.allow_unsafe else {}
+        return {**env, **self.options.extra_env}
 
     def config_data(
         self, kind: str, namespace: str, name: str

@@ -5,16 +5,25 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+RUNTIMES = ("process", "podman")
+Runtime = Literal["process", "podman"]
 
 
 def _default_env() -> dict[str, str]:
-    """One torch thread per engine (several share two cores), and the machine's kvfence cache:
-    a pod's HOME is fresh, and a cold tokenizer cache costs each engine seconds at start."""
+    """One torch thread per engine: several share two cores."""
+    return {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def host_cache_env() -> dict[str, str]:
+    """The machine's kvfence cache, for pods that run as processes here: a pod's HOME is
+    fresh, and a cold tokenizer cache costs each engine seconds at start. (A container's
+    file system is its image's and its volumes: it gets none of this machine's folders.)"""
     cache = os.environ.get("KVFENCE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvfence"
     )
-    return {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "KVFENCE_CACHE_DIR": cache}
+    return {"KVFENCE_CACHE_DIR": cache}
 
 
 @dataclass
@@ -43,3 +52,7 @@ class KubeletOptions:
     # backends, a canary verdict) and serves no model: for benches of the operator and the
     # API server at a scale real engines cannot reach on one machine (bench/operator_scale.py).
     hollow: bool = False
+    # How containers run: "process", as local processes (the default: no image needed, and a
+    # pod's paths and commands are mapped to this machine's, sandbox.py); "podman", as podman
+    # containers of the pod's image (podman.py), for the images' own tests.
+    runtime: Runtime = "process"

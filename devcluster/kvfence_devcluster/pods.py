@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .controllers import set_condition
-from .hollow import HOLLOW, hollow_argv
 from .options import KubeletOptions
 from .processes import ManagedProcess
 from .resources import ResourceType, now_rfc3339
+from .runtime import ContainerRuntime
 from .sandbox import (
     POD_IP,
     NotReadyToStart,
@@ -21,7 +21,6 @@ from .sandbox import (
     PodSandbox,
     Unsupported,
     allocate_ports,
-    container_launch,
 )
 from .store import FULL, Store
 from .volumes import materialize_volumes
@@ -47,10 +46,7 @@ class Node(ObjectLookup, Protocol):
     errors: list[str]
     ports_given: set[int]
     processes: list[ManagedProcess]
-
-    def base_env(self) -> dict[str, str]: ...
-
-    def resolve_service(self, namespace: str, service: str, port: int | None) -> str | None: ...
+    runtime: ContainerRuntime
 
     def resync_volumes(self, runtime: "PodRuntime") -> bool | None: ...
 
@@ -88,7 +84,7 @@ class Container:
             "lastState": self.last_state,
         }
         if self.process is not None and self.process.popen is not None:
-            status["containerID"] = f"kvfence-test://{self.process.pid}"
+            status["containerID"] = self.process.container_id
         return status
 
 
@@ -187,16 +183,12 @@ class PodRuntime:
             await asyncio.sleep(self.kubelet.options.probe_period * 4)
 
     def _start(self, container: Container, pod: dict[str, Any]) -> None:
+        log_path = self.log_path(container.name)
+        termination_log = self.sandbox.termination_log(container.name)
+        termination_log.write_bytes(b"")
+        termination_log.chmod(0o666)  # the container's user writes it, whoever that is
         try:
-            launch = container_launch(
-                pod,
-                container.spec,
-                self.sandbox,
-                self.kubelet,
-                self.kubelet.resolve_service,
-                self.kubelet.base_env(),
-                list(self.kubelet.options.default_command),
-            )
+            created = self.kubelet.runtime.create(pod, container.spec, self.sandbox, log_path)
         except (NotReadyToStart, Unsupported) as exc:
             reason = (
                 exc.reason if isinstance(exc, NotReadyToStart) else "CreateContainerConfigError"
@@ -204,18 +196,10 @@ class PodRuntime:
             container.state = {"waiting": {"reason": reason, "message": str(exc)}}
             container.restart_at = time.monotonic() + self.kubelet.options.probe_period * 4
             return
-        amend = self.kubelet.options.amend_argv
-        argv = amend(pod, launch.argv) if amend is not None else launch.argv
-        notes = list(launch.notes)
-        if self.kubelet.options.hollow and hollow_argv(argv) != argv:
-            argv = hollow_argv(argv)
-            notes.append(f"a {HOLLOW}: {' '.join(argv[:3])} runs instead of kvfence")
-        log_path = self.log_path(container.name)
-        if notes:
+        if created.notes:
             with open(log_path, "a") as log:
-                log.writelines(f"[kubelet] {note}\n" for note in notes)
-        self.sandbox.termination_log(container.name).write_bytes(b"")
-        container.process = ManagedProcess(argv, log_path, launch.env, launch.cwd)
+                log.writelines(f"[kubelet] {note}\n" for note in created.notes)
+        container.process = created.process
         self.kubelet.processes.append(container.process)
         container.probe_failures, container.ready, container.restart_at = 0, False, None
         try:

@@ -68,6 +68,11 @@ class ManagedProcess:
         assert self.popen is not None, "not started"
         return self.popen.pid
 
+    @property
+    def container_id(self) -> str:
+        """What a pod's containerStatuses show as its containerID."""
+        return f"kvfence-test://{self.pid}"
+
     def poll(self) -> int | None:
         """The exit code once it has exited, else None. As when a container's main process
         exits, whatever it left behind in its group is killed before the exit is collected."""

@@ -234,6 +234,39 @@ def _rewrite_flags(argv: list[str], port_map: Mapping[int, int]) -> list[str]:
 
 
 @dataclass(frozen=True, slots=True)
+class Spec:
+    """A container's env, command and args as its process sees them: `$(VAR)` expanded,
+    Services resolved, declared ports mapped to the pod's local ones (and, for a process,
+    mount paths mapped to the pod's folders). `command` is None where the spec has none."""
+
+    env: dict[str, str]
+    command: list[str] | None
+    args: list[str]
+    notes: list[str]  # what the kubelet could not do, written to the container's log
+
+
+def adapt_spec(
+    pod: dict[str, Any],
+    container: dict[str, Any],
+    sandbox: PodSandbox,
+    lookup: ObjectLookup,
+    resolve_service: ServiceResolver,
+    rewrite_paths: Callable[[str], str] = lambda value: value,
+) -> Spec:
+    notes: list[str] = []
+
+    def adapt(value: str) -> str:
+        return _rewrite_services(rewrite_paths(value), resolve_service, notes)
+
+    env = {k: adapt(v) for k, v in container_env(pod, container, lookup).items()}
+    command = [expand(str(c), env) for c in container.get("command") or []]
+    args = [expand(str(a), env) for a in container.get("args") or []]
+    line = _rewrite_flags([adapt(a) for a in [*command, *args]], sandbox.port_map)
+    given = "command" in container and bool(container["command"])
+    return Spec(env, line[: len(command)] if given else None, line[len(command) :], notes)
+
+
+@dataclass(frozen=True, slots=True)
 class Launch:
     argv: list[str]
     env: dict[str, str]
@@ -250,6 +283,8 @@ def container_launch(
     base_env: Mapping[str, str],
     default_command: list[str],
 ) -> Launch:
+    """A container as a process on this machine: its volumes are the pod's folders, so every
+    mount path in its env, command and args is rewritten to the folder."""
     mounts = [
         (m["mountPath"], str(sandbox.volume_paths[m["name"]] / m.get("subPath", "")).rstrip("/"))
         for m in container.get("volumeMounts") or []
@@ -259,19 +294,12 @@ def container_launch(
     for path in {TERMINATION_LOG, container.get("terminationMessagePath") or TERMINATION_LOG}:
         mounts.append((path, termination_log))
     rewrite_paths = _path_rewriter(mounts)
-    notes: list[str] = []
-
-    def adapt(value: str) -> str:
-        return _rewrite_services(rewrite_paths(value), resolve_service, notes)
-
-    env = {k: adapt(v) for k, v in container_env(pod, container, lookup).items()}
-    command = [expand(str(c), env) for c in container.get("command") or default_command]
-    args = [expand(str(a), env) for a in container.get("args") or []]
-    argv = _rewrite_flags([adapt(a) for a in [*command, *args]], sandbox.port_map)
+    spec = adapt_spec(pod, container, sandbox, lookup, resolve_service, rewrite_paths)
+    argv = [*(spec.command or default_command), *spec.args]
     argv[0] = COMMANDS.get(argv[0], argv[0])
     home = sandbox.root / "home"
     home.mkdir(parents=True, exist_ok=True)
-    process_env = {"HOME": str(home), **base_env, **env}
+    process_env = {"HOME": str(home), **base_env, **spec.env}
     working_dir = container.get("workingDir")
     cwd = Path(rewrite_paths(working_dir)) if working_dir else sandbox.root
-    return Launch(argv, process_env, cwd, notes)
+    return Launch(argv, process_env, cwd, spec.notes)

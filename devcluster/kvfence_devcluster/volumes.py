@@ -117,6 +117,7 @@ def materialize_volumes(
         elif "emptyDir" in volume:
             sandbox.volume_paths[name] = sandbox.root / "volumes" / name
             sandbox.volume_paths[name].mkdir(parents=True, exist_ok=True)
+            sandbox.volume_paths[name].chmod(0o777)  # as the kubelet makes it: any uid writes
         elif "hostPath" in volume:
             sandbox.volume_paths[name] = Path(volume["hostPath"]["path"])
         elif "persistentVolumeClaim" in volume:

@@ -65,7 +65,8 @@ images:
 	images/build.sh
 
 # The images built and run with podman (tests/images): the engine serving from a mounted model
-# read-only, unprivileged; the operator without torch. Needs podman, runc and mmdebstrap.
+# read-only, unprivileged; the operator without torch; the test cluster's podman runtime; the
+# README's "On a cluster" steps in containers of both images. Needs podman, runc, mmdebstrap.
 test-images: setup
 	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -q -m images tests/images
 

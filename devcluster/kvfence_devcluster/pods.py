@@ -104,7 +104,10 @@ class PodRuntime:
         meta = pod["metadata"]
         self.kubelet = kubelet
         self.uid, self.namespace, self.name = meta["uid"], meta["namespace"], meta["name"]
-        self.sandbox = PodSandbox(kubelet.pods_dir / f"{self.namespace}_{self.name}_{self.uid[:8]}")
+        self.sandbox = PodSandbox(
+            kubelet.pods_dir / f"{self.namespace}_{self.name}_{self.uid[:8]}",
+            fs_group=(pod["spec"].get("securityContext") or {}).get("fsGroup"),
+        )
         self.containers = [Container(c) for c in pod["spec"].get("containers") or []]
         self.restart_policy = pod["spec"].get("restartPolicy", "Always")
         self.grace = min(

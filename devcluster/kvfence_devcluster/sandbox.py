@@ -5,7 +5,8 @@ containerPort, a free port on 127.0.0.1. The Pod object is rewritten to show the
 ports (status.podIP is 127.0.0.1), so `http://<podIP>:<containerPort>` reaches the process.
 The command line is adapted the same way: paths under a volumeMount point into the pod's
 directory, `--*port*` flags whose value is a declared containerPort get the allocated port,
-`--host 0.0.0.0` becomes 127.0.0.1, and `<svc>.<ns>.svc[.cluster.local][:port]` becomes
+`--host 0.0.0.0` becomes 127.0.0.1 (as in a listening URL such as `--metrics
+http://0.0.0.0:9090/metrics`, whose port is mapped too), and `<svc>.<ns>.svc[.cluster.local][:port]` becomes
 `<the Service's clusterIP>:<port>` (which the kube-proxy serves), or for a headless Service
 `127.0.0.1:<port of a Ready pod behind it>`.
 """
@@ -30,6 +31,11 @@ COMMANDS = {
     "python3": sys.executable,
 }
 _VAR_REFERENCE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+# A URL a server listens on, on the pod's own address: its port is a declared containerPort.
+_LISTEN_URL = re.compile(
+    r"(?P<scheme>[a-z][a-z0-9+.-]*://)(?P<host>0\.0\.0\.0|127\.0\.0\.1|localhost)"
+    r":(?P<port>[0-9]+)(?P<rest>/.*)?"
+)
 _SERVICE_HOST = re.compile(
     r"\b(?P<service>[a-z]([-a-z0-9]*[a-z0-9])?)\.(?P<namespace>[a-z0-9]([-a-z0-9]*[a-z0-9])?)"
     r"\.svc(\.cluster\.local)?(:(?P<port>[0-9]+))?\b"
@@ -63,6 +69,9 @@ ServiceResolver = Callable[[str, str, int | None], str | None]  # ns, service, p
 @dataclass
 class PodSandbox:
     root: Path
+    # The pod's securityContext.fsGroup: its volumes' files belong to this group, readable by
+    # it (writable too for emptyDir), as the kubelet sets a volume's ownership.
+    fs_group: int | None = None
     port_map: dict[int, int] = field(default_factory=dict)  # declared containerPort -> local port
     volume_paths: dict[str, Path] = field(default_factory=dict)
     # The objects behind each file volume (kind, name) -> resourceVersion, for resyncing.
@@ -223,10 +232,14 @@ def _rewrite_flags(argv: list[str], port_map: Mapping[int, int]) -> list[str]:
             if i + 1 >= len(out):
                 continue
             value = out[i + 1]
+        url = _LISTEN_URL.fullmatch(value)
         if "port" in flag.lower() and value.isdigit() and int(value) in port_map:
             value = str(port_map[int(value)])
         elif flag == "--host" and value == "0.0.0.0":  # the pod's address is 127.0.0.1
             value = POD_IP
+        elif url and int(url["port"]) in port_map:  # --metrics=http://0.0.0.0:9090/metrics
+            host = POD_IP if url["host"] == "0.0.0.0" else url["host"]
+            value = f"{url['scheme']}{host}:{port_map[int(url['port'])]}{url['rest'] or ''}"
         else:
             continue
         out[target] = f"{flag}={value}" if has_value else value

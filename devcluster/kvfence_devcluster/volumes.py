@@ -69,7 +69,21 @@ def volume_files(
     return found, {key: rv}
 
 
-def write_atomically(path: Path, content: bytes, mode: int) -> None:
+def give_to_group(path: Path, group: int | None, mask: int) -> None:
+    """The kubelet's volume ownership for an fsGroup: the group owns `path`, which gets `mask`
+    (read for the group, write too where the volume is writable; a folder also keeps new files
+    in the group). Where this process may not change a file's group (not root), it stays."""
+    if group is None:
+        return
+    try:
+        os.chown(path, -1, group)
+    except PermissionError:
+        return
+    mode = path.stat().st_mode & 0o7777
+    os.chmod(path, mode | mask | (0o2110 if path.is_dir() else 0))
+
+
+def write_atomically(path: Path, content: bytes, mode: int, group: int | None = None) -> None:
     """Readers see the old file or the new one, never half of it (write, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -77,6 +91,7 @@ def write_atomically(path: Path, content: bytes, mode: int) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(content)
         os.chmod(temp, mode)
+        give_to_group(Path(temp), group, 0o440)
         os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
@@ -95,7 +110,7 @@ def sync_volume(
     for relative, (content, mode) in files.items():
         target = root / relative
         if not target.exists() or target.read_bytes() != content:
-            write_atomically(target, content, mode)
+            write_atomically(target, content, mode, sandbox.fs_group)
     for gone in sandbox.volume_files.get(name, set()) - files.keys():
         (root / gone).unlink(missing_ok=True)
     sandbox.volume_sources[name], sandbox.volume_files[name] = sources, set(files)
@@ -118,6 +133,7 @@ def materialize_volumes(
             sandbox.volume_paths[name] = sandbox.root / "volumes" / name
             sandbox.volume_paths[name].mkdir(parents=True, exist_ok=True)
             sandbox.volume_paths[name].chmod(0o777)  # as the kubelet makes it: any uid writes
+            give_to_group(sandbox.volume_paths[name], sandbox.fs_group, 0o660)
         elif "hostPath" in volume:
             sandbox.volume_paths[name] = Path(volume["hostPath"]["path"])
         elif "persistentVolumeClaim" in volume:

@@ -69,7 +69,12 @@ def spec_of(name: str) -> InferenceDeploymentSpec:
 
 
 def test_the_examples_are_the_ones_documented() -> None:
-    assert MANIFESTS == ["gpu-cluster.yaml", "lower-context.yaml", "smollm2-local.yaml"]
+    assert MANIFESTS == [
+        "cpu-cluster.yaml",
+        "gpu-cluster.yaml",
+        "lower-context.yaml",
+        "smollm2-local.yaml",
+    ]
 
 
 @pytest.mark.parametrize("name", MANIFESTS)

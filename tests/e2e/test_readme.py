@@ -6,6 +6,8 @@ from pathlib import Path
 
 import yaml
 
+from helpers.images import INSTALL_STEPS
+
 ROOT = Path(__file__).parents[2]
 README = (ROOT / "README.md").read_text()
 CRD_REFERENCE = ROOT / "docs" / "crd.md"  # its "Fields" table
@@ -53,3 +55,15 @@ def test_the_readme_stays_a_front_door():
         f"README.md has {lines} lines (at most {README_MAX_LINES}): move reference material "
         "into the docs/ page it belongs to and link it"
     )
+
+
+def test_the_cluster_section_shows_the_steps_the_install_test_runs():
+    """tests/images/test_install.py runs INSTALL_STEPS with the images; the README shows the
+    same commands in the same order (comments aside), so what it tells a user was run."""
+    block = section(README, "On a cluster").split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [
+        line.split("  #", 1)[0].strip()
+        for line in block.splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert commands == INSTALL_STEPS

@@ -19,3 +19,18 @@ def podman(env: dict[str, str], *args: str) -> str:
     done = subprocess.run(["podman", *args], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"podman {' '.join(args)}: {done.stderr}"
     return done.stdout
+
+
+# The README's "On a cluster" commands, in order (tests/e2e/test_readme.py checks the README
+# shows exactly these; tests/images/test_install.py runs them).
+INSTALL_STEPS = [
+    "kubectl apply -f crds/",
+    "helm install kvfence charts/kvfence --namespace kvfence-system --create-namespace",
+    "$EDITOR examples/cpu-cluster.yaml",
+    "kubectl apply -f examples/cpu-cluster.yaml",
+    "kubectl wait --for=condition=Ready infd/smollm --timeout=20m",
+    "kubectl get infd -o wide",
+    """kubectl patch infd smollm --type merge -p '{"spec": {"contextLength": 384}}'""",
+    "kubectl wait --for=condition=Progressing=False infd/smollm --timeout=20m",
+    "kubectl delete -f examples/cpu-cluster.yaml",
+]

@@ -239,9 +239,12 @@ class Kubelet:
                 found.append(local)
         return found
 
-    async def probe(self, runtime: PodRuntime, container: Container) -> bool:
-        """The readiness probe, as often as probe_period. No probe: ready once running."""
-        probe = container.spec.get("readinessProbe")
+    async def probe(
+        self, runtime: PodRuntime, container: Container, kind: str = "readinessProbe"
+    ) -> bool:
+        """One try of a container's readinessProbe (run as often as probe_period) or
+        livenessProbe (pods.py runs it on its own schedule). No probe: it passes."""
+        probe = container.spec.get(kind)
         if not probe:
             return True
         timeout = float(probe.get("timeoutSeconds", 1))

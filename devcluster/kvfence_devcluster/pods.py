@@ -50,7 +50,9 @@ class Node(ObjectLookup, Protocol):
 
     def resync_volumes(self, runtime: "PodRuntime") -> bool | None: ...
 
-    async def probe(self, runtime: "PodRuntime", container: "Container") -> bool: ...
+    async def probe(
+        self, runtime: "PodRuntime", container: "Container", kind: str = "readinessProbe"
+    ) -> bool: ...
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Container:
     restarts: int = 0
     ready: bool = False
     probe_failures: int = 0
+    live_failures: int = 0
+    next_liveness: float = 0.0  # when the liveness probe runs next (time.monotonic())
     state: dict[str, Any] = field(
         default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}}
     )
@@ -205,6 +209,9 @@ class PodRuntime:
         container.process = created.process
         self.kubelet.processes.append(container.process)
         container.probe_failures, container.ready, container.restart_at = 0, False, None
+        container.live_failures = 0
+        liveness = container.spec.get("livenessProbe") or {}
+        container.next_liveness = time.monotonic() + float(liveness.get("initialDelaySeconds", 0))
         try:
             container.process.start()
         except OSError as exc:  # no such executable: what container runtimes call StartError
@@ -280,6 +287,8 @@ class PodRuntime:
                 started,
             )
             return
+        if await self._unhealthy(container):
+            return
         succeeded = await self.kubelet.probe(self, container)
         threshold = int((container.spec.get("readinessProbe") or {}).get("failureThreshold", 3))
         container.probe_failures = 0 if succeeded else container.probe_failures + 1
@@ -287,6 +296,36 @@ class PodRuntime:
             container.ready = True
         elif container.probe_failures >= threshold:
             container.ready = False
+
+    async def _unhealthy(self, container: Container) -> bool:
+        """The liveness probe, on its own schedule (initialDelaySeconds, periodSeconds,
+        timeoutSeconds, failureThreshold: the spec's seconds, not the test kubelet's faster
+        readiness period). Once it failed failureThreshold times in a row, the container is
+        stopped as for a deletion (SIGTERM, then SIGKILL after the grace period) and restarted
+        per restartPolicy; True then."""
+        liveness = container.spec.get("livenessProbe")
+        if not liveness or time.monotonic() < container.next_liveness:
+            return False
+        container.next_liveness = time.monotonic() + float(liveness.get("periodSeconds", 10))
+        if await self.kubelet.probe(self, container, "livenessProbe"):
+            container.live_failures = 0
+            return False
+        container.live_failures += 1
+        if container.live_failures < int(liveness.get("failureThreshold", 3)):
+            return False
+        assert container.process is not None
+        with open(self.log_path(container.name), "a") as log:
+            log.write(
+                f"[kubelet] liveness probe failed {container.live_failures} times in a row: "
+                "stopping the container (it restarts per restartPolicy)\n"
+            )
+        started = container.state.get("running", {}).get("startedAt", now_rfc3339())
+        code = _exit_code(await container.process.astop(grace=self.grace) or 0)
+        reason = "Completed" if code == 0 else "Error"
+        self._terminated(
+            container, code, reason, self._termination_message(container, code), started
+        )
+        return True
 
     def _phase(self) -> str:
         if self.containers and all(c.finished for c in self.containers):

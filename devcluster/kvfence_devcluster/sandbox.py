@@ -6,9 +6,9 @@ ports (status.podIP is 127.0.0.1), so `http://<podIP>:<containerPort>` reaches t
 The command line is adapted the same way: paths under a volumeMount point into the pod's
 directory, `--*port*` flags whose value is a declared containerPort get the allocated port,
 `--host 0.0.0.0` becomes 127.0.0.1 (as in a listening URL such as `--metrics
-http://0.0.0.0:9090/metrics`, whose port is mapped too), and `<svc>.<ns>.svc[.cluster.local][:port]` becomes
-`<the Service's clusterIP>:<port>` (which the kube-proxy serves), or for a headless Service
-`127.0.0.1:<port of a Ready pod behind it>`.
+http://0.0.0.0:9090/metrics`, whose port is mapped too), and
+`<svc>.<ns>.svc[.cluster.local][:port]` becomes `<the Service's clusterIP>:<port>` (which the
+kube-proxy serves), or for a headless Service `127.0.0.1:<port of a Ready pod behind it>`.
 """
 
 import re

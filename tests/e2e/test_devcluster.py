@@ -536,6 +536,31 @@ def test_a_container_that_exits_is_restarted_with_its_exit_code_recorded(cluster
     assert cluster.pod_log(name).count("bye") >= 2, "logs outlive the pod, for diagnosis"
 
 
+def test_a_container_failing_its_liveness_probe_is_stopped_and_restarted(cluster: Cluster):
+    """The spec's own timings: two failures a second apart, then SIGTERM (http.server dies of
+    it: 143) and a restart; a container whose probe passes is left alone."""
+    for name, path in (("unhealthy", "/missing"), ("healthy", "/")):
+        deployment = web_deployment(name, replicas=1)
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        container["livenessProbe"] = {
+            "httpGet": {"path": path, "port": "http"},  # http.server: 404 for /missing
+            "periodSeconds": 1,
+            "failureThreshold": 2,
+        }
+        cluster.create(deployment)
+    pod = cluster.wait_for(
+        lambda: only_pod(cluster, app="unhealthy"),
+        "a restart",
+        until=lambda p: p["status"]["containerStatuses"][0]["restartCount"] >= 1,
+    )
+    terminated = pod["status"]["containerStatuses"][0]["lastState"]["terminated"]
+    assert (terminated["exitCode"], terminated["reason"]) == (143, "Error")
+    assert "liveness probe failed 2 times in a row" in cluster.pod_log(pod["metadata"]["name"])
+    healthy = only_pod(cluster, app="healthy")
+    assert healthy is not None
+    assert healthy["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
 def test_a_failed_job_reports_the_termination_message(cluster: Cluster):
     script = "echo 'marker leaked to tenant B' > /dev/termination-log; exit 3"
     cluster.create(job("leaky", ["sh", "-c", script]))

@@ -301,8 +301,8 @@ class PodRuntime:
         """The liveness probe, on its own schedule (initialDelaySeconds, periodSeconds,
         timeoutSeconds, failureThreshold: the spec's seconds, not the test kubelet's faster
         readiness period). Once it failed failureThreshold times in a row, the container is
-        stopped as for a deletion (SIGTERM, then SIGKILL after the grace period) and restarted
-        per restartPolicy; True then."""
+        stopped as for a deletion (its preStop sleep, SIGTERM, SIGKILL once the grace period is
+        over) and restarted per restartPolicy; True then."""
         liveness = container.spec.get("livenessProbe")
         if not liveness or time.monotonic() < container.next_liveness:
             return False
@@ -320,7 +320,9 @@ class PodRuntime:
                 "stopping the container (it restarts per restartPolicy)\n"
             )
         started = container.state.get("running", {}).get("startedAt", now_rfc3339())
-        code = _exit_code(await container.process.astop(grace=self.grace) or 0)
+        pre_stop = min(pre_stop_sleep(container.spec), self.grace)
+        await asyncio.sleep(pre_stop)
+        code = _exit_code(await container.process.astop(grace=max(self.grace - pre_stop, 2.0)) or 0)
         reason = "Completed" if code == 0 else "Error"
         self._terminated(
             container, code, reason, self._termination_message(container, code), started

@@ -177,5 +177,8 @@ def test_deleting_a_pod_stops_its_container_with_sigterm_and_nothing_outlives_th
         cluster.wait_for(lambda: "waiting" in cluster.pod_log("waiter"), "it to run", 60)
         cluster.kubectl("delete", "pod", "waiter", "--wait=true", "--timeout=60s")
         assert "got SIGTERM" in cluster.pod_log("waiter")
-        waiting = cluster.get("Pod", "no-image", "default")["status"]["containerStatuses"][0]
-        assert waiting["state"]["waiting"]["reason"] == "ErrImageNeverPull"
+        cluster.wait_for(
+            lambda: cluster.require("Pod", "no-image")["status"]["containerStatuses"][0],
+            "the image-less pod to say why it waits",
+            until=lambda s: s["state"].get("waiting", {}).get("reason") == "ErrImageNeverPull",
+        )

@@ -39,11 +39,15 @@ serve: setup
 # with three (beside a busy loop, 18:46 and 15:00); once the kubelet's containers forked from
 # a preloaded server too, a fresh clone's suite took 12:11 with three and 10:14 to 11:27 with
 # four (three runs), in at most 14.3 GB; with cold caches, as on CI, 11:25 to 13:31.
+# A whole test file goes to one worker (--dist loadfile): a module's fixtures (a deployment of
+# three processes, a converted model) start once, where worksteal split a module over up to
+# four workers, each starting them again: 1095 CPU-s and 9:26 against 1160 and 10:21 with
+# worksteal, the same tree on the same machine. Files with a slow test start first (conftest).
 # Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE, set on
 # some CI images): the suite starts about 400 Python processes, and each would compile the
 # project's sources again, as each worker would its assertion-rewritten test modules.
 test: setup lint
-	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -q -n 4 --dist worksteal -m "not images"
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -q -n 4 --dist loadfile -m "not images"
 
 # Style, types (pyproject [tool.mypy]) and import contracts (pyproject [tool.importlinter]),
 # both read from this checkout's folders, not from wherever the package is installed.

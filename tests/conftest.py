@@ -30,7 +30,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Slow tests first: with xdist workers (`make test`), a long test that starts last
-    would run alone at the end while the other workers idle."""
+    would run alone at the end while the other workers idle. (`--dist loadfile` hands out
+    whole files in the order their first test comes: files with a slow test first.)"""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 

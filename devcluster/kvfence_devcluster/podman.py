@@ -67,6 +67,11 @@ class PodmanContainer(ManagedProcess):
     def container_id(self) -> str:
         return f"podman://{self.container}"
 
+    def poll(self) -> int | None:
+        """The container's exit code once `podman run` returned it. Unlike a process group,
+        nothing of a container outlives it, so there is nothing to kill after its exit."""
+        return None if self.popen is None else self.popen.poll()
+
     def _signal_group(self, sig: int) -> None:
         if self.popen is None or self.popen.returncode is not None:
             return

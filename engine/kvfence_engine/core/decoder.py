@@ -3,6 +3,8 @@ norm and the lm_head. What differs by family is the layer (core/families.py), an
 the RoPE its sliding layers rotate by."""
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,30 @@ from kvfence_engine.core.rope import Rotary
 LayerBuilder = Callable[[ModelConfig, Weights, int], DecoderLayer]
 # tensors a checkpoint may hold that change nothing: old checkpoints saved RoPE's frequencies
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class Collectives(Protocol):
+    """What a rank's model asks of its tensor-parallel group (parallel/group.TPGroup)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RankPart:
+    """A model that is one rank's part of a tensor-parallel model (core/shards.py): its
+    layers' outputs are summed over the ranks, its vocabulary is rows vocab_start.. of the
+    embedding and the lm_head, vocab_widths[r] of them on rank r."""
+
+    comm: Collectives
+    vocab_start: int
+    vocab_widths: tuple[int, ...]
+    rank: int
+
+    @property
+    def vocab_stop(self) -> int:
+        return self.vocab_start + self.vocab_widths[self.rank]
 
 
 def layer_prefix(i: int) -> str:
@@ -41,9 +67,11 @@ class Decoder(nn.Module):
         *,
         unit_offset_norm: bool = False,
         context: int | None = None,
+        part: RankPart | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.part = part
         w = Weights(weights, str(config.family))
         self.embed = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
         # Gemma's embedding scale, in the model's dtype as transformers rounds it (a buffer: the
@@ -51,6 +79,10 @@ class Decoder(nn.Module):
         scale = None if config.embed_scale is None else torch.tensor(config.embed_scale)
         self.register_buffer("embed_scale", scale, persistent=False)
         self.layers = nn.ModuleList(layer(config, w, i) for i in range(config.num_layers))
+        if part is not None:
+            for built in self.layers:
+                assert isinstance(built, DecoderLayer)
+                built.reduce = part.comm.all_reduce
         self.norm = RMSNorm(w["model.norm.weight"], config.rms_eps, unit_offset=unit_offset_norm)
         # tied: the embedding table (a tied checkpoint's lm_head.weight, if saved, is a copy
         # transformers ignores too)
@@ -96,7 +128,7 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """Run a flat batch of tokens; returns logits (float32) for the rows in logits_rows."""
         c = self.config
-        x = F.embedding(input_ids, self.embed)
+        x = self._embedding(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale.to(x.dtype)
         rope = self.rotary(positions, x.dtype)
@@ -106,6 +138,19 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, sliding_rope if self.sliding[i] else rope, k_pool[i], v_pool[i], batch)
         logits = self.lm_head(self.norm(x[logits_rows])).float()
+        if self.part is not None:  # each rank's vocabulary, side by side
+            logits = self.part.comm.gather_columns(logits, list(self.part.vocab_widths))
         if c.logit_softcap is not None:
             logits = torch.tanh(logits / c.logit_softcap) * c.logit_softcap
         return logits
+
+    def _embedding(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's embedding; on a rank, the rows it holds, summed over the ranks (each
+        token's row is on exactly one)."""
+        if self.part is None:
+            return F.embedding(input_ids, self.embed)
+        start, stop = self.part.vocab_start, self.part.vocab_stop
+        mine = (input_ids >= start) & (input_ids < stop)
+        local = torch.where(mine, input_ids - start, 0)
+        x = F.embedding(local, self.embed) * mine[:, None].to(self.embed.dtype)
+        return self.part.comm.all_reduce(x)

@@ -7,22 +7,23 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
 from kvfence_engine.contracts import DEFAULT_TENANT, KvPoolReport, Role
 from kvfence_engine.core import errors
+from kvfence_engine.core.build import build_rank
 from kvfence_engine.core.decoder import Decoder
 from kvfence_engine.core.device import resolve_device
 from kvfence_engine.core.device_decode import DeviceDecoder, unsupported
 from kvfence_engine.core.errors import EngineError
-from kvfence_engine.core.families import build_model
 from kvfence_engine.core.faults import EarlyRelease, Fault, Faults
-from kvfence_engine.core.isolation import ReadCheck, check_reads
+from kvfence_engine.core.isolation import ReadCheck
 from kvfence_engine.core.kv_cache import KVCache
+from kvfence_engine.core.leader import Leader
 from kvfence_engine.core.metrics import EngineMetrics
-from kvfence_engine.core.model_config import ModelConfig, positions_note
+from kvfence_engine.core.model_config import ModelConfig
 from kvfence_engine.core.page_manager import PageManager
 from kvfence_engine.core.pool_plan import (
     PREFIX_CACHE_IDLE_SECONDS,
@@ -33,29 +34,24 @@ from kvfence_engine.core.pool_plan import (
     admission_limit,
     cache_partition,
     effective_context,
-    plan_pool,
 )
 from kvfence_engine.core.prefix_cache import DECODE_HAS_NO_PREFIX_CACHE, PrefixKeys
-from kvfence_engine.core.quantization import (
-    Int4Groups,
-    WeightDtype,
-    pack_int4_linears,
-    pack_linears,
-    resolve_precision,
-)
+from kvfence_engine.core.quantization import Int4Groups
 from kvfence_engine.core.request import (
     Request,
     SamplingParams,
     TokenLogprob,
     is_terminal,
 )
-from kvfence_engine.core.runner import ModelRunner, PreparedStep
+from kvfence_engine.core.runner import ModelRunner, PreparedStep, check_step
 from kvfence_engine.core.sampler import sample
 from kvfence_engine.core.scheduler import Scheduler
 from kvfence_engine.core.tenants import TenantShares
 
+if TYPE_CHECKING:
+    from kvfence_engine.core.rank_orders import RankGroup
+
 log = logging.getLogger(__name__)
-DEFAULT_CPU_KV_MEMORY = 512 * 1024**2
 
 
 @dataclass(slots=True)
@@ -100,29 +96,6 @@ def cache_tenants_of(role: Role) -> int:
     return 1 if role is Role.COMBINED else PREFIX_CACHE_TENANTS
 
 
-def _available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def kv_budget(args: EngineArgs, device: torch.device) -> int:
-    if args.kv_cache_memory is not None:
-        return args.kv_cache_memory
-    if args.memory_fraction is not None:
-        if not 0.0 < args.memory_fraction <= 1.0:
-            raise ValueError(f"--memory-fraction must be in (0, 1], got {args.memory_fraction}")
-        return int(_available_memory(device) * args.memory_fraction)
-    if device.type == "cuda":
-        return int(_available_memory(device) * 0.9)
-    return DEFAULT_CPU_KV_MEMORY
-
-
 class EosTokens(Protocol):
     """What the engine asks of a tokenizer: the tokens that end a sequence."""
 
@@ -163,7 +136,10 @@ class LLMEngine(Generic[TokenizerT]):
         loaded: ModelFiles[TokenizerT],
         args: EngineArgs,
         metrics: EngineMetrics | None = None,
+        group: "RankGroup | None" = None,
     ) -> None:
+        """group: this engine is rank 0 of a tensor-parallel group, whose other ranks follow
+        its steps (parallel/follower.py)."""
         self.args = args
         self.loaded = loaded
         self.config = loaded.config
@@ -174,37 +150,21 @@ class LLMEngine(Generic[TokenizerT]):
         self._device_decode = (
             args.device_decode if args.device_decode is not None else self.device.type == "cuda"
         )
-        self.precision = resolve_precision(args.weight_dtype, self.device, bool(loaded.int4))
-        dtype = self.precision.compute
-        requested = args.context_length or loaded.config.max_positions
-        if requested > loaded.config.max_positions:
-            raise ValueError(
-                f"--context-length {requested} exceeds the model's {loaded.config.max_positions} "
-                f"positions{positions_note(loaded.config)}"
-            )
-        if requested < 1:
-            raise ValueError("--context-length must be >= 1")
-        model = build_model(loaded.config, loaded.weights, requested).to(self.device, dtype)
-        if self.precision.packed is WeightDtype.INT4:
-            pack_int4_linears(model, model.linear_sources, loaded.int4)
-        elif self.precision.packed is not None:
-            pack_linears(model, self.precision.packed)
-        loaded.weights.clear()  # the model holds them now
-        loaded.int4.clear()
-        kv_dtype = dtype if args.kv_cache_dtype is None else getattr(torch, args.kv_cache_dtype)
-        self.plan: PoolPlan = plan_pool(
-            loaded.config,
-            page_size=args.page_size,
-            dtype_bytes=torch.finfo(kv_dtype).bits // 8,
-            budget_bytes=kv_budget(args, self.device),
-        )
+        self.group = group
+        if group is not None and self._device_decode:
+            log.warning("decode runs on the host path: tensor parallelism has no device decode")
+            self._device_decode = False
+        built = build_rank(loaded.config, loaded.weights, loaded.int4, args, self.device, group)
+        model, self.precision, requested = built.model, built.precision, built.context
+        self.plan: PoolPlan = built.plan
+        kv_dtype = built.kv_dtype
         # the early-release fault's hook, which the page book takes free pages through
         self.early_release = EarlyRelease() if Fault.EARLY_RELEASE in self.faults else None
         kv = KVCache(
             num_layers=loaded.config.num_layers,
             num_pages=self.plan.num_pages,
             page_size=args.page_size,
-            num_kv_heads=loaded.config.num_kv_heads,
+            num_kv_heads=model.config.num_kv_heads,  # this rank's, with tensor parallelism
             head_dim=loaded.config.head_dim,
             dtype=kv_dtype,
             device=self.device,
@@ -244,6 +204,8 @@ class LLMEngine(Generic[TokenizerT]):
         )
         self.runner = ModelRunner(model, self.pages, self.device, self.faults)
         self.device_decoder = self._device_decoder(model)
+        # the other ranks' side of each step (core/leader.py), with tensor parallelism
+        self.leader = None if group is None else Leader(group, self.pages)
         self._ids = itertools.count(1)
         m = self.metrics
         m.pool_tokens.set(self.pages.pool_tokens)
@@ -455,12 +417,15 @@ class LLMEngine(Generic[TokenizerT]):
 
     def _run_on_host(self, seqs: list[Request], is_prefill: bool) -> None:
         """Prepare the batch's tensors, check its reads (core/isolation), run it (core/runner)."""
-        step = self.runner.prepare(seqs, is_prefill)
+        step: PreparedStep | None = self.runner.prepare(seqs, is_prefill)
+        assert step is not None
         safe = self._refuse_unsafe_reads(seqs, step)
-        if safe:
+        if len(safe) < len(seqs):
             # page tables only change between steps: the checked batch is the one that runs
-            if len(safe) < len(seqs):
-                step = self.runner.prepare(safe, is_prefill)
+            step = self.runner.prepare(safe, is_prefill) if safe else None
+            if self.leader is not None:
+                self.leader.narrow(step)  # the other ranks run it instead of the checked one
+        if step is not None:
             self._postprocess(safe, is_prefill, self.runner.run(step))
 
     def _decode_on_device(self, decoder: DeviceDecoder, seqs: list[Request]) -> None:
@@ -527,22 +492,12 @@ class LLMEngine(Generic[TokenizerT]):
     def _refuse_unsafe_reads(self, seqs: list[Request], step: PreparedStep) -> list[Request]:
         """Fail closed every sequence whose page table does not cover what it will read;
         returns the others."""
-        if Fault.NO_TAG_CHECK in self.faults:
-            return seqs
         started = time.perf_counter()
-        book = self.pages.book
-        check = check_reads(
-            book.tags,
-            book.fill,
-            book.written_tag,
-            step.page_table,
-            step.held_tags,
-            step.num_held,
-            step.read_len,
-            book.page_size,
-            book.page_tenant,
-            step.seq_tenant,
-        )
+        check = None if Fault.NO_TAG_CHECK in self.faults else check_step(self.pages.book, step)
+        if self.leader is not None:  # every rank's check, against its own pool's tags
+            check = self.leader.check(step, check)
+        if check is None:
+            return seqs
         failed = bool(check.failed.any())
         self.metrics.read_check_seconds.inc(time.perf_counter() - started)
         return self._fail_closed(seqs, check) if failed else seqs

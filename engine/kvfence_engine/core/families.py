@@ -5,7 +5,7 @@ family's own weight names: what each family's checkpoints say about its layer, a
 import torch
 
 from kvfence_engine.core.attention import Scoring
-from kvfence_engine.core.decoder import Decoder, LayerBuilder, layer_prefix
+from kvfence_engine.core.decoder import Decoder, LayerBuilder, RankPart, layer_prefix
 from kvfence_engine.core.layers import (
     SEPARATE_GATE_UP,
     SEPARATE_QKV,
@@ -127,9 +127,13 @@ UNIT_OFFSET_NORMS = {Family.GEMMA2, Family.GEMMA3}
 
 
 def build_model(
-    config: ModelConfig, weights: dict[str, torch.Tensor], context: int | None = None
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    context: int | None = None,
+    part: RankPart | None = None,
 ) -> Decoder:
-    """The model for an engine that serves `context` positions (default max_positions)."""
+    """The model for an engine that serves `context` positions (default max_positions); with
+    `part`, one rank's part of it (config and weights that rank's: core/shards.py)."""
     family = config.family
     return Decoder(
         config,
@@ -137,4 +141,5 @@ def build_model(
         LAYERS[family],
         unit_offset_norm=family in UNIT_OFFSET_NORMS,
         context=context,
+        part=part,
     )

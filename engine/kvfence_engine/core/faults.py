@@ -56,6 +56,11 @@ class Fault(StrEnum):
         "requests' allocations take the prefix cache's partition, evicting any tenant's least "
         "recently used cached page: the shared LRU in which one tenant counts another's pages",
     )
+    RANK_DESYNC = (
+        "rank-desync",
+        "with tensor parallelism, the last rank stops following rank 0's page bookkeeping: its "
+        "pool's tags no longer say who owns its part of each page",
+    )
 
 
 class UnsafeFaultRefused(ValueError):

@@ -7,6 +7,8 @@ Each layer takes its weights from a Weights, by Hugging Face name, and fuses wha
 order, for packing them from a GGUF's own blocks (quantization.pack_int4_linears).
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -240,6 +242,9 @@ class DecoderLayer(nn.Module):
         else:
             self.post_norm = norm("post_attention_layernorm")
         self.mlp = mlp
+        # tensor parallelism (core/decoder.RankPart): the sum over the ranks of what attention
+        # and the MLP each output (their last linear is row-parallel); alone, nothing to add
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _alone
 
     @property
     def sources(self) -> dict[str, list[str]]:
@@ -256,7 +261,11 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         batch: StepBatch,
     ) -> torch.Tensor:
-        h = self.attn(self.input_norm(x), rope, k_cache, v_cache, batch)
+        h = self.reduce(self.attn(self.input_norm(x), rope, k_cache, v_cache, batch))
         x = x + (h if self.attn_out_norm is None else self.attn_out_norm(h))
-        h = self.mlp(self.post_norm(x))
+        h = self.reduce(self.mlp(self.post_norm(x)))
         return x + (h if self.mlp_out_norm is None else self.mlp_out_norm(h))
+
+
+def _alone(x: torch.Tensor) -> torch.Tensor:
+    return x

@@ -115,14 +115,16 @@ class PageBook:
         self._changes = []
         return changed
 
-    def read_state(self, pages: torch.Tensor | None = None) -> torch.Tensor:
-        """int32 [4, len(pages)] (every page if None): each page's tag, fill, written tag and
+    def read_state(
+        self, pages: torch.Tensor | None = None, dtype: torch.dtype = torch.int32
+    ) -> torch.Tensor:
+        """[4, len(pages)] (every page if None): each page's tag, fill, written tag and
         tenant, the rows of core/paged_decode's pool state. Tags are compared for equality
-        only, so their low 32 bits decide as the full ones do."""
+        only, so their low 32 bits decide as the full ones do (int64: the tags themselves)."""
         rows = (self.tags, self.fill, self.written_tag, self.page_tenant)
         if pages is None:
-            return torch.stack(rows).to(torch.int32)
-        return torch.stack([r[pages] for r in rows]).to(torch.int32)
+            return torch.stack(rows).to(dtype)
+        return torch.stack([r[pages] for r in rows]).to(dtype)
 
     @property
     def num_free(self) -> int:

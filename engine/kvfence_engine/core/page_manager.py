@@ -191,12 +191,14 @@ class PageManager:
             self.book.track_changes()
             return self.book.read_state()
 
-    def take_changes(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def take_changes(
+        self, dtype: torch.dtype = torch.int32
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The pages whose read-check state changed since the last call (or track_state),
-        and their state now; None if none did."""
+        and their state now (PageBook.read_state); None if none did."""
         with self.lock:
             changed = self.book.take_changes()
-            return None if changed is None else (changed, self.book.read_state(changed))
+            return None if changed is None else (changed, self.book.read_state(changed, dtype))
 
     def record_writes(self, slot_pages: torch.Tensor, slot_offsets: torch.Tensor) -> None:
         """A forward pass wrote these slots: their pages' fill counts cover them now."""

@@ -1,12 +1,14 @@
 """Turns a scheduled batch into tensors, and runs the model over the pool."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from kvfence_engine.core.attention import StepBatch
 from kvfence_engine.core.decoder import Decoder
 from kvfence_engine.core.faults import Faults
+from kvfence_engine.core.isolation import ReadCheck, check_reads
+from kvfence_engine.core.page_book import PageBook
 from kvfence_engine.core.page_manager import PageManager
 from kvfence_engine.core.request import Request
 
@@ -26,6 +28,34 @@ class PreparedStep:
     # which slots this step writes, for the pool's fill counts
     written_pages: torch.Tensor
     written_offsets: torch.Tensor
+
+    def on(self, device: torch.device) -> "PreparedStep":
+        """The step with its batch's tensors on `device` (rank 0 sends it to the other ranks
+        of a tensor-parallel group on the host; each runs it on its own device)."""
+        batch = self.batch
+        moved = {
+            f.name: getattr(batch, f.name).to(device)
+            for f in fields(batch)
+            if isinstance(getattr(batch, f.name), torch.Tensor)
+        }
+        assert batch.device_attend is None and not batch.window_masks, "a host-path step"
+        return replace(self, batch=replace(batch, **moved))
+
+
+def check_step(book: PageBook, step: PreparedStep) -> ReadCheck:
+    """The read check (core/isolation) of a step's page tables against a pool's bookkeeping."""
+    return check_reads(
+        book.tags,
+        book.fill,
+        book.written_tag,
+        step.page_table,
+        step.held_tags,
+        step.num_held,
+        step.read_len,
+        book.page_size,
+        book.page_tenant,
+        step.seq_tenant,
+    )
 
 
 def _padded(rows: list[list[int]]) -> torch.Tensor:

@@ -126,5 +126,6 @@ def test_fault_names_are_the_documented_unsafe_fault_names() -> None:
         "skip-count-check",
         "cross-tenant-prefix",
         "shared-cache-eviction",
+        "rank-desync",
     ]
     assert all(fault.description for fault in Fault)

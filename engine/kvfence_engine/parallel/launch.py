@@ -1,0 +1,121 @@
+"""Starting an engine's other ranks: rank 0 (`kvfence serve --tensor-parallel-size N`, in the
+process that serves HTTP) spawns ranks 1..N-1 as processes of its own, each loading the model
+from the same source and following rank 0's steps (parallel/follower.py). A rank that dies
+ends the engine: a group short of a rank cannot compute a step, so rank 0 exits and the
+kubelet (or `kvfence up`) restarts the pod whole; a rank whose parent died exits too."""
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+
+import torch
+
+from kvfence_engine.core.engine import EngineArgs
+from kvfence_engine.parallel.group import Rendezvous, TPGroup
+
+log = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Rank r's device: the r-th GPU from the one asked for (cuda, cuda:N), or the CPU."""
+    base = torch.device(device)
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+def rank_threads(threads: int | None, world: int) -> int:
+    """A rank's CPU threads: --threads each, or the machine's cores shared among the ranks."""
+    return threads or max(1, (os.cpu_count() or 1) // world)
+
+
+@dataclass(slots=True)
+class Ranks:
+    """Ranks 1..N-1 of one engine, as processes of this one."""
+
+    rendezvous: Rendezvous
+    processes: list[BaseProcess]
+    _stopping: threading.Event = field(default_factory=threading.Event)
+
+    def join_as_rank0(self, device: str) -> TPGroup:
+        """This process's place in the group, once every rank has joined it."""
+        return TPGroup(self.rendezvous, 0, rank_device(device, 0))
+
+    def watch(self, on_death: Callable[[int, int | None], None]) -> None:
+        """Call on_death(rank, exit code) if a rank ends before stop() (from a thread)."""
+
+        def watch() -> None:
+            sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+            ended = multiprocessing.connection.wait(list(sentinels))
+            if not self._stopping.is_set():
+                rank = sentinels[ended[0]]  # type: ignore[index]
+                on_death(rank, self.processes[rank - 1].exitcode)
+
+        threading.Thread(target=watch, name="kvfence-tp-watch", daemon=True).start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """After rank 0 ended the group (Leader.stop): wait for the ranks, then end them."""
+        self._stopping.set()
+        deadline = time.monotonic() + timeout
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def start_ranks(
+    world: int, model: str, args: EngineArgs, port: int, threads: int | None = None
+) -> Ranks:
+    """Spawn ranks 1..world-1 of an engine serving `model` with `args`; they meet rank 0 at
+    `port` on loopback (Ranks.join_as_rank0)."""
+    rendezvous = Rendezvous(LOOPBACK, port, world)
+    context = multiprocessing.get_context("spawn")  # no fork of a process with torch threads
+    processes: list[BaseProcess] = []
+    for rank in range(1, world):
+        p = context.Process(
+            target=follower_main,
+            args=(rendezvous, rank, model, args, rank_threads(threads, world), os.getpid()),
+            name=f"kvfence-rank-{rank}",
+            daemon=True,
+        )
+        p.start()
+        processes.append(p)
+    return Ranks(rendezvous, processes)
+
+
+def follower_main(
+    rendezvous: Rendezvous, rank: int, model: str, args: EngineArgs, threads: int, parent: int
+) -> None:
+    """A spawned rank: join the group, load the model, follow rank 0 until it ends the group."""
+    from kvfence_engine.loading.loader import load_model
+    from kvfence_engine.parallel.follower import Follower
+
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
+    )
+    _exit_with(parent)
+    torch.set_num_threads(threads)
+    group = TPGroup(rendezvous, rank, rank_device(args.device, rank))
+    follower = Follower(group, load_model(model), args)
+    log.info("rank %d of %d ready", rank, rendezvous.world)
+    follower.run()
+    log.info("rank %d: rank 0 ended the group after %d steps", rank, follower.steps)
+    group.close()
+
+
+def _exit_with(parent: int) -> None:
+    """End this process when `parent` is gone (even killed: no atexit of its ran)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvfence-parent-watch", daemon=True).start()

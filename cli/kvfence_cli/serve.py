@@ -5,6 +5,7 @@ import contextlib
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from kvfence_cli.common import (
     SIZES_HELP,
@@ -30,6 +31,10 @@ from kvfence_engine.core.pool_plan import (
     PREFIX_CACHE_TENANTS,
     check_cache_flags,
 )
+
+if TYPE_CHECKING:
+    from kvfence_engine.parallel.launch import Ranks
+    from kvfence_engine.serving.async_engine import AsyncEngine
 
 EPILOG = f"""\
 examples:
@@ -231,7 +236,20 @@ def add_parser(sub: Subparsers) -> None:
         help="a cached page no request used for S seconds leaves the cache; a tenant with "
         "none left gives its slot back (default %(default)s)",
     )
-    p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="split the model over N ranks (N GPUs from --device, or N processes on CPU); "
+        "this process is rank 0 and starts the others (default %(default)s)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive,
+        default=None,
+        help="torch CPU threads, per rank (default: the cores shared among the ranks)",
+    )
     p.add_argument(
         "--termination-log",
         default=None,
@@ -277,11 +295,14 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.core.faults import Faults, UnsafeFaultRefused
     from kvfence_engine.core.metrics import EngineMetrics
     from kvfence_engine.core.pool_plan import ContextPolicy
+    from kvfence_engine.core.shards import plan_shards
     from kvfence_engine.loading.loader import plan_load
+    from kvfence_engine.parallel.launch import Ranks, rank_threads, start_ranks
     from kvfence_engine.serving.app import create_app
     from kvfence_engine.serving.async_engine import AsyncEngine
     from kvfence_engine.serving.limits import set_request_limits
     from kvfence_engine.serving.state import ServerState
+    from kvfence_engine.tools.localproc import free_port
     from kvfence_engine.tools.progress import Progress
 
     # Everything that can be checked before the loader thread starts: after it, an exit
@@ -296,8 +317,9 @@ def run(args: argparse.Namespace) -> int:
     except (UnsafeFaultRefused, OSError, ValueError) as exc:
         print(f"kvfence serve: {exc}", file=sys.stderr)
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    world = args.tensor_parallel_size
+    if args.threads or world > 1:
+        torch.set_num_threads(rank_threads(args.threads, world))
     role = Role(args.role)
     engine_args = EngineArgs(
         role=role,
@@ -337,14 +359,35 @@ def run(args: argparse.Namespace) -> int:
         plan = plan_load(args.model)
         with Progress(
             f"loading {args.model}",
-            len(plan.steps) + 1,
+            len(plan.steps) + 1 + (world > 1),
             stream=sys.stderr,
             write=logging.getLogger("kvfence_engine.loading").info,
             bar=False,
         ) as loading:
             loaded = plan.run(loading.start_step)
+            group = None
+            if world > 1:
+                plan_shards(loaded.config, world)  # a model that does not split: refused here
+                loading.start_step(f"starting ranks 1..{world - 1}, each loading its part")
+                ranks.append(start_ranks(world, args.model, engine_args, free_port(), args.threads))
+                ranks[0].watch(rank_died)
+                group = ranks[0].join_as_rank0(args.device)
             loading.start_step(f"building the model on {args.device} and allocating its KV pool")
-            return AsyncEngine(LLMEngine(loaded, engine_args, metrics))
+            return AsyncEngine(LLMEngine(loaded, engine_args, metrics, group=group))
+
+    ranks: list[Ranks] = []  # ranks 1..N-1, once started
+
+    def rank_died(rank: int, code: int | None) -> None:
+        """A group short of a rank computes no step: end the engine, so that it restarts."""
+        reason = (
+            f"rank {rank} of {world} ended (exit code {code}); the engine cannot run without it"
+        )
+        logging.error("%s: exiting", reason)
+        if args.termination_log:
+            with contextlib.suppress(OSError), open(args.termination_log, "w") as f:
+                f.write(reason + "\n")
+        logging.shutdown()
+        os._exit(1)
 
     state = ServerState(role=role, internal_token=token, metrics_token_sha256=metrics_token)
     app = create_app(state)
@@ -368,6 +411,8 @@ def run(args: argparse.Namespace) -> int:
 
     state.load_in_background(build, on_failure=stop)
     code = run_http(server, sock)
+    if ranks:
+        end_ranks(state.engine, ranks[0])
     if state.engine is None and state.load_error is None:
         # stopped while the weights load: interpreter teardown under the loader's torch
         # threads aborts (`terminate called without an active exception`); skip it
@@ -384,3 +429,13 @@ def run(args: argparse.Namespace) -> int:
             f.write(reason + "\n")
     print(f"kvfence serve: {reason}", file=sys.stderr, flush=True)
     return 1
+
+
+def end_ranks(engine: "AsyncEngine | None", ranks: "Ranks") -> None:
+    """After the server stopped: the engine's loop ends its step, rank 0 ends the group, and
+    the other ranks exit."""
+    leader = None
+    if engine is not None:
+        engine.stop()
+        leader = engine.engine.leader
+    ranks.stop(leader.stop if leader is not None else lambda: None)

@@ -4,13 +4,14 @@ rank 0's engine (core/engine.py) and the ranks that follow it (parallel/follower
 every rank holds its part of one model and as many pages."""
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvfence_engine.core.decoder import Decoder, RankPart
 from kvfence_engine.core.families import build_model
+from kvfence_engine.core.kv_cache import KVCache
 from kvfence_engine.core.model_config import ModelConfig, positions_note
 from kvfence_engine.core.pool_plan import PoolPlan, plan_pool
 from kvfence_engine.core.quantization import (
@@ -55,6 +56,22 @@ class Built:
     context: int  # the positions asked for (--context-length, or the model's)
     plan: PoolPlan
     kv_dtype: torch.dtype
+    kv_heads: tuple[int, int]  # [start, stop) of the model's KV heads this rank's pool holds
+
+    def kv_cache(self, config: ModelConfig, device: torch.device, **options: bool) -> KVCache:
+        """This rank's pool: plan.num_pages pages of its KV heads."""
+        return KVCache(
+            num_layers=config.num_layers,
+            num_pages=self.plan.num_pages,
+            page_size=self.plan.page_size,
+            num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
+            head_dim=config.head_dim,
+            dtype=self.kv_dtype,
+            device=device,
+            heads=self.kv_heads,
+            total_heads=config.num_kv_heads,
+            **options,
+        )
 
 
 def build_rank(
@@ -83,17 +100,19 @@ def build_rank(
         else getattr(torch, settings.kv_cache_dtype)
     )
     budget = kv_budget(settings, device)
-    world = 1
+    world, kv_heads = 1, (0, config.num_kv_heads)
     if group is not None:
         world = group.world
         budget = int(group.gather_host(torch.tensor([budget], dtype=torch.int64)).min())
+        span = plan_shards(config, world)[group.rank].kv_heads
+        kv_heads = (span.start, span.stop)
     plan = plan_pool(
         pool_shape(config, world),
         page_size=settings.page_size,
         dtype_bytes=torch.finfo(kv_dtype).bits // 8,
         budget_bytes=budget,
     )
-    return Built(model, precision, context, plan, kv_dtype)
+    return Built(model, precision, context, plan, kv_dtype, kv_heads)
 
 
 def _available_memory(device: torch.device) -> int:
@@ -156,5 +175,5 @@ def pool_shape(config: ModelConfig, world: int) -> ModelConfig:
     is sized for the rank with the most KV heads (the others' pools are that many pages too)."""
     if world == 1:
         return config
-    widest = max(s.kv_heads.size for s in plan_shards(config, world))
-    return replace(config, num_kv_heads=widest)
+    widest = max(plan_shards(config, world), key=lambda s: s.kv_heads.size)
+    return rank_config(config, widest)

@@ -20,7 +20,6 @@ from kvfence_engine.core.device_decode import DeviceDecoder, unsupported
 from kvfence_engine.core.errors import EngineError
 from kvfence_engine.core.faults import EarlyRelease, Fault, Faults
 from kvfence_engine.core.isolation import ReadCheck
-from kvfence_engine.core.kv_cache import KVCache
 from kvfence_engine.core.leader import Leader
 from kvfence_engine.core.metrics import EngineMetrics
 from kvfence_engine.core.model_config import ModelConfig
@@ -160,16 +159,8 @@ class LLMEngine(Generic[TokenizerT]):
         kv_dtype = built.kv_dtype
         # the early-release fault's hook, which the page book takes free pages through
         self.early_release = EarlyRelease() if Fault.EARLY_RELEASE in self.faults else None
-        kv = KVCache(
-            num_layers=loaded.config.num_layers,
-            num_pages=self.plan.num_pages,
-            page_size=args.page_size,
-            num_kv_heads=model.config.num_kv_heads,  # this rank's, with tensor parallelism
-            head_dim=loaded.config.head_dim,
-            dtype=kv_dtype,
-            device=self.device,
-            scratch_page=self._device_decode,  # core/device_decode's failed rows
-        )
+        # core/device_decode's failed rows write a scratch page
+        kv = built.kv_cache(loaded.config, self.device, scratch_page=self._device_decode)
         self.prefix = self._prefix_keys(args)
         self.pages = PageManager(
             kv,
@@ -205,7 +196,7 @@ class LLMEngine(Generic[TokenizerT]):
         self.runner = ModelRunner(model, self.pages, self.device, self.faults)
         self.device_decoder = self._device_decoder(model)
         # the other ranks' side of each step (core/leader.py), with tensor parallelism
-        self.leader = None if group is None else Leader(group, self.pages)
+        self.leader = None if group is None else Leader(group, self.pages, loaded.config)
         self._ids = itertools.count(1)
         m = self.metrics
         m.pool_tokens.set(self.pages.pool_tokens)

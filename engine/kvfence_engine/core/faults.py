@@ -107,12 +107,6 @@ class Faults:
 class _Book(Protocol):
     def free_in_use(self, pages: list[int]) -> None: ...
 
-    def mark_written(self, page: int, tag: int, tokens: int) -> None: ...
-
-
-class _KV(Protocol):
-    def write(self, page: int, tokens: int, payload: memoryview) -> None: ...
-
 
 class Pages(Protocol):
     """What a hook touches of the pages' owner (core/page_manager.py::PageManager)."""
@@ -123,8 +117,7 @@ class Pages(Protocol):
     @property
     def book(self) -> _Book: ...
 
-    @property
-    def kv(self) -> _KV: ...
+    def write_page(self, page: int, tag: int, tokens: int, payload: memoryview) -> None: ...
 
 
 class EarlyRelease:
@@ -165,6 +158,5 @@ def write_without_tag_check(
     it now, with no owner or tag check. It is recorded as written under the old tag, which is
     what the read check's written-tag test catches."""
     with pages.lock:
-        pages.kv.write(page, tokens, payload)
-        pages.book.mark_written(page, tag, tokens)
+        pages.write_page(page, tag, tokens, payload)
     return True

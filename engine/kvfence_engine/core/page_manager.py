@@ -15,6 +15,7 @@ bookkeeping holds `lock`.
 """
 
 import threading
+from typing import Protocol
 
 import torch
 
@@ -23,6 +24,21 @@ from kvfence_engine.core.kv_cache import KVCache
 from kvfence_engine.core.page_book import PageBook, PoolExhausted
 from kvfence_engine.core.pool_plan import CachePartition
 from kvfence_engine.core.request import Request
+
+
+class Peers(Protocol):
+    """The other ranks' pools, as rank 0's page manager reaches them (core/leader.Leader)."""
+
+    def wrote(self, page: int, tag: int, tokens: int, payload: memoryview) -> None:
+        """A transferred page was written here: write it in theirs too."""
+
+    def join_export(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's exported heads joined with theirs of the same pages: every KV head."""
+
+
+def export_pages(pages: "PageManager", seq: Request, tokens: int) -> list[int]:
+    """The pages that hold a request's first `tokens` slots: what an export copies."""
+    return seq.pages[: pages.pages_for(tokens)]
 
 
 class PageManager:
@@ -52,6 +68,8 @@ class PageManager:
         )
         self.scrub_on_free = scrub_on_free
         self.lock = threading.RLock()
+        # the other ranks of a tensor-parallel engine (core/leader.py): None alone
+        self.peers: Peers | None = None
 
     @property
     def pool_tokens(self) -> int:
@@ -167,8 +185,10 @@ class PageManager:
 
     def export(self, seq: Request, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy out the KV of the request's first `tokens` slots, as host tensors
-        [pages, layers, page_size, heads, dim]."""
-        return self.kv.export(seq.pages[: self.pages_for(tokens)])
+        [pages, layers, page_size, heads, dim], every KV head of the model (with tensor
+        parallelism, the ranks' parts joined: `peers`)."""
+        k, v = self.kv.export(export_pages(self, seq, tokens))
+        return (k, v) if self.peers is None else self.peers.join_export(k, v)
 
     def write_transferred(
         self, seq: Request, page: int, tag: int, tokens: int, payload: memoryview
@@ -179,9 +199,17 @@ class PageManager:
         with self.lock:
             if not self.book.may_write(seq.seq_id, page, tag):
                 return False
-            self.kv.write(page, tokens, payload)
-            self.book.mark_written(page, tag, tokens)
+            self.write_page(page, tag, tokens, payload)
             return True
+
+    def write_page(self, page: int, tag: int, tokens: int, payload: memoryview) -> None:
+        """(under `lock`) Write a transferred page and record it written under `tag`, with no
+        check of who holds it (write_transferred's, or the late-write fault's missing one);
+        with tensor parallelism the other ranks write it too, before their next step."""
+        self.kv.write(page, tokens, payload)
+        self.book.mark_written(page, tag, tokens)
+        if self.peers is not None:
+            self.peers.wrote(page, tag, tokens, payload)
 
     def track_state(self) -> torch.Tensor:
         """(for a device copy of the read check's state, core/device_decode) Every page's

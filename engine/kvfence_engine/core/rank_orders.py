@@ -3,11 +3,14 @@ typed contract between an engine's ranks (a RankGroup's broadcast carries it; th
 torch.distributed is parallel/group.TPGroup).
 
 A step, on every rank: rank 0 sends a StepOrder (the pool's bookkeeping changes since the last
-one, and the step's tensors); each rank brings its mirror of the bookkeeping up to date
-(`follow_changes`), runs the read check against it, and every rank's verdicts are gathered to
-every rank (`combine`). A sequence any rank refused is refused on all. If none was, every rank
-runs the step it checked; else rank 0 sends a Narrowed order, the step without the refused
-sequences (or none left), and every rank runs that one. A None order ends the followers.
+one, the transferred pages it wrote since, and the step's tensors); each rank brings its mirror
+of the bookkeeping up to date (`follow_changes`), writes those pages into its own pool, runs
+the read check against its mirror, and every rank's verdicts are gathered to every rank
+(`combine`). A sequence any rank refused is refused on all. If none was, every rank runs the
+step it checked; else rank 0 sends a Narrowed order, the step without the refused sequences (or
+none left), and every rank runs that one. After it, each rank's part of every page the step
+exports (prefill role: step.exports) is gathered to rank 0, which joins them. A None order
+ends the followers.
 """
 
 from dataclasses import dataclass
@@ -37,16 +40,24 @@ class RankGroup(Collectives, Protocol):
     def gather_host(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's host tensor x, stacked: [world, *x.shape]."""
 
+    def gather_to_first(self, obj: Any) -> list[Any] | None:
+        """Every rank's obj, in rank order, on rank 0 (None on the others)."""
+
 
 # (pages, their state): PageManager.take_changes(torch.int64), rows tag, fill, written tag,
 # tenant (PageBook.read_state)
 PoolChanges = tuple[torch.Tensor, torch.Tensor]
 
 
+# A transferred page rank 0 wrote (decode role): page, tag, tokens, the whole page's bytes
+PageWrite = tuple[int, int, int, bytes]
+
+
 @dataclass(frozen=True, slots=True)
 class StepOrder:
     changes: PoolChanges | None  # None: no page's bookkeeping changed
     step: PreparedStep  # on the host
+    writes: list[PageWrite]  # since the last order, in the order rank 0 wrote them
 
 
 @dataclass(frozen=True, slots=True)

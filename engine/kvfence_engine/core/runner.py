@@ -1,6 +1,6 @@
 """Turns a scheduled batch into tensors, and runs the model over the pool."""
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -9,7 +9,7 @@ from kvfence_engine.core.decoder import Decoder
 from kvfence_engine.core.faults import Faults
 from kvfence_engine.core.isolation import ReadCheck, check_reads
 from kvfence_engine.core.page_book import PageBook
-from kvfence_engine.core.page_manager import PageManager
+from kvfence_engine.core.page_manager import PageManager, export_pages
 from kvfence_engine.core.request import Request
 
 
@@ -28,6 +28,9 @@ class PreparedStep:
     # which slots this step writes, for the pool's fill counts
     written_pages: torch.Tensor
     written_offsets: torch.Tensor
+    # prefill role: the pages each request of the batch that leaves for decode exports after
+    # the step (PageManager.export), in batch order; the other ranks export theirs alike
+    exports: list[list[int]] = field(default_factory=list)
 
     def on(self, device: torch.device) -> "PreparedStep":
         """The step with its batch's tensors on `device` (rank 0 sends it to the other ranks
@@ -105,6 +108,11 @@ class ModelRunner:
             logits_rows = torch.tensor(cu[1:], dtype=torch.int64) - 1
             # reads only what it writes, and the cached prefix
             read_len = torch.tensor(starts, dtype=torch.int64)
+            exports = [
+                export_pages(self.pages, s, len(self.prefill_tokens(s)))
+                for s in seqs
+                if s.export_kv
+            ]
         else:
             input_ids = torch.tensor([s.last_token for s in seqs], dtype=torch.int64)
             positions = torch.tensor([s.num_tokens - 1 for s in seqs], dtype=torch.int64)
@@ -112,6 +120,7 @@ class ModelRunner:
             cu = []
             logits_rows = torch.arange(len(seqs))
             read_len = positions.clone()  # every earlier position must already be written
+            exports = []
         written_pages = page_table[owner_row, positions // page]
         written_offsets = positions % page
         slots = written_pages * page + written_offsets
@@ -136,6 +145,7 @@ class ModelRunner:
             seq_tenant=seq_tenant,
             written_pages=written_pages,
             written_offsets=written_offsets,
+            exports=exports,
         )
 
     def run(self, step: PreparedStep) -> torch.Tensor:

@@ -51,10 +51,11 @@ class Layout:
 
     @classmethod
     def of(cls, kv: KVCache) -> "Layout":
-        """The shape of a pool's pages: what both ends of a transfer must agree on."""
-        layers, _pages, page_size, kv_heads, head_dim = kv.k.shape
+        """The shape of a pool's pages, every KV head of the model (a rank of a tensor-
+        parallel engine holds some: a page travels whole): what both ends must agree on."""
+        layers, _pages, page_size, _heads, head_dim = kv.k.shape
         dtype = str(kv.k.dtype).removeprefix("torch.")
-        return cls(layers, page_size, kv_heads, head_dim, dtype)
+        return cls(layers, page_size, kv.total_heads, head_dim, dtype)
 
     @property
     def page_bytes(self) -> int:

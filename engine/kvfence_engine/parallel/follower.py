@@ -7,7 +7,6 @@ import logging
 from kvfence_engine.core.build import build_rank
 from kvfence_engine.core.engine import EngineArgs, EosTokens, ModelFiles
 from kvfence_engine.core.faults import Fault
-from kvfence_engine.core.kv_cache import KVCache
 from kvfence_engine.core.page_manager import PageManager
 from kvfence_engine.core.rank_orders import Narrowed, StepOrder, combine, follow_changes, verdicts
 from kvfence_engine.core.runner import ModelRunner, PreparedStep, check_step
@@ -23,15 +22,7 @@ class Follower:
         self.args = args
         config = loaded.config
         built = build_rank(config, loaded.weights, loaded.int4, args, group.device, group)
-        self.kv = KVCache(
-            num_layers=config.num_layers,
-            num_pages=built.plan.num_pages,
-            page_size=args.page_size,
-            num_kv_heads=built.model.config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=built.kv_dtype,
-            device=group.device,
-        )
+        self.kv = built.kv_cache(config, group.device)
         # Its book is a mirror of rank 0's (orders.follow_changes), never allocated from.
         self.pages = PageManager(self.kv)
         self.runner = ModelRunner(built.model, self.pages, group.device, args.faults)
@@ -51,6 +42,9 @@ class Follower:
             reset = follow_changes(self.pages.book, order.changes)
             if self.args.scrub_on_free and len(reset):
                 self.kv.scrub(reset.tolist())
+        for page, tag, tokens, payload in order.writes:  # its heads of each transferred page
+            self.kv.write(page, tokens, memoryview(payload))
+            self.pages.book.mark_written(page, tag, tokens)
         step: PreparedStep | None = order.step.on(self.group.device)
         check = check_step(self.pages.book, order.step) if self.check else None
         gathered = self.group.gather_host(verdicts(check, len(order.step.num_held)))
@@ -60,4 +54,6 @@ class Follower:
             step = None if narrowed.step is None else narrowed.step.on(self.group.device)
         if step is not None:
             self.runner.run(step)
+            for pages in step.exports:  # rank 0 joins them to its own (Leader.join_export)
+                self.group.gather_to_first(self.kv.export(pages))
         self.steps += 1

@@ -77,6 +77,12 @@ class TPGroup:
         dist.broadcast(data, 0, group=self.host)
         return pickle.loads(data.numpy().tobytes())
 
+    def gather_to_first(self, obj: Any) -> list[Any] | None:
+        """Every rank's obj, in rank order, on rank 0 (None on the others)."""
+        parts: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, parts, dst=0, group=self.host)
+        return parts
+
     def gather_host(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's host tensor x (one shape on all), stacked: [world, *x.shape]."""
         parts = [torch.empty_like(x) for _ in range(self.world)]

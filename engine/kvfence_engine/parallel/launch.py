@@ -2,11 +2,13 @@
 process that serves HTTP) spawns ranks 1..N-1 as processes of its own, each loading the model
 from the same source and following rank 0's steps (parallel/follower.py). A rank that dies
 ends the engine: a group short of a rank cannot compute a step, so rank 0 exits and the
-kubelet (or `kvfence up`) restarts the pod whole; a rank whose parent died exits too."""
+kubelet (or `kvfence up`) restarts the pod whole; a rank whose parent died exits too. Signals
+are rank 0's: the others ignore SIGINT and SIGTERM and end when rank 0 ends the group."""
 
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -55,13 +57,17 @@ class Ranks:
             ended = multiprocessing.connection.wait(list(sentinels))
             if not self._stopping.is_set():
                 rank = sentinels[ended[0]]  # type: ignore[index]
-                on_death(rank, self.processes[rank - 1].exitcode)
+                process = self.processes[rank - 1]
+                process.join(timeout=1.0)  # its exit code
+                on_death(rank, process.exitcode)
 
         threading.Thread(target=watch, name="kvfence-tp-watch", daemon=True).start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """After rank 0 ended the group (Leader.stop): wait for the ranks, then end them."""
-        self._stopping.set()
+    def stop(self, end_group: Callable[[], None] = lambda: None, timeout: float = 10.0) -> None:
+        """End the group (end_group: rank 0's Leader.stop), wait for the ranks to exit, and
+        end those that do not."""
+        self._stopping.set()  # from here on, a rank's exit is expected
+        end_group()
         deadline = time.monotonic() + timeout
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -100,6 +106,10 @@ def follower_main(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
     )
+    # Rank 0 ends this rank (its last order, or its death): a signal to the whole process
+    # group (Ctrl-C on a terminal, `timeout`) is rank 0's to handle, which ends the group.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with(parent)
     torch.set_num_threads(threads)
     group = TPGroup(rendezvous, rank, rank_device(args.device, rank))

@@ -11,6 +11,7 @@ import torch
 from helpers.model_cases import CASES, FAMILIES
 from helpers.tensor_parallel import rank_one
 from helpers.transformers_reference import hf_model, our_greedy, random_prompt
+from kvfence_engine.core.build import pool_shape
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.faults import Fault, Faults
 from kvfence_engine.core.model_config import ModelConfig
@@ -23,6 +24,9 @@ from kvfence_engine.core.shards import (
     rank_config,
     shard_checkpoint,
 )
+from kvfence_engine.disagg.receiver import KVReceiver
+from kvfence_engine.disagg.reservations import DecodeReservations
+from kvfence_engine.disagg.transfer import Layout, send_kv
 from kvfence_engine.loading.loader import load_model
 
 ARGS = EngineArgs(kv_cache_memory=4 << 20, page_size=8)
@@ -65,6 +69,9 @@ def test_kv_heads_split_whole_with_their_query_groups() -> None:
     assert (second.kv_heads, second.q_heads) == (Span(2, 3), Span(6, 9))
     assert [s.vocab for s in (first, second)] == [Span(0, 24576), Span(24576, 49152)]
     assert rank_config(config(9, 3), second).num_heads == 3
+    # each rank's pool has as many pages, sized for the rank with the most KV heads
+    assert pool_shape(SMOLLM2, 2).num_kv_heads == 2
+    assert pool_shape(SMOLLM2, 1) is SMOLLM2
 
 
 def test_fewer_kv_heads_than_ranks_are_replicated_and_their_groups_split() -> None:
@@ -139,22 +146,66 @@ SPLITS = {
 TP_CASES = {name: CASES[name] for name in FAMILIES} | SPLITS
 
 
+PREFILL, DECODE = replace(ARGS, role="prefill"), replace(ARGS, role="decode")
+
+
+def disaggregated_greedy(prefill: LLMEngine, decode: LLMEngine, ids: list[int]) -> list[int]:
+    """Prefill computes the prompt's KV and its first token; the KV streams over TCP (the
+    transfer protocol, checksums on) into the pages decode reserved; decode goes on."""
+    reservations = DecodeReservations(decode)
+    receiver = KVReceiver(reservations, "127.0.0.1", 0, token=None)
+    receiver.start()
+    try:
+        decode.args.transfer_port = receiver.port
+        params = SamplingParams(max_tokens=1, logprobs=0, ignore_eos=True)
+        first = prefill.admit(ids, params, max_tokens=1)
+        first.export_kv = True
+        prefill.add(first)
+        while prefill.has_work():
+            prefill.step()
+        assert first.exported is not None and first.output_logprobs
+        k, v, written = first.exported
+        seq = decode.admit(ids, params, max_tokens=NEW)
+        handle = reservations.reserve(seq, "tp")
+        send_kv(handle, k, v, written, Layout.of(prefill.pages.kv), token=None)
+        reservations.start_decode(handle.request_id, first.output_logprobs[0])
+        while decode.has_work():
+            decode.step()
+        assert decode.pages.num_used == 0
+        return seq.output_ids
+    finally:
+        receiver.stop()
+
+
 @pytest.mark.slow
 def test_two_ranks_give_one_ranks_greedy_tokens_on_every_family(tmp_path: Path) -> None:
     """64 greedy tokens after a 200-token prompt (pages of 8: prefill and decode cross pages),
-    TP=2 against TP=1 on the same folder, float32."""
+    float32, TP=2 against TP=1 on the same folder: combined; a TP=2 prefill sending to a TP=1
+    decode (its ranks' heads joined into whole pages); a TP=1 prefill sending to a TP=2
+    decode (each rank keeping its heads of them)."""
     folders: list[str] = []
+    groups = []
     for name, (config_class, overrides) in TP_CASES.items():
         (tmp_path / name).mkdir()
         hf_model(tmp_path / name, config_class, **overrides)
-        folders.append(str(tmp_path / name))
+        folder = str(tmp_path / name)
+        folders.append(folder)
+        groups += [(folder, ARGS), (folder, PREFILL), (folder, DECODE)]
     ids = random_prompt(PROMPT)
-    with rank_one([(f, ARGS) for f in folders]) as rank:
+    with rank_one(groups) as rank:
         for i, (name, folder) in enumerate(zip(TP_CASES, folders, strict=True)):
             expected, _ = our_greedy(LLMEngine(load_model(folder), ARGS), ids, NEW)
-            with rank.engine(i) as engine:
+            with rank.engine(3 * i) as engine:
                 tokens, _ = our_greedy(engine, ids, NEW)
-            assert tokens == expected, name
+            assert tokens == expected, f"{name}: combined"
+            with rank.engine(3 * i + 1) as prefill:
+                decode = LLMEngine(load_model(folder), DECODE)
+                tokens = disaggregated_greedy(prefill, decode, ids)
+            assert tokens == expected, f"{name}: TP=2 prefill, TP=1 decode"
+            prefill = LLMEngine(load_model(folder), PREFILL)
+            with rank.engine(3 * i + 2) as decode:
+                tokens = disaggregated_greedy(prefill, decode, ids)
+            assert tokens == expected, f"{name}: TP=1 prefill, TP=2 decode"
 
 
 def test_a_rank_whose_pool_diverged_refuses_on_every_rank(tmp_path: Path) -> None:

@@ -146,6 +146,9 @@ class KvPoolReport(_Reading):
     cached_pages: Count = 0
     # the cache's partition, not in pool_tokens or num_pages (no request's pages are in it)
     prefix_cache_pages: Count = 0
+    # the ranks the model is split over (--tensor-parallel-size); each rank's pool has
+    # num_pages pages of its KV heads, kv_bytes_per_token its largest share (core/build.py)
+    tensor_parallel_size: Positive = 1
 
     @model_validator(mode="after")
     def _pool_is_whole_pages(self) -> "KvPoolReport":

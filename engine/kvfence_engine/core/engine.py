@@ -630,6 +630,7 @@ class LLMEngine(Generic[TokenizerT]):
             prefix_cache_pages=self.pages.cache_pages,
             model_name=self.loaded.name,
             model_source=self.loaded.source or None,
+            tensor_parallel_size=1 if self.group is None else self.group.world,
         )
 
 

@@ -6,14 +6,15 @@ kubelet (or `kvfence up`) restarts the pod whole; a rank whose parent died exits
 are rank 0's: the others ignore SIGINT and SIGTERM and end when rank 0 ends the group."""
 
 import logging
-import multiprocessing
 import os
+import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 
 import torch
 
@@ -37,31 +38,42 @@ def rank_threads(threads: int | None, world: int) -> int:
     return threads or max(1, (os.cpu_count() or 1) // world)
 
 
-@dataclass(slots=True)
-class Ranks:
-    """Ranks 1..N-1 of one engine, as processes of this one."""
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What a rank's process is started with (pickled on its stdin: the group's own pod)."""
 
     rendezvous: Rendezvous
-    processes: list[BaseProcess]
+    rank: int
+    model: str
+    args: EngineArgs
+    threads: int
+    parent: int
+
+
+@dataclass(slots=True)
+class Ranks:
+    """Ranks 1..N-1 of one engine, as processes of this one (processes[i] is rank i + 1)."""
+
+    rendezvous: Rendezvous
+    processes: list[subprocess.Popen[bytes]]
     _stopping: threading.Event = field(default_factory=threading.Event)
+    _told: threading.Lock = field(default_factory=threading.Lock)
 
     def join_as_rank0(self, device: str) -> TPGroup:
         """This process's place in the group, once every rank has joined it."""
         return TPGroup(self.rendezvous, 0, rank_device(device, 0))
 
     def watch(self, on_death: Callable[[int, int | None], None]) -> None:
-        """Call on_death(rank, exit code) if a rank ends before stop() (from a thread)."""
+        """Call on_death(rank, exit code) once if a rank ends before stop() (from a thread)."""
 
-        def watch() -> None:
-            sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
-            ended = multiprocessing.connection.wait(list(sentinels))
-            if not self._stopping.is_set():
-                rank = sentinels[ended[0]]  # type: ignore[index]
-                process = self.processes[rank - 1]
-                process.join(timeout=1.0)  # its exit code
-                on_death(rank, process.exitcode)
+        def watch(rank: int, process: subprocess.Popen[bytes]) -> None:
+            code = process.wait()
+            if not self._stopping.is_set() and self._told.acquire(blocking=False):
+                on_death(rank, code)
 
-        threading.Thread(target=watch, name="kvfence-tp-watch", daemon=True).start()
+        for rank, process in enumerate(self.processes, start=1):
+            name = f"kvfence-rank-{rank}-watch"
+            threading.Thread(target=watch, args=(rank, process), name=name, daemon=True).start()
 
     def stop(self, end_group: Callable[[], None] = lambda: None, timeout: float = 10.0) -> None:
         """End the group (end_group: rank 0's Leader.stop), wait for the ranks to exit, and
@@ -70,39 +82,39 @@ class Ranks:
         end_group()
         deadline = time.monotonic() + timeout
         for p in self.processes:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 p.kill()
-                p.join()
+                p.wait()
 
 
 def start_ranks(
     world: int, model: str, args: EngineArgs, port: int, threads: int | None = None
 ) -> Ranks:
-    """Spawn ranks 1..world-1 of an engine serving `model` with `args`; they meet rank 0 at
-    `port` on loopback (Ranks.join_as_rank0)."""
+    """Start ranks 1..world-1 of an engine serving `model` with `args`; they meet rank 0 at
+    `port` on loopback (Ranks.join_as_rank0). Each is `python -m kvfence_engine.parallel.launch`
+    (not multiprocessing's: an engine may itself be a daemonic process, which may have none),
+    its output this process's."""
     rendezvous = Rendezvous(LOOPBACK, port, world)
-    context = multiprocessing.get_context("spawn")  # no fork of a process with torch threads
-    processes: list[BaseProcess] = []
+    processes = []
     for rank in range(1, world):
-        p = context.Process(
-            target=follower_main,
-            args=(rendezvous, rank, model, args, rank_threads(threads, world), os.getpid()),
-            name=f"kvfence-rank-{rank}",
-            daemon=True,
-        )
-        p.start()
+        spec = RankSpec(rendezvous, rank, model, args, rank_threads(threads, world), os.getpid())
+        p = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE)
+        assert p.stdin is not None
+        p.stdin.write(pickle.dumps(spec))
+        p.stdin.close()
         processes.append(p)
     return Ranks(rendezvous, processes)
 
 
-def follower_main(
-    rendezvous: Rendezvous, rank: int, model: str, args: EngineArgs, threads: int, parent: int
-) -> None:
-    """A spawned rank: join the group, load the model, follow rank 0 until it ends the group."""
+def follower_main(spec: RankSpec) -> None:
+    """A rank's process: join the group, load the model, follow rank 0 until it ends the
+    group."""
     from kvfence_engine.loading.loader import load_model
     from kvfence_engine.parallel.follower import Follower
 
+    rank, world = spec.rank, spec.rendezvous.world
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
     )
@@ -110,11 +122,11 @@ def follower_main(
     # group (Ctrl-C on a terminal, `timeout`) is rank 0's to handle, which ends the group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _exit_with(parent)
-    torch.set_num_threads(threads)
-    group = TPGroup(rendezvous, rank, rank_device(args.device, rank))
-    follower = Follower(group, load_model(model), args)
-    log.info("rank %d of %d ready", rank, rendezvous.world)
+    _exit_with(spec.parent)
+    torch.set_num_threads(spec.threads)
+    group = TPGroup(spec.rendezvous, rank, rank_device(spec.args.device, rank))
+    follower = Follower(group, load_model(spec.model), spec.args)
+    log.info("rank %d of %d ready", rank, world)
     follower.run()
     log.info("rank %d: rank 0 ended the group after %d steps", rank, follower.steps)
     group.close()
@@ -129,3 +141,7 @@ def _exit_with(parent: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="kvfence-parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    follower_main(pickle.load(sys.stdin.buffer))

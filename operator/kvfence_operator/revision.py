@@ -77,15 +77,23 @@ def _grace_hashed(stored: Mapping[str, Any]) -> int | None:
     return None if grace == GRACE_WHEN_INTRODUCED else grace
 
 
-# spec.engine.prefixCache came with this default: hashed as absent, as the grace period above.
-PREFIX_CACHE_WHEN_INTRODUCED = {"enabled": False}
+# Fields of spec.engine that came later, with the default each came with: at that value,
+# hashed as absent, as the grace period above.
+ENGINE_FIELDS_WHEN_INTRODUCED: dict[str, object] = {
+    "prefixCache": {"enabled": False},
+    "tensorParallelSize": 1,
+}
 
 
 def _engine_hashed(stored: Mapping[str, Any]) -> Any:
     engine = stored.get("engine")
-    if not isinstance(engine, Mapping) or engine.get("prefixCache") != PREFIX_CACHE_WHEN_INTRODUCED:
+    if not isinstance(engine, Mapping):
         return engine
-    return {k: v for k, v in engine.items() if k != "prefixCache"}
+    return {
+        k: v
+        for k, v in engine.items()
+        if k not in ENGINE_FIELDS_WHEN_INTRODUCED or v != ENGINE_FIELDS_WHEN_INTRODUCED[k]
+    }
 
 
 def pod_shaping_parts(spec: InferenceDeploymentSpec) -> dict[str, object]:

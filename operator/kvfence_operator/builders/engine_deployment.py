@@ -59,7 +59,10 @@ def engine_args(
     _check_role(role)
     engine = spec.engine
     role_spec = spec.prefill if role is Role.PREFILL else spec.decode
-    threads = cpu_threads(engine_resources(role_spec.resources))
+    ranks = engine.tensor_parallel_size
+    threads = cpu_threads(engine_resources(role_spec.resources, ranks))
+    if threads is not None:
+        threads = max(1, threads // ranks)  # --threads is each rank's
     args = [
         "serve",
         # the pod's CPUs, before extraArgs so that a --threads there wins
@@ -89,6 +92,8 @@ def engine_args(
     # Non-default settings only, so a default spec needs no flag beyond the ones above.
     if engine.kv_cache_dtype is not KvCacheDtype.AUTO:
         args += ["--kv-cache-dtype", str(engine.kv_cache_dtype)]
+    if ranks > 1:
+        args += ["--tensor-parallel-size", str(ranks)]
     if not engine.kv_checksum:
         args.append("--no-kv-checksum")
     if engine.scrub_on_free:
@@ -126,7 +131,7 @@ def build_engine_deployment(
     size and set the kvfence.dev/kv-pool readiness gate."""
     _check_role(role)
     role_spec = spec.prefill if role is Role.PREFILL else spec.decode
-    resources = engine_resources(role_spec.resources)
+    resources = engine_resources(role_spec.resources, spec.engine.tensor_parallel_size)
     device = engine_device(resources)
     ports = [http_port()]
     if role is Role.DECODE:  # decode receives KV from prefill here

@@ -119,10 +119,11 @@ def http_port() -> dict[str, Any]:
     return {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}
 
 
-def engine_resources(resources: Resources | None) -> dict[str, Any]:
-    """One GPU unless the user wrote resources, which then replace the default as a whole."""
+def engine_resources(resources: Resources | None, ranks: int = 1) -> dict[str, Any]:
+    """A GPU per rank unless the user wrote resources, which then replace the default as a
+    whole."""
     if resources is None:
-        return {k: dict(v) for k, v in DEFAULT_GPU_RESOURCES.items()}
+        return {kind: {GPU_RESOURCE: ranks} for kind in DEFAULT_GPU_RESOURCES}
     return resources.model_dump(exclude_defaults=True)
 
 

@@ -58,6 +58,7 @@ UNSAFE_FLAG_PREFIX = "--u"
 # write instead: the spec wins over extraArgs in both directions, so extraArgs may not name
 # them, in either form (--x, --no-x), with a value (--x=v) or abbreviated as argparse takes it.
 # --threads is not here: it comes from the pod's CPU and extraArgs may override it on purpose.
+MAX_TENSOR_PARALLEL = 16  # ranks per engine pod: GPUs of one node
 SPEC_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("--model",), "set model.source instead"),
     (("--context-length",), "set contextLength instead"),
@@ -67,6 +68,7 @@ SPEC_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
         "set engine.kvCacheMemory or engine.memoryFraction instead",
     ),
     (("--page-size",), "set engine.pageSize instead"),
+    (("--tensor-parallel-size",), "set engine.tensorParallelSize instead"),
     (("--kv-cache-dtype",), "set engine.kvCacheDtype instead"),
     (("--kv-checksum", "--no-kv-checksum"), "set engine.kvChecksum instead"),
     (("--scrub-on-free", "--no-scrub-on-free"), "set engine.scrubOnFree instead"),
@@ -258,6 +260,15 @@ class EngineSpec(_ApiModel):
     )
     memory_fraction: float | None = Field(
         None, gt=0, le=1, description="KV pool budget as a fraction of free device memory."
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=MAX_TENSOR_PARALLEL,
+        description="Ranks each engine pod splits the model over (`kvfence serve "
+        "--tensor-parallel-size`): as many GPUs per pod on CUDA, the default resources' "
+        "nvidia.com/gpu; as many processes on CPU. Every rank runs the read check on its own "
+        "part of each page.",
     )
     kv_checksum: bool = Field(True, description="Verify per-page checksums on KV transfer.")
     scrub_on_free: bool = Field(False, description="Zero KV pages when they are released.")
@@ -503,6 +514,27 @@ class RolloutSpec(_ApiModel):
     )
 
 
+def _gpus_are_ranks(role: str) -> tuple[str, str]:
+    """CEL: a role's GPUs per pod, where its resources name nvidia.com/gpu, are the ranks."""
+    resources = f"self.{role}.resources"
+    ranks = (
+        "string(has(self.engine) && has(self.engine.tensorParallelSize) ? "
+        "self.engine.tensorParallelSize : 1)"
+    )
+    # a count that is not a whole number is the quantity pattern's to refuse
+    checks = " && ".join(
+        f"(!has({resources}.{kind}) || !('{CUDA_RESOURCE}' in {resources}.{kind}) || "
+        f"!string({resources}.{kind}['{CUDA_RESOURCE}']).matches('^[0-9]+$') || "
+        f"string({resources}.{kind}['{CUDA_RESOURCE}']) == {ranks})"
+        for kind in ("requests", "limits")
+    )
+    return (
+        f"!has(self.{role}) || !has({resources}) || ({checks})",
+        f"{role}.resources: {CUDA_RESOURCE} per pod must equal engine.tensorParallelSize (a "
+        "rank per GPU)",
+    )
+
+
 class InferenceDeploymentSpec(_ApiModel):
     """What to serve, how big its context is, and how the pods run."""
 
@@ -511,7 +543,9 @@ class InferenceDeploymentSpec(_ApiModel):
             (
                 "!has(self.minContextLength) || self.minContextLength <= self.contextLength",
                 "minContextLength must be <= contextLength",
-            )
+            ),
+            _gpus_are_ranks("prefill"),
+            _gpus_are_ranks("decode"),
         )
     )
 
@@ -540,6 +574,22 @@ class InferenceDeploymentSpec(_ApiModel):
                 f"minContextLength must be <= contextLength, got {self.min_context_length} > "
                 f"{self.context_length}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _a_gpu_per_rank(self) -> "InferenceDeploymentSpec":
+        ranks = self.engine.tensor_parallel_size
+        for role, spec in (("prefill", self.prefill), ("decode", self.decode)):
+            resources = spec.resources
+            if resources is None:
+                continue
+            for kind in (resources.requests, resources.limits):
+                gpus = str(kind.get(CUDA_RESOURCE, ranks))
+                if gpus.isdigit() and gpus != str(ranks):
+                    raise ValueError(
+                        f"{role}.resources: {CUDA_RESOURCE} per pod must equal "
+                        f"engine.tensorParallelSize (a rank per GPU), got {gpus} and {ranks}"
+                    )
         return self
 
 

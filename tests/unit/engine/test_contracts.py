@@ -77,6 +77,7 @@ KVPOOL_FIELDS = [
     "prefix_cache",
     "cached_pages",
     "prefix_cache_pages",
+    "tensor_parallel_size",
 ]
 
 REPORT = KvPoolReport(

@@ -302,6 +302,20 @@ INVALID = [
         ),
         "cel",
     ),
+    (
+        "two ranks on one GPU",
+        lambda m: m["spec"].update(
+            engine={"tensorParallelSize": 2},
+            decode={"resources": {"limits": {"nvidia.com/gpu": 1}}},
+        ),
+        "cel",
+    ),
+    (
+        "one rank on two GPUs",
+        _set("spec.prefill", {"resources": {"requests": {"nvidia.com/gpu": "2"}}}),
+        "cel",
+    ),
+    ("no ranks", _set("spec.engine", {"tensorParallelSize": 0}), "openapi"),
     ("name too long for its children", _set("metadata.name", "x" * 41), "openapi"),
     ("name starting with a digit", _set("metadata.name", "1model"), "openapi"),
 ]
@@ -349,6 +363,9 @@ def _edge_values() -> dict:
         ],
     }  # fmt: skip
     manifest["spec"]["tenantLimits"] = {"maxConcurrentRequests": 1, "maxPoolSharePerTenant": 1}
+    # two ranks per pod: two GPUs where a role names them, CPU where it names none
+    manifest["spec"]["engine"]["tensorParallelSize"] = 2
+    manifest["spec"]["decode"] = {"resources": {"limits": {"nvidia.com/gpu": 2, "cpu": "4"}}}
     return manifest
 
 

@@ -226,3 +226,24 @@ def test_engine_threads_follow_the_pods_cpus(resources: Resources, threads: str 
     assert (flag(args, "--threads") if "--threads" in args else None) == threads
     spec.engine.extra_args = ["--threads", "8"]
     assert flag(engine_args(spec, Role.DECODE, REVISION, "cpu"), "--threads") == "8"  # user's
+
+
+@pytest.mark.parametrize("role", ENGINE_ROLES)
+def test_tensor_parallel_pods_ask_for_a_gpu_per_rank_and_start_their_ranks(role):
+    """engine.tensorParallelSize 2: two GPUs per pod by default, `kvfence serve
+    --tensor-parallel-size 2`; on CPU each rank gets its share of the pod's CPUs."""
+    spec = sample_spec("minimal").model_copy(deep=True)
+    spec.engine.tensor_parallel_size = 2
+    c = container(build_engine_deployment(spec, instance_for("minimal"), REVISION, role))
+    assert c["resources"]["limits"] == {"nvidia.com/gpu": 2}
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 2
+    assert flag(c["args"], "--tensor-parallel-size") == "2"
+    assert flag(c["args"], "--device") == "cuda"
+    on_cpu = EngineRoleSpec(resources=Resources(limits={"cpu": "4"}))
+    spec.prefill = spec.decode = on_cpu
+    args = engine_args(spec, role, REVISION, "cpu")
+    assert flag(args, "--threads") == "2"
+    assert flag(args, "--tensor-parallel-size") == "2"
+    assert "--tensor-parallel-size" not in engine_args(
+        sample_spec("minimal"), role, REVISION, "cpu"
+    )

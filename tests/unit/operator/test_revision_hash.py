@@ -71,7 +71,12 @@ def test_changes_applied_in_place_keep_the_revision(change):
         {"engine.scrubOnFree": False},
         {"engine.extraArgs": []},
         {"model.source": "/models/other.gguf"},
-        {"prefill.resources": {"limits": {"nvidia.com/gpu": 2}}},
+        {"prefill.resources": {"limits": {"cpu": "8"}}},
+        {
+            "engine.tensorParallelSize": 2,
+            "prefill.resources": {"limits": {"nvidia.com/gpu": 2}},
+            "decode.resources": {"limits": {"nvidia.com/gpu": 2}},
+        },
         {"decode.pod": {"nodeSelector": {"gpu": "h100"}}},
         {"router.apiKeysSecret": "other-keys"},
         {"tenantLimits.maxConcurrentRequests": 8},

@@ -19,6 +19,7 @@ from helpers.crd_admission import crd_admission
 from helpers.rollout import observation
 from kvfence_engine.core.model_config import ModelConfig
 from kvfence_engine.core.pool_plan import ContextPolicy, effective_context, plan_pool
+from kvfence_engine.core.shards import plan_shards, rank_config
 from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
 from kvfence_engine.router.keys import parse_keys_files
 from kvfence_engine.tools.units import parse_size
@@ -74,6 +75,7 @@ def test_the_examples_are_the_ones_documented() -> None:
         "gpu-cluster.yaml",
         "lower-context.yaml",
         "smollm2-local.yaml",
+        "smollm2-tp2-local.yaml",
     ]
 
 
@@ -121,7 +123,7 @@ def smollm2_config() -> ModelConfig:
 
     heads = value("llama.attention.head_count")
     return ModelConfig(
-        vocab_size=0,
+        vocab_size=value("llama.vocab_size"),
         hidden_size=value("llama.embedding_length"),
         intermediate_size=0,
         num_layers=value("llama.block_count"),
@@ -170,6 +172,25 @@ def test_local_example_fits_a_cpu_laptop_and_its_pool_holds_the_context() -> Non
     tokens = pool_tokens(spec, dtype_bytes=4)
     assert spec.context_length <= tokens < 2 * 4096, tokens  # holds the context, and is small
     assert f"holds {tokens} tokens" in (EXAMPLES / "smollm2-local.yaml").read_text()
+
+
+def test_the_tensor_parallel_example_is_the_local_one_split_over_two_ranks() -> None:
+    """smollm2-tp2-local.yaml is smollm2-local.yaml with tensorParallelSize 2 (and its name):
+    SmolLM2 splits over two ranks, and the pool of the rank with the most KV heads holds the
+    context, as its comment says."""
+    spec, local = spec_of("smollm2-tp2-local.yaml"), spec_of("smollm2-local.yaml")
+    assert spec.engine.tensor_parallel_size == 2
+    assert spec.model == local.model and spec.context_length == local.context_length
+    assert not uses_gpus(spec)
+    ranks = plan_shards(smollm2_config(), 2)
+    assert [r.kv_heads.size for r in ranks] == [2, 1]
+    widest = rank_config(smollm2_config(), ranks[0])
+    budget = parse_size(spec.engine.kv_cache_memory or "")
+    plan = plan_pool(widest, page_size=spec.engine.page_size, dtype_bytes=4, budget_bytes=budget)
+    tokens = plan.num_pages * spec.engine.page_size
+    assert spec.context_length <= tokens
+    text = (EXAMPLES / "smollm2-tp2-local.yaml").read_text()
+    assert f"holds {tokens:,} tokens" in text, tokens
 
 
 def test_gpu_example_runs_two_decode_pods_on_gpus_behind_its_api_keys_secret(

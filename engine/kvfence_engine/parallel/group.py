@@ -4,6 +4,7 @@ keeps a CPU group beside its device group. The same code drives both backends.""
 
 import datetime
 import pickle
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,22 +44,29 @@ class TPGroup:
         self.device = device
         # host messages: gloo whatever the device backend
         self.host = dist.new_group(backend="gloo", timeout=IDLE_FOREVER)
+        # seconds this rank spent in the model's collectives (bench/tensor_parallel.py)
+        self.collective_seconds = 0.0
 
     # --- the model's collectives (device tensors) -----------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x (a row-parallel linear's partial outputs)."""
+        started = time.perf_counter()
         dist.all_reduce(x)
+        self.collective_seconds += time.perf_counter() - started
         return x
 
     def gather_columns(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
         """Every rank's x [rows, widths[rank]] side by side: [rows, sum(widths)]."""
+        started = time.perf_counter()
         widest = max(widths)
         padded = torch.zeros(x.shape[0], widest, dtype=x.dtype, device=x.device)
         padded[:, : x.shape[1]] = x
         parts = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(parts, padded)
-        return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
+        joined = torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
+        self.collective_seconds += time.perf_counter() - started
+        return joined
 
     # --- the step's host messages ----------------------------------------------------------
 

@@ -60,6 +60,14 @@ def add_parser(sub: Subparsers) -> None:
     )
     p.add_argument("--page-size", type=positive, default=16, help="tokens per KV page")
     p.add_argument(
+        "--tensor-parallel-size",
+        type=positive,
+        default=1,
+        metavar="N",
+        help="for the estimate: ranks per engine (spec.engine.tensorParallelSize); the budget "
+        "is then each rank's, its pool the rank with the most KV heads' (default %(default)s)",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         choices=KV_DTYPES,
         default="auto",

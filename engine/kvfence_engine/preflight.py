@@ -23,6 +23,7 @@ from kvfence_engine.core.pool_plan import (
     effective_context,
     plan_pool,
 )
+from kvfence_engine.core.shards import pool_shape
 from kvfence_engine.tools import http_clients
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -55,21 +56,31 @@ class Verdict:
 
 
 def estimate(
-    source: str, budget_bytes: int, context_length: int, page_size: int, kv_dtype: str
+    source: str,
+    budget_bytes: int,
+    context_length: int,
+    page_size: int,
+    kv_dtype: str,
+    ranks: int = 1,
 ) -> Verdict:
+    """The engine's pool plan for `source`; with ranks > 1 (--tensor-parallel-size), a rank's
+    pool: its KV heads in its budget, every rank as many pages (core/shards.pool_shape)."""
     from kvfence_engine.loading.config import load_config
 
     config = load_config(source)
+    rank = pool_shape(config, ranks)  # ValueError: a model that does not split so
     plan = plan_pool(
-        config, page_size=page_size, dtype_bytes=DTYPE_BYTES[kv_dtype], budget_bytes=budget_bytes
+        rank, page_size=page_size, dtype_bytes=DTYPE_BYTES[kv_dtype], budget_bytes=budget_bytes
     )
     lowered = effective_context(context_length, plan.pool_tokens, page_size, ContextPolicy.LOWER)
+    per = "engine" if ranks == 1 else f"rank ({ranks} per engine, {rank.num_kv_heads} KV heads)"
     lines = [
         f"model {source}: {config.num_layers} layers x {config.num_kv_heads} KV heads x "
         f"{config.head_dim} dims, {config.max_positions} positions",
-        f"KV bytes per token: {plan.kv_bytes_per_token} ({kv_dtype}, K and V, every layer)",
+        f"KV bytes per token: {plan.kv_bytes_per_token} ({kv_dtype}, K and V, every layer"
+        f"{'' if ranks == 1 else ', of the rank with the most KV heads'})",
         f"pool: {budget_bytes} bytes -> {plan.num_pages} pages x {page_size} tokens = "
-        f"{plan.pool_tokens} tokens per engine (prefill and decode alike)",
+        f"{plan.pool_tokens} tokens per {per} (prefill and decode alike)",
     ]
     return _verdict(
         lines, context_length, plan.pool_tokens, page_size, lowered, config.max_positions
@@ -186,7 +197,12 @@ def run_preflight(args: argparse.Namespace) -> int:
             kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, args.weight_dtype, args.device)
             verdicts.append(
                 estimate(
-                    args.model, args.kv_cache_memory, args.context_length, args.page_size, kv_dtype
+                    args.model,
+                    args.kv_cache_memory,
+                    args.context_length,
+                    args.page_size,
+                    kv_dtype,
+                    args.tensor_parallel_size,
                 )
             )
         if args.target:

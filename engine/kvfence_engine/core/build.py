@@ -22,7 +22,8 @@ from kvfence_engine.core.quantization import (
     pack_linears,
     resolve_precision,
 )
-from kvfence_engine.core.shards import plan_shards, rank_config, shard_checkpoint
+from kvfence_engine.core.shard_weights import shard_checkpoint
+from kvfence_engine.core.shards import plan_shards, pool_shape, rank_config
 
 if TYPE_CHECKING:
     from kvfence_engine.core.rank_orders import RankGroup
@@ -168,12 +169,3 @@ def build_packed_model(
     weights.clear()  # the model holds them now
     int4.clear()
     return model
-
-
-def pool_shape(config: ModelConfig, world: int) -> ModelConfig:
-    """The config whose KV heads size one rank's pool: every rank has as many pages, so each
-    is sized for the rank with the most KV heads (the others' pools are that many pages too)."""
-    if world == 1:
-        return config
-    widest = max(plan_shards(config, world), key=lambda s: s.kv_heads.size)
-    return rank_config(config, widest)

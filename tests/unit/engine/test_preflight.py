@@ -40,6 +40,24 @@ def test_preflight_sizes_a_moe_pool_by_its_attention_alone(tmp_path, capsys):
     assert "context 40960: fits" in out
 
 
+def test_preflight_with_tensor_parallelism_sizes_a_ranks_pool(tmp_path, capsys):
+    """Qwen3-30B-A3B's 4 KV heads over 2 ranks: a rank's token costs its 2 heads, so the same
+    budget per GPU holds twice the tokens; over 8, each KV head is replicated on 2 ranks (one
+    head each); over 6 (more ranks than KV heads, and not a multiple of them) it is refused."""
+    hub = Path(__file__).resolve().parents[2] / "helpers/samples/hub_configs/qwen3-30b-a3b.json"
+    (tmp_path / "config.json").write_text(hub.read_text())
+    base = ["preflight", "--model", str(tmp_path), "--kv-cache-memory", "12Gi",
+            "--context-length", "40960", "--device", "cuda"]  # fmt: skip
+    assert main([*base, "--tensor-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "KV bytes per token: 49152 (bfloat16, K and V, every layer, of the rank" in out
+    assert "tokens per rank (2 per engine, 2 KV heads)" in out
+    assert main([*base, "--tensor-parallel-size", "8"]) == 0
+    assert "KV bytes per token: 24576" in capsys.readouterr().out
+    assert main([*base, "--tensor-parallel-size", "6"]) == 2
+    assert "ranks are not a multiple of them" in capsys.readouterr().err
+
+
 def test_preflight_against_an_unreachable_target_exits_2(capsys):
     code = main(["preflight", "--context-length", "512", "--target", "http://127.0.0.1:9"])
     assert code == 2

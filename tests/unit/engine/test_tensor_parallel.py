@@ -11,19 +11,13 @@ import torch
 from helpers.model_cases import CASES, FAMILIES
 from helpers.tensor_parallel import rank_one
 from helpers.transformers_reference import hf_model, our_greedy, random_prompt
-from kvfence_engine.core.build import pool_shape
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.faults import Fault, Faults
 from kvfence_engine.core.model_config import ModelConfig
 from kvfence_engine.core.quantization import Int4Groups
 from kvfence_engine.core.request import SamplingParams
-from kvfence_engine.core.shards import (
-    Span,
-    even_spans,
-    plan_shards,
-    rank_config,
-    shard_checkpoint,
-)
+from kvfence_engine.core.shard_weights import shard_checkpoint
+from kvfence_engine.core.shards import Span, even_spans, plan_shards, pool_shape, rank_config
 from kvfence_engine.disagg.receiver import KVReceiver
 from kvfence_engine.disagg.reservations import DecodeReservations
 from kvfence_engine.disagg.transfer import Layout, send_kv

@@ -396,6 +396,8 @@ class LLMEngine(Generic[TokenizerT]):
                 else:
                     self._decode_on_device(self.device_decoder, seqs)
             except Exception:
+                if self.leader is not None:  # the other ranks may wait in a collective for good
+                    self.leader.abandon(f"a {'prefill' if is_prefill else 'decode'} step raised")
                 self._fail_batch(seqs, is_prefill)
             changed += seqs
         changed += self.scheduler.remove_finished()  # finished, refused or failed: pages back

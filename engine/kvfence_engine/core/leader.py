@@ -4,6 +4,7 @@ the other ranks' pools as its page manager reaches them (its Peers): a transferr
 wrote goes to them with the next step, and an export joins their heads to its own."""
 
 import logging
+import os
 import threading
 
 import torch
@@ -67,6 +68,15 @@ class Leader:
     def stop(self) -> None:
         """End the other ranks' loops."""
         self.group.broadcast(None)
+
+    def abandon(self, why: str) -> None:
+        """(inside an except) A step failed on rank 0 partway: where the other ranks are in it
+        is unknown (one may wait in a collective rank 0 will never join), so no later step
+        could trust the group. The engine exits, with the traceback, and its pod restarts
+        whole, as when a rank dies (parallel/launch.py)."""
+        log.critical("%s on rank 0 of a tensor-parallel group: exiting", why, exc_info=True)
+        logging.shutdown()
+        os._exit(1)
 
     # --- the other ranks' pools (page_manager.Peers) -----------------------------------------
 

@@ -483,6 +483,148 @@ class CanarySpec(_ApiModel):
     )
 
 
+class AutoscalingMode(StrEnum):
+    OPERATOR = "Operator"  # the operator sets each role's replicas from its signal
+    EXTERNAL = "External"  # a user's HPA or KEDA scales the child Deployments; drift leaves it
+
+
+class ScalingSignal(StrEnum):
+    """What a role scales on, and what its target is in."""
+
+    QUEUED_PROMPT_TOKENS = "QueuedPromptTokens"  # prefill: prompt tokens waiting, per pod
+    TIME_TO_FIRST_TOKEN = "TimeToFirstToken"  # prefill: p90 seconds over the last minute
+    KV_POOL_UTILIZATION = "KvPoolUtilization"  # decode: fraction of the pool's pages in use
+    RUNNING_SEQUENCES = "RunningSequences"  # decode: sequences decoding, per pod
+    INTER_TOKEN_LATENCY = "InterTokenLatency"  # decode: p90 seconds between tokens, last minute
+
+
+PREFILL_SIGNALS = (ScalingSignal.QUEUED_PROMPT_TOKENS, ScalingSignal.TIME_TO_FIRST_TOKEN)
+DECODE_SIGNALS = (
+    ScalingSignal.KV_POOL_UTILIZATION,
+    ScalingSignal.RUNNING_SEQUENCES,
+    ScalingSignal.INTER_TOKEN_LATENCY,
+)
+
+
+class RoleAutoscaling(_ApiModel):
+    """One role's bounds, signal and target, and how long a change must hold before it acts."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            ("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
+            (
+                "self.signal != 'KvPoolUtilization' || self.target <= 1.0",
+                "a KvPoolUtilization target is a fraction of the pool, at most 1",
+            ),
+        )
+    )
+
+    min_replicas: int = Field(1, ge=1, le=1000)
+    max_replicas: int = Field(ge=1, le=1000)
+    signal: ScalingSignal
+    target: float = Field(
+        gt=0,
+        description="The signal's value a pod should run at: tokens or sequences per pod, a "
+        "fraction of the pool, or seconds (p90).",
+    )
+    scale_up_stabilization_seconds: int = Field(
+        30,
+        ge=0,
+        le=3600,
+        description="A scale-up acts on the lowest count asked for over this window.",
+    )
+    scale_down_stabilization_seconds: int = Field(
+        300,
+        ge=0,
+        le=3600,
+        description="A scale-down acts on the highest count asked for over this window.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "RoleAutoscaling":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("minReplicas must be <= maxReplicas")
+        if self.signal is ScalingSignal.KV_POOL_UTILIZATION and self.target > 1.0:
+            raise ValueError("a KvPoolUtilization target is a fraction of the pool, at most 1")
+        return self
+
+
+class RatioGuard(_ApiModel):
+    """Bounds on prefill replicas / decode replicas that every scaling decision keeps."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(("self.min <= self.max", "the ratio's min must be <= its max"))
+    )
+
+    min: float = Field(gt=0, le=1000)
+    max: float = Field(gt=0, le=1000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "RatioGuard":
+        if self.min > self.max:
+            raise ValueError("the ratio's min must be <= its max")
+        return self
+
+
+def _role_signals(role: str, signals: tuple[ScalingSignal, ...]) -> tuple[str, str]:
+    allowed = ", ".join(f"'{s}'" for s in signals)
+    return (
+        f"!has(self.{role}) || self.{role}.signal in [{allowed}]",
+        f"{role} scales on {' or '.join(signals)}",
+    )
+
+
+RATIO_MEETS_BOUNDS = (
+    "!has(self.prefillToDecodeRatio) || !has(self.prefill) || !has(self.decode) || "
+    "(double(self.prefill.maxReplicas) >= self.prefillToDecodeRatio.min * "
+    "double(self.decode.minReplicas) && double(self.prefill.minReplicas) <= "
+    "self.prefillToDecodeRatio.max * double(self.decode.maxReplicas))"
+)
+RATIO_MESSAGE = "prefillToDecodeRatio admits no replica counts within the roles' bounds"
+RATIO_NEEDS_ROLES = "prefillToDecodeRatio needs both prefill and decode autoscaling"
+
+
+class AutoscalingSpec(_ApiModel):
+    """Scaling prefill and decode replicas on their load (off when absent: the roles'
+    replicas). Operator: the operator decides from the engines' load reports; External: a
+    user's autoscaler owns the child Deployments' replicas."""
+
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            _role_signals("prefill", PREFILL_SIGNALS),
+            _role_signals("decode", DECODE_SIGNALS),
+            (
+                "!has(self.prefillToDecodeRatio) || (has(self.prefill) && has(self.decode))",
+                RATIO_NEEDS_ROLES,
+            ),
+            (RATIO_MEETS_BOUNDS, RATIO_MESSAGE),
+        )
+    )
+
+    mode: AutoscalingMode = AutoscalingMode.OPERATOR
+    prefill: RoleAutoscaling | None = None
+    decode: RoleAutoscaling | None = None
+    prefill_to_decode_ratio: RatioGuard | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "AutoscalingSpec":
+        for role, scaling, signals in (
+            ("prefill", self.prefill, PREFILL_SIGNALS),
+            ("decode", self.decode, DECODE_SIGNALS),
+        ):
+            if scaling is not None and scaling.signal not in signals:
+                raise ValueError(f"{role} scales on {' or '.join(signals)}")
+        ratio, p, d = self.prefill_to_decode_ratio, self.prefill, self.decode
+        if ratio is not None and (p is None or d is None):
+            raise ValueError(RATIO_NEEDS_ROLES)
+        if ratio is not None and p is not None and d is not None:
+            if p.max_replicas < ratio.min * d.min_replicas or (
+                p.min_replicas > ratio.max * d.max_replicas
+            ):
+                raise ValueError(RATIO_MESSAGE)
+        return self
+
+
 PRE_STOP_SECONDS = 5  # a stopping pod's preStop sleep: time for endpoints to drop it
 
 

@@ -617,11 +617,16 @@ class AutoscalingSpec(_ApiModel):
         ratio, p, d = self.prefill_to_decode_ratio, self.prefill, self.decode
         if ratio is not None and (p is None or d is None):
             raise ValueError(RATIO_NEEDS_ROLES)
-        if ratio is not None and p is not None and d is not None:
-            if p.max_replicas < ratio.min * d.min_replicas or (
-                p.min_replicas > ratio.max * d.max_replicas
-            ):
-                raise ValueError(RATIO_MESSAGE)
+        if (
+            ratio is not None
+            and p is not None
+            and d is not None
+            and (
+                p.max_replicas < ratio.min * d.min_replicas
+                or p.min_replicas > ratio.max * d.max_replicas
+            )
+        ):
+            raise ValueError(RATIO_MESSAGE)
         return self
 
 

@@ -22,7 +22,7 @@ Per role, as Kubernetes' HPA computes it (its v2 algorithm, which users already 
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -195,7 +195,7 @@ def plan_scaling(
     spec: AutoscalingSpec,
     current: dict[str, int],
     loads: dict[str, RoleLoad],
-    history: dict[str, Sequence[Recommendation]],
+    history: Mapping[str, Sequence[Recommendation]],
     now: float,
 ) -> ScalingPlan:
     """Each scaled role's count this pass (Operator mode; External decides nothing here)."""

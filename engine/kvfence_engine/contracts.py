@@ -156,6 +156,35 @@ class KvPoolReport(_Reading):
         return self
 
 
+# --- GET /v1/load of an engine -------------------------------------------------------------
+
+
+Seconds = Annotated[float, Field(ge=0)]
+
+
+class LoadReport(_Reading):
+    """An engine's load now, and its latencies over the last minute: the signals an autoscaler
+    scales prefill and decode on (the same figures are Prometheus metrics). At most a quarter
+    of a second old: the engine thread takes it between steps."""
+
+    role: Role
+    revision: str
+    waiting_requests: Count
+    # prompt tokens still to compute: of waiting requests and of those being prefilled
+    queued_prompt_tokens: Count
+    running_sequences: Count
+    pages_used: Count
+    pages_total: Positive
+    # p90 over the last window_seconds; None: no sample in it
+    time_to_first_token_p90_seconds: Seconds | None
+    inter_token_latency_p90_seconds: Seconds | None
+    window_seconds: Seconds
+
+    @property
+    def pool_utilization(self) -> float:
+        return self.pages_used / self.pages_total
+
+
 class PoolSize(_Reading):
     """The numbers that bound a request, which every reader of a report needs."""
 

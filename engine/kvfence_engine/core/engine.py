@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
-from kvfence_engine.contracts import DEFAULT_TENANT, KvPoolReport, Role
+from kvfence_engine.contracts import DEFAULT_TENANT, KvPoolReport, LoadReport, Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.build import build_rank
 from kvfence_engine.core.decoder import Decoder
@@ -36,6 +36,7 @@ from kvfence_engine.core.pool_plan import (
 )
 from kvfence_engine.core.prefix_cache import DECODE_HAS_NO_PREFIX_CACHE, PrefixKeys
 from kvfence_engine.core.quantization import Int4Groups
+from kvfence_engine.core.recent import RecentQuantile
 from kvfence_engine.core.request import (
     Request,
     SamplingParams,
@@ -51,6 +52,19 @@ if TYPE_CHECKING:
     from kvfence_engine.core.rank_orders import RankGroup
 
 log = logging.getLogger(__name__)
+
+
+LOAD_EVERY = 0.25  # seconds between the load figures the engine thread takes while busy
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """The queues' figures the engine thread took last (LLMEngine._take_load)."""
+
+    at: float
+    waiting: int
+    queued_prompt_tokens: int
+    running: int
 
 
 @dataclass(slots=True)
@@ -198,6 +212,11 @@ class LLMEngine(Generic[TokenizerT]):
         # the other ranks' side of each step (core/leader.py), with tensor parallelism
         self.leader = None if group is None else Leader(group, self.pages, loaded.config)
         self._ids = itertools.count(1)
+        # the load an autoscaler reads (load_report): the queues as of the last step, the
+        # latencies of the last minute
+        self._load = Load(0.0, 0, 0, 0)
+        self.recent_ttft = RecentQuantile()
+        self.recent_itl = RecentQuantile()
         m = self.metrics
         m.pool_tokens.set(self.pages.pool_tokens)
         m.pages_total.set(self.pages.num_pages)
@@ -406,7 +425,20 @@ class LLMEngine(Generic[TokenizerT]):
         m.waiting.set(self.scheduler.num_waiting)
         m.preemptions.inc(self.scheduler.take_preemptions())
         m.stale_releases.inc(self.pages.take_stale_releases())
+        self._take_load()
         return list(dict.fromkeys(changed))
+
+    def _take_load(self) -> None:
+        """(engine thread) The queues' figures for load_report, at most every LOAD_EVERY
+        seconds while there is work, and always once it runs out (an idle engine's last
+        figures are its true ones)."""
+        now = time.monotonic()
+        if self.has_work() and now - self._load.at < LOAD_EVERY:
+            return
+        waiting = list(self.scheduler.waiting)
+        queued = sum(s.num_tokens for s in waiting if not is_terminal(s))
+        self.metrics.queued_prompt_tokens.set(queued)
+        self._load = Load(now, len(waiting), queued, self.scheduler.num_running)
 
     def _run_on_host(self, seqs: list[Request], is_prefill: bool) -> None:
         """Prepare the batch's tensors, check its reads (core/isolation), run it (core/runner)."""
@@ -539,14 +571,20 @@ class LLMEngine(Generic[TokenizerT]):
         self, seqs: list[Request], tokens: list[int], logprobs: list[TokenLogprob | None]
     ) -> None:
         """Each sequence's step wrote its KV and chose its next token."""
+        now = time.monotonic()
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             seq.num_cached = seq.num_tokens  # what the engine believes is now in the pool
             seq.output_ids.append(token)
             if logprob is not None:
                 seq.output_logprobs.append(logprob)
             if seq.first_token_at is None:
-                seq.first_token_at = time.monotonic()
-                self.metrics.ttft.observe(seq.first_token_at - seq.arrival)
+                seq.first_token_at = now
+                self.metrics.ttft.observe(now - seq.arrival)
+                self.recent_ttft.observe(now - seq.arrival)
+            elif seq.last_token_at is not None:
+                self.metrics.inter_token_latency.observe(now - seq.last_token_at)
+                self.recent_itl.observe(now - seq.last_token_at)
+            seq.last_token_at = now
             self.metrics.generation_tokens.inc()
             self._finish_if_done(seq, token)
 
@@ -586,6 +624,7 @@ class LLMEngine(Generic[TokenizerT]):
         prefill's first token: it joins the running set, or finishes at once and its pages
         are released."""
         seq.num_cached = len(seq.prompt_ids)
+        seq.last_token_at = time.monotonic()  # decode's first token is timed from here
         seq.output_ids.append(first.token_id)
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(first)
@@ -603,6 +642,23 @@ class LLMEngine(Generic[TokenizerT]):
         self.scheduler.release(seq)
 
     # --- reports ---------------------------------------------------------------------------
+
+    def load_report(self) -> LoadReport:
+        """(any thread) The engine's load: its queues as of the last step (_take_load), its
+        pool now, its latencies over the last minute."""
+        load = self._load
+        return LoadReport(
+            role=Role(self.args.role),
+            revision=self.args.revision,
+            waiting_requests=load.waiting,
+            queued_prompt_tokens=load.queued_prompt_tokens,
+            running_sequences=load.running,
+            pages_used=self.pages.num_used,
+            pages_total=self.pages.num_pages,
+            time_to_first_token_p90_seconds=self.recent_ttft.quantile(0.9),
+            inter_token_latency_p90_seconds=self.recent_itl.quantile(0.9),
+            window_seconds=self.recent_ttft.window,
+        )
 
     def kvpool_report(self) -> KvPoolReport:
         role = Role(self.args.role)

@@ -7,6 +7,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 
 # Counters that move only when a KV isolation defence acted. In Kubernetes only the router is
 # reachable from outside the engines' NetworkPolicy, so it re-exports them per backend under
@@ -133,6 +134,17 @@ class EngineMetrics:
         )
         self.running = Gauge("kvfence_requests_running", "sequences decoding", registry=r)
         self.waiting = Gauge("kvfence_requests_waiting", "sequences waiting", registry=r)
+        self.queued_prompt_tokens = Gauge(
+            "kvfence_queued_prompt_tokens",
+            "prompt tokens still to compute, of waiting requests and of those being prefilled",
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "kvfence_inter_token_latency_seconds",
+            "time between a sequence's consecutive tokens",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
 
     def watch_tenants(self, reserved: Callable[[], dict[str, int]]) -> None:
         """Export each tenant's reserved KV pages (core/tenants) as read at scrape time."""

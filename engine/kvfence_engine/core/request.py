@@ -94,6 +94,7 @@ class Request:
     generator: torch.Generator | None = None  # the host path's draws (core/sampler)
     seed: int = 0  # what the device path's draws are a function of (core/device_sampler)
     first_token_at: float | None = None
+    last_token_at: float | None = None  # when its latest token came (inter-token latency)
     request_id: str | None = None  # the router's id, for disaggregated requests
     tenant: str = "default"  # whose share of the KV pool it reserves (core/tenants)
     inbound: InboundKV | None = None  # decode role: KV still to arrive from prefill

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfence_engine.auth import presents_internal_token, presents_metrics_token
-from kvfence_engine.contracts import EngineReadiness, KvPoolReport, Role
+from kvfence_engine.contracts import EngineReadiness, KvPoolReport, LoadReport, Role
 from kvfence_engine.core import errors
 from kvfence_engine.core.request import SamplingParams, is_terminal
 from kvfence_engine.loading.tokenizer import tokenizer_data
@@ -68,6 +68,11 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/kvpool", dependencies=[Depends(operational)], responses=error_responses(401, 503))
     async def kvpool() -> KvPoolReport:
         return state.require_engine().engine.kvpool_report()
+
+    @app.get("/v1/load", dependencies=[Depends(operational)], responses=error_responses(401, 503))
+    async def load() -> LoadReport:
+        """The engine's load and its latencies over the last minute (autoscaling's signals)."""
+        return state.require_engine().engine.load_report()
 
     @app.get(
         "/internal/v1/tokenizer",

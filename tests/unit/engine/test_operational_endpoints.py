@@ -25,7 +25,7 @@ from kvfence_engine.serving.state import ServerState
 
 TOKEN = "internal-" + "t" * 32
 TENANT_KEY = "tenant-key-" + "k" * 32
-OPERATIONAL = ["/v1/kvpool", "/metrics"]
+OPERATIONAL = ["/v1/kvpool", "/v1/load", "/metrics"]
 
 
 def engine(token: str | None) -> TestClient:

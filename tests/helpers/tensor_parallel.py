@@ -1,6 +1,7 @@
 """Tensor-parallel engines in a test: rank 0 is an LLMEngine in the test's process, rank 1 one
-spawned process that follows one group after another (a group per model, in turn), so that a
-test of many models starts one process, not one per model."""
+spawned process; they share one two-rank group, in which one engine after another runs (each
+ends its followers' loop when it is done, and rank 1 starts the next model's), so that a test
+of many models starts one process and one group, not one per model."""
 
 import multiprocessing
 from collections.abc import Iterator
@@ -18,47 +19,48 @@ from kvfence_engine.tools.localproc import free_port
 CPU = torch.device("cpu")
 
 
-def follow_each(groups: list[tuple[Rendezvous, str, EngineArgs]]) -> None:
-    """(spawned) Rank 1 of each group in turn, serving its model with its args."""
+def follow_each(rendezvous: Rendezvous, models: list[tuple[str, EngineArgs]]) -> None:
+    """(spawned) Rank 1 of each engine in turn, serving its model with its args."""
     torch.set_num_threads(1)
-    for rendezvous, folder, args in groups:
-        group = TPGroup(rendezvous, 1, CPU)
+    group = TPGroup(rendezvous, 1, CPU)
+    for folder, args in models:
         Follower(group, load_model(folder), args).run()
-        group.close()
+    group.close()
 
 
 @dataclass(slots=True)
 class RankOne:
-    """Rank 1 of a series of two-rank groups; `engine(i)` is rank 0 of the i-th."""
+    """Rank 1 of the group; `engine(i)` is rank 0 of the i-th engine, in order."""
 
-    groups: list[tuple[Rendezvous, str, EngineArgs]]
+    models: list[tuple[str, EngineArgs]]
+    group: TPGroup
     process: multiprocessing.process.BaseProcess
 
     @contextmanager
     def engine(self, i: int) -> Iterator[LLMEngine]:
-        rendezvous, folder, args = self.groups[i]
-        group = TPGroup(rendezvous, 0, CPU)
-        engine = LLMEngine(load_model(folder), args, group=group)
+        folder, args = self.models[i]
+        engine = LLMEngine(load_model(folder), args, group=self.group)
         try:
             yield engine
         finally:
             assert engine.leader is not None
             engine.leader.stop()
-            group.close()
 
 
 @contextmanager
 def rank_one(models: list[tuple[str, EngineArgs]]) -> Iterator[RankOne]:
-    """Rank 1 for a group per (folder, args), to be joined in that order."""
-    groups = [(Rendezvous("127.0.0.1", free_port(), 2), f, a) for f, a in models]
+    """Rank 1 for an engine per (folder, args), to be run in that order, every one of them."""
+    rendezvous = Rendezvous("127.0.0.1", free_port(), 2)
     process = multiprocessing.get_context("spawn").Process(
-        target=follow_each, args=(groups,), daemon=True
+        target=follow_each, args=(rendezvous, models), daemon=True
     )
     process.start()
+    group = TPGroup(rendezvous, 0, CPU)
     try:
-        yield RankOne(groups, process)
+        yield RankOne(models, group, process)
         process.join(timeout=60)
         assert process.exitcode == 0, f"rank 1 ended with {process.exitcode}"
     finally:
+        group.close()
         if process.is_alive():
             process.kill()

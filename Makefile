@@ -43,7 +43,9 @@ serve: setup
 # three processes, a converted model) start once, where worksteal split a module over up to
 # four workers, each starting them again: 1095 CPU-s and 9:26 against 1160 and 10:21 with
 # worksteal, the same tree on the same machine; a fresh clone with cold caches, as on CI: 9:35
-# and 9:54 (`.ci/run` whole, images included: 17:47). Files with a slow test start first.
+# and 9:54 (`.ci/run` whole, images included: 17:47). On another day the same machine ran that
+# tree's suite in 12:43 (1489 CPU-s), and the next one's, with tensor parallelism, in 12:59
+# (1530 CPU-s), one after the other. Files with a slow test start first.
 # Bytecode is cached even where the environment says not to (PYTHONDONTWRITEBYTECODE, set on
 # some CI images): the suite starts about 400 Python processes, and each would compile the
 # project's sources again, as each worker would its assertion-rewritten test modules.

@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     from kvfence_engine.core.pool_plan import ContextPolicy
     from kvfence_engine.core.shards import plan_shards
     from kvfence_engine.loading.loader import plan_load
-    from kvfence_engine.parallel.launch import Ranks, rank_threads, start_ranks
+    from kvfence_engine.parallel.launch import Ranks, check_devices, rank_threads, start_ranks
     from kvfence_engine.serving.app import create_app
     from kvfence_engine.serving.async_engine import AsyncEngine
     from kvfence_engine.serving.limits import set_request_limits
@@ -368,6 +368,7 @@ def run(args: argparse.Namespace) -> int:
             group = None
             if world > 1:
                 plan_shards(loaded.config, world)  # a model that does not split: refused here
+                check_devices(args.device, world)
                 loading.start_step(f"starting ranks 1..{world - 1}, each loading its part")
                 ranks.append(start_ranks(world, args.model, engine_args, free_port(), args.threads))
                 ranks[0].watch(rank_died)

@@ -33,6 +33,19 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
+def check_devices(device: str, world: int) -> None:
+    """ValueError unless there is a device for every rank: N GPUs from the one asked for."""
+    base = torch.device(device)
+    if base.type != "cuda":
+        return
+    first, have = base.index or 0, torch.cuda.device_count()
+    if first + world > have:
+        raise ValueError(
+            f"--tensor-parallel-size {world} needs GPUs cuda:{first}..cuda:{first + world - 1}; "
+            f"this machine has {have}"
+        )
+
+
 def rank_threads(threads: int | None, world: int) -> int:
     """A rank's CPU threads: --threads each, or the machine's cores shared among the ranks."""
     return threads or max(1, (os.cpu_count() or 1) // world)

@@ -22,6 +22,7 @@ from kvfence_engine.disagg.receiver import KVReceiver
 from kvfence_engine.disagg.reservations import DecodeReservations
 from kvfence_engine.disagg.transfer import Layout, send_kv
 from kvfence_engine.loading.loader import load_model
+from kvfence_engine.parallel.launch import check_devices, rank_device
 
 ARGS = EngineArgs(kv_cache_memory=4 << 20, page_size=8)
 PROMPT, NEW = 200, 64
@@ -224,3 +225,16 @@ def test_a_rank_whose_pool_diverged_refuses_on_every_rank(tmp_path: Path) -> Non
             assert engine.metrics.tag_mismatch._value.get() == 1
             assert engine.leader is not None and engine.leader.refused_by_rank == [0, 1]
             assert engine.pages.num_used == 0  # its pages went back
+
+
+def test_each_rank_gets_its_own_gpu_or_the_start_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank r takes the r-th GPU from --device; too few is refused before any rank starts."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert rank_device("cuda:2", 1) == torch.device("cuda", 3)
+    assert rank_device("cpu", 1) == torch.device("cpu")
+    check_devices("cuda:2", 2)
+    check_devices("cpu", 8)
+    with pytest.raises(ValueError, match=r"needs GPUs cuda:3..cuda:4; this machine has 4"):
+        check_devices("cuda:3", 2)

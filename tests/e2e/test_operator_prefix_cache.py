@@ -8,8 +8,14 @@ user's repeated prompt is reported as cached."""
 import pytest
 
 from helpers.openai_usage import cached_tokens
-from helpers.tiny_infd import ENOUGH, NAME, check_first_rollout, manifest, router_client
-from kvfence_devcluster.fixtures import Cluster
+from helpers.tiny_infd import (
+    ENOUGH,
+    NAME,
+    check_first_rollout,
+    container_args,
+    manifest,
+    router_client,
+)
 from kvfence_operator.builders.secret import (
     PREFIX_CACHE_SECRET_FILE,
     PREFIX_CACHE_SECRET_KEY,
@@ -18,17 +24,10 @@ from kvfence_operator.builders.secret import (
     secret_name,
 )
 from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.meta import LABEL_REVISION, LABEL_ROLE, Instance
+from kvfence_operator.meta import Instance
 from kvfence_operator.revision import revision_of
 
 PROMPT = [11 + i % 50 for i in range(70)]  # 4 full pages of 16 tokens, and 6 more
-
-
-def container_args(cluster: Cluster, revision: str, role: str) -> list[str]:
-    labels = {"app.kubernetes.io/instance": NAME, LABEL_REVISION: revision, LABEL_ROLE: role}
-    (pod,) = cluster.list("Pod", "default", labels)
-    (container,) = pod["spec"]["containers"]
-    return [*container.get("command", []), *container.get("args", [])]
 
 
 @pytest.mark.usefixtures("operator")

@@ -6,18 +6,15 @@ budget), the pool gate opens on the report, the canary passes, and the router an
 
 import pytest
 
-from helpers.tiny_infd import ENOUGH, NAME, check_first_rollout, manifest, router_client
-from kvfence_devcluster.fixtures import Cluster
+from helpers.tiny_infd import (
+    ENOUGH,
+    check_first_rollout,
+    container_args,
+    manifest,
+    router_client,
+)
 from kvfence_operator.crd.types import InferenceDeploymentSpec
-from kvfence_operator.meta import LABEL_REVISION, LABEL_ROLE
 from kvfence_operator.revision import revision_of
-
-
-def container_args(cluster: Cluster, revision: str, role: str) -> list[str]:
-    labels = {"app.kubernetes.io/instance": NAME, LABEL_REVISION: revision, LABEL_ROLE: role}
-    (pod,) = cluster.list("Pod", "default", labels)
-    (container,) = pod["spec"]["containers"]
-    return [*container.get("command", []), *container.get("args", [])]
 
 
 @pytest.mark.usefixtures("operator")

@@ -273,3 +273,11 @@ def wait_promoted(cluster: Cluster, revision: str, what: str) -> dict[str, Any]:
     assert promoted["status"]["canary"]["revision"] == revision
     assert cluster.require("Service", NAME)["spec"]["selector"][LABEL_REVISION] == revision
     return promoted
+
+
+def container_args(cluster: Cluster, revision: str, role: str) -> list[str]:
+    """The command line of the one pod of `revision` in `role`."""
+    labels = {"app.kubernetes.io/instance": NAME, LABEL_REVISION: revision, LABEL_ROLE: role}
+    (pod,) = cluster.list("Pod", "default", labels)
+    (container,) = pod["spec"]["containers"]
+    return [*container.get("command", []), *container.get("args", [])]

@@ -79,12 +79,13 @@ def manifest(max_num_seqs: int, retire_after: int, grace: int, name: str = NAME)
     }
 
 
-def keys_secret() -> dict[str, Any]:
+def keys_secret(name: str = NAME) -> dict[str, Any]:
+    """The API keys Secret `<name>-keys`: API_KEY for tenant `bench`."""
     keys = base64.b64encode(f"{API_KEY} bench\n".encode()).decode()
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": f"{NAME}-keys", "namespace": NAMESPACE},
+        "metadata": {"name": f"{name}-keys", "namespace": NAMESPACE},
         "data": {"api-keys": keys},
     }
 

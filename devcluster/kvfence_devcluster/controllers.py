@@ -11,6 +11,7 @@ pod conditions) and activeDeadlineSeconds, and report conditions as the real Job
 import contextlib
 import hashlib
 import json
+import re
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -21,6 +22,7 @@ from .selectors import selector_from_label_selector
 from .store import Store
 
 POD_TEMPLATE_HASH = "pod-template-hash"
+POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 # A Job's pod after a counted failure starts again after 1, 2, 4, 8 s (Kubernetes: 10 s to 6 min)
 JOB_BACKOFF_SECONDS = 1.0
@@ -44,6 +46,16 @@ def condition(obj: dict[str, Any], kind: str) -> dict[str, Any] | None:
 def pod_ready(pod: dict[str, Any]) -> bool:
     ready = condition(pod, "Ready")
     return ready is not None and ready.get("status") == "True"
+
+
+def deletion_cost(pod: dict[str, Any]) -> int:
+    """The pod's POD_DELETION_COST, read as Kubernetes reads it: an int32 in decimal, no "+" nor
+    leading zero; 0 when absent or invalid."""
+    value = (pod["metadata"].get("annotations") or {}).get(POD_DELETION_COST)
+    if not isinstance(value, str) or not re.fullmatch(r"0|[1-9][0-9]*|-[0-9]+", value):
+        return 0
+    cost = int(value)
+    return cost if -(2**31) <= cost < 2**31 else 0
 
 
 def set_condition(
@@ -155,8 +167,9 @@ class Controllers:
                 current.append(pod)
             else:
                 self._delete_pod(pod)
-        # Surplus: not-ready pods first, then the newest (as the ReplicaSet controller does).
-        current.sort(key=lambda p: (pod_ready(p), -_created(p)), reverse=True)
+        # Surplus, ranked as the ReplicaSet controller ranks it (ActivePodsWithRanks): not-ready
+        # pods first, then the lowest pod-deletion cost, then the newest. Keepers sort first.
+        current.sort(key=lambda p: (pod_ready(p), deletion_cost(p), -_created(p)), reverse=True)
         for pod in current[wanted:]:
             self._delete_pod(pod)
         current = current[:wanted]

@@ -39,6 +39,10 @@ ANNOTATION_DECLARED = f"{API_GROUP}/declared"
 # On the InferenceDeployment, and recorded on its canary Job: a new value asks for a new run of
 # a candidate's canary (decisions/canary.py).
 ANNOTATION_RERUN_CANARY = f"{API_GROUP}/rerun-canary"
+# On an engine pod a scale-down removes: when it was taken out of the routers' backends
+# (decisions/draining.py); with the lowest deletion cost, so its ReplicaSet removes it first.
+ANNOTATION_DRAINING = f"{API_GROUP}/draining-since"
+POD_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 
 HTTP_PORT = 8000
 TRANSFER_PORT = 8001

@@ -17,9 +17,13 @@ import httpx
 import pytest
 from kubernetes import client, watch
 
+from kvfence_devcluster import store as store_module
+from kvfence_devcluster.controllers import POD_DELETION_COST, Controllers
 from kvfence_devcluster.fixtures import Cluster, ClusterApiError, start_cluster
 from kvfence_devcluster.options import KubeletOptions
+from kvfence_devcluster.resources import ResourceType
 from kvfence_devcluster.sandbox import VENV_BIN
+from kvfence_devcluster.store import MERGE_PATCH, Store
 from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_operator.builders.engine_deployment import (
     build_engine_deployment,
@@ -512,6 +516,56 @@ def test_a_deployment_keeps_its_replicas_and_replaces_pods_when_its_template_cha
             and s.get("readyReplicas") == 1
         ),
     )
+
+
+def scaled_down_from_3_to_2(
+    monkeypatch: pytest.MonkeyPatch, ready: list[bool], costs: list[str | None]
+) -> list[int]:
+    """The emulator's Deployment controller on a bare Store (no process): a Deployment's 3 pods,
+    oldest first, with these Ready conditions and pod-deletion-cost annotations, scaled to 2.
+    The indexes of the pods it deleted."""
+    stamps = (f"2024-01-01T00:00:{s:02d}Z" for s in itertools.count())
+    monkeypatch.setattr(store_module, "now_rfc3339", lambda: next(stamps))
+    store = Store()
+
+    def resource_type(group: str, version: str, plural: str) -> ResourceType:
+        kind = plural.removesuffix("s").capitalize()
+        return ResourceType(group, version, plural, kind, True, frozenset({"status"}))
+
+    controllers = Controllers(store, resource_type)
+    deployment = web_deployment("web", replicas=3)
+    store.create(controllers.deployments, "default", deployment)
+    controllers.reconcile()
+    pods = sorted(
+        store.list_objects(controllers.pods), key=lambda p: p["metadata"]["creationTimestamp"]
+    )
+    assert len(pods) == 3
+    merge = partial(store.patch, controllers.pods, "default", content_type=MERGE_PATCH)
+    for pod, is_ready, cost in zip(pods, ready, costs, strict=True):
+        name = pod["metadata"]["name"]
+        if is_ready:
+            ready_condition = {"type": "Ready", "status": "True"}
+            merge(name, {"status": {"conditions": [ready_condition]}}, subresource="status")
+        if cost is not None:
+            merge(name, {"metadata": {"annotations": {POD_DELETION_COST: cost}}})
+    store.update(controllers.deployments, "default", "web", lambda d: d["spec"].update(replicas=2))
+    controllers.reconcile()
+    left = {p["metadata"]["name"] for p in store.list_objects(controllers.pods)}
+    return [i for i, pod in enumerate(pods) if pod["metadata"]["name"] not in left]
+
+
+def test_a_scale_down_deletes_the_pod_of_lowest_deletion_cost_not_the_newest(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    assert scaled_down_from_3_to_2(monkeypatch, [True] * 3, [None, None, None]) == [2]
+    assert scaled_down_from_3_to_2(monkeypatch, [True] * 3, [None, "-100", None]) == [1]
+
+
+def test_a_scale_down_deletes_a_not_ready_pod_before_a_ready_one_of_lower_cost(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    deleted = scaled_down_from_3_to_2(monkeypatch, [False, True, True], ["100", "-100", None])
+    assert deleted == [0]
 
 
 def test_a_container_that_exits_is_restarted_with_its_exit_code_recorded(cluster: Cluster):

@@ -29,7 +29,7 @@ from kvfence_operator.cluster.crd_check import CrdCheck
 from kvfence_operator.cluster.kube import Kube, load_cluster_config, with_retries
 from kvfence_operator.cluster.metrics_token import metrics_access
 from kvfence_operator.cluster.own_secrets import credentials_key
-from kvfence_operator.cluster.prober import PoolProber
+from kvfence_operator.cluster.prober import load_prober, pool_prober
 from kvfence_operator.crd.types import (
     API_GROUP,
     API_VERSION,
@@ -100,7 +100,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         CachedKube(kube, store),
         namespace,
         unsafe_faults_allowed=unsafe_faults_allowed,
-        prober=PoolProber(),
+        prober=pool_prober(),
+        load_prober=load_prober(),
         metrics=metrics_access(kube, namespace, os.environ),
         credentials_key=credentials_key(kube, namespace, os.environ),
         owner_deleted=deletion_reported(memo),
@@ -156,6 +157,7 @@ def reconcile(
                 kopf.event(body, type="Warning", reason=reason, message=str(exc))
             logger.warning("%s", exc)
             return
+        memo.metrics.scaling(meta["namespace"], meta["name"], outcome.status.autoscaling)
         status = outcome.status.model_dump(mode="json", by_alias=True)
         if status_changes(body.get("status"), status):  # an unchanged status is not written
             patch.status.update(status)

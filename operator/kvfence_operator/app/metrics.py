@@ -1,5 +1,6 @@
 """The operator's own Prometheus metrics (`kvfence operator --metrics URL`): how many reconcile
-passes each InferenceDeployment has had and how long passes take.
+passes each InferenceDeployment has had and how long passes take, and the autoscaler's
+decisions with their inputs (the signal's value and target, the replicas decided and running).
 
 A pass is counted when it ends, whatever its outcome: a status written or not, an
 InvalidSpec or CredentialsUnreadable finding, or an error kopf retries. The counter is also
@@ -16,11 +17,17 @@ from enum import StrEnum
 from http.server import ThreadingHTTPServer
 from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import MetricsHandler
+
+from kvfence_operator.crd.types import AutoscalingStatus
 
 PASSES = "kvfence_operator_reconcile_passes"  # exposed with _total, as every counter
 PASS_SECONDS = "kvfence_operator_reconcile_pass_seconds"
+DESIRED_REPLICAS = "kvfence_desired_replicas"
+CURRENT_REPLICAS = "kvfence_current_replicas"
+SIGNAL_VALUE = "kvfence_autoscaling_signal_value"
+SIGNAL_TARGET = "kvfence_autoscaling_signal_target"
 # A pass reads caches and writes what differs: tens of milliseconds; probes and pushes to
 # slow pods take it to seconds.
 PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -52,6 +59,40 @@ class PassMetrics:
             buckets=PASS_BUCKETS,
             registry=self.registry,
         )
+        role = ["namespace", "name", "role"]
+        self.desired = Gauge(
+            DESIRED_REPLICAS, "Replicas the autoscaler decided, per role", role,
+            registry=self.registry,
+        )  # fmt: skip
+        self.current = Gauge(
+            CURRENT_REPLICAS, "Replicas the serving revision's Deployment runs, per role", role,
+            registry=self.registry,
+        )  # fmt: skip
+        self.value = Gauge(
+            SIGNAL_VALUE, "The value of the signal a role scales on (per pod, or the pods')",
+            [*role, "signal"], registry=self.registry,
+        )  # fmt: skip
+        self.target = Gauge(
+            SIGNAL_TARGET, "The target of the signal a role scales on", [*role, "signal"],
+            registry=self.registry,
+        )  # fmt: skip
+
+    def scaling(self, namespace: str, name: str, status: AutoscalingStatus | None) -> None:
+        """The autoscaler's decision of the pass that just ended, per scaled role."""
+        for role in ("prefill", "decode"):
+            scaled = getattr(status, role, None) if status is not None else None
+            if scaled is None:
+                continue
+            labels = {"namespace": namespace, "name": name, "role": role}
+            self.current.labels(**labels).set(scaled.current)
+            if scaled.desired is not None:
+                self.desired.labels(**labels).set(scaled.desired)
+            if scaled.signal is not None:
+                signal = {**labels, "signal": str(scaled.signal)}
+                if scaled.value is not None:
+                    self.value.labels(**signal).set(scaled.value)
+                if scaled.target is not None:
+                    self.target.labels(**signal).set(scaled.target)
 
     @contextmanager
     def counting(self, namespace: str, name: str) -> Iterator["PassRecord"]:

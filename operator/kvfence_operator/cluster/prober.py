@@ -1,12 +1,20 @@
-"""Pool probes off the reconcile pass: each engine pod's /v1/kvpool is read once per container
-instance, in a bounded worker pool, and the pass reads what the probes found.
+"""Reads of each engine pod off the reconcile pass, in a bounded worker pool: the pass reads
+what the probes found.
 
-A pool cannot change while the engine process runs, so a report holds until the container
-restarts (a new containerID or restartCount): it is never read again, and a slow or failed read
-can never turn a judged pod's gate False. A failed read (the engine still loading, a pod
-without an IP) is retried on later passes with back-off. The pass waits briefly for the probes
-it starts (`wait_seconds`), so a pod that answers at once is judged in the same pass; one that
-does not is `PoolUnknown` ("probing") until it does. `read_pool` is the one read.
+Two readings use it:
+
+- the pool (`read_pool`, /v1/kvpool), read once per container instance: a pool cannot change
+  while the engine process runs, so a report holds until the container restarts (a new
+  containerID or restartCount). It is never read again, and a slow or failed read can never
+  turn a judged pod's gate False;
+- the load (`read_load`, /v1/load), read again every `refresh_seconds`: the autoscaler's
+  signals. A pass never waits for it (`wait_seconds=0`): it decides on the latest reading,
+  which says when it was read.
+
+A failed read (the engine still loading, a pod without an IP) is retried on later passes with
+back-off, and a report already read is kept over a failed read. The pass waits briefly for
+the probes it starts (`wait_seconds`), so a pod that answers at once is judged in the same
+pass; one that does not is "probing" until it does.
 """
 
 import threading
@@ -15,14 +23,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
 import httpx
 
 from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_engine.tools import http_clients
+from kvfence_operator.decisions.autoscaling import PodLoad, parse_load
 from kvfence_operator.decisions.pool_gate import PodPool, parse_pool
 
 PoolReader = Callable[[str, str, str, str | None, str | None], PodPool]
+LoadReader = Callable[[str, str, str, str | None, str | None], PodLoad]
 WORKERS = 8
 WAIT_SECONDS = 0.5
 FIRST_RETRY_SECONDS = 1.0
@@ -30,6 +41,23 @@ MAX_RETRY_SECONDS = 10.0
 FORGET_SECONDS = 600.0  # an instance no pass asked about for this long is dropped
 PROBING = "probing"
 PROBE_TIMEOUT_SECONDS = 3.0
+LOAD_REFRESH_SECONDS = 1.0
+
+
+def _get_json(url: str, path: str, internal_token: str | None) -> tuple[Any, str | None]:
+    """GET <url><path> with the revision's internal token: (the JSON, None), or (None, why
+    not). Never raises."""
+    headers = {TOKEN_HEADER: internal_token} if internal_token else {}
+    try:
+        response = http_clients.get(url + path, headers=headers, timeout=PROBE_TIMEOUT_SECONDS)
+        response.raise_for_status()
+        return response.json(), None
+    except httpx.HTTPStatusError as exc:
+        return None, f"{path} answered {exc.response.status_code}"
+    except httpx.HTTPError as exc:
+        return None, f"unreachable at {url} ({type(exc).__name__})"
+    except ValueError:
+        return None, f"{path} answered non-JSON"
 
 
 def read_pool(
@@ -39,20 +67,22 @@ def read_pool(
     requires it there). Never raises: an unreachable pod is a PodPool with an error."""
     if url is None:
         return PodPool(pod, role, revision, error="no pod IP yet")
-    headers = {TOKEN_HEADER: internal_token} if internal_token else {}
-    try:
-        response = http_clients.get(
-            url + "/v1/kvpool", headers=headers, timeout=PROBE_TIMEOUT_SECONDS
-        )
-        response.raise_for_status()
-        payload = response.json()
-    except httpx.HTTPStatusError as exc:
-        return PodPool(pod, role, revision, error=f"/v1/kvpool answered {exc.response.status_code}")
-    except httpx.HTTPError as exc:
-        return PodPool(pod, role, revision, error=f"unreachable at {url} ({type(exc).__name__})")
-    except ValueError:
-        return PodPool(pod, role, revision, error="/v1/kvpool answered non-JSON")
+    payload, error = _get_json(url, "/v1/kvpool", internal_token)
+    if error is not None:
+        return PodPool(pod, role, revision, error=error)
     return parse_pool(pod, role, revision, payload)
+
+
+def read_load(
+    pod: str, role: str, revision: str, url: str | None, internal_token: str | None = None
+) -> PodLoad:
+    """GET <url>/v1/load (internal token); the reading says when it was read (wall clock)."""
+    if url is None:
+        return PodLoad(pod, role, revision, error="no pod IP yet")
+    payload, error = _get_json(url, "/v1/load", internal_token)
+    if error is not None:
+        return PodLoad(pod, role, revision, error=error)
+    return parse_load(pod, role, revision, payload, read_at=time.time())
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,38 +97,54 @@ class Probe:
     instance: str
 
 
+class Reading(Protocol):
+    @property
+    def report(self) -> object | None: ...
+
+
+R = TypeVar("R", bound=Reading)
+
+
 @dataclass(slots=True)
-class _Entry:
-    found: PodPool | None = None  # the last result: a report, or the last error
-    running: Future[PodPool] | None = None
+class _Entry(Generic[R]):
+    found: R | None = None  # the last result: a report, or the last error
+    running: Future[R] | None = None
     failures: int = 0
-    retry_at: float = 0.0
+    retry_at: float = 0.0  # the next read: after a failure's back-off, or a refresh
     seen: float = 0.0
 
 
 @dataclass
-class PoolProber:
-    read: PoolReader = read_pool
+class Prober(Generic[R]):
+    """`read` one probe (never raising, an error in the reading instead); `failed` the reading
+    that says why there is none; `refresh_seconds`: None, a report holds for its container
+    instance; else it is read again that long after it was."""
+
+    read: Callable[[Probe], R]
+    failed: Callable[[Probe, str], R]
+    refresh_seconds: float | None = None
     workers: int = WORKERS
     wait_seconds: float = WAIT_SECONDS
     first_retry_seconds: float = FIRST_RETRY_SECONDS
     max_retry_seconds: float = MAX_RETRY_SECONDS
     clock: Callable[[], float] = time.monotonic
-    _entries: dict[Probe, _Entry] = field(default_factory=dict, init=False)
+    _entries: dict[Probe, _Entry[R]] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _pool: ThreadPoolExecutor | None = field(default=None, init=False)
 
-    def pools(self, probes: Sequence[Probe]) -> list[PodPool]:
-        """The pool of each probe's pod, in order: its report once read, else the last error,
-        else PoolUnknown "probing". Starts the reads that are due and waits at most
-        `wait_seconds` for them."""
+    def readings(self, probes: Sequence[Probe]) -> list[R]:
+        """Each probe's reading, in order: its report once read, else the last error, else
+        `failed(PROBING)`. Starts the reads that are due and waits at most `wait_seconds`
+        for them."""
         now = self.clock()
-        started: list[Future[PodPool]] = []
+        started: list[Future[R]] = []
         with self._lock:
             for probe in probes:
                 entry = self._entries.setdefault(probe, _Entry())
                 entry.seen = now
-                if _has_report(entry.found) or entry.running is not None or now < entry.retry_at:
+                if entry.running is not None or now < entry.retry_at:
+                    continue
+                if _has_report(entry.found) and self.refresh_seconds is None:
                     continue
                 entry.running = self._executor().submit(self._read, probe)
                 started.append(entry.running)
@@ -114,16 +160,16 @@ class PoolProber:
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvpool-probe")
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="engine-probe")
         return self._pool
 
-    def _read(self, probe: Probe) -> PodPool:
+    def _read(self, probe: Probe) -> R:
         try:
-            return self.read(probe.pod, probe.role, probe.revision, probe.url, probe.token)
-        except Exception as exc:  # read_pool never raises; a reader that does is a failed read
-            return PodPool(probe.pod, probe.role, probe.revision, error=f"probe failed: {exc}")
+            return self.read(probe)
+        except Exception as exc:  # the readers never raise; one that does is a failed read
+            return self.failed(probe, f"probe failed: {exc}")
 
-    def _result(self, probe: Probe) -> PodPool:
+    def _result(self, probe: Probe) -> R:
         entry = self._entries[probe]
         if entry.running is not None and entry.running.done():
             found = entry.running.result()
@@ -132,13 +178,15 @@ class PoolProber:
                 entry.found = found
             if _has_report(found):
                 entry.failures = 0
+                if self.refresh_seconds is not None:
+                    entry.retry_at = self.clock() + self.refresh_seconds
             else:
                 delay = self.first_retry_seconds * 2**entry.failures
                 entry.failures += 1
                 entry.retry_at = self.clock() + min(delay, self.max_retry_seconds)
         if entry.found is not None:
             return entry.found
-        return PodPool(probe.pod, probe.role, probe.revision, error=PROBING)
+        return self.failed(probe, PROBING)
 
     def _forget(self, now: float) -> None:
         for key, entry in list(self._entries.items()):
@@ -146,5 +194,24 @@ class PoolProber:
                 del self._entries[key]
 
 
-def _has_report(pool: PodPool | None) -> bool:
-    return pool is not None and pool.report is not None
+def _has_report(reading: Reading | None) -> bool:
+    return reading is not None and reading.report is not None
+
+
+def pool_prober(read: PoolReader = read_pool, **settings: Any) -> Prober[PodPool]:
+    """Pools: read once per container instance."""
+    return Prober(
+        lambda p: read(p.pod, p.role, p.revision, p.url, p.token),
+        lambda p, why: PodPool(p.pod, p.role, p.revision, error=why),
+        **settings,
+    )
+
+
+def load_prober(read: LoadReader = read_load, **settings: Any) -> Prober[PodLoad]:
+    """Loads: read again every LOAD_REFRESH_SECONDS; a pass never waits for one."""
+    settings = {"refresh_seconds": LOAD_REFRESH_SECONDS, "wait_seconds": 0.0, **settings}
+    return Prober(
+        lambda p: read(p.pod, p.role, p.revision, p.url, p.token),
+        lambda p, why: PodLoad(p.pod, p.role, p.revision, error=why),
+        **settings,
+    )

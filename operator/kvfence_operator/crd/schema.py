@@ -153,6 +153,20 @@ def printer_columns() -> list[dict[str, Any]]:
         column("C-Pool", "integer", ".status.candidate.minPoolTokens", "Its smallest pool.", 1),
         column("C-Prefill", "string", ".status.candidate.prefill.summary", "Its prefill pods.", 1),
         column("C-Decode", "string", ".status.candidate.decode.summary", "Its decode pods.", 1),
+        column(
+            "P-Scale",
+            "string",
+            ".status.autoscaling.prefill.summary",
+            "Prefill running/decided by the autoscaler.",
+            1,
+        ),
+        column(
+            "D-Scale",
+            "string",
+            ".status.autoscaling.decode.summary",
+            "Decode running/decided by the autoscaler.",
+            1,
+        ),
     ]
 
 

@@ -713,6 +713,12 @@ class InferenceDeploymentSpec(_ApiModel):
     tenant_limits: TenantLimits = Field(default_factory=TenantLimits)
     canary: CanarySpec = Field(default_factory=CanarySpec, **OBJECT_DEFAULT)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, **OBJECT_DEFAULT)
+    autoscaling: AutoscalingSpec | None = Field(
+        None,
+        description="Scale prefill and decode on their load (Operator), or leave their "
+        "replicas to your HPA or KEDA (External). A role it scales ignores its replicas. "
+        "Applied in place: no new revision.",
+    )
 
     @model_validator(mode="after")
     def _min_context_fits(self) -> "InferenceDeploymentSpec":
@@ -829,6 +835,10 @@ class EventReason(StrEnum):
     SELECTOR_REPAIRED = "SelectorRepaired"
     # a revision's spec record missing or not its own on one of its objects: put back
     RECORD_REPAIRED = "RecordRepaired"
+    SCALED = "Scaled"  # the autoscaler changed a role's replicas (decisions/autoscaling.py)
+    DRAINING = "Draining"  # pods a scale-down removes left the routers (decisions/draining.py)
+    # a Deployment's replicas edited by someone else: put back to the declared count
+    REPLICAS_REPAIRED = "ReplicasRepaired"
 
 
 class Condition(_LenientModel):
@@ -937,6 +947,33 @@ class ProgressStatus(_LenientModel):
     last_progress_time: datetime
 
 
+class RoleScalingStatus(_LenientModel):
+    """One role's autoscaling: the replicas its Deployment runs, the count decided, and why."""
+
+    current: int = Field(0, description="Replicas the serving revision's Deployment runs.")
+    desired: int | None = Field(None, description="Replicas the autoscaler decided (Operator).")
+    signal: ScalingSignal | None = None
+    value: float | None = Field(None, description="The signal's value, per pod or the pods'.")
+    target: float | None = None
+    bound: str | None = Field(None, description="What beyond the signal set the count.")
+    draining: list[str] | None = Field(
+        None, description="Pods out of the routers, finishing their streams before removal."
+    )
+    last_scale_time: datetime | None = None
+
+    @computed_field  # type: ignore[prop-decorator]  # mypy rejects decorators over @property
+    @property
+    def summary(self) -> str:
+        """current/desired, for the printer columns (External: current alone)."""
+        return f"{self.current}/{self.desired}" if self.desired is not None else str(self.current)
+
+
+class AutoscalingStatus(_LenientModel):
+    mode: AutoscalingMode
+    prefill: RoleScalingStatus | None = None
+    decode: RoleScalingStatus | None = None
+
+
 class InferenceDeploymentStatus(_LenientModel):
     """What the operator observed; rollout state lives here so a restart resumes."""
 
@@ -956,6 +993,7 @@ class InferenceDeploymentStatus(_LenientModel):
     endpoint: str | None = Field(None, description="URL of the stable Service.")
     candidate: CandidateStatus | None = None
     progress: ProgressStatus | None = None
+    autoscaling: AutoscalingStatus | None = None
 
 
 class ObjectMeta(_LenientModel):

@@ -10,7 +10,8 @@ Per role, as Kubernetes' HPA computes it (its v2 algorithm, which users already 
   Within 10% of the target nothing changes (HPA's tolerance). A role with no ready pod, or
   none that reported its load, keeps its count: there is nothing to scale on, and scaling up
   a role whose pods never become Ready (a pool that no longer fits, a crash loop) would only
-  add pods that never serve;
+  add pods that never serve. Nor does a role scale up while pods it was given are still
+  starting: what they will take is not in the signal yet (a pod that never starts holds it);
 - the count is kept within [minReplicas, maxReplicas];
 - stabilization: a scale-up acts on the lowest count recommended over its window, a
   scale-down on the highest (so a spike, or a lull, shorter than the window moves nothing);
@@ -26,6 +27,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from pydantic import ValidationError
+
+from kvfence_engine.contracts import LoadReport
 from kvfence_operator.crd.types import (
     AutoscalingSpec,
     RatioGuard,
@@ -54,15 +58,88 @@ class Bound(StrEnum):
     TOLERANCE = "tolerance"
     STABILIZATION = "stabilization"
     NO_SIGNAL = "no signal"
+    STARTING = "pods starting"
     RATIO = "prefillToDecodeRatio"
+
+
+STALE_SECONDS = 10.0  # a load read longer ago than this says nothing of now
+
+
+@dataclass(frozen=True, slots=True)
+class PodLoad:
+    """One engine pod's /v1/load as the operator read it: a report, or why there is none."""
+
+    pod: str
+    role: str
+    revision: str
+    report: LoadReport | None = None
+    error: str | None = None
+    read_at: float = 0.0  # time.time() when the report was read
+
+    def fresh(self, now: float) -> LoadReport | None:
+        return self.report if now - self.read_at <= STALE_SECONDS else None
+
+    @property
+    def busy(self) -> bool:
+        """Anything in flight when it was read (unknown: busy)."""
+        r = self.report
+        return r is None or r.running_sequences + r.waiting_requests > 0
+
+
+def parse_load(pod: str, role: str, revision: str, payload: object, read_at: float) -> PodLoad:
+    """Garbage, or a report about another role or revision, counts as no report."""
+    try:
+        report = LoadReport.model_validate(payload)
+    except ValidationError as exc:
+        why = f"malformed /v1/load ({exc.error_count()} errors)"
+        return PodLoad(pod, role, revision, error=why)
+    if report.role != role or report.revision != revision:
+        return PodLoad(pod, role, revision, error="/v1/load reports another role or revision")
+    return PodLoad(pod, role, revision, report, read_at=read_at)
+
+
+def pod_figure(signal: ScalingSignal, report: LoadReport) -> float | None:
+    """One pod's value of `signal`. A latency with no sample in its window is an idle pod's
+    0, but a busy pod's unknown (None): it has not finished a first token in a minute."""
+    match signal:
+        case ScalingSignal.QUEUED_PROMPT_TOKENS:
+            return float(report.queued_prompt_tokens)
+        case ScalingSignal.RUNNING_SEQUENCES:
+            return float(report.running_sequences)
+        case ScalingSignal.KV_POOL_UTILIZATION:
+            return report.pool_utilization
+        case ScalingSignal.TIME_TO_FIRST_TOKEN:
+            idle = report.waiting_requests == 0 and report.queued_prompt_tokens == 0
+            latency = report.time_to_first_token_p90_seconds
+        case ScalingSignal.INTER_TOKEN_LATENCY:
+            idle = report.running_sequences == 0
+            latency = report.inter_token_latency_p90_seconds
+    if latency is None:
+        return 0.0 if idle else None
+    return latency
 
 
 @dataclass(frozen=True, slots=True)
 class RoleLoad:
     """A role's load as its ready pods reported it."""
 
-    ready: int  # pods serving (their pool gate open)
+    ready: int  # pods serving (their pool gate open) with a fresh load report
     value: float | None  # the signal: a total over the ready pods, or their figure; None: none
+    starting: int = 0  # pods the role runs that do not serve yet
+
+
+def role_load(
+    signal: ScalingSignal, loads: Sequence[PodLoad], starting: int, now: float
+) -> RoleLoad:
+    """The role's load from the fresh reports of its serving pods (`loads`): a per-pod
+    signal's total, or the mean of the pods' figures."""
+    reports = [r for load in loads if (r := load.fresh(now)) is not None]
+    figures = [f for r in reports if (f := pod_figure(signal, r)) is not None]
+    if not figures:
+        return RoleLoad(0, None, starting)
+    total = sum(figures)
+    value = total if signal in TOTALS else total / len(figures)
+    return RoleLoad(len(figures), value, starting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +227,8 @@ def decide_role(
     desired = stabilized(scaling, current, recommended, history, now)
     if desired != recommended and bound in (Bound.NONE, Bound.MIN, Bound.MAX):
         bound = Bound.STABILIZATION
+    if desired > current and load.starting > 0:
+        desired, bound = current, Bound.STARTING
     # a count outside the bounds (the spec's bounds changed) is brought inside at once
     desired = min(max(desired, scaling.min_replicas), scaling.max_replicas)
     return RoleDecision(

@@ -52,6 +52,9 @@ class RevisionObservation:
     replicas: Mapping[str, RoleReplicas]  # prefill, decode, router
     pools: PoolDecision
     canary: CanaryOutcome | None = None
+    # an autoscaled role's least count (its minReplicas, or less when it runs fewer): a
+    # scale-up's pods still starting leave it available (scaling is not a rollout)
+    floors: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def pods_ready(self) -> bool:
@@ -65,8 +68,8 @@ class RevisionObservation:
         replicas. An engine pod counts as ready only once its kv-pool gate is True (a
         readiness gate), so a pod still starting or refused by the pool check is not one."""
         return all(
-            r.desired > 0 and r.ready >= max(1, r.desired - MAX_UNAVAILABLE)
-            for r in self.replicas.values()
+            r.desired > 0 and r.ready >= max(1, self.floors.get(role, r.desired) - MAX_UNAVAILABLE)
+            for role, r in self.replicas.items()
         )
 
     @property

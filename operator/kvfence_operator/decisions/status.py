@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvfence_operator.crd.types import (
+    AutoscalingStatus,
     CanaryResult,
     CanaryStatus,
     CandidateStatus,
@@ -122,8 +123,10 @@ def compute_status(
     endpoint: str | None,
     now: datetime | None = None,
     problems: Sequence[Problem] = (),
+    autoscaling: AutoscalingStatus | None = None,
 ) -> InferenceDeploymentStatus:
-    """`problems`: errors the operator met this pass (Degraded=True with the first's reason)."""
+    """`problems`: errors the operator met this pass (Degraded=True with the first's reason);
+    `autoscaling`: the autoscaler's (decisions/scaling.py)."""
     now = now or datetime.now(UTC)
     judged = observed.get(plan.judged)
     decision = judged.pools if judged else None
@@ -141,8 +144,10 @@ def compute_status(
         current = plan.revision.current
         canary = serving_canary(canary, current, observed.get(current), spec.canary.enabled)
     # scaled to zero is what the user asked for: said, not an error
+    # (a role the autoscaler scales runs at least its minReplicas, at least 1)
+    autoscaled = {r for r in ("prefill", "decode") if getattr(autoscaling, r, None) is not None}
     zero = [f"spec.{r}.replicas" for r in ("prefill", "decode", "router")
-            if getattr(spec, r).replicas == 0]  # fmt: skip
+            if getattr(spec, r).replicas == 0 and r not in autoscaled]  # fmt: skip
     scaled = f"{' and '.join(zero)} {'is' if len(zero) == 1 else 'are'} 0: scaled to zero"
 
     # PoolSufficient: about the revision being rolled out (or the serving one).
@@ -288,6 +293,7 @@ def compute_status(
         endpoint=endpoint if plan.serve else None,
         candidate=_candidate(plan.revision.candidate, judged) if rolling else None,
         progress=progressed,
+        autoscaling=autoscaling,
     )
 
 

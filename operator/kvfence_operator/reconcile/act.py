@@ -11,10 +11,12 @@ create names a gone owner, and the garbage collector deletes it).
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.canary_job import canary_job_name
+from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
 from kvfence_operator.builders.metrics import MetricsAccess
 from kvfence_operator.builders.network_policy import build_router_network_policy
 from kvfence_operator.builders.secret import (
@@ -26,6 +28,7 @@ from kvfence_operator.cluster.cache import ClusterVerbs
 from kvfence_operator.cluster.kube import KubeError, api_message
 from kvfence_operator.cluster.router_push import BackendsPusher
 from kvfence_operator.decisions.declaration import declared_as
+from kvfence_operator.decisions.draining import DRAINED_DELETION_COST
 from kvfence_operator.decisions.drift import drift_patch, is_subset
 from kvfence_operator.decisions.findings import Conflict, Findings, Problem, create_problem
 from kvfence_operator.decisions.ownership import stable_service_patch
@@ -33,7 +36,14 @@ from kvfence_operator.decisions.pods import gate_event_due, gate_patch
 from kvfence_operator.decisions.pool_gate import PodGate
 from kvfence_operator.decisions.retirement import Retirement
 from kvfence_operator.decisions.rollout import Event
-from kvfence_operator.meta import Instance, controlled_by
+from kvfence_operator.decisions.scaling import ScalingOutcome
+from kvfence_operator.meta import (
+    ANNOTATION_DRAINING,
+    LABEL_ROLE,
+    POD_DELETION_COST,
+    Instance,
+    controlled_by,
+)
 from kvfence_operator.reconcile.decide import Ensure, PassPlan, RevisionWrites, rerun_event
 
 GATE_WRITE_ATTEMPTS = 3
@@ -64,6 +74,7 @@ class Act:
         pods need them, gates and backends before the canary and the switch, the routers of
         the revision about to serve opened before the stable Service selects it, retirement
         last."""
+        self.mark_draining(plan.scaling)
         for ensure in plan.ensure:
             self.ensure_revision(ensure)
         events = []
@@ -157,9 +168,29 @@ class Act:
                 continue
             if kind == "Deployment":  # as its record says, when an earlier release built it
                 child = declared_as(built, existing, key, self.instance, revision)
+                if not ensure.engine_replicas and _is_engine(child):  # a user's autoscaler's
+                    child["spec"].pop("replicas", None)
             patch = drift_patch(child, existing)
             if patch is not None:
                 self.kube.patch(child["apiVersion"], kind, ns, child["metadata"]["name"], patch)
+
+    def mark_draining(self, scaling: ScalingOutcome) -> None:
+        """Mark the pods a scale-down removes (meta.ANNOTATION_DRAINING, with the lowest
+        deletion cost), and unmark those that serve again (decisions/draining.py)."""
+        now = datetime.now(UTC).isoformat()
+        for drain in scaling.drains.values():
+            marks = {ANNOTATION_DRAINING: now, POD_DELETION_COST: DRAINED_DELETION_COST}
+            for names, annotations in (
+                (drain.mark, marks),
+                (drain.unmark, dict.fromkeys(marks)),
+            ):
+                for name in names:
+                    patch = {"metadata": {"annotations": annotations}}
+                    try:
+                        self.kube.patch("v1", "Pod", self.instance.namespace, name, patch)
+                    except KubeError as exc:
+                        if exc.status != 404:  # gone: nothing to drain
+                            raise
 
     def _create_unread(self, secret: dict[str, Any]) -> None:
         """A derived revision Secret: created; a 409 says it exists (its content is the same
@@ -278,3 +309,8 @@ class Act:
                 continue  # no `get`: it goes with the InferenceDeployment (ownerReference)
             if self._ours(secret):
                 self.kube.delete("v1", "Secret", ns, name)
+
+
+def _is_engine(deployment: Mapping[str, Any]) -> bool:
+    role = ((deployment.get("metadata") or {}).get("labels") or {}).get(LABEL_ROLE)
+    return role in {str(r) for r in ENGINE_ROLES}

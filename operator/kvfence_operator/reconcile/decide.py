@@ -9,7 +9,7 @@ one's own spec, with the object's replica counts (drift.declaring_spec, replicas
 """
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -30,8 +30,10 @@ from kvfence_operator.crd.types import (
     InferenceDeploymentStatus,
     PoolPolicy,
     RevisionStatus,
+    Role,
     RoleReplicas,
 )
+from kvfence_operator.decisions.autoscaling import PodLoad, Recommendation
 from kvfence_operator.decisions.canary import (
     CanaryOutcome,
     JobPhase,
@@ -39,6 +41,7 @@ from kvfence_operator.decisions.canary import (
     job_mismatch,
     rerun_value,
 )
+from kvfence_operator.decisions.draining import RolePod
 from kvfence_operator.decisions.drift import declaring_spec
 from kvfence_operator.decisions.findings import (
     Conflict,
@@ -46,7 +49,7 @@ from kvfence_operator.decisions.findings import (
     engine_crash_loop,
     record_refused,
 )
-from kvfence_operator.decisions.pods import gate_held, may_serve, pod_url
+from kvfence_operator.decisions.pods import gate_held, may_serve, pod_condition, pod_url
 from kvfence_operator.decisions.pool_gate import PodGate, PodPool, judge_pools
 from kvfence_operator.decisions.replicas import with_replicas_of
 from kvfence_operator.decisions.retirement import Retirement, retirement
@@ -58,7 +61,18 @@ from kvfence_operator.decisions.rollout import (
     plan_rollout,
     selected_revision,
 )
-from kvfence_operator.meta import ANNOTATION_RERUN_CANARY, ANNOTATION_SPEC, Instance
+from kvfence_operator.decisions.scaling import (
+    ScalingOutcome,
+    ServingRole,
+    plan_pass_scaling,
+)
+from kvfence_operator.meta import (
+    ANNOTATION_DRAINING,
+    ANNOTATION_RERUN_CANARY,
+    ANNOTATION_SPEC,
+    KV_POOL_GATE,
+    Instance,
+)
 from kvfence_operator.reconcile.observe import Frame, RevisionSeen
 from kvfence_operator.revision import judged_spec
 
@@ -71,6 +85,9 @@ class Ensure:
     spec: InferenceDeploymentSpec  # the revision's own (drift.declaring_spec)
     deployments_spec: InferenceDeploymentSpec  # the same, with the object's replica counts
     serving: bool  # the stable Service selects it: its routers are public
+    # False: the engine Deployments' replicas are a user's autoscaler's (External): set at
+    # creation, never declared again
+    engine_replicas: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +116,7 @@ class PassPlan:
     open_routers: frozenset[str]  # the kept revisions whose routers admit clients
     stable_service: dict[str, Any] | None  # what the stable Service must be (None: untouched)
     retirement: Retirement
+    scaling: ScalingOutcome  # the engine roles' counts, drains and the autoscaler's status
     problems: tuple[Problem, ...] = ()  # what the pass met in what it observed (Degraded)
     conflicts: tuple[Conflict, ...] = ()  # names taken by what the operator did not build
 
@@ -118,6 +136,8 @@ class PassInputs:
     # with no serving revision known: the one the stable Service (ours) selects, kept from
     # retirement (never served, promoted or judged by the selector) until one is promoted
     held: str | None = None
+    # the autoscaler's recent recommendations (reconcile/history.py)
+    history: Mapping[Role, Sequence[Recommendation]] = field(default_factory=dict)
 
 
 def decide(
@@ -130,13 +150,23 @@ def decide(
 ) -> PassPlan:
     spec, instance, desired = given.spec, given.instance, given.desired
     current = given.revision_status.current if given.revision_status else None
+    serving_seen = given.seen.get(current) if current is not None else None
+    scaling = plan_pass_scaling(
+        spec,
+        given.previous.autoscaling,
+        _serving_roles(serving_seen) if serving_seen is not None else None,
+        given.history,
+        now.timestamp(),
+    )
+    external = scaling.serving.prefill is None and scaling.serving.decode is None
     ensure = []
     for revision in dict.fromkeys(r for r in (desired, current) if r is not None):
         record = None if revision == desired else given.seen[revision].record
         declaring = declaring_spec(revision, desired, spec, record)
         if declaring is not None:
-            scaled = with_replicas_of(declaring, spec)
-            ensure.append(Ensure(revision, declaring, scaled, revision == current))
+            counts = scaling.serving if revision == current else scaling.candidate
+            scaled = with_replicas_of(declaring, spec, counts)
+            ensure.append(Ensure(revision, declaring, scaled, revision == current, not external))
     # a candidate's canary only: the serving one's is never re-run
     job = given.seen[desired].canary_job if desired != current else None
     verdict = given.previous.canary
@@ -170,7 +200,14 @@ def decide(
         # a revision without a record of its own is observed (by the object's spec, for the
         # status alone) but nothing of it is written: its gates and backends stay as they are
         observed[revision], written = _revision(
-            judged or spec, instance, seen, canary, now_ms, unsafe_faults_allowed
+            judged or spec,
+            instance,
+            seen,
+            canary,
+            now_ms,
+            unsafe_faults_allowed,
+            scaling.draining if revision == current else frozenset(),
+            scaling.floors,
         )
         pools_of[revision] = list(seen.pools)
         if (crashing := engine_crash_loop(revision, seen.engine_pods)) is not None:
@@ -207,6 +244,7 @@ def decide(
         events += _selector_drift(given, plan.serve)
     mark = derived_mark(credentials_key) if credentials_key is not None else None
     keep = {*plan.keep, *((given.held,) if given.held is not None else ())}
+    events += scaling.events
     if events:
         plan = replace(plan, events=[*events, *plan.events])
     return PassPlan(
@@ -221,6 +259,7 @@ def decide(
         open_routers,
         stable,
         retirement(given.frame.children, keep, instance.uid, mark),
+        scaling,
         tuple(problems),
         tuple(conflicts),
     )
@@ -295,10 +334,14 @@ def _revision(
     canary: CanaryOutcome | None,
     now_ms: int,
     unsafe_faults_allowed: bool,
+    draining: frozenset[str] = frozenset(),
+    floors: Mapping[str, int] | None = None,
 ) -> tuple[RevisionObservation, RevisionWrites]:
     """`spec`: the one this revision is judged by (revision.judged_spec). A pod whose True
     gate this pass cannot judge (pods.gate_held: a new operator's probes still running) keeps
-    it, unwritten, and its place in the backends, at the context they were given."""
+    it, unwritten, and its place in the backends, at the context they were given. Pods
+    `draining` (a scale-down: decisions/draining.py) are in no backends file; `floors`: the
+    least an autoscaled role serves with (its minReplicas), for whether it is available."""
     held = frozenset(
         pool.pod
         for pod, pool in zip(seen.engine_pods, seen.pools, strict=True)
@@ -322,7 +365,7 @@ def _revision(
     urls: dict[str, list[str]] = {str(role): [] for role in ENGINE_ROLES}
     for pod, pool in zip(seen.engine_pods, seen.pools, strict=True):
         url = pod_url(pod)
-        if decision.gates[pool.pod].sufficient and url is not None:
+        if decision.gates[pool.pod].sufficient and url is not None and pool.pod not in draining:
             urls[pool.role].append(url)
     prefill, decode = urls[str(ENGINE_ROLES[0])], urls[str(ENGINE_ROLES[1])]
     context = decision.effective_context
@@ -346,10 +389,43 @@ def _revision(
         )
         for role, deployment in seen.deployments.items()
     }
-    observation = RevisionObservation(seen.revision, replicas, decision, canary)
+    observation = RevisionObservation(seen.revision, replicas, decision, canary, floors or {})
     return observation, RevisionWrites(
         seen.revision, gates, configmap, backends, routers, seen.token
     )
+
+
+def _serving_roles(seen: RevisionSeen) -> dict[Role, ServingRole]:
+    """The serving revision's engine roles, as the autoscaler and the drain read them."""
+    loads: Sequence[PodLoad | None] = seen.loads or [None] * len(seen.engine_pods)
+    pods: dict[Role, list[RolePod]] = {role: [] for role in ENGINE_ROLES}
+    for pod, pool, load in zip(seen.engine_pods, seen.pools, loads, strict=True):
+        meta = pod["metadata"]
+        gate = pod_condition(pod, KV_POOL_GATE) or {}
+        pods[Role(pool.role)].append(
+            RolePod(
+                pool.pod,
+                gate.get("status") == "True",
+                _stamp((meta.get("annotations") or {}).get(ANNOTATION_DRAINING)),
+                load,
+                _stamp(meta.get("creationTimestamp")) or 0.0,
+            )
+        )
+    return {
+        role: ServingRole(
+            int(d["spec"].get("replicas", 1)) if (d := seen.deployments.get(role)) else None,
+            tuple(pods[role]),
+        )
+        for role in ENGINE_ROLES
+    }
+
+
+def _stamp(value: object) -> float | None:
+    """An RFC 3339 time as time.time() would give it; None when absent or not one."""
+    try:
+        return datetime.fromisoformat(str(value)).timestamp() if value else None
+    except ValueError:
+        return None
 
 
 def rerun_event(revision: str, wanted: str) -> Event:

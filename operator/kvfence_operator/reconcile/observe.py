@@ -9,7 +9,7 @@ revision's Deployment controls it, so a pod someone else labelled like an engine
 probed, gated or given the internal token.
 """
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +26,10 @@ from kvfence_operator.builders.secret import (
 )
 from kvfence_operator.cluster.cache import ClusterVerbs
 from kvfence_operator.cluster.kube import KubeError
-from kvfence_operator.cluster.prober import PoolProber, Probe
+from kvfence_operator.cluster.prober import LoadReader, PoolReader, Probe, Prober
 from kvfence_operator.cluster.router_push import written_backends
 from kvfence_operator.crd.types import Role
+from kvfence_operator.decisions.autoscaling import PodLoad
 from kvfence_operator.decisions.canary import CanaryOutcome, canary_outcome
 from kvfence_operator.decisions.findings import CredentialsUnreadable
 from kvfence_operator.decisions.ownership import pod_controlled_by_deployment
@@ -44,7 +45,6 @@ from kvfence_operator.meta import (
 )
 from kvfence_operator.revision import recorded_spec
 
-PoolReader = Callable[[str, str, str, str | None, str | None], PodPool]
 Objects = Mapping[tuple[str, str], Sequence[dict[str, Any]]]
 
 
@@ -77,17 +77,23 @@ class RevisionSeen:
     # "Kind name" of each of its objects (ours) whose record is present but refused, or, on
     # the router ConfigMap, missing: put back from `record` (drift)
     records_refused: tuple[str, ...] = ()
+    # each engine pod's load, in the same order (the serving revision's, when autoscaled;
+    # else none read)
+    loads: tuple[PodLoad, ...] = ()
 
 
 @dataclass(frozen=True)
 class Observer:
     """The reads of a pass. `prober`: pools read once per container instance, off the pass
-    (cluster/prober.py); None: `read_pool` is called in the pass (unit tests)."""
+    (cluster/prober.py); None: `read_pool` is called in the pass (unit tests). The same for
+    loads, with `load_prober` and `read_load`."""
 
     kube: ClusterVerbs
     read_pool: PoolReader
-    prober: PoolProber | None
+    prober: Prober[PodPool] | None
     credentials_key: bytes | None
+    read_load: LoadReader | None = None
+    load_prober: Prober[PodLoad] | None = None
 
     def frame(self, instance: Instance, keys_secret: str) -> Frame:
         stable = self.kube.get("v1", "Service", instance.namespace, instance.name)
@@ -99,9 +105,11 @@ class Observer:
         }
         return Frame(stable, self._secret_exists(instance.namespace, keys_secret), children)
 
-    def revision(self, instance: Instance, revision: str, desired: bool) -> RevisionSeen:
+    def revision(
+        self, instance: Instance, revision: str, desired: bool, loads: bool = False
+    ) -> RevisionSeen:
         """`desired`: the spec's revision, whose router ConfigMap this pass creates if it is
-        missing (with this operator's credentials mark)."""
+        missing (with this operator's credentials mark); `loads`: read its engines' loads."""
         ns = instance.namespace
         configmap = self.kube.get(
             "v1", "ConfigMap", ns, child_name(instance, revision, Role.ROUTER)
@@ -174,6 +182,7 @@ class Observer:
             canary,
             job,
             refused,
+            tuple(self._loads(probes)) if loads else (),
         )
 
     def token(self, instance: Instance, revision: str) -> str | None:
@@ -231,8 +240,15 @@ class Observer:
     def _pools(self, probes: Sequence[Probe]) -> list[PodPool]:
         """Each pod's pool: from the prober when there is one, else read now."""
         if self.prober is not None:
-            return self.prober.pools(probes)
+            return self.prober.readings(probes)
         return [self.read_pool(p.pod, p.role, p.revision, p.url, p.token) for p in probes]
+
+    def _loads(self, probes: Sequence[Probe]) -> list[PodLoad]:
+        if self.load_prober is not None:
+            return self.load_prober.readings(probes)
+        if self.read_load is None:
+            return [PodLoad(p.pod, p.role, p.revision, error="not read") for p in probes]
+        return [self.read_load(p.pod, p.role, p.revision, p.url, p.token) for p in probes]
 
     def _revision_pods(
         self, namespace: str, deployment: Mapping[str, Any] | None, labels: dict[str, str]

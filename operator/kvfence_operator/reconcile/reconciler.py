@@ -18,11 +18,23 @@ from pydantic import ValidationError
 
 from kvfence_operator.builders.metrics import NO_METRICS_ACCESS, MetricsAccess
 from kvfence_operator.cluster.cache import ClusterVerbs
-from kvfence_operator.cluster.prober import PoolProber, read_pool
+from kvfence_operator.cluster.prober import (
+    LoadReader,
+    PoolReader,
+    Prober,
+    read_load,
+    read_pool,
+)
 from kvfence_operator.cluster.router_push import BackendsPusher, now_ms, push_backends
-from kvfence_operator.crd.types import InferenceDeploymentSpec, InferenceDeploymentStatus
+from kvfence_operator.crd.types import (
+    AutoscalingMode,
+    InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
+)
+from kvfence_operator.decisions.autoscaling import PodLoad
 from kvfence_operator.decisions.canary import rerun_value
 from kvfence_operator.decisions.findings import Findings, InvalidSpec, keys_secret_problem
+from kvfence_operator.decisions.pool_gate import PodPool
 from kvfence_operator.decisions.rollout import (
     Event,
     canary_refused,
@@ -41,7 +53,8 @@ from kvfence_operator.decisions.status import (
 from kvfence_operator.meta import Instance, service_url
 from kvfence_operator.reconcile.act import Act
 from kvfence_operator.reconcile.decide import PassInputs, decide
-from kvfence_operator.reconcile.observe import Observer, PoolReader
+from kvfence_operator.reconcile.history import ScalingHistory
+from kvfence_operator.reconcile.observe import Observer
 from kvfence_operator.revision import revision_of
 
 
@@ -63,7 +76,12 @@ class Reconciler:
     credentials_key: bytes | None = None
     # the operator's: pools read once per container instance, off the pass (prober.py);
     # None: read_pool is called in the pass (unit tests, callers with a fake reader)
-    prober: PoolProber | None = None
+    prober: Prober[PodPool] | None = None
+    # the engines' loads for the autoscaler, the same way (prober.load_prober), re-read
+    # every second; the recommendations it made, in memory (history.py)
+    read_load: LoadReader = read_load
+    load_prober: Prober[PodLoad] | None = None
+    history: ScalingHistory = field(default_factory=ScalingHistory)
     # whether the watch reported this InferenceDeployment uid DELETED (finalizer_free): a
     # pass in flight when it goes creates nothing more (what it created before names a gone
     # owner, and the garbage collector deletes it)
@@ -82,7 +100,14 @@ class Reconciler:
         found = Findings()  # this pass's own
 
         # observe
-        observer = Observer(self.kube, self.read_pool, self.prober, self.credentials_key)
+        observer = Observer(
+            self.kube,
+            self.read_pool,
+            self.prober,
+            self.credentials_key,
+            self.read_load,
+            self.load_prober,
+        )
         keys = spec.router.api_keys_secret
         frame = observer.frame(instance, keys)
         if not frame.keys_secret_exists:
@@ -106,7 +131,12 @@ class Reconciler:
         # a retiring revision keeps its gates and backends while it drains
         retiring = [r.revision for r in (revision_status.retiring if revision_status else []) or []]
         kept = dict.fromkeys(r for r in (current, desired, *retiring) if r is not None)
-        seen = {r: observer.revision(instance, r, desired=r == desired) for r in kept}
+        # the serving revision's loads, when the operator scales on them
+        scaled = spec.autoscaling is not None and spec.autoscaling.mode is AutoscalingMode.OPERATOR
+        seen = {
+            r: observer.revision(instance, r, desired=r == desired, loads=scaled and r == current)
+            for r in kept
+        }
 
         # decide
         plan = decide(
@@ -120,6 +150,7 @@ class Reconciler:
                 seen,
                 rerun_value(body),
                 held,
+                self.history.of(instance.uid),
             ),
             now=now,
             now_ms=now_ms(),
@@ -127,6 +158,7 @@ class Reconciler:
             credentials_key=self.credentials_key,
         )
 
+        self.history.record(instance.uid, plan.scaling.recommendations)
         found.problems.extend(plan.problems)
         found.conflicts.extend(plan.conflicts)
 
@@ -159,6 +191,7 @@ class Reconciler:
             endpoint,
             now=datetime.now(UTC),
             problems=found.problems,
+            autoscaling=plan.scaling.status,
         )
         events = [
             *acted.events,

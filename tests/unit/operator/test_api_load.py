@@ -8,9 +8,11 @@ from typing import Any
 
 from helpers.memory_kube import MemoryKube
 from helpers.reconciling import body, run_timer, sufficient
+from kvfence_engine.contracts import LoadReport
 from kvfence_operator.cluster.cache import CACHE_LABELS, WATCHED, CachedKube, Store
-from kvfence_operator.cluster.prober import PROBING, PoolProber, Probe
+from kvfence_operator.cluster.prober import PROBING, Probe, load_prober, pool_prober
 from kvfence_operator.crd.types import InferenceDeploymentSpec, Role
+from kvfence_operator.decisions.autoscaling import PodLoad
 from kvfence_operator.decisions.pool_gate import PodPool
 from kvfence_operator.decisions.status import merged, status_changes
 from kvfence_operator.meta import Instance, selector
@@ -134,50 +136,50 @@ class Reader:
 
 def test_a_pod_is_probed_once_per_container_instance_and_again_after_a_restart():
     reader = Reader()
-    prober = PoolProber(reader)
+    prober = pool_prober(reader)
     for _ in range(3):
-        [pool] = prober.pools([probe()])
+        [pool] = prober.readings([probe()])
         assert pool.report is not None
     assert reader.reads == 1
-    [pool] = prober.pools([probe("u-p/c2/1")])  # the engine container restarted
+    [pool] = prober.readings([probe("u-p/c2/1")])  # the engine container restarted
     assert pool.report is not None and reader.reads == 2
 
 
 def test_a_later_failing_or_hanging_probe_never_turns_a_judged_pod_false():
     reader = Reader()
-    prober = PoolProber(reader)
-    assert prober.pools([probe()])[0].report is not None
+    prober = pool_prober(reader)
+    assert prober.readings([probe()])[0].report is not None
     reader.answer = "unreachable"  # the pod is slow to answer now: it is not asked again
-    assert prober.pools([probe()])[0].report is not None
+    assert prober.readings([probe()])[0].report is not None
     assert reader.reads == 1
 
 
 def test_a_failed_probe_is_retried_on_later_passes_with_back_off():
     reader, clock = Reader(), Clock()
     reader.answer = "unreachable"
-    prober = PoolProber(reader, clock=clock, first_retry_seconds=1, max_retry_seconds=4)
-    assert "unreachable" in (prober.pools([probe()])[0].error or "")
-    prober.pools([probe()])  # within the back-off: not read again
+    prober = pool_prober(reader, clock=clock, first_retry_seconds=1, max_retry_seconds=4)
+    assert "unreachable" in (prober.readings([probe()])[0].error or "")
+    prober.readings([probe()])  # within the back-off: not read again
     assert reader.reads == 1
     for wait, reads in ((1, 2), (1, 2), (1, 3), (4, 4), (4, 5)):  # 1 s, 2 s, 4 s, 4 s (cap)
         clock.now += wait
-        prober.pools([probe()])
+        prober.readings([probe()])
         assert reader.reads == reads, (wait, reads)
     reader.answer = "report"
     clock.now += 4
-    assert prober.pools([probe()])[0].report is not None
+    assert prober.readings([probe()])[0].report is not None
 
 
 def test_a_hanging_probe_does_not_hold_the_pass():
     reader = Reader()
     reader.answer = "hang"
-    prober = PoolProber(reader, wait_seconds=0.2)
+    prober = pool_prober(reader, wait_seconds=0.2)
     try:
         # The read hangs until released (30 s at most): PROBING, not the read's own answer, is
         # what a pass that waited for it could not return.
-        [pool] = prober.pools([probe()])
+        [pool] = prober.readings([probe()])
         assert pool.error == PROBING and pool.report is None
-        [pool] = prober.pools([probe()])  # the next pass: still probing, not probed twice
+        [pool] = prober.readings([probe()])  # the next pass: still probing, not probed twice
         assert pool.error == PROBING and reader.reads == 1
     finally:
         reader.release.set()
@@ -189,7 +191,7 @@ def test_a_pass_with_a_hanging_probe_returns_and_judges_the_pod_unknown():
     reader.answer = "hang"
     kube = MemoryKube(KEYS)
     store = filled_store(kube)
-    prober = PoolProber(reader, wait_seconds=0.2)
+    prober = pool_prober(reader, wait_seconds=0.2)
     reconciler = Reconciler(
         CachedKube(kube, store),
         "kvfence-system",
@@ -300,3 +302,37 @@ def test_a_missing_secret_is_asked_for_again_and_a_present_one_is_kept_for_the_t
     clock.now += 2
     cached.get("v1", "Secret", "default", "keys")
     assert kube.requests == [("get", "Secret", "keys")]
+
+
+def test_loads_are_read_again_every_refresh_and_a_pass_never_waits_for_one():
+    clock = Clock()
+    reads: list[str] = []
+    release = threading.Event()
+
+    def reader(pod: str, role: str, revision: str, url: Any, token: Any) -> PodLoad:
+        reads.append(pod)
+        release.wait(5)
+        report = LoadReport(
+            role=role, revision=revision, waiting_requests=0, queued_prompt_tokens=0,
+            running_sequences=0, pages_used=0, pages_total=8,
+            time_to_first_token_p90_seconds=None, inter_token_latency_p90_seconds=None,
+            window_seconds=60,
+        )  # fmt: skip
+        return PodLoad(pod, role, revision, report, read_at=time.time())
+
+    prober = load_prober(reader, clock=clock, refresh_seconds=1.0)
+    try:
+        [load] = prober.readings([probe()])  # returns at once: the read is still running
+        assert load.error == PROBING and reads == ["p"]
+        release.set()
+        time.sleep(0.1)
+        clock.now += 0.5
+        [load] = prober.readings([probe()])
+        assert load.report is not None and reads == ["p"]  # within the refresh: not read again
+        clock.now += 1.0
+        prober.readings([probe()])
+        time.sleep(0.1)
+        assert reads == ["p", "p"]
+    finally:
+        release.set()
+        prober.close()

@@ -17,13 +17,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvfence_operator.crd.types import AutoscalingSpec, RoleAutoscaling
+from kvfence_engine.contracts import LoadReport
+from kvfence_operator.crd.types import AutoscalingSpec, RoleAutoscaling, ScalingSignal
 from kvfence_operator.decisions.autoscaling import (
     Bound,
+    PodLoad,
     Recommendation,
     RoleLoad,
     plan_scaling,
+    role_load,
 )
+from kvfence_operator.decisions.draining import DrainPlan, RolePod, plan_drain
 
 STEP = 10.0
 
@@ -47,6 +51,7 @@ class Trace:
     start: dict[str, int] = field(default_factory=lambda: {"decode": 1})
     ready_after: float = 20.0
     never_ready: set[str] = field(default_factory=set)
+    serve_at_most: int = 1000  # pods past this many never become Ready
     counts: dict[str, list[int]] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
 
@@ -62,7 +67,9 @@ class Trace:
                 # pods asked for at least ready_after ago serve (a lowered count at once)
                 served = [n for at, n in asked[role] if t - at >= self.ready_after]
                 ready = 0 if role in self.never_ready else min(current[role], served[-1])
-                loads[role] = RoleLoad(ready, self.signal(role, t, ready))
+                ready = min(ready, self.serve_at_most)
+                starting = current[role] - ready  # asked for, not serving yet
+                loads[role] = RoleLoad(ready, self.signal(role, t, ready), starting)
             plan = plan_scaling(self.spec, current, loads, history, t)
             for role, decision in plan.decisions.items():
                 history[role].append(Recommendation(t, decision.recommended))
@@ -135,6 +142,19 @@ def test_pods_that_never_become_ready_are_not_scaled_past() -> None:
     trace.run(600)
     assert set(trace.counts["decode"]) == {2}
     assert not trace.reasons
+
+
+def test_a_scale_up_whose_new_pods_never_become_ready_is_not_scaled_past() -> None:
+    """Two pods serve at 2.5x load; the pods added for it never become Ready: the role is not
+    grown again while they are starting (one change, no more)."""
+    trace = decode_only(lambda t: 5.0)
+    trace.start = {"decode": 2}
+    trace.serve_at_most = 2
+    trace.run(600)
+    counts = trace.counts["decode"]
+    grown = counts[-1]
+    assert 2 < grown < 8 and counts[-20:] == [grown] * 20
+    assert len(trace.reasons) == 1
 
 
 def test_a_pool_that_no_longer_fits_holds_the_count_it_had() -> None:
@@ -250,3 +270,50 @@ def test_role_autoscaling_defaults() -> None:
     r = RoleAutoscaling.model_validate(scaling("RunningSequences", 6))
     assert (r.scale_up_stabilization_seconds, r.scale_down_stabilization_seconds) == (30, 300)
     assert math.isclose(r.target, 6)
+
+
+# ---- the drain (decisions/draining.py) and the role's load from its pods' reports ----------
+
+
+def _pod(name: str, serving: bool = True, since: float | None = None, busy: int = 0,
+         read_at: float = 100.0) -> RolePod:  # fmt: skip
+    report = LoadReport(
+        role="decode", revision="r", waiting_requests=0, queued_prompt_tokens=0,
+        running_sequences=busy, pages_used=busy, pages_total=10,
+        time_to_first_token_p90_seconds=None, inter_token_latency_p90_seconds=None,
+        window_seconds=60,
+    )  # fmt: skip
+    load = PodLoad(name, "decode", "r", report, read_at=read_at)
+    return RolePod(name, serving, since, load, 0.0)
+
+
+def test_a_scale_down_counts_pods_that_do_not_serve_first_and_drains_only_the_rest() -> None:
+    pods = [_pod("a", busy=2), _pod("b", busy=0), _pod("c", serving=False)]
+    plan = plan_drain(3, 2, pods, now=100.0, grace_seconds=300)
+    assert plan == DrainPlan(2)  # c is not Ready: the ReplicaSet removes it, nothing drains
+    plan = plan_drain(3, 1, pods, now=100.0, grace_seconds=300)
+    assert (plan.replicas, plan.mark) == (3, ("b",))  # the idle one, not the busy one
+
+
+def test_a_draining_pod_finishes_when_idle_after_the_mark_or_after_the_grace() -> None:
+    marked = _pod("a", since=100.0, busy=1, read_at=103.0)
+    assert plan_drain(2, 1, [marked, _pod("b")], now=104.0, grace_seconds=300).replicas == 2
+    idle_before_mark = _pod("a", since=100.0, busy=0, read_at=100.5)  # the routers may not know
+    assert (
+        plan_drain(2, 1, [idle_before_mark, _pod("b")], now=101.0, grace_seconds=300).replicas == 2
+    )
+    idle = _pod("a", since=100.0, busy=0, read_at=103.0)
+    assert plan_drain(2, 1, [idle, _pod("b")], now=104.0, grace_seconds=300).replicas == 1
+    assert plan_drain(2, 1, [marked, _pod("b")], now=400.0, grace_seconds=300).replicas == 1
+
+
+def test_the_roles_load_is_its_fresh_reports_total_or_mean_and_an_idle_latency_is_zero() -> None:
+    fresh = [_pod(n, busy=b, read_at=100.0).load for n, b in (("a", 3), ("b", 5))]
+    assert role_load(ScalingSignal.RUNNING_SEQUENCES, fresh, 0, now=101.0) == RoleLoad(2, 8.0)
+    assert role_load(ScalingSignal.KV_POOL_UTILIZATION, fresh, 1, 101.0) == RoleLoad(2, 0.4, 1)
+    # a stale report says nothing of now; an idle pod's latency with no sample is 0, a busy
+    # one's unknown
+    assert role_load(ScalingSignal.RUNNING_SEQUENCES, fresh, 0, now=200.0) == RoleLoad(0, None)
+    assert role_load(ScalingSignal.INTER_TOKEN_LATENCY, fresh, 0, 101.0) == RoleLoad(0, None)
+    idle = [_pod("c", busy=0, read_at=100.0).load]
+    assert role_load(ScalingSignal.INTER_TOKEN_LATENCY, idle, 0, 101.0) == RoleLoad(1, 0.0)

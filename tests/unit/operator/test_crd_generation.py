@@ -124,6 +124,8 @@ def test_printer_columns_point_at_fields_the_status_has():
         "C-Pool",
         "C-Prefill",
         "C-Decode",
+        "P-Scale",
+        "D-Scale",
     ]
     for column in columns.values():
         if column["jsonPath"].startswith(".metadata"):

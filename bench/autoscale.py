@@ -6,7 +6,9 @@ Starts the standalone emulated cluster (`kvfence-devcluster --operator --install
 a second), applies an InferenceDeployment of builtin:tiny-random with `spec.autoscaling`
 (prefill on TimeToFirstToken, decode on RunningSequences, a prefill:decode ratio guard), waits
 for Ready, then runs a ramp of concurrent streaming clients through the stable Service (the
-`openai` client, max_retries=0): --phases `SECONDS:CLIENTS,...`. Every second it samples the
+`openai` client, max_retries=0): --phases `SECONDS:CLIENTS,...`. A decode pod has
+--max-num-seqs slots, so what holds the clients' first tokens back is decode pods, not this
+machine's two cores. Every second it samples the
 engine pods Running and the counts the autoscaler decided (status.autoscaling).
 
 A request fails when it raises (a refused or reset connection, a non-2xx answer, a timeout) or
@@ -24,7 +26,7 @@ Exit status 1 if a request failed, the ratio guard was broken, the pods were ove
 fixed maximum, or the p90 did not come back under the target within two scale-up windows of a
 step up; 2 if the cluster did not get there.
 
-    python bench/autoscale.py     # about 8 minutes on 2 cores
+    python bench/autoscale.py     # about 9 minutes on 2 cores
 """
 
 import argparse
@@ -84,7 +86,7 @@ def manifest(args: argparse.Namespace) -> dict[str, Any]:
             "canary": {"timeoutSeconds": 300},
             "rollout": {"terminationGracePeriodSeconds": 60},
             "autoscaling": {
-                "prefill": role("TimeToFirstToken", args.ttft_target, args.max_prefill),
+                "prefill": role("TimeToFirstToken", args.prefill_ttft_target, args.max_prefill),
                 "decode": role("RunningSequences", args.decode_target, args.max_decode),
                 "prefillToDecodeRatio": {"min": args.ratio_min, "max": args.ratio_max},
             },
@@ -222,16 +224,21 @@ def recovery(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--phases", default="60:1,90:6,90:12,90:6,120:1",
+    parser.add_argument("--phases", default="60:1,90:4,90:8,90:4,150:1",
                         help="SECONDS:CLIENTS,... the ramp of streaming clients")  # fmt: skip
     parser.add_argument("--stream-tokens", type=int, default=64, help="tokens per stream")
-    parser.add_argument("--max-num-seqs", type=int, default=4, help="each engine's")
-    parser.add_argument("--ttft-target", type=float, default=0.5, help="prefill p90 TTFT, s")
-    parser.add_argument("--decode-target", type=float, default=2, help="sequences per pod")
-    parser.add_argument("--max-prefill", type=int, default=3)
-    parser.add_argument("--max-decode", type=int, default=3)
-    parser.add_argument("--ratio-min", type=float, default=0.5)
-    parser.add_argument("--ratio-max", type=float, default=2.0)
+    parser.add_argument("--max-num-seqs", type=int, default=2,
+                        help="each engine's: a decode pod's slots")  # fmt: skip
+    parser.add_argument("--ttft-target", type=float, default=1.0,
+                        help="the clients' p90 first-token time to hold, s")  # fmt: skip
+    parser.add_argument("--prefill-ttft-target", type=float, default=0.25,
+                        help="prefill's TimeToFirstToken target (the engines' p90), s")  # fmt: skip
+    parser.add_argument("--decode-target", type=float, default=2,
+                        help="decode's RunningSequences target, per pod")  # fmt: skip
+    parser.add_argument("--max-prefill", type=int, default=2)
+    parser.add_argument("--max-decode", type=int, default=4)
+    parser.add_argument("--ratio-min", type=float, default=0.25)
+    parser.add_argument("--ratio-max", type=float, default=1.0)
     parser.add_argument("--up-window", type=int, default=10, help="scaleUpStabilizationSeconds")
     parser.add_argument("--down-window", type=int, default=30,
                         help="scaleDownStabilizationSeconds")  # fmt: skip

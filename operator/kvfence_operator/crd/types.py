@@ -494,7 +494,7 @@ class ScalingSignal(StrEnum):
     QUEUED_PROMPT_TOKENS = "QueuedPromptTokens"  # prefill: prompt tokens waiting, per pod
     TIME_TO_FIRST_TOKEN = "TimeToFirstToken"  # prefill: p90 seconds over the last minute
     KV_POOL_UTILIZATION = "KvPoolUtilization"  # decode: fraction of the pool's pages in use
-    RUNNING_SEQUENCES = "RunningSequences"  # decode: sequences decoding, per pod
+    RUNNING_SEQUENCES = "RunningSequences"  # decode: sequences decoding or waiting to, per pod
     INTER_TOKEN_LATENCY = "InterTokenLatency"  # decode: p90 seconds between tokens, last minute
 
 
@@ -506,14 +506,21 @@ DECODE_SIGNALS = (
 )
 
 
+# CEL sees the defaults the API server applies first; the emulated cluster does not default
+_MIN_REPLICAS = "(has({0}.minReplicas) ? {0}.minReplicas : 1)"
+
+
 class RoleAutoscaling(_ApiModel):
     """One role's bounds, signal and target, and how long a change must hold before it acts."""
 
     model_config = ConfigDict(
         json_schema_extra=cel(
-            ("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
             (
-                "self.signal != 'KvPoolUtilization' || self.target <= 1.0",
+                f"{_MIN_REPLICAS.format('self')} <= self.maxReplicas",
+                "minReplicas must be <= maxReplicas",
+            ),  # fmt: skip
+            (
+                "self.signal != 'KvPoolUtilization' || double(self.target) <= 1.0",
                 "a KvPoolUtilization target is a fraction of the pool, at most 1",
             ),
         )
@@ -553,7 +560,9 @@ class RatioGuard(_ApiModel):
     """Bounds on prefill replicas / decode replicas that every scaling decision keeps."""
 
     model_config = ConfigDict(
-        json_schema_extra=cel(("self.min <= self.max", "the ratio's min must be <= its max"))
+        json_schema_extra=cel(
+            ("double(self.min) <= double(self.max)", "the ratio's min must be <= its max")
+        )
     )
 
     min: float = Field(gt=0, le=1000)
@@ -576,9 +585,10 @@ def _role_signals(role: str, signals: tuple[ScalingSignal, ...]) -> tuple[str, s
 
 RATIO_MEETS_BOUNDS = (
     "!has(self.prefillToDecodeRatio) || !has(self.prefill) || !has(self.decode) || "
-    "(double(self.prefill.maxReplicas) >= self.prefillToDecodeRatio.min * "
-    "double(self.decode.minReplicas) && double(self.prefill.minReplicas) <= "
-    "self.prefillToDecodeRatio.max * double(self.decode.maxReplicas))"
+    "(double(self.prefill.maxReplicas) >= double(self.prefillToDecodeRatio.min) * "
+    f"double({_MIN_REPLICAS.format('self.decode')}) && "
+    f"double({_MIN_REPLICAS.format('self.prefill')}) <= "
+    "double(self.prefillToDecodeRatio.max) * double(self.decode.maxReplicas))"
 )
 RATIO_MESSAGE = "prefillToDecodeRatio admits no replica counts within the roles' bounds"
 RATIO_NEEDS_ROLES = "prefillToDecodeRatio needs both prefill and decode autoscaling"

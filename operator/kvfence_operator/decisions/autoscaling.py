@@ -44,7 +44,7 @@ UNITS = {
     ScalingSignal.QUEUED_PROMPT_TOKENS: "prompt tokens queued per pod",
     ScalingSignal.TIME_TO_FIRST_TOKEN: "s p90 time to first token",
     ScalingSignal.KV_POOL_UTILIZATION: "of the KV pool in use",
-    ScalingSignal.RUNNING_SEQUENCES: "sequences running per pod",
+    ScalingSignal.RUNNING_SEQUENCES: "sequences running or waiting per pod",
     ScalingSignal.INTER_TOKEN_LATENCY: "s p90 between tokens",
 }
 
@@ -105,7 +105,9 @@ def pod_figure(signal: ScalingSignal, report: LoadReport) -> float | None:
         case ScalingSignal.QUEUED_PROMPT_TOKENS:
             return float(report.queued_prompt_tokens)
         case ScalingSignal.RUNNING_SEQUENCES:
-            return float(report.running_sequences)
+            # with those waiting for a slot: running alone stops at --max-num-seqs, and a
+            # signal that cannot pass its target never scales up
+            return float(report.running_sequences + report.waiting_requests)
         case ScalingSignal.KV_POOL_UTILIZATION:
             return report.pool_utilization
         case ScalingSignal.TIME_TO_FIRST_TOKEN:

@@ -71,6 +71,23 @@ class ScalingOutcome:
     floors: Mapping[str, int] = field(default_factory=dict)  # the least a scaled role serves
 
 
+def starting_counts(spec: InferenceDeploymentSpec) -> Counts:
+    """What a deployment starts each engine role at: its replicas, within its autoscaling
+    bounds (Operator mode). `kvfence up` runs these and scales no further."""
+    fixed = Counts(spec.prefill.replicas, spec.decode.replicas)
+    scaling = spec.autoscaling
+    if scaling is None or scaling.mode is not AutoscalingMode.OPERATOR:
+        return fixed
+    return _counts(
+        fixed,
+        {
+            role: _decided(role, bounds, None, fixed)
+            for role in ROLES
+            if (bounds := _bounds(scaling, role)) is not None
+        },
+    )
+
+
 def plan_pass_scaling(
     spec: InferenceDeploymentSpec,
     previous: AutoscalingStatus | None,

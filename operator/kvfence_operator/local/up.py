@@ -66,6 +66,7 @@ from kvfence_operator.decisions.rollout import (
     RevisionObservation,
     plan_rollout,
 )
+from kvfence_operator.decisions.scaling import starting_counts
 from kvfence_operator.decisions.status import compute_status
 from kvfence_operator.local.printer import table
 from kvfence_operator.local.state import SERVING_RECORD, ServingRecord, default_state_dir
@@ -265,8 +266,10 @@ def prepare_engines(
     """Each engine process of the revision, with its command line and port, started not yet:
     its pool can be estimated from that command line before anything loads."""
     spec, revision, workdir = manifest.spec, local.revision, local.workdir
+    counts = starting_counts(spec)
     for role in ENGINE_ROLES:
-        replicas = spec.prefill.replicas if role is Role.PREFILL else spec.decode.replicas
+        replicas = counts.of(role)
+        assert replicas is not None
         for i in range(replicas):
             name = f"{manifest.metadata.name}-{revision}-{role}-{i}"
             args = override_flags(
@@ -637,6 +640,10 @@ def up(
     ):
         say(f"kvfence up: {manifest.metadata.name}, revision {revision} (logs in {workdir})")
         spec = manifest.spec
+        if spec.autoscaling is not None:
+            mode = spec.autoscaling.mode
+            say(f"spec.autoscaling ({mode}) is a cluster's: kvfence up runs each role at its "
+                "replicas, within minReplicas..maxReplicas, and scales no further")  # fmt: skip
         if options.check_engines is not None:
             # a GGUF's header holds its whole vocabulary: seconds to read, said first
             say(f"checking {spec.model.source}, the context, the device and the pools ...")
@@ -667,7 +674,8 @@ def _run(
     )
     keys_files = [keys_file, *options.tenants.files]
     secrets = PrefixCacheFiles.write(workdir, credentials)  # used where prefixCache is on
-    replicas = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas}
+    counts = starting_counts(spec)
+    replicas = {role: counts.of(role) or 0 for role in ENGINE_ROLES}
     local = LocalDeployment(manifest.metadata.name, revision, workdir)
 
     def judge(pools: list[PodPool]) -> PoolDecision:

@@ -316,6 +316,54 @@ INVALID = [
         "cel",
     ),
     ("no ranks", _set("spec.engine", {"tensorParallelSize": 0}), "openapi"),
+    (
+        "autoscaling min over max",
+        _set(
+            "spec.autoscaling",
+            {
+                "decode": {
+                    "minReplicas": 4,
+                    "maxReplicas": 2,
+                    "signal": "RunningSequences",
+                    "target": 8,
+                }
+            },
+        ),
+        "cel",
+    ),
+    (
+        "prefill scaling on a decode signal",
+        _set(
+            "spec.autoscaling",
+            {"prefill": {"maxReplicas": 2, "signal": "RunningSequences", "target": 8}},
+        ),
+        "cel",
+    ),
+    (
+        "a ratio no counts within the bounds meet",
+        _set(
+            "spec.autoscaling",
+            {
+                "prefill": {"maxReplicas": 2, "signal": "QueuedPromptTokens", "target": 512},
+                "decode": {
+                    "minReplicas": 3,
+                    "maxReplicas": 4,
+                    "signal": "RunningSequences",
+                    "target": 8,
+                },
+                "prefillToDecodeRatio": {"min": 1, "max": 2},
+            },
+        ),
+        "cel",
+    ),
+    (
+        "a pool utilization target over 1",
+        _set(
+            "spec.autoscaling",
+            {"decode": {"maxReplicas": 2, "signal": "KvPoolUtilization", "target": 2}},
+        ),
+        "cel",
+    ),
     ("name too long for its children", _set("metadata.name", "x" * 41), "openapi"),
     ("name starting with a digit", _set("metadata.name", "1model"), "openapi"),
 ]
@@ -366,6 +414,12 @@ def _edge_values() -> dict:
     # two ranks per pod: two GPUs where a role names them, CPU where it names none
     manifest["spec"]["engine"]["tensorParallelSize"] = 2
     manifest["spec"]["decode"] = {"resources": {"limits": {"nvidia.com/gpu": 2, "cpu": "4"}}}
+    # whole numbers where a fraction may go (JSON keeps 2.0 as 2): the rules compare doubles
+    manifest["spec"]["autoscaling"] = {
+        "prefill": {"maxReplicas": 2, "signal": "TimeToFirstToken", "target": 1},
+        "decode": {"maxReplicas": 4, "signal": "KvPoolUtilization", "target": 1},
+        "prefillToDecodeRatio": {"min": 0.5, "max": 2},
+    }
     return manifest
 
 

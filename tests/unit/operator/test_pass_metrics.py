@@ -15,12 +15,17 @@ from helpers.memory_kube import MemoryKube
 from helpers.reconciling import body, never_probed, run_timer
 from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.app.metrics import (
+    CURRENT_REPLICAS,
+    DESIRED_REPLICAS,
     PASS_SECONDS,
     PASSES,
+    SIGNAL_TARGET,
+    SIGNAL_VALUE,
     PassMetrics,
     parse_metrics_url,
     serve_metrics,
 )
+from kvfence_operator.crd.types import AutoscalingStatus
 from kvfence_operator.decisions.findings import CredentialsUnreadable
 from kvfence_operator.reconcile.reconciler import Reconciler
 
@@ -132,3 +137,21 @@ def test_a_metrics_url_that_is_not_http_host_port_path_is_refused_with_an_exampl
     with pytest.raises(ValueError, match=r"give http://HOST:PORT/PATH, e\.g\. http://0\.0\.0\.0"):
         parse_metrics_url(url)
     assert parse_metrics_url("http://0.0.0.0:9090/metrics") == ("0.0.0.0", 9090, "/metrics")
+
+
+def test_the_autoscalers_decision_and_its_inputs_are_metrics():
+    metrics = PassMetrics()
+    status = AutoscalingStatus.model_validate({
+        "mode": "Operator",
+        "decode": {"current": 3, "desired": 2, "signal": "RunningSequences", "value": 3.5,
+                   "target": 8},
+    })  # fmt: skip
+    metrics.scaling("default", "tiny", status)
+    metrics.scaling("default", "other", None)  # no autoscaling: no series
+    labels = {"namespace": "default", "name": "tiny", "role": "decode"}
+    sample = metrics.registry.get_sample_value
+    assert sample(DESIRED_REPLICAS, labels) == 2
+    assert sample(CURRENT_REPLICAS, labels) == 3
+    signal = {**labels, "signal": "RunningSequences"}
+    assert (sample(SIGNAL_VALUE, signal), sample(SIGNAL_TARGET, signal)) == (3.5, 8)
+    assert sample(DESIRED_REPLICAS, {**labels, "role": "prefill"}) is None

@@ -77,7 +77,14 @@ def manifest(args: argparse.Namespace) -> dict[str, Any]:
             "model": {"source": "builtin:tiny-random"},
             "engine": {
                 "kvCacheMemory": str(4096 * TINY_KV_BYTES_PER_TOKEN),
-                "extraArgs": ["--threads", "1", "--max-num-seqs", str(args.max_num_seqs)],
+                "extraArgs": [
+                    "--threads",
+                    "1",
+                    "--max-num-seqs",
+                    str(args.max_num_seqs),
+                    "--max-batched-tokens",
+                    str(args.max_batched_tokens),
+                ],
             },
             "contextLength": 1024,
             "prefill": {"resources": {"requests": {"cpu": "250m"}}},
@@ -109,6 +116,7 @@ class Ramp:
     base_url: str
     phases: list[tuple[float, int]]
     stream_tokens: int
+    words: int  # the prompt's length, in repeats of "tells a story "
     started: float = 0.0
     results: list[tuple[float, float | None, str | None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -148,7 +156,7 @@ class Ramp:
             try:
                 finish = None
                 stream = api.completions.create(
-                    model="tiny-random", prompt=f"client {index} tells a long story",
+                    model="tiny-random", prompt=f"client {index} " + "tells a story " * self.words,
                     max_tokens=self.stream_tokens, temperature=0, stream=True,
                 )  # fmt: skip
                 for chunk in stream:
@@ -159,10 +167,8 @@ class Ramp:
                 if not finish:
                     failure = "stream ended without a finish_reason"
             except openai.OpenAIError as exc:
-                cause = exc.__cause__ or exc.__context__
-                failure = f"{type(exc).__name__}: {str(exc)[:100]}" + (
-                    f" ({type(cause).__name__})" if cause else ""
-                )
+                said = str(exc).split(" (request ", 1)[0]  # one line per cause, not per request
+                failure = f"{type(exc).__name__}: {said[:100]}"
                 self.stop.wait(0.2)
             with self.lock:
                 self.results.append((begun, first, failure))
@@ -227,9 +233,13 @@ def main() -> int:
     parser.add_argument("--phases", default="60:1,90:4,90:8,90:4,150:1",
                         help="SECONDS:CLIENTS,... the ramp of streaming clients")  # fmt: skip
     parser.add_argument("--stream-tokens", type=int, default=64, help="tokens per stream")
+    parser.add_argument("--prompt-words", type=int, default=200,
+                        help="repeats of 'tells a story ' in each prompt")  # fmt: skip
+    parser.add_argument("--max-batched-tokens", type=int, default=64,
+                        help="each engine's tokens per step: prompts take steps")  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=2,
                         help="each engine's: a decode pod's slots")  # fmt: skip
-    parser.add_argument("--ttft-target", type=float, default=1.0,
+    parser.add_argument("--ttft-target", type=float, default=0.5,
                         help="the clients' p90 first-token time to hold, s")  # fmt: skip
     parser.add_argument("--prefill-ttft-target", type=float, default=0.25,
                         help="prefill's TimeToFirstToken target (the engines' p90), s")  # fmt: skip
@@ -239,7 +249,7 @@ def main() -> int:
     parser.add_argument("--max-decode", type=int, default=4)
     parser.add_argument("--ratio-min", type=float, default=0.25)
     parser.add_argument("--ratio-max", type=float, default=1.0)
-    parser.add_argument("--up-window", type=int, default=10, help="scaleUpStabilizationSeconds")
+    parser.add_argument("--up-window", type=int, default=15, help="scaleUpStabilizationSeconds")
     parser.add_argument("--down-window", type=int, default=30,
                         help="scaleDownStabilizationSeconds")  # fmt: skip
     args = parser.parse_args()
@@ -266,7 +276,7 @@ def run(
     kube_config.load_kube_config(str(kubeconfig))
     core, custom = kube_client.CoreV1Api(), kube_client.CustomObjectsApi()
 
-    ramp = Ramp(f"http://{address}:8000/v1", phases, args.stream_tokens)
+    ramp = Ramp(f"http://{address}:8000/v1", phases, args.stream_tokens, args.prompt_words)
     threads = ramp.run(max(c for _, c in phases))
     samples: list[Sample] = []
     while (at := ramp.now()) < ramp.seconds:

@@ -106,9 +106,6 @@ def test_decode_follows_the_streams_up_and_drains_back_down_without_a_failed_str
             timeout=READY_S,
             until=lambda replicas: replicas == 1,
         )
-        [draining] = events(cluster, "Draining")
-        assert "left the routers' backends for the scale-down to 1" in draining["message"]
-        assert scaling_status(cluster)["desired"] == 1
         cluster.wait_for(
             lambda: routed_to(cluster, revision)["decode"],
             "the router to route to the one decode pod left",
@@ -120,4 +117,7 @@ def test_decode_follows_the_streams_up_and_drains_back_down_without_a_failed_str
         steady.finish()
         extra.finish()
     assert steady.failures == [] and extra.failures == []
+    [draining] = events(cluster, "Draining")
+    assert "left the routers' backends for the scale-down to 1" in draining["message"]
+    assert scaling_status(cluster)["desired"] == 1
     assert wait_condition(cluster, "Ready", "True", timeout=10)

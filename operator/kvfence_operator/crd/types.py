@@ -518,7 +518,7 @@ class RoleAutoscaling(_ApiModel):
             (
                 f"{_MIN_REPLICAS.format('self')} <= self.maxReplicas",
                 "minReplicas must be <= maxReplicas",
-            ),  # fmt: skip
+            ),
             (
                 "self.signal != 'KvPoolUtilization' || double(self.target) <= 1.0",
                 "a KvPoolUtilization target is a fraction of the pool, at most 1",

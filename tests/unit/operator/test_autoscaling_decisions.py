@@ -18,7 +18,12 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvfence_engine.contracts import LoadReport
-from kvfence_operator.crd.types import AutoscalingSpec, RoleAutoscaling, ScalingSignal
+from kvfence_operator.crd.types import (
+    AutoscalingSpec,
+    InferenceDeploymentSpec,
+    RoleAutoscaling,
+    ScalingSignal,
+)
 from kvfence_operator.decisions.autoscaling import (
     Bound,
     PodLoad,
@@ -28,6 +33,7 @@ from kvfence_operator.decisions.autoscaling import (
     role_load,
 )
 from kvfence_operator.decisions.draining import DrainPlan, RolePod, plan_drain
+from kvfence_operator.decisions.scaling import Counts, starting_counts
 
 STEP = 10.0
 
@@ -275,16 +281,19 @@ def test_role_autoscaling_defaults() -> None:
 # ---- the drain (decisions/draining.py) and the role's load from its pods' reports ----------
 
 
-def _pod(name: str, serving: bool = True, since: float | None = None, busy: int = 0,
-         read_at: float = 100.0) -> RolePod:  # fmt: skip
+def _load(name: str, busy: int = 0, read_at: float = 100.0) -> PodLoad:
     report = LoadReport(
         role="decode", revision="r", waiting_requests=0, queued_prompt_tokens=0,
         running_sequences=busy, pages_used=busy, pages_total=10,
         time_to_first_token_p90_seconds=None, inter_token_latency_p90_seconds=None,
         window_seconds=60,
     )  # fmt: skip
-    load = PodLoad(name, "decode", "r", report, read_at=read_at)
-    return RolePod(name, serving, since, load, 0.0)
+    return PodLoad(name, "decode", "r", report, read_at=read_at)
+
+
+def _pod(name: str, serving: bool = True, since: float | None = None, busy: int = 0,
+         read_at: float = 100.0) -> RolePod:  # fmt: skip
+    return RolePod(name, serving, since, _load(name, busy, read_at), 0.0)
 
 
 def test_a_scale_down_counts_pods_that_do_not_serve_first_and_drains_only_the_rest() -> None:
@@ -308,12 +317,28 @@ def test_a_draining_pod_finishes_when_idle_after_the_mark_or_after_the_grace() -
 
 
 def test_the_roles_load_is_its_fresh_reports_total_or_mean_and_an_idle_latency_is_zero() -> None:
-    fresh = [_pod(n, busy=b, read_at=100.0).load for n, b in (("a", 3), ("b", 5))]
+    fresh = [_load(n, busy=b) for n, b in (("a", 3), ("b", 5))]
     assert role_load(ScalingSignal.RUNNING_SEQUENCES, fresh, 0, now=101.0) == RoleLoad(2, 8.0)
     assert role_load(ScalingSignal.KV_POOL_UTILIZATION, fresh, 1, 101.0) == RoleLoad(2, 0.4, 1)
     # a stale report says nothing of now; an idle pod's latency with no sample is 0, a busy
     # one's unknown
     assert role_load(ScalingSignal.RUNNING_SEQUENCES, fresh, 0, now=200.0) == RoleLoad(0, None)
     assert role_load(ScalingSignal.INTER_TOKEN_LATENCY, fresh, 0, 101.0) == RoleLoad(0, None)
-    idle = [_pod("c", busy=0, read_at=100.0).load]
+    idle = [_load("c")]
     assert role_load(ScalingSignal.INTER_TOKEN_LATENCY, idle, 0, 101.0) == RoleLoad(1, 0.0)
+
+
+def test_a_deployment_starts_each_scaled_role_at_its_replicas_within_the_bounds() -> None:
+    """What the operator starts from before it has decided anything, and what `kvfence up`
+    runs: the role's replicas brought within minReplicas..maxReplicas; External, and a role
+    not scaled, at their replicas."""
+    base = {"model": {"source": "builtin:tiny-random"}, "contextLength": 64,
+            "router": {"apiKeysSecret": "k"}, "prefill": {"replicas": 0},
+            "decode": {"replicas": 9}}  # fmt: skip
+    scaled = {"decode": scaling("RunningSequences", 4, lo=2, hi=4)}
+    spec_of = InferenceDeploymentSpec.model_validate
+    assert starting_counts(spec_of({**base, "autoscaling": scaled})) == Counts(0, 4)
+    scaled["prefill"] = scaling("QueuedPromptTokens", 256, lo=1, hi=2)
+    assert starting_counts(spec_of({**base, "autoscaling": scaled})) == Counts(1, 4)
+    external = {**base, "autoscaling": {"mode": "External"}}
+    assert starting_counts(spec_of(external)) == Counts(0, 9)

@@ -79,10 +79,10 @@ class ScalingGate(Gate):
             index = 0
             while len(taken) < replicas:
                 if index not in taken:
-                    pod = f"{name}-{index}"
-                    made = ready_pod(pod, labels[LABEL_REVISION], Role(labels[LABEL_ROLE]), uid)
+                    named = f"{name}-{index}"
+                    made = ready_pod(named, labels[LABEL_REVISION], Role(labels[LABEL_ROLE]), uid)
                     made["status"]["podIP"] = f"10.0.{len(name) % 200}.{index + 1}"
-                    self.kube.objects[("Pod", pod)] = made
+                    self.kube.objects[("Pod", named)] = made
                     taken.add(index)
                 index += 1
 

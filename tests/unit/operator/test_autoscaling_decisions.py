@@ -21,6 +21,7 @@ from kvfence_engine.contracts import LoadReport
 from kvfence_operator.crd.types import (
     AutoscalingSpec,
     InferenceDeploymentSpec,
+    Role,
     RoleAutoscaling,
     ScalingSignal,
 )
@@ -34,6 +35,7 @@ from kvfence_operator.decisions.autoscaling import (
 )
 from kvfence_operator.decisions.draining import DrainPlan, RolePod, plan_drain
 from kvfence_operator.decisions.scaling import Counts, starting_counts
+from kvfence_operator.reconcile.history import ScalingHistory
 
 STEP = 10.0
 
@@ -342,3 +344,15 @@ def test_a_deployment_starts_each_scaled_role_at_its_replicas_within_the_bounds(
     assert starting_counts(spec_of({**base, "autoscaling": scaled})) == Counts(1, 4)
     external = {**base, "autoscaling": {"mode": "External"}}
     assert starting_counts(spec_of(external)) == Counts(0, 9)
+
+
+def test_the_history_keeps_an_hour_and_forgets_an_object_no_pass_scales_any_more() -> None:
+    history = ScalingHistory()
+    history.record("gone", {Role.DECODE: Recommendation(0.0, 3)})
+    history.record("live", {Role.DECODE: Recommendation(10.0, 2)})
+    assert history.of("gone") == {Role.DECODE: (Recommendation(0.0, 3),)}
+    history.record("live", {Role.DECODE: Recommendation(3601.0, 1)})
+    assert history.of("gone") == {}
+    assert history.of("live") == {Role.DECODE: (Recommendation(10.0, 2), Recommendation(3601.0, 1))}
+    history.record("live", {})  # a pass of an object that scales nothing: nothing changes
+    assert len(history.of("live")[Role.DECODE]) == 2

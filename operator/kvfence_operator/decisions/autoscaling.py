@@ -12,6 +12,10 @@ Per role, as Kubernetes' HPA computes it (its v2 algorithm, which users already 
   a role whose pods never become Ready (a pool that no longer fits, a crash loop) would only
   add pods that never serve. Nor does a role scale up while pods it was given are still
   starting: what they will take is not in the signal yet (a pod that never starts holds it);
+- the value is the mean of this pass's and those of the last SMOOTH_SECONDS of passes: a queue
+  read once a pass swings from empty to full, and the lowest recommendation of a window would
+  otherwise be a lull's (bench/autoscale.py's 8-client step waited 43 s for a lull-free
+  window before it was smoothed);
 - the count is kept within [minReplicas, maxReplicas];
 - stabilization: a scale-up acts on the lowest count recommended over its window, a
   scale-down on the highest (so a spike, or a lull, shorter than the window moves nothing);
@@ -38,6 +42,7 @@ from kvfence_operator.crd.types import (
 )
 
 TOLERANCE = 0.1  # HPA's: within 10% of the target, no change
+SMOOTH_SECONDS = 10.0  # the signal is the mean of the passes' values over this long
 # Signals whose value is a total over the role's ready pods (per pod: divided by them)
 TOTALS = {ScalingSignal.QUEUED_PROMPT_TOKENS, ScalingSignal.RUNNING_SEQUENCES}
 UNITS = {
@@ -146,8 +151,9 @@ def role_load(
 
 @dataclass(frozen=True, slots=True)
 class Recommendation:
-    at: float  # time.monotonic() of the pass
+    at: float  # time.time() of the pass
     replicas: int
+    value: float | None = None  # the signal's value per pod that pass, before smoothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +166,7 @@ class RoleDecision:
     value: float | None  # per pod, or the role's figure
     target: float
     bound: Bound = Bound.NONE
+    raw: float | None = None  # this pass's value per pod, before smoothing
 
     @property
     def changes(self) -> bool:
@@ -176,23 +183,40 @@ class RoleDecision:
         )
 
 
-def recommend(
-    scaling: RoleAutoscaling, current: int, load: RoleLoad
-) -> tuple[int, float | None, Bound]:
-    """The role's count from its signal alone, within its bounds; the value per pod."""
+def per_pod(scaling: RoleAutoscaling, load: RoleLoad) -> float | None:
+    """The signal's value per pod (a total over the ready pods, divided by them), this pass."""
     if load.ready == 0 or load.value is None:
-        return current, None, Bound.NO_SIGNAL
-    value = load.value / load.ready if scaling.signal in TOTALS else load.value
+        return None
+    return load.value / load.ready if scaling.signal in TOTALS else load.value
+
+
+def smoothed(value: float | None, history: Sequence[Recommendation], now: float) -> float | None:
+    """The mean of this pass's value and those of the passes in the last SMOOTH_SECONDS: a
+    queue read once a pass swings from empty to full between passes, and stabilization, which
+    acts on the lowest recommendation of its window, would otherwise wait for a window with
+    no lull in it."""
+    if value is None:
+        return None
+    recent = [r.value for r in history if r.value is not None and now - r.at <= SMOOTH_SECONDS]
+    return (value + sum(recent)) / (1 + len(recent))
+
+
+def recommend(
+    scaling: RoleAutoscaling, current: int, load: RoleLoad, value: float | None
+) -> tuple[int, Bound]:
+    """The role's count from its signal's value per pod alone, within its bounds."""
+    if value is None:
+        return current, Bound.NO_SIGNAL
     ratio = value / scaling.target
     if abs(ratio - 1.0) <= TOLERANCE:
         raw, bound = current, Bound.TOLERANCE
     else:
         raw, bound = math.ceil(load.ready * ratio - 1e-9), Bound.NONE
     if raw < scaling.min_replicas:
-        return scaling.min_replicas, value, Bound.MIN
+        return scaling.min_replicas, Bound.MIN
     if raw > scaling.max_replicas:
-        return scaling.max_replicas, value, Bound.MAX
-    return raw, value, bound
+        return scaling.max_replicas, Bound.MAX
+    return raw, bound
 
 
 def stabilized(
@@ -225,7 +249,9 @@ def decide_role(
     history: Sequence[Recommendation],
     now: float,
 ) -> RoleDecision:
-    recommended, value, bound = recommend(scaling, current, load)
+    raw = per_pod(scaling, load)
+    value = smoothed(raw, history, now)
+    recommended, bound = recommend(scaling, current, load, value)
     desired = stabilized(scaling, current, recommended, history, now)
     if desired != recommended and bound in (Bound.NONE, Bound.MIN, Bound.MAX):
         bound = Bound.STABILIZATION
@@ -234,7 +260,7 @@ def decide_role(
     # a count outside the bounds (the spec's bounds changed) is brought inside at once
     desired = min(max(desired, scaling.min_replicas), scaling.max_replicas)
     return RoleDecision(
-        role, current, desired, recommended, scaling.signal, value, scaling.target, bound
+        role, current, desired, recommended, scaling.signal, value, scaling.target, bound, raw
     )
 
 

@@ -157,7 +157,7 @@ def plan_pass_scaling(
         _counts(fixed, desired),
         drains,
         draining,
-        {role: Recommendation(now, d.recommended) for role, d in decisions.items()},
+        {role: Recommendation(now, d.recommended, d.raw) for role, d in decisions.items()},
         _status(scaling, previous, desired, decisions, drains, serving, now),
         tuple(e for e in events if e is not None),
         floors,

@@ -356,3 +356,25 @@ def test_the_history_keeps_an_hour_and_forgets_an_object_no_pass_scales_any_more
     assert history.of("live") == {Role.DECODE: (Recommendation(10.0, 2), Recommendation(3601.0, 1))}
     history.record("live", {})  # a pass of an object that scales nothing: nothing changes
     assert len(history.of("live")[Role.DECODE]) == 2
+
+
+def test_a_queue_swinging_between_passes_is_smoothed_so_a_lull_does_not_hold_a_scale_up() -> None:
+    """Two decode pods at twice the target on average, but read once a pass the queue swings
+    between empty and four times the target (bench/autoscale.py saw 0 to 4 per pod at 8
+    clients). Unsmoothed, a 15 s window always holds a lull's recommendation and nothing
+    scales; the mean over the last 10 s scales up once the window is past."""
+    s = spec(decode=scaling("RunningSequences", 2, hi=8, scaleUpStabilizationSeconds=15))
+    history: list[Recommendation] = []
+    counts = []
+    for step in range(20):  # a pass every 2 s
+        now = 2.0 * step
+        total = 16.0 if step % 2 else 0.0  # 8 per pod, then none
+        plan = plan_scaling(
+            s, {"decode": 2}, {"decode": RoleLoad(2, total)}, {"decode": history}, now
+        )
+        decision = plan.decisions["decode"]
+        history.append(Recommendation(now, decision.recommended, decision.raw))
+        counts.append(decision.desired)
+    assert counts[:7] == [2] * 7  # within the first window
+    assert counts[-1] == 4  # the mean, 4 per pod against 2
+    assert decision.value == pytest.approx(4.0, abs=0.7)

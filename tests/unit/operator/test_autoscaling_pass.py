@@ -14,7 +14,7 @@ from helpers.gate import COMPLETE, Gate, ready_pod
 from kvfence_engine.contracts import LoadReport
 from kvfence_operator.builders.router_deployment import BACKENDS_FILE_NAME
 from kvfence_operator.crd.types import EventReason, Role
-from kvfence_operator.decisions import draining
+from kvfence_operator.decisions import autoscaling, draining
 from kvfence_operator.decisions.autoscaling import PodLoad
 from kvfence_operator.meta import ANNOTATION_DRAINING, LABEL_REVISION, LABEL_ROLE, POD_DELETION_COST
 
@@ -115,8 +115,11 @@ def _cost(pod: dict[str, Any]) -> int:
 
 @pytest.fixture(autouse=True)
 def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A load read after the mark counts: the in-memory routers took the backends at once."""
+    """A load read after the mark counts: the in-memory routers took the backends at once;
+    and each pass decides on its own load (these passes run within a second of each other,
+    where the operator's are seconds apart: smoothing has its own test)."""
     monkeypatch.setattr(draining, "SETTLE_SECONDS", 0.0)
+    monkeypatch.setattr(autoscaling, "SMOOTH_SECONDS", -1.0)
 
 
 def test_a_load_step_scales_the_serving_revision_up_in_place_with_an_event() -> None:

@@ -19,14 +19,27 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "smollm2-tp2-local.yaml"
 
 
-def rank_processes() -> list[int]:
-    """Every rank process (ranks 1..N-1) on this machine started from this checkout's venv."""
-    out = subprocess.run(
-        ["pgrep", "-f", "-u", str(os.getuid()), "kvfence_engine.parallel.launch"],
-        capture_output=True,
-        text=True,
-    ).stdout
-    return [int(pid) for pid in out.split()]
+def _pgrep(*args: str) -> set[int]:
+    out = subprocess.run(["pgrep", *args], capture_output=True, text=True).stdout
+    return {int(pid) for pid in out.split()}
+
+
+def all_ranks() -> set[int]:
+    """Every rank process (ranks 1..N-1) of this user on this machine."""
+    return _pgrep("-f", "-u", str(os.getuid()), "kvfence_engine.parallel.launch")
+
+
+def rank_processes(root: int) -> set[int]:
+    """The rank processes among `root`'s descendants: not those of the other tests running
+    beside this one."""
+    ranks = all_ranks()
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        children = _pgrep("-P", str(todo.pop()))
+        found |= children
+        todo.extend(children)
+    return ranks & found
 
 
 def test_up_serves_a_tensor_parallel_manifest_and_paris_comes_back(tmp_path: Path) -> None:
@@ -37,7 +50,6 @@ def test_up_serves_a_tensor_parallel_manifest_and_paris_comes_back(tmp_path: Pat
     manifest.write_text(yaml.safe_dump(doc))
     port = free_port()
     log = tmp_path / "up.out"
-    before = set(rank_processes())
     up = subprocess.Popen(
         [sys.executable, "-m", "kvfence_cli", "up", str(manifest), "--port", str(port)],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT,  # noqa: SIM115
@@ -52,7 +64,7 @@ def test_up_serves_a_tensor_parallel_manifest_and_paris_comes_back(tmp_path: Pat
             return text
 
         eventually(said, "kvfence up serving", 600, until=lambda t: "serving: http" in t)
-        ranks = set(rank_processes()) - before
+        ranks = rank_processes(up.pid)
         assert len(ranks) == 2, log.read_text()  # prefill's rank 1 and decode's
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="kvfence-local")
         answer = client.chat.completions.create(
@@ -64,7 +76,7 @@ def test_up_serves_a_tensor_parallel_manifest_and_paris_comes_back(tmp_path: Pat
         assert "Paris" in (answer.choices[0].message.content or "")
         up.send_signal(signal.SIGINT)
         assert up.wait(120) == 130, log.read_text()
-        eventually(lambda: not (set(rank_processes()) & ranks), "the ranks to exit", 30)
+        eventually(lambda: not (all_ranks() & ranks), "the ranks to exit", 30)
     finally:
         if up.poll() is None:
             up.kill()

@@ -8,6 +8,7 @@ from typing import Any
 
 from helpers.memory_kube import MemoryKube
 from helpers.reconciling import body, run_timer, sufficient
+from helpers.waits import eventually
 from kvfence_engine.contracts import LoadReport
 from kvfence_operator.cluster.cache import CACHE_LABELS, WATCHED, CachedKube, Store
 from kvfence_operator.cluster.prober import PROBING, Probe, load_prober, pool_prober
@@ -323,16 +324,20 @@ def test_loads_are_read_again_every_refresh_and_a_pass_never_waits_for_one():
     prober = load_prober(reader, clock=clock, refresh_seconds=1.0)
     try:
         [load] = prober.readings([probe()])  # returns at once: the read is still running
-        assert load.error == PROBING and reads == ["p"]
+        assert load.error == PROBING
         release.set()
-        time.sleep(0.1)
+        # the same instant of the prober's clock: the running read is awaited, not repeated
+        [load] = eventually(
+            lambda: prober.readings([probe()]), "the read's report", 5,
+            until=lambda found: found[0].report is not None,
+        )  # fmt: skip
+        assert reads == ["p"]
         clock.now += 0.5
         [load] = prober.readings([probe()])
         assert load.report is not None and reads == ["p"]  # within the refresh: not read again
         clock.now += 1.0
         prober.readings([probe()])
-        time.sleep(0.1)
-        assert reads == ["p", "p"]
+        eventually(lambda: len(reads), "a second read", 5, until=lambda n: n == 2)
     finally:
         release.set()
         prober.close()

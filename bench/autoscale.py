@@ -31,6 +31,8 @@ step up; 2 if the cluster did not get there.
 
 import argparse
 import collections
+import dataclasses
+import json
 import math
 import subprocess
 import sys
@@ -105,6 +107,7 @@ def manifest(args: argparse.Namespace) -> dict[str, Any]:
 class Sample:
     at: float  # seconds into the ramp
     running: dict[str, int]  # engine pods Running, per role
+    ready: dict[str, int]  # of those, Ready (their pool gate open: serving)
     decided: dict[str, int]  # status.autoscaling.<role>.desired
 
 
@@ -185,6 +188,7 @@ class Ramp:
 def sample(core: kube_client.CoreV1Api, custom: kube_client.CustomObjectsApi, at: float) -> Sample:
     pods = core.list_namespaced_pod(NAMESPACE, label_selector=f"app.kubernetes.io/instance={NAME}")
     running = dict.fromkeys(ENGINE_ROLES, 0)
+    ready = dict.fromkeys(ENGINE_ROLES, 0)
     for pod in pods.items:
         role = (pod.metadata.labels or {}).get("kvfence.dev/role")
         if (
@@ -193,12 +197,14 @@ def sample(core: kube_client.CoreV1Api, custom: kube_client.CustomObjectsApi, at
             and not pod.metadata.deletion_timestamp
         ):
             running[role] += 1
+            conditions = pod.status.conditions or []
+            ready[role] += any(c.type == "Ready" and c.status == "True" for c in conditions)
     infd = custom.get_namespaced_custom_object(
         "kvfence.dev", "v1alpha1", NAMESPACE, "inferencedeployments", NAME
     )
     scaling = (infd.get("status") or {}).get("autoscaling") or {}
     decided = {r: int((scaling.get(r) or {}).get("desired") or 0) for r in ENGINE_ROLES}
-    return Sample(at, running, decided)
+    return Sample(at, running, ready, decided)
 
 
 def p90(values: list[float]) -> float | None:
@@ -252,6 +258,7 @@ def main() -> int:
     parser.add_argument("--up-window", type=int, default=15, help="scaleUpStabilizationSeconds")
     parser.add_argument("--down-window", type=int, default=30,
                         help="scaleDownStabilizationSeconds")  # fmt: skip
+    parser.add_argument("--dump", type=Path, help="write every request and sample here (JSON)")
     args = parser.parse_args()
     phases = [(float(s), int(c)) for s, c in (p.split(":") for p in args.phases.split(","))]
 
@@ -289,7 +296,27 @@ def run(
     return report(ramp, samples, args)
 
 
+def timeline(ramp: Ramp, samples: list[Sample]) -> None:
+    """One line per change of the clients, the decided counts, or the pods Running/Ready."""
+    last = None
+    for s in samples:
+        shape = (ramp.clients_at(s.at), s.decided, s.running, s.ready)
+        if shape != last:
+            print(
+                f"  t={s.at:5.0f} s  clients {shape[0]}  decided p{s.decided['prefill']} "
+                f"d{s.decided['decode']}  running p{s.running['prefill']} "
+                f"d{s.running['decode']}  ready p{s.ready['prefill']} d{s.ready['decode']}"
+            )
+            last = shape
+
+
 def report(ramp: Ramp, samples: list[Sample], args: argparse.Namespace) -> int:
+    if args.dump:
+        args.dump.write_text(json.dumps({
+            "requests": [{"begun": b, "first": f, "failure": e} for b, f, e in ramp.results],
+            "samples": [dataclasses.asdict(s) for s in samples],
+        }))  # fmt: skip
+    timeline(ramp, samples)
     at = 0.0
     for seconds, clients in ramp.phases:
         firsts = [f for b, f, e in ramp.results if at <= b < at + seconds and f is not None]

@@ -463,6 +463,17 @@ class AbortReply(_Message):
     aborted: bool
 
 
+class UnsafeFaultSwitch(_Message):
+    """POST /internal/unsafe-fault: a fault of core/faults.py::RUNTIME to switch on in a
+    running engine (test-only)."""
+
+    fault: str = Field(max_length=64)
+
+
+class UnsafeFaultsOn(_Message):
+    unsafe_faults: list[str]  # every fault now on in the engine
+
+
 class WireError(_Message):
     """An engine error in a delta stream: the HTTP status and the OpenAI error fields."""
 

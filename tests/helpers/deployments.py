@@ -48,6 +48,7 @@ def start_deployment(
     decode_faults: Sequence[str] = (),
     token_file: Path | None = None,
     engine_args: Sequence[str] = (),
+    allow_unsafe: bool = False,  # KVFENCE_ALLOW_UNSAFE=1 for the engines, faults or not
 ) -> Deployment:
     def engine(role: str, index: int, n_pages: int, faults: Sequence[str]) -> LocalProcess:
         args = [
@@ -67,7 +68,7 @@ def start_deployment(
             args += ["--unsafe-fault", fault]
         if token_file is not None:
             args += ["--internal-token-file", str(token_file)]
-        return serve(logs, f"{name}-{role}{index}", *args, unsafe=bool(faults))
+        return serve(logs, f"{name}-{role}{index}", *args, unsafe=bool(faults) or allow_unsafe)
 
     pre = [engine("prefill", i, pages, prefill_faults) for i in range(prefills)]
     dec = [engine("decode", i, decode_pages or pages, decode_faults) for i in range(decodes)]

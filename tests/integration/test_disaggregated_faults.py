@@ -224,3 +224,44 @@ def test_early_release_on_decode_fails_the_victim_with_a_tag_mismatch(logs_dir: 
         assert metric(d.decodes[0].url, "kvfence_kv_tag_mismatch_total") >= 1
     finally:
         d.stop()
+
+
+def test_early_release_switched_on_in_a_running_decode_is_caught_as_when_started_with_it(
+    logs_dir: Path,
+) -> None:
+    """A decode engine that served correctly, then broke (POST /internal/unsafe-fault, as a
+    node going bad after its rollout's canary passed): the next victim fails closed with a
+    tag mismatch. Faults that shape what the engine builds at start are refused by name."""
+    d = start_deployment(logs_dir, "switched", allow_unsafe=True)
+    decode = d.decodes[0].url
+
+    def victim_and_bystander() -> None:
+        stream = d.client().completions.create(
+            model="tiny-random",
+            prompt=prompt_of(20, 5),
+            max_tokens=300,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        next(chunks)
+        d.client().completions.create(model="tiny-random", prompt=prompt_of(20, 6), max_tokens=2)
+        for _ in chunks:
+            pass
+
+    try:
+        victim_and_bystander()  # healthy: the same pair is served whole
+        assert metric(decode, "kvfence_kv_tag_mismatch_total") == 0
+        for name in ("no-tag-check", "cross-tenant-prefix", "no-such-fault"):
+            r = httpx.post(decode + "/internal/unsafe-fault", json={"fault": name})
+            assert r.status_code == 400, r.text
+            assert "early-release" in r.json()["error"]["message"]  # what can be switched on
+        r = httpx.post(decode + "/internal/unsafe-fault", json={"fault": "early-release"})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"unsafe_faults": ["early-release"]}
+        assert httpx.get(decode + "/v1/kvpool").json()["unsafe_faults"] == ["early-release"]
+        with pytest.raises(openai.APIError, match=r"kv_isolation_violation|KV cache"):
+            victim_and_bystander()
+        assert metric(decode, "kvfence_kv_tag_mismatch_total") >= 1
+    finally:
+        d.stop()

@@ -264,6 +264,18 @@ def test_unsafe_faults_are_refused_at_start_without_the_switch(logs_dir) -> None
     assert "KVFENCE_ALLOW_UNSAFE" in (logs_dir / "refused.log").read_text()
 
 
+def test_a_running_engine_refuses_to_switch_a_fault_on_without_the_switch(
+    tiny_server: LocalProcess,
+) -> None:
+    """The test-only switch of a running engine (POST /internal/unsafe-fault) is refused, in
+    the API's shape, by an engine started without KVFENCE_ALLOW_UNSAFE=1, and nothing is on."""
+    r = httpx.post(tiny_server.url + "/internal/unsafe-fault", json={"fault": "early-release"})
+    assert r.status_code == 403, r.text
+    assert "KVFENCE_ALLOW_UNSAFE=1" in r.json()["error"]["message"]
+    pool = httpx.get(tiny_server.url + "/v1/kvpool").json()
+    assert pool["unsafe_faults"] == []
+
+
 def test_reject_placeholder_over_http_is_a_500_isolation_violation(logs_dir) -> None:
     with serve(
         logs_dir,

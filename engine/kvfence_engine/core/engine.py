@@ -594,6 +594,17 @@ class LLMEngine(Generic[TokenizerT]):
         elif len(seq.output_ids) >= seq.params.max_tokens:
             seq.finish("length")
 
+    def switch_on(self, fault: Fault) -> None:
+        """(engine thread, between steps) A fault of core/faults.py::RUNTIME, switched on in
+        this running engine: test-only, as --unsafe-fault is. The kvpool report names it."""
+        self.faults = self.faults.with_(fault)
+        self.runner.faults = self.faults
+        if fault is Fault.EARLY_RELEASE and self.early_release is None:
+            self.early_release = EarlyRelease()
+            with self.pages.lock:
+                self.pages.book.take_free_through(self.early_release)
+        log.warning("unsafe fault %s switched on in a running engine: %s", fault, fault.description)
+
     def _maybe_release_early(self, seqs: list[Request]) -> None:
         """The early-release fault (core/faults.py::EarlyRelease): a sibling owner hands each
         running request's first page back while it is in use."""

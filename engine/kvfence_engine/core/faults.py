@@ -67,9 +67,40 @@ class UnsafeFaultRefused(ValueError):
     pass
 
 
+# Faults whose hooks a running engine consults as it goes, so that one can be switched on in an
+# engine that started healthy (POST /internal/unsafe-fault, refused unless KVFENCE_ALLOW_UNSAFE
+# is 1): how a test shows the standing canary catching a revision that broke after its
+# rollout canary passed. The others shape what the engine builds at start (the prefix cache's
+# keys, the device decoder's read check, the pool's partition).
+RUNTIME = frozenset({Fault.EARLY_RELEASE, Fault.LATE_WRITE, Fault.SKIP_COUNT_CHECK})
+
+
+def runtime_fault(name: str, environ: dict[str, str] | None = None) -> Fault:
+    """The fault a running engine is asked to switch on. PermissionError unless
+    KVFENCE_ALLOW_UNSAFE=1; UnsafeFaultRefused for a name that is not one of RUNTIME."""
+    env = os.environ if environ is None else environ
+    if env.get(ALLOW_ENV) != "1":
+        raise PermissionError(
+            f"switching on an unsafe fault re-creates a KV isolation bug and is for tests only; "
+            f"this engine was not started with {ALLOW_ENV}=1"
+        )
+    switchable = sorted(RUNTIME)
+    fault = next((f for f in Fault if f.value == name), None)
+    if fault not in RUNTIME:
+        what = "unknown fault" if fault is None else "fault chosen at start-up (--unsafe-fault)"
+        raise UnsafeFaultRefused(
+            f"{name!r}: {what}; a running engine can switch on {', '.join(switchable)}"
+        )
+    assert fault is not None
+    return fault
+
+
 @dataclass(frozen=True, slots=True)
 class Faults:
     enabled: frozenset[Fault] = frozenset()
+
+    def with_(self, fault: Fault) -> "Faults":
+        return Faults(self.enabled | {fault})
 
     def __contains__(self, fault: object) -> bool:
         # A bare string would let a typo ("late-wirte") quietly switch a check off.

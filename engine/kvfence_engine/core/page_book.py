@@ -97,6 +97,10 @@ class PageBook:
         # tracked): what a device copy of them (core/device_decode) must copy again.
         self._changes: list[torch.Tensor] | None = None
 
+    def take_free_through(self, hook: EarlyRelease) -> None:
+        """The early-release fault, switched on in a running engine (core/faults.py::RUNTIME)."""
+        self._early_release = hook
+
     # --- what changed, for a copy of the read check's state on a device ------------------
 
     def track_changes(self) -> None:

@@ -14,8 +14,16 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvfence_engine.auth import presents_internal_token, presents_metrics_token
-from kvfence_engine.contracts import EngineReadiness, KvPoolReport, LoadReport, Role
+from kvfence_engine.contracts import (
+    EngineReadiness,
+    KvPoolReport,
+    LoadReport,
+    Role,
+    UnsafeFaultsOn,
+    UnsafeFaultSwitch,
+)
 from kvfence_engine.core import errors
+from kvfence_engine.core.faults import UnsafeFaultRefused, runtime_fault
 from kvfence_engine.core.request import SamplingParams, is_terminal
 from kvfence_engine.loading.tokenizer import tokenizer_data
 from kvfence_engine.serving.async_engine import AsyncEngine
@@ -89,6 +97,26 @@ def create_app(state: ServerState) -> FastAPI:
             "model_source": report.model_source,
             "tokenizer": tokenizer_data(engine.tokenizer),
         }
+
+    @app.post(
+        "/internal/unsafe-fault",
+        dependencies=[Depends(operational)],
+        responses=error_responses(400, 401, 403, 503),
+    )
+    async def unsafe_fault(body: UnsafeFaultSwitch) -> UnsafeFaultsOn:
+        """Test-only: switch a fault on in this running engine (core/faults.py::RUNTIME), as
+        a node that goes bad after its rollout would; refused (403) unless the engine runs
+        with KVFENCE_ALLOW_UNSAFE=1. The standing canary's negative control."""
+        try:
+            fault = runtime_fault(body.fault)
+        except PermissionError as exc:
+            raise errors.forbidden(str(exc)) from None
+        except UnsafeFaultRefused as exc:
+            raise errors.invalid_request(str(exc), "fault") from None
+        engine = state.require_engine()
+        await engine.call(lambda: engine.engine.switch_on(fault))
+        report = engine.engine.kvpool_report()
+        return UnsafeFaultsOn(unsafe_faults=report.unsafe_faults)
 
     @app.get("/metrics", dependencies=[Depends(scraper)], responses=METRICS_RESPONSES)
     async def metrics() -> Response:

@@ -9,6 +9,7 @@ from kvfence_cli.common import (
     TARGET_HELP,
     Subparsers,
     positive,
+    positive_rate,
     positive_seconds,
     read_token,
     server_url,
@@ -86,6 +87,20 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument(
         "--rounds", type=positive, default=3, help="rounds of pool pollution and probing"
     )
+    p.add_argument(
+        "--max-requests",
+        type=positive,
+        default=None,
+        help="the run's budget of HTTP requests; spent, it stops and exits 2 (default: 1000)",
+    )
+    p.add_argument(
+        "--rate",
+        type=positive_rate,
+        default=None,
+        metavar="PER_SECOND",
+        help="requests a second on average, a pollution burst at once (default: unbounded); "
+        "the standing canary's bound on the load it adds to a serving revision",
+    )
     p.set_defaults(func=run)
 
 
@@ -140,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
             context_length=args.context_length,
             timeout=timeout,
             rounds=args.rounds,
+            rate=args.rate,
+            **({} if args.max_requests is None else {"max_requests": args.max_requests}),
         )
     except (ValueError, OSError) as exc:  # a bad flag, or an unreadable token file
         print(f"kvfence canary: {exc}", file=sys.stderr)

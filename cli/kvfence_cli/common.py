@@ -125,14 +125,22 @@ def non_negative(text: str) -> int:
     return _whole_at_least(text, 0)
 
 
-def positive_seconds(text: str) -> float:
+def _positive_number(text: str, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be {what} > 0, got {text!r}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    return _positive_number(text, "a number of seconds")
+
+
+def positive_rate(text: str) -> float:
+    return _positive_number(text, "a number a second")
 
 
 def device(text: str) -> str:

@@ -20,6 +20,9 @@ class CanaryConfig:
     context_length: int | None = None  # the served context; default: the target's max_model_len
     timeout: float = DEFAULT_TIMEOUT  # whole run, seconds; past it the run stops and exits 2
     max_requests: int = 1000  # hard bound on HTTP requests; the plan stays well below it
+    # requests a second on average (None: as fast as the target answers); a pollution burst
+    # still goes at once. The standing canary's bound on the load it adds to a serving revision.
+    rate: float | None = None
     rounds: int = 3  # rounds of A-pollution and neutral pollution, each followed by B's probes
     request_timeout: float = 120.0  # one request, seconds
     answer_tokens: int = 8  # tokens B asks for per boundary probe (greedy, EOS ignored)
@@ -54,6 +57,8 @@ class CanaryConfig:
             problems.append("timeouts must be positive")
         if self.rounds < 1 or self.max_requests < 1 or self.answer_tokens < 1:
             problems.append("rounds, max_requests and answer_tokens must be >= 1")
+        if self.rate is not None and self.rate <= 0:
+            problems.append(f"--rate must be positive, got {self.rate}")
         if self.latency_factor <= 1:
             problems.append("latency_factor must be > 1")
         if problems:

@@ -390,6 +390,7 @@ class CanaryRun:
             "latency_min_prefill": c.latency_min_prefill,
             "timeout": c.timeout,
             "max_requests": c.max_requests,
+            "rate": c.rate,
         }
 
 

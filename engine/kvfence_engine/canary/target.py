@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import httpx
+from aiolimiter import AsyncLimiter
 
 from kvfence_engine.canary.config import CanaryConfig
 from kvfence_engine.canary.observations import TENANT_A, TENANT_B, Answer
@@ -36,6 +37,10 @@ class TargetClient:
         self.internal_token = config.internal_token
         self.max_requests = config.max_requests
         self.requests = 0
+        # --rate: on average `rate` requests a second, with one pollution burst at once (A's
+        # burst must land while B decodes, or the run cannot see a page B lost to it)
+        burst = config.max_pollution_requests
+        self.limiter = None if config.rate is None else AsyncLimiter(burst, burst / config.rate)
         self.model = "default"  # set from /v1/models at discovery
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(config.request_timeout, connect=5.0),
@@ -48,7 +53,9 @@ class TargetClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.http.aclose()
 
-    def _spend(self) -> None:
+    async def _spend(self) -> None:
+        if self.limiter is not None:
+            await self.limiter.acquire()
         self.requests += 1
         if self.requests > self.max_requests:
             raise CannotRun(
@@ -60,7 +67,7 @@ class TargetClient:
         return {"Authorization": f"Bearer {self.keys[tenant]}"} if tenant else {}
 
     async def get(self, path: str, tenant: str | None = None) -> httpx.Response:
-        self._spend()
+        await self._spend()
         headers = self._auth(tenant)
         if path == "/metrics" and self.internal_token:
             headers[TOKEN_HEADER] = self.internal_token
@@ -102,7 +109,7 @@ class TargetClient:
             seconds=0.0,
             flavour=flavour,
         )
-        self._spend()
+        await self._spend()
         start = time.monotonic()
 
         def first_token() -> None:
@@ -140,7 +147,7 @@ class TargetClient:
             "temperature": 0,
         }
         answer = Answer(tenant, probe, context, None, status=0, seconds=0.0, repeats=repeats)
-        self._spend()
+        await self._spend()
         start = time.monotonic()
         try:
             r = await self.http.post(

@@ -6,11 +6,9 @@ leader-elected replicas (or once, without leader election), locked down, with th
 and no Secret listing."""
 
 import copy
-import json
 import re
 import tomllib
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,6 +18,20 @@ import pytest
 import yaml
 
 from helpers.builders import everything_built
+from helpers.chart import (
+    CHART,
+    KUBERNETES_VERSION,
+    NAMESPACE,
+    RELEASE,
+    ROOT,
+    default_values,
+    load_helm,
+    manifests,
+    merged,
+    of_kind,
+    render,
+    schema,
+)
 from kvfence_cli.main import build_parser
 from kvfence_engine.contracts import PoolGateReport
 from kvfence_operator.app.handlers import OPERATOR_NAMESPACE_ENV
@@ -40,11 +52,6 @@ from kvfence_operator.decisions.pool_gate import PodPool
 from kvfence_operator.meta import OPERATOR_POD_LABELS
 from kvfence_operator.reconcile.reconciler import Reconciler
 from kvfence_operator.revision import revision_of
-
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "kvfence"
-RELEASE, NAMESPACE = "kvfence", "kvfence-system"
-KUBERNETES_VERSION = "1.30"
 
 CUSTOM_VALUES: dict[str, Any] = {
     "watchNamespaces": ["team-a", "team-b"],
@@ -95,37 +102,8 @@ BAD_VALUES: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def helm() -> Any:
-    """The renderer. It is in the test extra; if it cannot load here, say why and fail (the
-    schema and CRD checks below do not need it and still run)."""
-    try:
-        import helm_python
-
-        helm_python.helm_sdk_version()  # loads libhelm_c
-    except Exception as exc:
-        pytest.fail(
-            f"helm-python-sdk cannot render charts here: {type(exc).__name__}: {exc}. "
-            "It comes with the test extra: pip install -e '.[test]'"
-        )
-    return helm_python
-
-
-def render(helm: Any, values: dict[str, Any] | None = None) -> dict[str, str]:
-    with helm.Chart.load(CHART) as chart:
-        return chart.render(values, name=RELEASE, namespace=NAMESPACE)
-
-
-def manifests(rendered: Mapping[str, str]) -> list[dict[str, Any]]:
-    return [
-        doc
-        for path, text in sorted(rendered.items())
-        if path.endswith(".yaml")
-        for doc in yaml.safe_load_all(text)
-        if doc is not None
-    ]
-
-
-def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [d for d in docs if d["kind"] == kind]
+    """The renderer (the schema and CRD checks below do not need it and still run without)."""
+    return load_helm()
 
 
 def operator_deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -162,25 +140,6 @@ def test_chart_crd_is_byte_identical_to_the_generated_crd() -> None:
 def test_chart_crd_is_a_valid_kubernetes_object() -> None:
     crd = yaml.safe_load((CHART / "crds" / "inferencedeployment.yaml").read_text())
     kubernetes_validate.validate(crd, KUBERNETES_VERSION, strict=True)
-
-
-def schema() -> dict[str, Any]:
-    return json.loads((CHART / "values.schema.json").read_text())
-
-
-def default_values() -> dict[str, Any]:
-    return yaml.safe_load((CHART / "values.yaml").read_text())
-
-
-def merged(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """Helm's coalescing: maps merge, everything else is replaced."""
-    result = copy.deepcopy(dict(base))
-    for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(result.get(key), Mapping):
-            result[key] = merged(result[key], value)
-        else:
-            result[key] = copy.deepcopy(value)
-    return result
 
 
 def test_default_and_custom_values_satisfy_the_schema() -> None:

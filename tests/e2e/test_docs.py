@@ -8,6 +8,8 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
+from helpers.markdown import github_anchors, prose
+
 HERE = Path(__file__).resolve().parent
 TOPLEVEL = ["git", "rev-parse", "--show-toplevel"]
 ROOT = Path(
@@ -34,29 +36,6 @@ def repo_files(include_new: bool = True) -> tuple[str, ...]:
 
 def markdown_files() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-
-
-def prose(text: str) -> str:
-    """Markdown without fenced code blocks, where links are not links."""
-    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
-
-
-def github_anchors(markdown: str) -> set[str]:
-    """The anchors GitHub gives a file's headings: lower case, punctuation dropped, spaces to
-    hyphens, a -N suffix on repeats."""
-    anchors: set[str] = set()
-    for line in prose(markdown).splitlines():
-        heading = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
-        if heading is None:
-            continue
-        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).lower()
-        base = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
-        anchor, n = base, 0
-        while anchor in anchors:
-            n += 1
-            anchor = f"{base}-{n}"
-        anchors.add(anchor)
-    return anchors
 
 
 def test_docs_exist_and_the_index_links_every_page():

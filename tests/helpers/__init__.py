@@ -7,4 +7,5 @@ a stand-in for the API server's admission checks (crd_admission), rollout observ
 (rollout), whole passes against an in-memory API (memory_kube, reconciling) and a fake engine
 pod (fake_pool_server); end to end, `kvfence operator` with its pass counter (operators), the
 InferenceDeployment `tiny` and what to read of it (tiny_infd) and kubectl's tables
-(kubectl_tables)."""
+(kubectl_tables); the Helm chart rendered offline (chart); the docs' headings as GitHub anchors
+them (markdown)."""

@@ -138,3 +138,10 @@ InferenceDeployment resource from API discovery, which every authenticated clien
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 {{- end -}}
+
+{{/*
+prometheusRule.alertLabels, for each alert's labels beside its severity.
+*/}}
+{{- define "kvfence.alertLabels" -}}
+{{- with .Values.prometheusRule.alertLabels }}{{ toYaml . }}{{ end -}}
+{{- end -}}

@@ -42,16 +42,6 @@ from kvfence_engine.router.state import RouterState
 from kvfence_operator.app.metrics import operator_metrics
 from kvfence_operator.meta import LABEL_INSTANCE, LABEL_REVISION, LABEL_ROLE
 
-# Metrics being added to the operator by another change (operator/kvfence_operator/app/metrics.py)
-# that the dashboard and the alerts already read, with their labels. A name here must not be
-# exported yet: once it is, test_the_metrics_being_added_are_not_exported_yet_and_are_read says
-# to remove it.
-PENDING: dict[str, frozenset[str]] = {
-    # the canary runs that ended: kind rollout|standing, verdict passed|failed|could_not_run
-    "kvfence_canary_runs_total": frozenset({"namespace", "name", "kind", "verdict"}),
-    # 1 when the InferenceDeployment's isolation is verified, 0 when not
-    "kvfence_isolation_verified": frozenset({"namespace", "name"}),
-}
 # The labels prometheus-operator gives every target of a PodMonitor, before its relabelings.
 POD_MONITOR_TARGET_LABELS = frozenset(
     {"namespace", "pod", "container", "endpoint", "job", "instance"}
@@ -165,8 +155,8 @@ def reads(expression: str) -> Reads:
 
 
 def unknown_metrics(expression: str) -> list[str]:
-    """The metrics the expression reads that nothing exports (nor is being added)."""
-    return sorted(reads(expression).metrics - EXPORTED.keys() - PENDING.keys())
+    """The metrics the expression reads that nothing exports."""
+    return sorted(reads(expression).metrics - EXPORTED.keys())
 
 
 @dataclass(frozen=True)
@@ -186,8 +176,8 @@ def unknown_labels(expression: str, scrape: ScrapeLabels) -> list[str]:
     for metric in used.metrics:
         if metric in ENGINES_AND_ROUTERS:
             known |= ENGINES_AND_ROUTERS[metric] | scrape.engines
-        if metric in OPERATOR or metric in PENDING:
-            known |= OPERATOR.get(metric, PENDING.get(metric, frozenset())) | scrape.operator
+        if metric in OPERATOR:
+            known |= OPERATOR[metric] | scrape.operator
     return sorted((used.labels - known) | (used.labels & {"tenant"}))
 
 
@@ -335,13 +325,6 @@ def test_a_misspelt_metric_or_label_and_a_tenant_label_are_caught(
     # the engines' relabelled labels are not on the operator's series (another PodMonitor)
     operators = "max by (kvfence_role) (kvfence_desired_replicas)"
     assert unknown_labels(operators, scrape) == ["kvfence_role"]
-
-
-def test_the_metrics_being_added_are_not_exported_yet_and_are_read() -> None:
-    landed = sorted(PENDING.keys() & EXPORTED.keys())
-    assert not landed, f"{landed} are exported now: remove them from PENDING"
-    read = set().union(*(reads(e).metrics for e in SHIPPED.values()))
-    assert PENDING.keys() <= read, f"PENDING names metrics nothing reads: {PENDING.keys() - read}"
 
 
 def test_the_dashboard_shows_what_an_operator_of_kvfence_watches() -> None:

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 KIND = "InferenceDeployment"
 API_VERSION = "kvfence.dev/v1alpha1"
 CRD_COLUMNS = ["NAME", "READY", "CONTEXT", "POOL", "PREFILL", "DECODE", "REVISION", "AGE"]
-CRD_WIDE = [*CRD_COLUMNS, "CANARY", "CANDIDATE", "C-POOL", "C-PREFILL", "C-DECODE", "P-SCALE",
-            "D-SCALE"]  # fmt: skip
+CRD_WIDE = [*CRD_COLUMNS, "CANARY", "ISOLATION", "CANDIDATE", "C-POOL", "C-PREFILL", "C-DECODE",
+            "P-SCALE", "D-SCALE"]  # fmt: skip
 
 
 def inference_deployment(name: str = "tiny", context_length: int = 512) -> dict[str, Any]:
@@ -105,8 +105,8 @@ def test_get_prints_the_crds_printer_columns_with_live_values(cluster: Cluster) 
         # Ready is the Ready condition's status (the filter chose it, not Progressing's)
         assert row[:7] == ["tiny", "True", "512", "1536", "1/1", "0/2", "8d41c2a7e0"]
         assert row[7].endswith("s")  # the age
-        # -o wide: the priority-1 columns (canary, and no candidate here)
-        assert row[8:] == (["Passed", "", "", "", "", "", ""] if wide else [])
+        # -o wide: the priority-1 columns (canary; no standing canary, candidate or autoscaling)
+        assert row[8:] == (["Passed", "", "", "", "", "", "", ""] if wide else [])
 
     names = cluster.kubectl("get", "infd", "-o", "name").stdout.split()
     assert names == ["inferencedeployment.kvfence.dev/tiny"]

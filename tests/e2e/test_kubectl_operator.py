@@ -25,7 +25,17 @@ NAME = "tiny"
 USER_KEY = "sk-user-a-0123456789"
 # the serving revision's; `-o wide` adds the latest canary and the candidate's numbers
 COLUMNS = ["NAME", "READY", "CONTEXT", "POOL", "PREFILL", "DECODE", "REVISION", "AGE"]
-WIDE = [*COLUMNS, "CANARY", "CANDIDATE", "C-POOL", "C-PREFILL", "C-DECODE", "P-SCALE", "D-SCALE"]
+WIDE = [
+    *COLUMNS,
+    "CANARY",
+    "ISOLATION",
+    "CANDIDATE",
+    "C-POOL",
+    "C-PREFILL",
+    "C-DECODE",
+    "P-SCALE",
+    "D-SCALE",
+]
 # tiny-random KV costs 768 bytes per token: 96 pages of 16 tokens hold 1536 tokens.
 MANIFEST = textwrap.dedent(
     f"""\
@@ -137,8 +147,8 @@ def test_a_user_applies_waits_inspects_changes_and_deletes_with_kubectl(tmp_path
         print(f"\n$ kubectl get infd -o wide\n{wide}")
         wide_header, wide_rows = table(wide)
         assert wide_header == WIDE and wide_rows[0][:7] == rows[0][:7]
-        # no candidate, no autoscaling: empty cells
-        assert wide_rows[0][8:] == ["Passed", "", "", "", "", "", ""]
+        # no standing canary, candidate or autoscaling: empty cells
+        assert wide_rows[0][8:] == ["Passed", "", "", "", "", "", "", ""]
         documented_manifest, documented_output = documented_cluster_steps()
         assert documented_manifest == yaml.safe_load(MANIFEST), (
             "docs/local.md's manifest is not the test's"

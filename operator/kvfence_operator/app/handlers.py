@@ -158,6 +158,12 @@ def reconcile(
             logger.warning("%s", exc)
             return
         memo.metrics.scaling(meta["namespace"], meta["name"], outcome.status.autoscaling)
+        memo.metrics.canaries(
+            meta["namespace"],
+            meta["name"],
+            read_status(body.get("status"), meta["name"]),
+            outcome.status,
+        )
         status = outcome.status.model_dump(mode="json", by_alias=True)
         if status_changes(body.get("status"), status):  # an unchanged status is not written
             patch.status.update(status)

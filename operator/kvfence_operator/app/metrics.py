@@ -11,7 +11,7 @@ global one), so that a test can count the passes of one handler call."""
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from enum import StrEnum
 from http.server import ThreadingHTTPServer
@@ -20,7 +20,13 @@ from urllib.parse import urlsplit
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import MetricsHandler
 
-from kvfence_operator.crd.types import AutoscalingStatus
+from kvfence_operator.crd.types import (
+    AutoscalingStatus,
+    CanaryResult,
+    ConditionStatus,
+    ConditionType,
+    InferenceDeploymentStatus,
+)
 
 PASSES = "kvfence_operator_reconcile_passes"  # exposed with _total, as every counter
 PASS_SECONDS = "kvfence_operator_reconcile_pass_seconds"
@@ -28,6 +34,13 @@ DESIRED_REPLICAS = "kvfence_desired_replicas"
 CURRENT_REPLICAS = "kvfence_current_replicas"
 SIGNAL_VALUE = "kvfence_autoscaling_signal_value"
 SIGNAL_TARGET = "kvfence_autoscaling_signal_target"
+CANARY_RUNS = "kvfence_canary_runs"
+ISOLATION_VERIFIED = "kvfence_isolation_verified"
+VERDICTS = {
+    CanaryResult.PASSED: "passed",
+    CanaryResult.FAILED: "failed",
+    CanaryResult.COULD_NOT_RUN: "could_not_run",
+}
 # A pass reads caches and writes what differs: tens of milliseconds; probes and pushes to
 # slow pods take it to seconds.
 PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -77,6 +90,40 @@ class PassMetrics:
             registry=self.registry,
         )  # fmt: skip
 
+        self.canary_runs = Counter(
+            CANARY_RUNS,
+            "Canary runs that ended, by kind (rollout: a candidate's, before promotion; "
+            "standing: on spec.canary.schedule, against the serving revision) and verdict",
+            ["namespace", "name", "kind", "verdict"],
+            registry=self.registry,
+        )
+        self.isolation = Gauge(
+            ISOLATION_VERIFIED,
+            "1 while the IsolationVerified condition is True, 0 while it is False or Unknown "
+            "(present only with spec.canary.schedule)",
+            ["namespace", "name"],
+            registry=self.registry,
+        )
+
+    def canaries(
+        self,
+        namespace: str,
+        name: str,
+        previous: InferenceDeploymentStatus,
+        status: InferenceDeploymentStatus,
+    ) -> None:
+        """The verdicts the pass that just ended recorded, and IsolationVerified."""
+        for kind, verdict in new_verdicts(previous, status):
+            self.canary_runs.labels(namespace, name, kind, verdict).inc()
+        verified = next(
+            (c for c in status.conditions if c.type == ConditionType.ISOLATION_VERIFIED), None
+        )
+        if verified is None:
+            with suppress(KeyError):  # never set: nothing to remove
+                self.isolation.remove(namespace, name)
+        else:
+            self.isolation.labels(namespace, name).set(verified.status is ConditionStatus.TRUE)
+
     def scaling(self, namespace: str, name: str, status: AutoscalingStatus | None) -> None:
         """The autoscaler's decision of the pass that just ended, per scaled role."""
         for role in ("prefill", "decode"):
@@ -109,6 +156,25 @@ class PassMetrics:
         finally:
             self.seconds.labels(outcome=record.outcome).observe(time.monotonic() - started)
             self.passes.labels(namespace=namespace, name=name).inc()
+
+
+def new_verdicts(
+    previous: InferenceDeploymentStatus, status: InferenceDeploymentStatus
+) -> list[tuple[str, str]]:
+    """(kind, verdict) of each canary run whose verdict `status` records and `previous` did
+    not: each run counted once, by the pass that wrote its verdict."""
+    found = []
+    old, new = previous.canary, status.canary
+    if new is not None and new.result in VERDICTS:
+        seen = old is not None and old.job_uid == new.job_uid and old.result == new.result
+        if not seen:
+            found.append(("rollout", VERDICTS[new.result]))
+    before = previous.standing_canary.last_run if previous.standing_canary else None
+    run = status.standing_canary.last_run if status.standing_canary else None
+    fresh = before is None or run is None or (before.job, before.result) != (run.job, run.result)
+    if run is not None and run.result in VERDICTS and fresh:
+        found.append(("standing", VERDICTS[run.result]))
+    return found
 
 
 @dataclass

@@ -39,6 +39,7 @@ EXIT_FINDING = 1
 # Tries after the first one for a canary that could not run (exit 2, any exit but 1, a pod
 # that failed to start); all of them within activeDeadlineSeconds.
 RETRIES = 3
+STANDING = "watch"  # a standing canary Job is <name>-<revision>-watch<start, base 36>
 
 
 def pod_failure_policy() -> dict[str, Any]:
@@ -70,7 +71,27 @@ def canary_job_name(instance: Instance, revision: str) -> str:
 def canary_args(
     spec: InferenceDeploymentSpec, instance: Instance, revision: str, context_length: int
 ) -> list[str]:
+    """The rollout's canary: against the candidate's own router Service."""
     target = service_url(instance, child_name(instance, revision, Role.ROUTER))
+    return _args(spec, target, context_length)
+
+
+def standing_args(
+    spec: InferenceDeploymentSpec, instance: Instance, context_length: int
+) -> list[str]:
+    """The standing canary: against the stable Service, what clients reach, one round, within
+    spec.canary.standingLoad."""
+    target = service_url(instance, instance.name, spec.router.service.port)
+    load = spec.canary.standing_load
+    return [
+        *_args(spec, target, context_length),
+        "--rounds", "1",
+        "--max-requests", str(load.max_requests),
+        "--rate", f"{load.requests_per_second:g}",
+    ]  # fmt: skip
+
+
+def _args(spec: InferenceDeploymentSpec, target: str, context_length: int) -> list[str]:
     return [
         "canary",
         "--target", target,
@@ -97,6 +118,38 @@ def build_canary_job(
     """context_length: the context the revision serves (effective, under LowerContext).
     rerun: the InferenceDeployment's kvfence.dev/rerun-canary value, recorded on the Job
     (decisions/canary.py)."""
+    context = spec.context_length if context_length is None else context_length
+    args = canary_args(spec, instance, revision, context)
+    annotations = {ANNOTATION_RERUN_CANARY: rerun} if rerun else {}
+    return _job(spec, instance, revision, canary_job_name(instance, revision), args, annotations)
+
+
+def standing_job_prefix(instance: Instance, revision: str) -> str:
+    return child_name(instance, revision, STANDING)
+
+
+def standing_job_name(instance: Instance, revision: str, started: int) -> str:
+    """One name per run: the prefix and the run's start (unix seconds, base 36), within the
+    11 characters a component has (meta.NAME_MAX_LENGTH)."""
+    return standing_job_prefix(instance, revision) + _base36(started)
+
+
+def build_standing_job(
+    spec: InferenceDeploymentSpec, instance: Instance, revision: str, context_length: int, name: str
+) -> dict[str, Any]:
+    """A standing canary run against the serving revision (decisions/standing_canary.py)."""
+    args = standing_args(spec, instance, context_length)
+    return _job(spec, instance, revision, name, args, {})
+
+
+def _job(
+    spec: InferenceDeploymentSpec,
+    instance: Instance,
+    revision: str,
+    name: str,
+    args: list[str],
+    annotations: dict[str, str],
+) -> dict[str, Any]:
     secret = secret_name(instance, revision)
     tmp, tmp_mount = tmp_volume()
     token, token_mount = internal_token_volume(instance, revision)
@@ -104,12 +157,7 @@ def build_canary_job(
         "name": CONTAINER,
         "image": spec.canary.image or spec.engine.image,
         "command": ["kvfence"],
-        "args": canary_args(
-            spec,
-            instance,
-            revision,
-            spec.context_length if context_length is None else context_length,
-        ),
+        "args": args,
         "env": [
             home_in_tmp(),
             *override_env(spec.canary.pod),  # before the keys: the last of a name wins
@@ -133,11 +181,9 @@ def build_canary_job(
         restart_policy="Never",
         overrides=spec.canary.pod,
     )
-    meta = object_meta(
-        instance, canary_job_name(instance, revision), labels(instance, revision, Role.CANARY)
-    )
-    if rerun:
-        meta["annotations"] = {ANNOTATION_RERUN_CANARY: rerun}
+    meta = object_meta(instance, name, labels(instance, revision, Role.CANARY))
+    if annotations:
+        meta["annotations"] = annotations
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -149,3 +195,13 @@ def build_canary_job(
             "template": template,
         },
     }
+
+
+def _base36(number: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        number, rest = divmod(number, 36)
+        out = digits[rest] + out
+        if number == 0:
+            return out

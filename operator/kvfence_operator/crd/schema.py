@@ -149,6 +149,13 @@ def printer_columns() -> list[dict[str, Any]]:
         column("Revision", "string", ".status.revision.current", "Serving revision."),
         column("Age", "date", ".metadata.creationTimestamp", "Time since creation."),
         column("Canary", "string", ".status.canary.result", "Latest canary result.", 1),
+        column(
+            "Isolation",
+            "string",
+            '.status.conditions[?(@.type=="IsolationVerified")].status',
+            "The standing canary's latest verdict (spec.canary.schedule).",
+            1,
+        ),
         column("Candidate", "string", ".status.revision.candidate", "Revision rolling out.", 1),
         column("C-Pool", "integer", ".status.candidate.minPoolTokens", "Its smallest pool.", 1),
         column("C-Prefill", "string", ".status.candidate.prefill.summary", "Its prefill pods.", 1),

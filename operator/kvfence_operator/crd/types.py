@@ -32,6 +32,8 @@ from kvfence_operator.crd.core_v1 import (
     TopologySpreadConstraint,
     cel,
 )
+from kvfence_operator.crd.schedule import PATTERN as SCHEDULE_PATTERN
+from kvfence_operator.crd.schedule import parse as parse_schedule
 
 API_GROUP = "kvfence.dev"
 API_VERSION = "v1alpha1"
@@ -468,8 +470,27 @@ class TenantLimits(_ApiModel):
     )
 
 
+class StandingLoad(_ApiModel):
+    """The most a standing canary run adds to the serving revision's load."""
+
+    max_requests: int = Field(
+        400,
+        ge=100,
+        le=100_000,
+        description="Requests one run may send; spent, the run stops without a verdict.",
+    )
+    requests_per_second: float = Field(
+        2.0,
+        gt=0,
+        le=1000,
+        description="Requests a second on average; one pollution burst (at most 32 requests) "
+        "goes at once, or the run could not see a page lost to it.",
+    )
+
+
 class CanarySpec(_ApiModel):
-    """The isolation canary Job that gates every rollout."""
+    """The isolation canary Job that gates every rollout, and the standing canary that keeps
+    watching the serving revision."""
 
     enabled: bool = True
     timeout_seconds: int = Field(900, ge=1, le=86400)
@@ -481,6 +502,23 @@ class CanarySpec(_ApiModel):
         description="Scheduling and metadata for the canary Job's pods; env goes to the canary "
         "container. Applies to the next canary Job (no new revision).",
     )
+    schedule: str | None = Field(
+        None,
+        max_length=128,
+        pattern=SCHEDULE_PATTERN,
+        description="Run the canary against the serving revision's stable Service on this "
+        "schedule: a cron expression in UTC ('*/30 * * * *'), @hourly/@daily/..., or "
+        "'@every 15m'. Off when unset. Runs never overlap; a failure sets IsolationVerified "
+        "False. Applied in place: no new revision.",
+    )
+    standing_load: StandingLoad = Field(default_factory=StandingLoad, **OBJECT_DEFAULT)
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_schedule(value)
+        return value
 
 
 class AutoscalingMode(StrEnum):
@@ -771,6 +809,8 @@ class ConditionType(StrEnum):
     DEGRADED = "Degraded"
     POOL_SUFFICIENT = "PoolSufficient"
     CANARY_PASSED = "CanaryPassed"
+    # the standing canary's latest verdict on the serving revision (spec.canary.schedule)
+    ISOLATION_VERIFIED = "IsolationVerified"
     # kstatus (Flux, kpt, cli-utils) reads these two abnormal-true conditions, not Ready:
     # they mirror Progressing and Degraded so GitOps tools judge health without extra config.
     RECONCILING = "Reconciling"
@@ -822,6 +862,10 @@ class ConditionReason(StrEnum):
     CANARY_NOT_RUN = "CanaryNotRun"
     CANARY_FAILED = "CanaryFailed"
     CANARY_COULD_NOT_RUN = "CanaryCouldNotRun"
+    # IsolationVerified (with spec.canary.schedule); CanaryPassed too, until the first run
+    STANDING_CANARY_PASSED = "StandingCanaryPassed"
+    STANDING_CANARY_FAILED = "StandingCanaryFailed"
+    STANDING_CANARY_COULD_NOT_RUN = "StandingCanaryCouldNotRun"
     # PoolSufficient, and a pod's kv-pool gate
     WAITING_FOR_PODS = "WaitingForPods"
     NO_ENGINE_PODS = "NoEnginePods"
@@ -849,6 +893,12 @@ class EventReason(StrEnum):
     DRAINING = "Draining"  # pods a scale-down removes left the routers (decisions/draining.py)
     # a Deployment's replicas edited by someone else: put back to the declared count
     REPLICAS_REPAIRED = "ReplicasRepaired"
+    # the standing canary (spec.canary.schedule): a run started, failed, could not run, or
+    # passed again after one that did not
+    STANDING_CANARY_STARTED = "StandingCanaryStarted"
+    STANDING_CANARY_FAILED = "StandingCanaryFailed"
+    STANDING_CANARY_COULD_NOT_RUN = "StandingCanaryCouldNotRun"
+    STANDING_CANARY_PASSED = "StandingCanaryPassed"
 
 
 class Condition(_LenientModel):
@@ -938,6 +988,44 @@ class CanaryStatus(_LenientModel):
     message: str | None = None
 
 
+class StandingRun(_LenientModel):
+    """One run of the standing canary."""
+
+    job: str
+    start_time: datetime
+    result: CanaryResult = Field(description="Running, Passed, Failed or CouldNotRun.")
+    message: str | None = Field(None, description="The canary's one-line summary.")
+
+
+class StandingFailure(_LenientModel):
+    """The last run that failed, and since when the revision may have mixed tenants."""
+
+    job: str
+    time: datetime = Field(description="When the operator read the failing verdict.")
+    message: str
+    exposure_since: datetime | None = Field(
+        None,
+        description="The start of the last run that passed before it (the rollout's canary "
+        "Job when none had): isolation held then; from then to `time` it may not have.",
+    )
+
+
+class StandingCanaryStatus(_LenientModel):
+    """The standing canary's watch over the serving revision (spec.canary.schedule)."""
+
+    revision: str = Field(description="The serving revision it watches.")
+    schedule: str
+    next_run_time: datetime | None = None
+    last_run: StandingRun | None = None
+    last_passed_job: str | None = Field(None, description="The last run that passed.")
+    last_passed_time: datetime | None = Field(
+        None,
+        description="The start of the last run that passed; before one has, of the rollout "
+        "canary's Job (else when the watch began).",
+    )
+    last_failure: StandingFailure | None = None
+
+
 class CandidateStatus(_LenientModel):
     """The revision being rolled out, beside the serving one's numbers (`kubectl get -o wide`)."""
 
@@ -1004,6 +1092,7 @@ class InferenceDeploymentStatus(_LenientModel):
     candidate: CandidateStatus | None = None
     progress: ProgressStatus | None = None
     autoscaling: AutoscalingStatus | None = None
+    standing_canary: StandingCanaryStatus | None = None
 
 
 class ObjectMeta(_LenientModel):

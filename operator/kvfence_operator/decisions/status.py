@@ -44,6 +44,7 @@ from kvfence_operator.decisions.rollout import (
     RevisionObservation,
     RolloutPlan,
 )
+from kvfence_operator.decisions.standing_canary import StandingPlan
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +125,11 @@ def compute_status(
     now: datetime | None = None,
     problems: Sequence[Problem] = (),
     autoscaling: AutoscalingStatus | None = None,
+    standing: StandingPlan | None = None,
 ) -> InferenceDeploymentStatus:
     """`problems`: errors the operator met this pass (Degraded=True with the first's reason);
-    `autoscaling`: the autoscaler's (decisions/scaling.py)."""
+    `autoscaling`: the autoscaler's (decisions/scaling.py); `standing`: the standing canary's
+    (decisions/standing_canary.py), IsolationVerified's source."""
     now = now or datetime.now(UTC)
     judged = observed.get(plan.judged)
     decision = judged.pools if judged else None
@@ -251,6 +254,13 @@ def compute_status(
         put(ConditionType.READY, F, R.ROLLOUT_IN_PROGRESS,
             f"revision {plan.revision.candidate} is not promoted yet; nothing serves")  # fmt: skip
 
+    # IsolationVerified: only while a standing canary watches the serving revision
+    isolation = standing.condition if standing is not None else None
+    if isolation is not None:
+        put(ConditionType.ISOLATION_VERIFIED, isolation.status, isolation.reason, isolation.message)
+    else:
+        conditions = [c for c in conditions if c.type != ConditionType.ISOLATION_VERIFIED]
+
     progressing = _condition(conditions, ConditionType.PROGRESSING)  # as put above: its mirror
     conditions = set_condition(
         conditions,
@@ -294,6 +304,7 @@ def compute_status(
         candidate=_candidate(plan.revision.candidate, judged) if rolling else None,
         progress=progressed,
         autoscaling=autoscaling,
+        standing_canary=standing.status if standing is not None else None,
     )
 
 

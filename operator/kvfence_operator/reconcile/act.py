@@ -37,6 +37,7 @@ from kvfence_operator.decisions.pool_gate import PodGate
 from kvfence_operator.decisions.retirement import Retirement
 from kvfence_operator.decisions.rollout import Event
 from kvfence_operator.decisions.scaling import ScalingOutcome
+from kvfence_operator.decisions.standing_canary import StandingPlan
 from kvfence_operator.meta import (
     ANNOTATION_DRAINING,
     LABEL_ROLE,
@@ -90,6 +91,7 @@ class Act:
         if plan.stable_service is not None:
             self.fence_routers(plan.rollout.keep, plan.open_routers)
             served = self.serve(plan.stable_service)
+        self.watch(plan.standing)
         self.retire(plan.retirement)
         return Acted(events, served, canary_refused)
 
@@ -210,6 +212,14 @@ class Act:
         problems = len(self.found.problems)
         self.claim(job)
         return self.found.problems[problems] if len(self.found.problems) > problems else None
+
+    def watch(self, standing: StandingPlan) -> None:
+        """The standing canary: start the run that is due, delete Jobs past its history. A
+        Job the API refuses is a problem (Degraded), and the run has no verdict."""
+        if standing.create is not None:
+            self.claim(standing.create)
+        for name in standing.delete:
+            self.kube.delete("batch/v1", "Job", self.instance.namespace, name)
 
     def rerun_canary(self, revision: str, wanted: str) -> Event:
         """Delete the revision's canary Job (its pods with it): the user gave

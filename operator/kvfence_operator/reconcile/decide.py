@@ -66,6 +66,7 @@ from kvfence_operator.decisions.scaling import (
     ServingRole,
     plan_pass_scaling,
 )
+from kvfence_operator.decisions.standing_canary import StandingPlan, plan_standing
 from kvfence_operator.meta import (
     ANNOTATION_DRAINING,
     ANNOTATION_RERUN_CANARY,
@@ -117,6 +118,7 @@ class PassPlan:
     stable_service: dict[str, Any] | None  # what the stable Service must be (None: untouched)
     retirement: Retirement
     scaling: ScalingOutcome  # the engine roles' counts, drains and the autoscaler's status
+    standing: StandingPlan  # the standing canary's run, history and verdict
     problems: tuple[Problem, ...] = ()  # what the pass met in what it observed (Degraded)
     conflicts: tuple[Conflict, ...] = ()  # names taken by what the operator did not build
 
@@ -242,6 +244,8 @@ def decide(
         seal = serving_seal(secret, instance, plan.serve) if secret is not None else None
         stable = build_stable_service(spec, instance, plan.serve, seal)
         events += _selector_drift(given, plan.serve)
+    standing = _standing(given, plan.serve, observed, now)
+    events += standing.events
     mark = derived_mark(credentials_key) if credentials_key is not None else None
     keep = {*plan.keep, *((given.held,) if given.held is not None else ())}
     events += scaling.events
@@ -260,8 +264,33 @@ def decide(
         stable,
         retirement(given.frame.children, keep, instance.uid, mark),
         scaling,
+        standing,
         tuple(problems),
         tuple(conflicts),
+    )
+
+
+def _standing(
+    given: PassInputs,
+    serving: str | None,
+    observed: Mapping[str, RevisionObservation],
+    now: datetime,
+) -> StandingPlan:
+    """The standing canary's part of the pass, on the revision that serves after it."""
+    seen = given.seen.get(serving) if serving is not None else None
+    if seen is None or serving is None:
+        return plan_standing(given.spec, given.instance, None, None, None, (), None, now)
+    job_status = (seen.canary_job or {}).get("status") or {}
+    started = job_status.get("startTime")
+    return plan_standing(
+        given.spec,
+        given.instance,
+        serving,
+        observed[serving].pools.effective_context,
+        given.previous.standing_canary,
+        seen.standing,
+        datetime.fromisoformat(started) if isinstance(started, str) else None,
+        now,
     )
 
 

@@ -36,6 +36,7 @@ from kvfence_operator.decisions.ownership import pod_controlled_by_deployment
 from kvfence_operator.decisions.pods import container_instance, may_serve, pod_url
 from kvfence_operator.decisions.pool_gate import PodPool
 from kvfence_operator.decisions.retirement import REVISION_KINDS
+from kvfence_operator.decisions.standing_canary import StandingJob, is_standing_job
 from kvfence_operator.meta import (
     ANNOTATION_SPEC,
     Instance,
@@ -80,6 +81,9 @@ class RevisionSeen:
     # each engine pod's load, in the same order (the serving revision's, when autoscaled;
     # else none read)
     loads: tuple[PodLoad, ...] = ()
+    # its standing canary Jobs (ours), with their verdicts (the serving revision's, when
+    # spec.canary.schedule is set; else none read)
+    standing: tuple[StandingJob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -106,10 +110,16 @@ class Observer:
         return Frame(stable, self._secret_exists(instance.namespace, keys_secret), children)
 
     def revision(
-        self, instance: Instance, revision: str, desired: bool, loads: bool = False
+        self,
+        instance: Instance,
+        revision: str,
+        desired: bool,
+        loads: bool = False,
+        standing: bool = False,
     ) -> RevisionSeen:
         """`desired`: the spec's revision, whose router ConfigMap this pass creates if it is
-        missing (with this operator's credentials mark); `loads`: read its engines' loads."""
+        missing (with this operator's credentials mark); `loads`: read its engines' loads;
+        `standing`: read its standing canary Jobs."""
         ns = instance.namespace
         configmap = self.kube.get(
             "v1", "ConfigMap", ns, child_name(instance, revision, Role.ROUTER)
@@ -147,16 +157,24 @@ class Observer:
         job = self._ours(
             instance, self.kube.get("batch/v1", "Job", ns, canary_job_name(instance, revision))
         )
-        canary = None
-        if job is not None:
-            job_pods = [
-                pod
-                for pod in self.kube.list(
-                    "v1", "Pod", ns, selector(instance, revision, Role.CANARY)
+        canary_pods = (
+            self.kube.list("v1", "Pod", ns, selector(instance, revision, Role.CANARY))
+            if job is not None or standing
+            else []
+        )
+        canary = canary_outcome(job, _of_job(canary_pods, job)) if job is not None else None
+        standing_jobs = (
+            tuple(
+                StandingJob(j, canary_outcome(j, _of_job(canary_pods, j)))
+                for j in self.kube.list(
+                    "batch/v1", "Job", ns, selector(instance, revision, Role.CANARY)
                 )
-                if controlled_by(pod, job["metadata"]["uid"])
-            ]
-            canary = canary_outcome(job, job_pods)
+                if controlled_by(j, instance.uid)
+                and is_standing_job(j["metadata"]["name"], instance, revision)
+            )
+            if standing
+            else ()
+        )
         routers = self._revision_pods(
             ns, deployments[Role.ROUTER], selector(instance, revision, Role.ROUTER)
         )
@@ -183,6 +201,7 @@ class Observer:
             job,
             refused,
             tuple(self._loads(probes)) if loads else (),
+            standing_jobs,
         )
 
     def token(self, instance: Instance, revision: str) -> str | None:
@@ -268,6 +287,10 @@ class Observer:
             for pod in self.kube.list("v1", "Pod", namespace, labels)
             if pod_controlled_by_deployment(pod, deployment, replicaset)
         ]
+
+
+def _of_job(pods: Sequence[dict[str, Any]], job: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [pod for pod in pods if controlled_by(pod, job["metadata"]["uid"])]
 
 
 def _record(

@@ -133,8 +133,15 @@ class Reconciler:
         kept = dict.fromkeys(r for r in (current, desired, *retiring) if r is not None)
         # the serving revision's loads, when the operator scales on them
         scaled = spec.autoscaling is not None and spec.autoscaling.mode is AutoscalingMode.OPERATOR
+        watched = spec.canary.schedule is not None
         seen = {
-            r: observer.revision(instance, r, desired=r == desired, loads=scaled and r == current)
+            r: observer.revision(
+                instance,
+                r,
+                desired=r == desired,
+                loads=scaled and r == current,
+                standing=watched and r == current,
+            )
             for r in kept
         }
 
@@ -192,6 +199,7 @@ class Reconciler:
             now=datetime.now(UTC),
             problems=found.problems,
             autoscaling=plan.scaling.status,
+            standing=plan.standing,
         )
         events = [
             *acted.events,

@@ -120,6 +120,7 @@ def test_printer_columns_point_at_fields_the_status_has():
         "Revision",
         "Age",
         "Canary",
+        "Isolation",
         "Candidate",
         "C-Pool",
         "C-Prefill",

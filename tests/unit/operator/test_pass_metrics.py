@@ -2,6 +2,7 @@
 app/metrics.py): every pass of the kopf timer is counted for its InferenceDeployment when it
 ends, however it ends, and the metrics are served at the URL's path."""
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -9,14 +10,17 @@ import httpx
 import kopf
 import pytest
 from kopf._core.engines import posting
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.memory_kube import MemoryKube
 from helpers.reconciling import body, never_probed, run_timer
 from kvfence_engine.tools.localproc import free_port
 from kvfence_operator.app.metrics import (
+    CANARY_RUNS,
     CURRENT_REPLICAS,
     DESIRED_REPLICAS,
+    ISOLATION_VERIFIED,
     PASS_SECONDS,
     PASSES,
     SIGNAL_TARGET,
@@ -25,7 +29,7 @@ from kvfence_operator.app.metrics import (
     parse_metrics_url,
     serve_metrics,
 )
-from kvfence_operator.crd.types import AutoscalingStatus
+from kvfence_operator.crd.types import AutoscalingStatus, InferenceDeploymentStatus
 from kvfence_operator.decisions.findings import CredentialsUnreadable
 from kvfence_operator.reconcile.reconciler import Reconciler
 
@@ -155,3 +159,70 @@ def test_the_autoscalers_decision_and_its_inputs_are_metrics():
     signal = {**labels, "signal": "RunningSequences"}
     assert (sample(SIGNAL_VALUE, signal), sample(SIGNAL_TARGET, signal)) == (3.5, 8)
     assert sample(DESIRED_REPLICAS, {**labels, "role": "prefill"}) is None
+
+
+def _statuses(*steps: dict[str, Any]) -> list[InferenceDeploymentStatus]:
+    return [InferenceDeploymentStatus.model_validate(s) for s in steps]
+
+
+def _run(job: str, result: str) -> dict[str, Any]:
+    return {"standingCanary": {"revision": "r1", "schedule": "@every 60s", "lastRun": {
+        "job": job, "startTime": "2026-12-07T12:00:00Z", "result": result}}}  # fmt: skip
+
+
+def test_each_canary_verdict_is_counted_once_by_the_pass_that_records_it() -> None:
+    """kvfence_canary_runs_total: a run's verdict counts when a status first records it, not
+    again on the passes after (nor after an operator restart, which reads the same status)."""
+    metrics = PassMetrics()
+    rollout = {"canary": {"revision": "r1", "jobUid": "u1", "result": "Passed"}}
+    steps = _statuses(
+        {},
+        {"canary": {"revision": "r1", "jobUid": "u1", "result": "Running"}},
+        rollout,
+        rollout,  # the next pass: the same verdict
+        {**rollout, **_run("w1", "Running")},
+        {**rollout, **_run("w1", "Failed")},
+        {**rollout, **_run("w1", "Failed")},
+        {**rollout, **_run("w2", "Running")},
+        {**rollout, **_run("w2", "Passed")},
+        {**rollout, **_run("w3", "CouldNotRun")},  # a run that ended between two passes
+    )
+    for previous, status in itertools.pairwise(steps):
+        metrics.canaries("team", "tiny", previous, status)
+    counted = {
+        (s.labels["kind"], s.labels["verdict"]): s.value
+        for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+        if family.name == CANARY_RUNS
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+    assert counted == {
+        ("rollout", "passed"): 1,
+        ("standing", "failed"): 1,
+        ("standing", "passed"): 1,
+        ("standing", "could_not_run"): 1,
+    }
+
+
+def test_the_isolation_gauge_follows_the_condition_and_goes_with_the_schedule() -> None:
+    metrics = PassMetrics()
+
+    def gauge() -> float | None:
+        return metrics.registry.get_sample_value(
+            ISOLATION_VERIFIED, {"namespace": "team", "name": "tiny"}
+        )
+
+    def verified(status: str) -> InferenceDeploymentStatus:
+        condition = {"type": "IsolationVerified", "status": status, "reason": "R", "message": "",
+                     "lastTransitionTime": "2026-12-07T12:00:00Z"}  # fmt: skip
+        return InferenceDeploymentStatus.model_validate({"conditions": [condition]})
+
+    empty = InferenceDeploymentStatus()
+    metrics.canaries("team", "tiny", empty, verified("True"))
+    assert gauge() == 1
+    metrics.canaries("team", "tiny", empty, verified("False"))
+    assert gauge() == 0
+    metrics.canaries("team", "tiny", empty, verified("Unknown"))
+    assert gauge() == 0
+    metrics.canaries("team", "tiny", empty, empty)  # the schedule was removed
+    assert gauge() is None

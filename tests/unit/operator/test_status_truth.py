@@ -224,10 +224,12 @@ def test_the_status_numbers_are_the_serving_revisions_and_the_candidates_are_apa
     default = [c["name"] for c in printer_columns() if not c.get("priority")]
     wide = [c["name"] for c in printer_columns() if c.get("priority") == 1]
     assert default == ["Ready", "Context", "Pool", "Prefill", "Decode", "Revision", "Age"]
-    assert wide == ["Canary", "Candidate", "C-Pool", "C-Prefill", "C-Decode", "P-Scale", "D-Scale"]
+    assert wide == [
+        "Canary", "Isolation", "Candidate", "C-Pool", "C-Prefill", "C-Decode", "P-Scale", "D-Scale"
+    ]  # fmt: skip
     paths = {c["name"]: c["jsonPath"] for c in printer_columns()}
-    assert all(paths[n].startswith(".status.candidate.") for n in wide[2:5])
-    assert all(paths[n].startswith(".status.autoscaling.") for n in wide[5:])
+    assert all(paths[n].startswith(".status.candidate.") for n in wide[3:6])
+    assert all(paths[n].startswith(".status.autoscaling.") for n in wide[6:])
 
 
 # ---- 5. errors the operator meets; 6. a status that does not parse -----------------------

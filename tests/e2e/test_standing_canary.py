@@ -1,0 +1,134 @@
+"""The standing canary end to end (spec.canary.schedule): `kvfence operator` against the test
+cluster, whose kubelet runs every pod as a real engine, router or canary process with
+builtin:tiny-random. A healthy revision passes its standing runs; a fault switched on in its
+running decode engine afterwards (the test-only POST /internal/unsafe-fault, as a node going bad
+after its rollout) fails the next run, and the status, an Event and the operator's metrics say
+so, with the window in which tenants may have been exposed."""
+
+import re
+from datetime import datetime
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers.operators import Operator, start_operator
+from helpers.tiny_infd import (
+    NAME,
+    api_keys_secret,
+    check_first_rollout,
+    complete,
+    condition,
+    engine_pods,
+    events,
+    infd,
+    internal_token,
+    manifest,
+    revision_of_manifest,
+    wait_condition,
+)
+from helpers.waits import READY_S
+from kvfence_devcluster.fixtures import Cluster, start_cluster
+from kvfence_engine.contracts import TOKEN_HEADER
+from kvfence_engine.tools import http_clients
+from kvfence_operator.meta import LABEL_ROLE
+
+MAX_REQUESTS = 200
+RATE = 20.0  # requests a second: a run of ~100 requests is bounded to ~5 s of sending
+STANDING = {"schedule": "@every 10s", "standingLoad": {"maxRequests": MAX_REQUESTS,
+            "requestsPerSecond": RATE}}  # fmt: skip
+
+
+def canary_runs(operator: Operator) -> dict[tuple[str, str], float]:
+    """kvfence_canary_runs_total of `tiny`, by (kind, verdict)."""
+    text = http_clients.get(operator.metrics_url, timeout=5).raise_for_status().text
+    return {
+        (s.labels["kind"], s.labels["verdict"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "kvfence_canary_runs"
+        for s in family.samples
+        if s.name.endswith("_total") and s.labels.get("name") == NAME
+    }
+
+
+def isolation_gauge(operator: Operator) -> float | None:
+    text = http_clients.get(operator.metrics_url, timeout=5).raise_for_status().text
+    return next(
+        (
+            s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "kvfence_isolation_verified"
+            for s in family.samples
+            if s.labels.get("name") == NAME
+        ),
+        None,
+    )
+
+
+def switch_on_early_release(cluster: Cluster, revision: str) -> None:
+    pods = engine_pods(cluster, revision)
+    (decode,) = [p for p in pods if p["metadata"]["labels"][LABEL_ROLE] == "decode"]
+    answer = httpx.post(
+        cluster.pod_url(decode) + "/internal/unsafe-fault",
+        json={"fault": "early-release"},
+        headers={TOKEN_HEADER: internal_token(cluster, revision)},
+        timeout=10,
+    )
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"unsafe_faults": ["early-release"]}
+
+
+@pytest.mark.slow
+def test_the_standing_canary_passes_a_healthy_revision_and_catches_a_fault_switched_on_later(
+    tmp_path,
+):
+    with start_cluster(tmp_path / "cluster") as cluster:
+        cluster.create(api_keys_secret())
+        operator = start_operator(cluster)
+        created = cluster.create(manifest(canary={"timeoutSeconds": 120, **STANDING}))
+        revision = revision_of_manifest(created)
+        check_first_rollout(cluster, created, revision)
+
+        # healthy: a standing run passes, within its load bounds
+        passed = wait_condition(
+            cluster, "IsolationVerified", "True", timeout=READY_S, reason="StandingCanaryPassed"
+        )
+        watch = passed["status"]["standingCanary"]
+        assert watch["revision"] == revision and watch["schedule"] == "@every 10s"
+        run = watch["lastRun"]
+        assert run["result"] == "Passed" and run["job"].startswith(f"{NAME}-{revision}-watch")
+        said = re.search(r"\((\d+) requests\)", run["message"])
+        assert said is not None, run["message"]
+        sent = int(said.group(1))
+        assert 0 < sent <= MAX_REQUESTS, run["message"]
+        assert canary_runs(operator).get(("standing", "passed"), 0) >= 1
+        assert canary_runs(operator).get(("rollout", "passed")) == 1
+        assert isolation_gauge(operator) == 1
+        assert complete(cluster, revision) == 2  # users are served beside it
+
+        # the decode engine goes bad after its rollout: the next run fails on it
+        switch_on_early_release(cluster, revision)
+        failed = wait_condition(
+            cluster, "IsolationVerified", "False", timeout=READY_S, reason="StandingCanaryFailed"
+        )
+        watch = failed["status"]["standingCanary"]
+        failure = watch["lastFailure"]
+        message = condition(failed, "IsolationVerified")["message"]
+        assert failure["job"] in message and "FAIL" in failure["message"]
+        assert failure["message"] in message
+        # the window: from the start of the last run that passed to the failing verdict
+        since = datetime.fromisoformat(failure["exposureSince"])
+        until = datetime.fromisoformat(failure["time"])
+        assert since == datetime.fromisoformat(watch["lastPassedTime"]) < until
+        assert failure["exposureSince"].replace("+00:00", "Z") in message
+        (event,) = [
+            e for e in events(cluster, "StandingCanaryFailed") if failure["job"] in e["message"]
+        ]
+        assert event["type"] == "Warning" and "may have been exposed" in event["message"]
+        assert canary_runs(operator).get(("standing", "failed")) == 1
+        assert isolation_gauge(operator) == 0
+        # the rollout's verdict is untouched: the revision still serves, and says it failed
+        assert infd(cluster)["status"]["canary"]["result"] == "Passed"
+        assert condition(failed, "Ready")["status"] == "True"
+        operator.stop()
+        assert not cluster.problems()

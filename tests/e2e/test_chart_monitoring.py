@@ -514,6 +514,7 @@ ALERTS = {
     "KvfenceTransferCountMismatch": "critical",
     "KvfenceTransferChecksumFailed": "warning",
     "KvfenceTimeToFirstTokenHigh": "warning",
+    "KvfenceIsolationUnverified": "warning",
 }
 RULE_VALUES: dict[str, Any] = {
     "enabled": True,

@@ -70,6 +70,10 @@ class ErrorCode(StrEnum):
 
 
 TOKEN_HEADER = "X-Kvfence-Internal-Token"  # the shared internal token on /internal/* calls
+# The canary's termination message: its one-line summary, then, after a finding, this prefix
+# and the backend URLs whose isolation counters rose during the run (the operator quarantines
+# the pods they are: spec.canary.onFailure Quarantine).
+IMPLICATED_BACKENDS = "implicated backends:"
 
 Count = Annotated[int, Field(ge=0)]
 Positive = Annotated[int, Field(ge=1)]

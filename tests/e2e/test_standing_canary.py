@@ -7,8 +7,10 @@ so, with the window in which tenants may have been exposed."""
 
 import re
 from datetime import datetime
+from typing import Any
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,18 +27,19 @@ from helpers.tiny_infd import (
     internal_token,
     manifest,
     revision_of_manifest,
+    routed_to,
     wait_condition,
 )
 from helpers.waits import READY_S
 from kvfence_devcluster.fixtures import Cluster, start_cluster
 from kvfence_engine.contracts import TOKEN_HEADER
 from kvfence_engine.tools import http_clients
-from kvfence_operator.meta import LABEL_ROLE
+from kvfence_operator.meta import KV_POOL_GATE, LABEL_ROLE
 
 MAX_REQUESTS = 200
 RATE = 20.0  # requests a second: a run of ~100 requests is bounded to ~5 s of sending
-STANDING = {"schedule": "@every 10s", "standingLoad": {"maxRequests": MAX_REQUESTS,
-            "requestsPerSecond": RATE}}  # fmt: skip
+STANDING = {"schedule": "@every 10s", "onFailure": "Quarantine",
+            "standingLoad": {"maxRequests": MAX_REQUESTS, "requestsPerSecond": RATE}}  # fmt: skip
 
 
 def canary_runs(operator: Operator) -> dict[tuple[str, str], float]:
@@ -65,9 +68,14 @@ def isolation_gauge(operator: Operator) -> float | None:
     )
 
 
-def switch_on_early_release(cluster: Cluster, revision: str) -> None:
+def decode_pod(cluster: Cluster, revision: str) -> dict[str, Any]:
     pods = engine_pods(cluster, revision)
     (decode,) = [p for p in pods if p["metadata"]["labels"][LABEL_ROLE] == "decode"]
+    return decode
+
+
+def switch_on_early_release(cluster: Cluster, revision: str) -> None:
+    decode = decode_pod(cluster, revision)
     answer = httpx.post(
         cluster.pod_url(decode) + "/internal/unsafe-fault",
         json={"fault": "early-release"},
@@ -127,8 +135,28 @@ def test_the_standing_canary_passes_a_healthy_revision_and_catches_a_fault_switc
         assert event["type"] == "Warning" and "may have been exposed" in event["message"]
         assert canary_runs(operator).get(("standing", "failed")) == 1
         assert isolation_gauge(operator) == 0
-        # the rollout's verdict is untouched: the revision still serves, and says it failed
+        # the rollout's verdict is untouched
         assert infd(cluster)["status"]["canary"]["result"] == "Passed"
-        assert condition(failed, "Ready")["status"] == "True"
+
+        # Quarantine: the decode pod whose counters rose leaves the routers, kept for inspection
+        decode = decode_pod(cluster, revision)["metadata"]["name"]
+        assert watch["quarantined"] == [decode]
+        told = [e for e in events(cluster, "Quarantined") if "left the routers" in e["message"]]
+        (quarantined,) = told  # and the pod's gate's own Event, that it stopped taking traffic
+        assert quarantined["type"] == "Warning" and decode in quarantined["message"]
+        gate = cluster.wait_for(
+            lambda: cluster.pod_condition(decode_pod(cluster, revision), KV_POOL_GATE),
+            "the decode pod's kv-pool gate to close",
+            until=lambda c: (c or {}).get("status") == "False",
+        )
+        assert gate is not None and gate["reason"] == "Quarantined"
+        cluster.wait_for(
+            lambda: routed_to(cluster, revision),
+            "the router to route to no decode engine",
+            until=lambda routed: routed["decode"] == [],
+        )
+        with pytest.raises(openai.APIStatusError) as refused:  # fails closed: nothing decodes
+            complete(cluster, revision)
+        assert refused.value.status_code == 503
         operator.stop()
         assert not cluster.problems()

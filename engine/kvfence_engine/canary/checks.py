@@ -315,11 +315,13 @@ def check_engine_counters(
         return _verdict(
             ENGINE_COUNTERS, inputs, [], "", f"the target's /metrics could not be read{why}"
         )
-    findings, moved = [], {}
+    findings, moved, implicated = [], {}, set()
     for (counter, source), value in after.values.items():
         rise = value - before.values.get((counter, source), 0.0)
         if rise:
             moved[f"{counter}_total {source}"] = rise
+        if rise > 0 and counter in MUST_NOT_RISE:
+            implicated.add(source.rsplit(" ", 1)[-1])  # "decode http://...": the backend URL
         if rise < 0:
             findings.append(
                 f"{counter}_total on {source} went down ({rise:g}): the engine restarted during "
@@ -328,6 +330,7 @@ def check_engine_counters(
         elif rise > 0 and counter in MUST_NOT_RISE:
             findings.append(f"{counter}_total on {source} rose by {rise:g} during the run")
     inputs["moved"] = moved
+    inputs["implicated"] = sorted(implicated)
     unreadable = [
         f"{reason} ({when} the run)"
         for when, snapshot in (("before", before), ("after", after))

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvfence_engine.canary.checks import COULD_NOT_RUN, FAIL, CheckResult
+from kvfence_engine.contracts import IMPLICATED_BACKENDS
 
 EXIT_PASS = 0
 EXIT_FAIL = 1  # an isolation or status check failed
@@ -41,6 +42,28 @@ class CanaryReport:
         head = {"pass": "PASS", "fail": "FAIL", "error": "ERROR"}[self.outcome]
         line = f"kvfence canary {head}: {self.reason}"
         return line.encode()[:TERMINATION_LIMIT].decode(errors="ignore")
+
+    @property
+    def implicated(self) -> list[str]:
+        """The backends whose isolation counters rose during the run (engine_counters)."""
+        return sorted(
+            {url for check in self.checks for url in check.inputs.get("implicated") or []}
+        )
+
+    @property
+    def termination_message(self) -> str:
+        """The summary, then the implicated backends (contracts.IMPLICATED_BACKENDS): as many
+        whole URLs as fit in half of what Kubernetes keeps, the summary in the rest."""
+        urls: list[str] = []
+        for url in self.implicated:
+            if len(" ".join([*urls, url])) > TERMINATION_LIMIT // 2:
+                break
+            urls.append(url)
+        if not urls:
+            return self.summary
+        tail = f"\n{IMPLICATED_BACKENDS} {' '.join(urls)}"
+        head = self.summary.encode()[: TERMINATION_LIMIT - len(tail.encode())]
+        return head.decode(errors="ignore") + tail
 
     def human(self) -> str:
         lines = [
@@ -106,5 +129,5 @@ def write_termination_message(report: CanaryReport, path: str = TERMINATION_LOG)
     if not (os.path.exists(path) and os.access(path, os.W_OK)):
         return False
     with open(path, "w") as f:
-        f.write(report.summary)
+        f.write(report.termination_message)
     return True

@@ -488,6 +488,13 @@ class StandingLoad(_ApiModel):
     )
 
 
+class CanaryFailureAction(StrEnum):
+    REPORT = "Report"  # say it (IsolationVerified, an Event, the metric) and serve on
+    # also take the pods it implicates out of the routers (all of the revision's engine pods
+    # when it names none): their kv-pool gate False, kept for inspection until deleted
+    QUARANTINE = "Quarantine"
+
+
 class CanarySpec(_ApiModel):
     """The isolation canary Job that gates every rollout, and the standing canary that keeps
     watching the serving revision."""
@@ -512,6 +519,13 @@ class CanarySpec(_ApiModel):
         "False. Applied in place: no new revision.",
     )
     standing_load: StandingLoad = Field(default_factory=StandingLoad, **OBJECT_DEFAULT)
+    on_failure: CanaryFailureAction = Field(
+        CanaryFailureAction.REPORT,
+        description="What a failed standing run does beyond reporting it. Quarantine: the "
+        "engine pods whose isolation counters rose in the run (every engine pod of the "
+        "serving revision when the canary names none) leave the routers, their kv-pool gate "
+        "False, until you delete them.",
+    )
 
     @field_validator("schedule")
     @classmethod
@@ -874,6 +888,8 @@ class ConditionReason(StrEnum):
     POOL_TOO_SMALL = "PoolTooSmall"
     POOL_UNKNOWN = "PoolUnknown"
     ISOLATION_DEFENCE_OFF = "IsolationDefenceOff"
+    # a pod's kv-pool gate: a failed standing canary run implicated it (onFailure Quarantine)
+    QUARANTINED = "Quarantined"
 
 
 class EventReason(StrEnum):
@@ -899,6 +915,7 @@ class EventReason(StrEnum):
     STANDING_CANARY_FAILED = "StandingCanaryFailed"
     STANDING_CANARY_COULD_NOT_RUN = "StandingCanaryCouldNotRun"
     STANDING_CANARY_PASSED = "StandingCanaryPassed"
+    QUARANTINED = "Quarantined"  # pods a failed standing run implicated left the routers
 
 
 class Condition(_LenientModel):
@@ -1024,6 +1041,11 @@ class StandingCanaryStatus(_LenientModel):
         "canary's Job (else when the watch began).",
     )
     last_failure: StandingFailure | None = None
+    quarantined: list[str] | None = Field(
+        None,
+        description="Engine pods out of the routers after a failed run (spec.canary.onFailure "
+        "Quarantine), until they are deleted.",
+    )
 
 
 class CandidateStatus(_LenientModel):

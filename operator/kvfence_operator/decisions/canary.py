@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from kvfence_engine.contracts import IMPLICATED_BACKENDS
 from kvfence_operator.builders.canary_job import CONTAINER as CANARY_CONTAINER
 from kvfence_operator.builders.canary_job import EXIT_FINDING
 from kvfence_operator.decisions.drift import holds
@@ -40,6 +41,9 @@ class CanaryOutcome:
     message: str = ""
     uid: str | None = None  # the Job's: a verdict in status names the Job it came from
     rerun: str = ""  # the kvfence.dev/rerun-canary value the Job was created with
+    # the backend URLs whose isolation counters rose during the run, as its termination
+    # message names them (contracts.IMPLICATED_BACKENDS)
+    implicated: tuple[str, ...] = ()
 
 
 def rerun_value(obj: Mapping[str, Any] | None) -> str:
@@ -72,6 +76,7 @@ def canary_outcome(job: Mapping[str, Any], pods: list[dict[str, Any]]) -> Canary
     }
     tries = sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp") or "")
     message = next((m for pod in reversed(tries) if (m := _termination_message(pod))), "")
+    message, implicated = split_implicated(message)
     if "Complete" in conditions:
         return CanaryOutcome(name, JobPhase.SUCCEEDED, message, **ids)
     if "Failed" not in conditions:
@@ -80,9 +85,10 @@ def canary_outcome(job: Mapping[str, Any], pods: list[dict[str, Any]]) -> Canary
     reason = failed.get("reason") or ""
     findings = [pod for pod in tries if _exit(pod) == EXIT_FINDING]
     if reason == "PodFailurePolicy" or findings:
-        found = _termination_message(findings[-1]) if findings else message
-        why = found or f"job failed: {failed.get('message')}"
-        return CanaryOutcome(name, JobPhase.FAILED, why, **ids)
+        if findings:
+            message, implicated = split_implicated(_termination_message(findings[-1]))
+        why = message or f"job failed: {failed.get('message')}"
+        return CanaryOutcome(name, JobPhase.FAILED, why, implicated=implicated, **ids)
     attempts = sum((p.get("status") or {}).get("phase") == "Failed" for p in tries)
     why = {
         "BackoffLimitExceeded": f"no verdict in {attempts} tries",
@@ -158,6 +164,17 @@ def _exit(pod: Mapping[str, Any]) -> int | None:
 def _termination_message(pod: Mapping[str, Any]) -> str:
     terminated = (_canary_container(pod).get("state") or {}).get("terminated") or {}
     return str(terminated.get("message") or "").strip()
+
+
+def split_implicated(message: str) -> tuple[str, tuple[str, ...]]:
+    """A termination message's summary, and the backends its IMPLICATED_BACKENDS line names."""
+    summary, implicated = [], []
+    for line in message.splitlines():
+        if line.startswith(IMPLICATED_BACKENDS):
+            implicated += line.removeprefix(IMPLICATED_BACKENDS).split()
+        else:
+            summary.append(line)
+    return "\n".join(summary).strip(), tuple(implicated)
 
 
 def _last_words(pod: Mapping[str, Any]) -> str:

@@ -32,6 +32,7 @@ from kvfence_operator.builders.canary_job import (
 )
 from kvfence_operator.crd.schedule import parse as parse_schedule
 from kvfence_operator.crd.types import (
+    CanaryFailureAction,
     CanaryResult,
     ConditionReason,
     ConditionStatus,
@@ -47,9 +48,11 @@ from kvfence_operator.decisions.canary import (
     job_context_length,
     job_mismatch,
 )
+from kvfence_operator.decisions.pool_gate import PodGate
 from kvfence_operator.decisions.rollout import Event
 from kvfence_operator.meta import Instance
 
+QUARANTINE = CanaryFailureAction.QUARANTINE
 HISTORY = 3  # finished standing Jobs kept, the newest (and the last failure's)
 VERDICTS = {
     JobPhase.SUCCEEDED: CanaryResult.PASSED,
@@ -68,6 +71,15 @@ class StandingJob:
     @property
     def name(self) -> str:
         return str(self.job["metadata"]["name"])
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePod:
+    """An engine pod of the serving revision that may serve: its name and its URL, as the
+    routers' backends name it (pods.pod_url)."""
+
+    name: str
+    url: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +109,12 @@ def plan_standing(
     jobs: Sequence[StandingJob],
     rollout_canary_started: datetime | None,
     now: datetime,
+    engine_pods: Sequence[EnginePod] = (),
 ) -> StandingPlan:
     """`serving`: the revision the stable Service selects (None: none yet); `context_length`:
     the context it serves (None: its pools are not known yet, so no run starts);
-    `rollout_canary_started`: its rollout canary Job's start, if that Job is still there."""
+    `rollout_canary_started`: its rollout canary Job's start, if that Job is still there;
+    `engine_pods`: its engine pods, which a failure may quarantine."""
     text = spec.canary.schedule
     if text is None or serving is None:
         return StandingPlan()
@@ -117,13 +131,18 @@ def plan_standing(
     elif status.schedule != text or status.next_run_time is None:
         status = replace_status(status, schedule=text, next_run_time=schedule.next_after(now))
     events: list[Event] = []
+    # quarantined pods stay out until they are deleted
+    live = {pod.name for pod in engine_pods}
+    if status.quarantined and not live.issuperset(status.quarantined):
+        kept = [name for name in status.quarantined if name in live]
+        status = replace_status(status, quarantined=kept or None)
 
     # the run in progress: its verdict, once its Job has ended
     run = status.last_run
     if run is not None and run.result is CanaryResult.RUNNING:
         ended = _verdict(spec, instance, serving, context_length, run, jobs)
         if ended is not None:
-            result, message = ended
+            result, message, implicated = ended
             run = run.model_copy(update={"result": result, "message": message})
             status = replace_status(status, last_run=run)
             if result is CanaryResult.PASSED:
@@ -136,6 +155,9 @@ def plan_standing(
                 )
                 status = replace_status(status, last_failure=failure)
             events.append(_verdict_event(status))
+            if result is CanaryResult.FAILED and spec.canary.on_failure is QUARANTINE:
+                status, event = _quarantine(status, engine_pods, implicated)
+                events.append(event)
 
     # a run due now
     create = None
@@ -170,11 +192,12 @@ def _verdict(
     context_length: int | None,
     run: StandingRun,
     jobs: Sequence[StandingJob],
-) -> tuple[CanaryResult, str] | None:
-    """The run's verdict and the canary's summary once its Job ended; None while it runs."""
+) -> tuple[CanaryResult, str, tuple[str, ...]] | None:
+    """The run's verdict, the canary's summary and the backends it implicates, once its Job
+    ended; None while it runs."""
     job = next((j for j in jobs if j.name == run.job), None)
     if job is None:
-        return CanaryResult.COULD_NOT_RUN, f"its Job {run.job} was deleted before it ended"
+        return CanaryResult.COULD_NOT_RUN, f"its Job {run.job} was deleted before it ended", ()
     result = VERDICTS.get(job.outcome.phase)
     if result is None:
         return None
@@ -189,8 +212,45 @@ def _verdict(
             CanaryResult.COULD_NOT_RUN,
             f"Job {run.job} is not the one the operator built ({mismatch}; spec.canary changed "
             "while it ran, or someone else made it)",
+            (),
         )
-    return result, job.outcome.message or str(job.outcome.phase)
+    return result, job.outcome.message or str(job.outcome.phase), job.outcome.implicated
+
+
+def _quarantine(
+    status: StandingCanaryStatus, pods: Sequence[EnginePod], implicated: Sequence[str]
+) -> tuple[StandingCanaryStatus, Event]:
+    """The pods the failed run implicates (its engine counters rose there), else every engine
+    pod of the revision: a leak the canary saw but could not place is trusted to no pod."""
+    named = [pod.name for pod in pods if pod.url is not None and pod.url in implicated]
+    chosen = named or [pod.name for pod in pods]
+    why = (
+        f"their isolation counters rose during the run ({', '.join(implicated)})"
+        if named
+        else "the run named no engine (every engine pod of the revision)"
+    )
+    quarantined = sorted({*(status.quarantined or []), *chosen})
+    failure = status.last_failure
+    assert failure is not None
+    event = Event(
+        "Warning",
+        EventReason.QUARANTINED,
+        f"{', '.join(chosen) or 'no engine pod'} left the routers (kv-pool gate False): "
+        f"standing canary {failure.job} failed and {why}; kept for inspection until you delete "
+        "them (spec.canary.onFailure Quarantine)",
+    )
+    return replace_status(status, quarantined=quarantined or None), event
+
+
+def quarantine_gate(pod: str) -> PodGate:
+    """The kv-pool gate of a quarantined pod: closed, whatever its pool."""
+    return PodGate(
+        pod,
+        False,
+        ConditionReason.QUARANTINED,
+        "a failed standing canary run quarantined this pod (status.standingCanary); delete it "
+        "once inspected and its ReplicaSet starts a fresh one",
+    )
 
 
 def _verdict_event(status: StandingCanaryStatus) -> Event:

@@ -32,6 +32,7 @@ from kvfence_operator.crd.types import (
     RevisionStatus,
     Role,
     RoleReplicas,
+    StandingCanaryStatus,
 )
 from kvfence_operator.decisions.autoscaling import PodLoad, Recommendation
 from kvfence_operator.decisions.canary import (
@@ -66,7 +67,12 @@ from kvfence_operator.decisions.scaling import (
     ServingRole,
     plan_pass_scaling,
 )
-from kvfence_operator.decisions.standing_canary import StandingPlan, plan_standing
+from kvfence_operator.decisions.standing_canary import (
+    EnginePod,
+    StandingPlan,
+    plan_standing,
+    quarantine_gate,
+)
 from kvfence_operator.meta import (
     ANNOTATION_DRAINING,
     ANNOTATION_RERUN_CANARY,
@@ -191,7 +197,8 @@ def decide(
 
     observed: dict[str, RevisionObservation] = {}
     pools_of: dict[str, list[PodPool]] = {}
-    writes = []
+    writes: list[RevisionWrites] = []
+    quarantined = _quarantined(given.previous.standing_canary, current)
     problems: list[Problem] = []
     events: list[Event] = []
     for revision, seen in given.seen.items():
@@ -210,6 +217,7 @@ def decide(
             unsafe_faults_allowed,
             scaling.draining if revision == current else frozenset(),
             scaling.floors,
+            quarantined if revision == current else frozenset(),
         )
         pools_of[revision] = list(seen.pools)
         if (crashing := engine_crash_loop(revision, seen.engine_pods)) is not None:
@@ -246,6 +254,23 @@ def decide(
         events += _selector_drift(given, plan.serve)
     standing = _standing(given, plan.serve, observed, now)
     events += standing.events
+    now_quarantined = _quarantined(standing.status, current)
+    if current is not None and now_quarantined != quarantined and current in observed:
+        # a failure quarantined pods this pass: out of the routers now, not a pass later
+        judged = judged_spec(current, desired, spec, given.seen[current].record)
+        if judged is not None:
+            observed[current], written = _revision(
+                judged,
+                instance,
+                given.seen[current],
+                observed[current].canary,
+                now_ms,
+                unsafe_faults_allowed,
+                scaling.draining,
+                scaling.floors,
+                now_quarantined,
+            )
+            writes = [written if w.revision == current else w for w in writes]
     mark = derived_mark(credentials_key) if credentials_key is not None else None
     keep = {*plan.keep, *((given.held,) if given.held is not None else ())}
     events += scaling.events
@@ -270,6 +295,13 @@ def decide(
     )
 
 
+def _quarantined(status: StandingCanaryStatus | None, serving: str | None) -> frozenset[str]:
+    """The serving revision's pods a failed standing run quarantined."""
+    if status is None or serving is None or status.revision != serving:
+        return frozenset()
+    return frozenset(status.quarantined or ())
+
+
 def _standing(
     given: PassInputs,
     serving: str | None,
@@ -291,6 +323,7 @@ def _standing(
         seen.standing,
         datetime.fromisoformat(started) if isinstance(started, str) else None,
         now,
+        [EnginePod(pod["metadata"]["name"], pod_url(pod)) for pod in seen.engine_pods],
     )
 
 
@@ -365,12 +398,15 @@ def _revision(
     unsafe_faults_allowed: bool,
     draining: frozenset[str] = frozenset(),
     floors: Mapping[str, int] | None = None,
+    quarantined: frozenset[str] = frozenset(),
 ) -> tuple[RevisionObservation, RevisionWrites]:
     """`spec`: the one this revision is judged by (revision.judged_spec). A pod whose True
     gate this pass cannot judge (pods.gate_held: a new operator's probes still running) keeps
     it, unwritten, and its place in the backends, at the context they were given. Pods
     `draining` (a scale-down: decisions/draining.py) are in no backends file; `floors`: the
-    least an autoscaled role serves with (its minReplicas), for whether it is available."""
+    least an autoscaled role serves with (its minReplicas), for whether it is available.
+    Pods `quarantined` (a failed standing canary run: decisions/standing_canary.py) get their
+    gate False, held or not, and so are in no backends file."""
     held = frozenset(
         pool.pod
         for pod, pool in zip(seen.engine_pods, seen.pools, strict=True)
@@ -386,6 +422,13 @@ def _revision(
         held=held,
         held_context=seen.backends.context_length if seen.backends else None,
     )
+    if quarantined:
+        gates_of = {
+            name: quarantine_gate(name) if name in quarantined else gate
+            for name, gate in decision.gates.items()
+        }
+        decision = replace(decision, gates=gates_of)
+        held = held - quarantined
     gates = tuple(
         (pod, decision.gates[name])
         for pod in seen.engine_pods

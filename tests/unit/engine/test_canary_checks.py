@@ -37,9 +37,9 @@ from kvfence_engine.canary.prompts import (
     pollution_lengths,
     token_prompt,
 )
-from kvfence_engine.canary.report import CanaryReport, decide
+from kvfence_engine.canary.report import CanaryReport, decide, write_termination_message
 from kvfence_engine.canary.run import CanaryRun
-from kvfence_engine.contracts import TOKEN_HEADER
+from kvfence_engine.contracts import IMPLICATED_BACKENDS, TOKEN_HEADER
 from kvfence_engine.tools.localproc import free_port
 
 MARKER = "CANARY-0123456789abcdef"
@@ -227,6 +227,27 @@ def test_engine_counters_fail_when_an_isolation_counter_rises() -> None:
     assert (
         result.reason == "kvfence_kv_tag_mismatch_total on decode http://d rose by 3 during the run"
     )
+
+
+def test_the_backends_whose_isolation_counters_rose_are_implicated_in_the_termination_message(
+    tmp_path,
+) -> None:
+    """What the operator quarantines (spec.canary.onFailure Quarantine) comes from here: the
+    summary's line, then the backends whose counters rose, never those that only moved."""
+    rose = check_engine_counters(parse_counters(metrics(2)), parse_counters(metrics(5)))
+    assert rose.inputs["implicated"] == ["http://d"]
+    late = check_engine_counters(parse_counters(metrics()), parse_counters(metrics(late=1)))
+    assert late.inputs["implicated"] == []
+    report = CanaryReport(
+        "http://router", "fail", 1, rose.reason, True, "2026-12-07T12:00:00Z", 1.0, 9, 1, None,
+        None, [rose, late], [],
+    )  # fmt: skip
+    log = tmp_path / "termination-log"
+    log.touch()
+    assert write_termination_message(report, str(log))
+    summary, implicated = log.read_text().split("\n")
+    assert summary == report.summary
+    assert implicated == f"{IMPLICATED_BACKENDS} http://d"
 
 
 def test_engine_counters_report_dropped_late_writes_without_failing() -> None:

@@ -11,6 +11,7 @@ import pytest
 from helpers.builders import instance_for, sample_spec
 from helpers.rollout import observation
 from kvfence_engine.canary import EXIT_CANNOT_RUN, EXIT_FAIL
+from kvfence_engine.contracts import IMPLICATED_BACKENDS
 from kvfence_operator.builders.canary_job import build_canary_job
 from kvfence_operator.crd.types import (
     CanaryResult,
@@ -87,6 +88,13 @@ def test_a_finding_is_a_failure_with_the_canarys_summary():
     # a Job made before the podFailurePolicy (backoffLimit 0): exit 1 is still a finding
     legacy = canary_outcome(job("BackoffLimitExceeded"), [exited(1, 1, "kvfence canary FAIL")])
     assert legacy.phase is JobPhase.FAILED
+
+
+def test_a_findings_implicated_backends_are_read_apart_from_its_summary():
+    message = f"kvfence canary FAIL: engine_counters: ...\n{IMPLICATED_BACKENDS} http://a http://b"
+    found = canary_outcome(job("PodFailurePolicy"), [exited(1, 1, message)])
+    assert found.message == "kvfence canary FAIL: engine_counters: ..."
+    assert found.implicated == ("http://a", "http://b")
 
 
 def test_tries_that_all_could_not_run_are_no_verdict():

@@ -22,9 +22,11 @@ from kvfence_operator.crd.types import (
 from kvfence_operator.decisions.canary import CanaryOutcome, JobPhase
 from kvfence_operator.decisions.standing_canary import (
     HISTORY,
+    EnginePod,
     StandingJob,
     StandingPlan,
     plan_standing,
+    quarantine_gate,
 )
 from kvfence_operator.meta import Instance
 
@@ -57,6 +59,12 @@ class Watch:
         self.jobs: dict[str, StandingJob] = {}
         self.plans: list[StandingPlan] = []
 
+    pods: tuple[EnginePod, ...] = (
+        EnginePod("tiny-r1-prefill-a", "http://10.0.0.1:8000"),
+        EnginePod("tiny-r1-decode-b", "http://10.0.0.2:8000"),
+        EnginePod("tiny-r1-decode-c", "http://10.0.0.3:8000"),
+    )
+
     def at(
         self, seconds: float, serving: str = REVISION, context: int | None = CONTEXT
     ) -> StandingPlan:
@@ -69,6 +77,7 @@ class Watch:
             list(self.jobs.values()),
             ROLLOUT_CANARY,
             START + timedelta(seconds=seconds),
+            self.pods,
         )
         self.status = plan.status
         if plan.create is not None:
@@ -83,12 +92,13 @@ class Watch:
         self.plans.append(plan)
         return plan
 
-    def end(self, phase: JobPhase, message: str = "") -> str:
+    def end(self, phase: JobPhase, message: str = "", implicated: tuple[str, ...] = ()) -> str:
         """The run in progress ends."""
         assert self.status is not None and self.status.last_run is not None
         name = self.status.last_run.job
         job = self.jobs[name]
-        self.jobs[name] = StandingJob(job.job, CanaryOutcome(name, phase, message))
+        outcome = CanaryOutcome(name, phase, message, implicated=implicated)
+        self.jobs[name] = StandingJob(job.job, outcome)
         return name
 
     def condition(self) -> tuple[ConditionStatus, ConditionReason]:
@@ -326,3 +336,50 @@ def test_the_standing_job_carries_the_spec_load_bounds() -> None:
     assert args[args.index("--max-requests") + 1] == "150"
     assert args[args.index("--rate") + 1] == "0.5"
     assert args[args.index("--context-length") + 1] == "256"
+
+
+def failed_with(implicated: tuple[str, ...], on_failure: str = "Quarantine") -> Watch:
+    watch = Watch(spec(onFailure=on_failure))
+    watch.at(0)
+    watch.at(60)
+    watch.end(JobPhase.FAILED, FINDING, implicated)
+    watch.at(70)
+    return watch
+
+
+def test_quarantine_takes_out_the_pods_whose_counters_rose() -> None:
+    watch = failed_with(("http://10.0.0.3:8000",))
+    assert watch.status is not None and watch.status.quarantined == ["tiny-r1-decode-c"]
+    warnings = [e for e in watch.plans[-1].events if e.reason is EventReason.QUARANTINED]
+    (event,) = warnings
+    assert event.type == "Warning" and "tiny-r1-decode-c" in event.message
+    assert "http://10.0.0.3:8000" in event.message
+
+
+def test_a_leak_the_canary_could_not_place_quarantines_every_engine_pod() -> None:
+    watch = failed_with(())
+    assert watch.status is not None
+    assert watch.status.quarantined == ["tiny-r1-decode-b", "tiny-r1-decode-c", "tiny-r1-prefill-a"]
+
+
+def test_report_quarantines_nothing() -> None:
+    watch = failed_with(("http://10.0.0.3:8000",), on_failure="Report")
+    assert watch.status is not None and watch.status.quarantined is None
+    assert EventReason.QUARANTINED not in {e.reason for p in watch.plans for e in p.events}
+
+
+def test_a_quarantined_pod_stays_out_until_it_is_deleted_and_a_pass_does_not_release_it() -> None:
+    watch = failed_with(("http://10.0.0.3:8000",))
+    watch.at(120)
+    watch.end(JobPhase.SUCCEEDED, "PASS")
+    watch.at(130)
+    assert watch.status is not None and watch.status.quarantined == ["tiny-r1-decode-c"]
+    watch.pods = watch.pods[:2]  # deleted: its ReplicaSet starts another
+    watch.at(140)
+    assert watch.status is not None and watch.status.quarantined is None
+
+
+def test_the_quarantine_gate_is_closed_with_its_reason() -> None:
+    gate = quarantine_gate("tiny-r1-decode-c")
+    assert not gate.sufficient and gate.reason is ConditionReason.QUARANTINED
+    assert "delete it" in gate.message

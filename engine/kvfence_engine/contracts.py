@@ -467,6 +467,17 @@ class AbortReply(_Message):
     aborted: bool
 
 
+class TenantRequests(_Reading):
+    """GET /internal/v1/tenant-requests?since=&until= of a router (router/tenant_activity.py):
+    the requests it answered per tenant in [since, until) (unix seconds, whole minutes), and
+    the earliest time it knows of (its start, or the end of its retention)."""
+
+    since: float
+    until: float
+    covered_since: float
+    tenants: dict[str, int]
+
+
 class UnsafeFaultSwitch(_Message):
     """POST /internal/unsafe-fault: a fault of core/faults.py::RUNTIME to switch on in a
     running engine (test-only)."""

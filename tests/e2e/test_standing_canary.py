@@ -133,6 +133,12 @@ def test_the_standing_canary_passes_a_healthy_revision_and_catches_a_fault_switc
             e for e in events(cluster, "StandingCanaryFailed") if failure["job"] in e["message"]
         ]
         assert event["type"] == "Warning" and "may have been exposed" in event["message"]
+        # whom to tell: the user's tenant was answered in the window; the canary's are left out
+        assert failure["tenants"].get("team-a", 0) >= 1, failure
+        assert not any(t.startswith("kvfence-canary") for t in failure["tenants"])
+        assert failure["tenantsRead"].startswith("1 of 1 routers read")
+        (exposed,) = events(cluster, "ExposedTenants")
+        assert exposed["type"] == "Warning" and "team-a (" in exposed["message"]
         assert canary_runs(operator).get(("standing", "failed")) == 1
         assert isolation_gauge(operator) == 0
         # the rollout's verdict is untouched

@@ -26,6 +26,7 @@ from kvfence_engine.contracts import (
     KvPoolReport,
     RouterPoolSummary,
     TenantPoolSummary,
+    TenantRequests,
 )
 from kvfence_engine.core import errors
 from kvfence_engine.router.backends import StalePush
@@ -65,7 +66,12 @@ ANY_TOKEN_ID = 1 << 31
 def create_router_app(state: RouterState) -> FastAPI:
     app = new_app("kvfence router")
     # outside every other middleware: it counts their refusals too (the body cap's 413)
-    app.add_middleware(RequestCounts, tenant_of=state.tenant_label, requests=state.metrics.requests)
+    app.add_middleware(
+        RequestCounts,
+        tenant_of=state.tenant_label,
+        requests=state.metrics.requests,
+        activity=state.activity,
+    )
 
     @app.get("/readyz", responses=READYZ_RESPONSES)
     async def readyz() -> JSONResponse:
@@ -114,6 +120,16 @@ def create_router_app(state: RouterState) -> FastAPI:
             return _json(await state.tenant_pools.get(tenant_pools))
 
         return await in_flight(state, state.tenant(request), admitted)
+
+    @app.get("/internal/v1/tenant-requests", responses=error_responses(400, 401, 403))
+    async def tenant_requests(request: Request, since: float, until: float) -> TenantRequests:
+        """Requests answered per tenant between two unix times, in whole minutes: whose
+        requests a revision served in a standing canary's exposure window. Internal token
+        only: it names every tenant."""
+        state.require_operator(request)
+        if not 0 <= since <= until < float("inf"):
+            raise errors.invalid_request("need 0 <= since <= until (unix seconds)", "since")
+        return state.activity.between(since, until)
 
     @app.get("/internal/v1/backends", responses=error_responses(401, 403))
     async def backends_in_force(request: Request) -> BackendsInForce:

@@ -19,6 +19,8 @@ from prometheus_client import Counter
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvfence_engine.router.tenant_activity import TenantActivity
+
 UNAUTHENTICATED = "(unauthenticated)"
 OPERATOR = "(operator)"
 COUNTED_PREFIX = "/v1/"
@@ -29,11 +31,16 @@ class RequestCounts:
     `tenant_of(headers)` and the status."""
 
     def __init__(
-        self, app: ASGIApp, tenant_of: Callable[[Headers], str], requests: Counter
+        self,
+        app: ASGIApp,
+        tenant_of: Callable[[Headers], str],
+        requests: Counter,
+        activity: TenantActivity | None = None,
     ) -> None:
         self.app = app
         self.tenant_of = tenant_of
         self.requests = requests
+        self.activity = activity  # which tenant it answered when (router/tenant_activity.py)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not str(scope.get("path", "")).startswith(COUNTED_PREFIX):
@@ -44,6 +51,8 @@ class RequestCounts:
             if message["type"] == "http.response.start":
                 tenant = self.tenant_of(Headers(scope=scope))
                 self.requests.labels(tenant=tenant, status=str(message["status"])).inc()
+                if self.activity is not None and tenant not in (OPERATOR, UNAUTHENTICATED):
+                    self.activity.record(tenant)
             await send(message)
 
         await self.app(scope, receive, counting)

@@ -26,6 +26,7 @@ from kvfence_engine.router.keys import ApiKeys
 from kvfence_engine.router.placement import PrefixRouting
 from kvfence_engine.router.recent import Recent
 from kvfence_engine.router.request_counts import OPERATOR, UNAUTHENTICATED
+from kvfence_engine.router.tenant_activity import TenantActivity
 from kvfence_engine.router.tenants import InflightCollector, TenantInflight
 from kvfence_engine.serving.connections import CLIENT_IDLE_SECONDS
 
@@ -89,6 +90,8 @@ class RouterState:
     tenant_pools: Recent[TenantPoolSummary] = field(
         default_factory=lambda: Recent(TENANT_VIEW_SECONDS)
     )
+    # which tenants it answered, minute by minute (a standing canary's exposure window)
+    activity: TenantActivity = field(default_factory=TenantActivity)
 
     def __post_init__(self) -> None:
         self.metrics.registry.register(InflightCollector(self.inflight))

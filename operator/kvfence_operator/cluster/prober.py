@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 import httpx
+from pydantic import ValidationError
 
-from kvfence_engine.contracts import TOKEN_HEADER
+from kvfence_engine.contracts import TOKEN_HEADER, TenantRequests
 from kvfence_engine.tools import http_clients
 from kvfence_operator.decisions.autoscaling import PodLoad, parse_load
 from kvfence_operator.decisions.pool_gate import PodPool, parse_pool
@@ -83,6 +84,24 @@ def read_load(
     if error is not None:
         return PodLoad(pod, role, revision, error=error)
     return parse_load(pod, role, revision, payload, read_at=time.time())
+
+
+def read_tenant_requests(
+    url: str, internal_token: str | None, since: float, until: float
+) -> TenantRequests | str:
+    """GET <router url>/internal/v1/tenant-requests: the requests it answered per tenant in
+    [since, until) (unix seconds); why not, as text. Never raises."""
+    path = f"/internal/v1/tenant-requests?since={since:.0f}&until={until:.0f}"
+    payload, error = _get_json(url, path, internal_token)
+    if error is not None:
+        return error.replace(path, "/internal/v1/tenant-requests")
+    try:
+        return TenantRequests.model_validate(payload)
+    except ValidationError as exc:
+        return f"a malformed answer ({exc.error_count()} errors)"
+
+
+TenantRequestsReader = Callable[[str, str | None, float, float], "TenantRequests | str"]
 
 
 @dataclass(frozen=True, slots=True)

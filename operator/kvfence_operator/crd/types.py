@@ -916,6 +916,8 @@ class EventReason(StrEnum):
     STANDING_CANARY_COULD_NOT_RUN = "StandingCanaryCouldNotRun"
     STANDING_CANARY_PASSED = "StandingCanaryPassed"
     QUARANTINED = "Quarantined"  # pods a failed standing run implicated left the routers
+    # the tenants the serving revision's routers answered in a failed run's exposure window
+    EXPOSED_TENANTS = "ExposedTenants"
 
 
 class Condition(_LenientModel):
@@ -1024,6 +1026,14 @@ class StandingFailure(_LenientModel):
         None,
         description="The start of the last run that passed before it (the rollout's canary "
         "Job when none had): isolation held then; from then to `time` it may not have.",
+    )
+    tenants: dict[str, int] | None = Field(
+        None,
+        description="Requests the revision's routers answered per tenant in the window (in "
+        "whole minutes; the canary's own tenants left out): whom to tell.",
+    )
+    tenants_read: str | None = Field(
+        None, description="How much of the window the routers could account for."
     )
 
 

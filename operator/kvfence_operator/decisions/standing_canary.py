@@ -21,15 +21,17 @@ A new serving revision starts a new watch: its status says nothing of another re
 """
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from kvfence_engine.contracts import TenantRequests
 from kvfence_operator.builders.canary_job import (
     build_standing_job,
     standing_job_name,
     standing_job_prefix,
 )
+from kvfence_operator.builders.secret import CANARY_TENANTS
 from kvfence_operator.crd.schedule import parse as parse_schedule
 from kvfence_operator.crd.types import (
     CanaryFailureAction,
@@ -98,6 +100,9 @@ class StandingPlan:
     delete: tuple[str, ...] = ()  # finished Jobs past the history
     events: tuple[Event, ...] = ()
     condition: IsolationVerdict | None = None
+    # a failure recorded this pass: ask the serving revision's routers whom they answered in
+    # its window (unix seconds), then with_exposure
+    exposure: tuple[float, float] | None = None
 
 
 def plan_standing(
@@ -131,6 +136,7 @@ def plan_standing(
     elif status.schedule != text or status.next_run_time is None:
         status = replace_status(status, schedule=text, next_run_time=schedule.next_after(now))
     events: list[Event] = []
+    exposure = None  # the window of a failure recorded this pass
     # quarantined pods stay out until they are deleted
     live = {pod.name for pod in engine_pods}
     if status.quarantined and not live.issuperset(status.quarantined):
@@ -154,6 +160,8 @@ def plan_standing(
                     job=run.job, time=now, message=message, exposure_since=status.last_passed_time
                 )
                 status = replace_status(status, last_failure=failure)
+                if failure.exposure_since is not None:
+                    exposure = (failure.exposure_since.timestamp(), now.timestamp())
             events.append(_verdict_event(status))
             if result is CanaryResult.FAILED and spec.canary.on_failure is QUARANTINE:
                 status, event = _quarantine(status, engine_pods, implicated)
@@ -178,7 +186,51 @@ def plan_standing(
         _past_history(jobs, status),
         tuple(events),
         isolation_verdict(status),
+        exposure,
     )
+
+
+def with_exposure(
+    plan: StandingPlan, reads: Sequence[tuple[str, TenantRequests | str]]
+) -> StandingPlan:
+    """The failure of `plan` with whom the routers answered in its window (`reads`: each
+    router's URL and its answer, or why there is none): in status, and a Warning Event."""
+    status = plan.status
+    if plan.exposure is None or status is None or status.last_failure is None:
+        return plan
+    since, until = plan.exposure
+    tenants: dict[str, int] = {}
+    gaps = []
+    for url, read in reads:
+        if isinstance(read, str):
+            gaps.append(f"router {url} could not be read: {read}")
+            continue
+        for tenant, count in read.tenants.items():
+            if tenant not in CANARY_TENANTS:
+                tenants[tenant] = tenants.get(tenant, 0) + count
+        if read.covered_since > since:
+            gaps.append(f"router {url} knows only from {_time(_utc(read.covered_since))} on")
+    read_ok = sum(1 for _, read in reads if not isinstance(read, str))
+    note = f"{read_ok} of {len(reads)} routers read" + "".join(f"; {gap}" for gap in gaps)
+    failure = status.last_failure.model_copy(update={"tenants": tenants, "tenants_read": note})
+    said = ", ".join(f"{t} ({n})" for t, n in sorted(tenants.items(), key=lambda i: -i[1]))
+    event = Event(
+        "Warning",
+        EventReason.EXPOSED_TENANTS,
+        f"revision {status.revision}'s routers answered these tenants between "
+        f"{_time(_utc(since))} and {_time(_utc(until))}, the window of standing canary "
+        f"{failure.job}'s failure: {said or 'none'} ({note})",
+    )
+    return replace(
+        plan,
+        status=replace_status(status, last_failure=failure),
+        events=(*plan.events, event),
+        exposure=None,
+    )
+
+
+def _utc(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
 
 
 def replace_status(status: StandingCanaryStatus, **changes: Any) -> StandingCanaryStatus:

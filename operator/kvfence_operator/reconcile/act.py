@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from kvfence_engine.contracts import TenantRequests
 from kvfence_operator.builders import build_revision_children
 from kvfence_operator.builders.canary_job import canary_job_name
 from kvfence_operator.builders.engine_deployment import ENGINE_ROLES
@@ -26,6 +27,7 @@ from kvfence_operator.builders.secret import (
 )
 from kvfence_operator.cluster.cache import ClusterVerbs
 from kvfence_operator.cluster.kube import KubeError, api_message
+from kvfence_operator.cluster.prober import TenantRequestsReader, read_tenant_requests
 from kvfence_operator.cluster.router_push import BackendsPusher
 from kvfence_operator.decisions.declaration import declared_as
 from kvfence_operator.decisions.draining import DRAINED_DELETION_COST
@@ -55,6 +57,8 @@ class Acted:
     events: list[Event]  # of the writes that changed something worth an Event
     served: bool  # the stable Service is ours and selects the serving revision
     canary_refused: Problem | None = None  # the API refused the canary Job the plan starts
+    # a failed standing run's window: each serving router's answer (decisions/standing_canary)
+    exposure: tuple[tuple[str, TenantRequests | str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class Act:
     credentials_key: bytes | None
     push_backends: BackendsPusher
     owner_deleted: Callable[[str], bool]
+    read_tenants: TenantRequestsReader = read_tenant_requests
 
     def run(self, plan: PassPlan) -> Acted:
         """The plan's writes, in the order that keeps every invariant: children before the
@@ -92,8 +97,9 @@ class Act:
             self.fence_routers(plan.rollout.keep, plan.open_routers)
             served = self.serve(plan.stable_service)
         self.watch(plan.standing)
+        exposure = self.exposed(plan)
         self.retire(plan.retirement)
-        return Acted(events, served, canary_refused)
+        return Acted(events, served, canary_refused, exposure)
 
     # ---- ownership -----------------------------------------------------------------------
 
@@ -220,6 +226,21 @@ class Act:
             self.claim(standing.create)
         for name in standing.delete:
             self.kube.delete("batch/v1", "Job", self.instance.namespace, name)
+
+    def exposed(self, plan: PassPlan) -> tuple[tuple[str, TenantRequests | str], ...]:
+        """Whom the serving revision's routers answered in a failure's window, when a standing
+        run's failure was recorded this pass."""
+        window = plan.standing.exposure
+        status = plan.standing.status
+        if window is None or status is None:
+            return ()
+        writes = next((w for w in plan.revisions if w.revision == status.revision), None)
+        if writes is None:
+            return ()
+        since, until = window
+        return tuple(
+            (url, self.read_tenants(url, writes.token, since, until)) for url in writes.routers
+        )
 
     def rerun_canary(self, revision: str, wanted: str) -> Event:
         """Delete the revision's canary Job (its pods with it): the user gave

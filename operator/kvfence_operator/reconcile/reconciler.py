@@ -22,8 +22,10 @@ from kvfence_operator.cluster.prober import (
     LoadReader,
     PoolReader,
     Prober,
+    TenantRequestsReader,
     read_load,
     read_pool,
+    read_tenant_requests,
 )
 from kvfence_operator.cluster.router_push import BackendsPusher, now_ms, push_backends
 from kvfence_operator.crd.types import (
@@ -42,6 +44,7 @@ from kvfence_operator.decisions.rollout import (
     selected_revision,
     serving_revision,
 )
+from kvfence_operator.decisions.standing_canary import with_exposure
 from kvfence_operator.decisions.status import (
     compute_status,
     conflict_events,
@@ -86,6 +89,8 @@ class Reconciler:
     # pass in flight when it goes creates nothing more (what it created before names a gone
     # owner, and the garbage collector deletes it)
     owner_deleted: Callable[[str], bool] = lambda _uid: False
+    # a router's answer to whom it served in a window (a failed standing canary's)
+    read_tenants: TenantRequestsReader = read_tenant_requests
 
     def reconcile(self, body: Mapping[str, Any]) -> Outcome:
         meta = body["metadata"]
@@ -179,7 +184,9 @@ class Reconciler:
             self.credentials_key,
             self.push_backends,
             self.owner_deleted,
+            self.read_tenants,
         ).run(plan)
+        standing = with_exposure(plan.standing, acted.exposure)
 
         # the status, from the plan and what the writes met
         endpoint = (
@@ -199,11 +206,12 @@ class Reconciler:
             now=datetime.now(UTC),
             problems=found.problems,
             autoscaling=plan.scaling.status,
-            standing=plan.standing,
+            standing=standing,
         )
         events = [
             *acted.events,
             *rollout.events,
+            *standing.events[len(plan.standing.events) :],  # whom the window exposed
             *pool_events(previous, status),
             *problem_events(previous, status, found),
         ]

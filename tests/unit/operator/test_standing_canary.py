@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kvfence_engine.contracts import TenantRequests
 from kvfence_operator.builders.canary_job import build_standing_job
 from kvfence_operator.crd.schedule import parse as parse_schedule
 from kvfence_operator.crd.types import (
@@ -27,6 +28,7 @@ from kvfence_operator.decisions.standing_canary import (
     StandingPlan,
     plan_standing,
     quarantine_gate,
+    with_exposure,
 )
 from kvfence_operator.meta import Instance
 
@@ -383,3 +385,40 @@ def test_the_quarantine_gate_is_closed_with_its_reason() -> None:
     gate = quarantine_gate("tiny-r1-decode-c")
     assert not gate.sufficient and gate.reason is ConditionReason.QUARANTINED
     assert "delete it" in gate.message
+
+
+def test_a_failure_asks_the_routers_whom_they_answered_in_its_window() -> None:
+    watch = Watch()
+    watch.at(0)
+    watch.at(60)
+    watch.end(JobPhase.SUCCEEDED, "PASS")
+    watch.at(70)
+    assert watch.plans[-1].exposure is None  # a pass asks nothing
+    watch.at(120)
+    watch.end(JobPhase.FAILED, FINDING)
+    plan = watch.at(150)
+    since, until = (
+        (START + timedelta(seconds=60)).timestamp(),
+        (START + timedelta(seconds=150)).timestamp(),
+    )
+    assert plan.exposure == (since, until)
+    reads: list[tuple[str, TenantRequests | str]] = [
+        ("http://r1", TenantRequests(since=since, until=until, covered_since=0,
+                                     tenants={"team-a": 3, "kvfence-canary-a": 50})),
+        ("http://r2", TenantRequests(since=since, until=until, covered_since=since + 30,
+                                     tenants={"team-a": 1, "team-b": 2, "kvfence-canary-b": 9})),
+        ("http://r3", "unreachable at http://r3 (ConnectError)"),
+    ]  # fmt: skip
+    told = with_exposure(plan, reads)
+    assert told.status is not None and told.status.last_failure is not None
+    # whom to tell, and how much of the window that accounts for; the canary's own left out
+    assert told.status.last_failure.tenants == {"team-a": 4, "team-b": 2}
+    note = told.status.last_failure.tenants_read or ""
+    assert note.startswith("2 of 3 routers read")
+    assert "router http://r3 could not be read" in note
+    assert "router http://r2 knows only from 2026-12-07T12:01:30Z on" in note
+    event = told.events[-1]
+    assert (event.type, event.reason) == ("Warning", EventReason.EXPOSED_TENANTS)
+    assert "team-a (4), team-b (2)" in event.message
+    assert "2026-12-07T12:01:00Z" in event.message and "2026-12-07T12:02:30Z" in event.message
+    assert with_exposure(told, reads) == told  # asked once

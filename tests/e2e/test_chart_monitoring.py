@@ -515,6 +515,8 @@ ALERTS = {
     "KvfenceTransferChecksumFailed": "warning",
     "KvfenceTimeToFirstTokenHigh": "warning",
     "KvfenceIsolationUnverified": "warning",
+    "KvfencePoolInsufficient": "warning",
+    "KvfenceRolloutStalled": "warning",
 }
 RULE_VALUES: dict[str, Any] = {
     "enabled": True,

@@ -158,6 +158,7 @@ def reconcile(
             logger.warning("%s", exc)
             return
         memo.metrics.scaling(meta["namespace"], meta["name"], outcome.status.autoscaling)
+        memo.metrics.conditions(meta["namespace"], meta["name"], outcome.status)
         memo.metrics.canaries(
             meta["namespace"],
             meta["name"],

@@ -36,6 +36,8 @@ SIGNAL_VALUE = "kvfence_autoscaling_signal_value"
 SIGNAL_TARGET = "kvfence_autoscaling_signal_target"
 CANARY_RUNS = "kvfence_canary_runs"
 ISOLATION_VERIFIED = "kvfence_isolation_verified"
+STATUS_CONDITION = "kvfence_status_condition"
+CONDITION_STATUSES = ("True", "False", "Unknown")
 VERDICTS = {
     CanaryResult.PASSED: "passed",
     CanaryResult.FAILED: "failed",
@@ -104,6 +106,20 @@ class PassMetrics:
             ["namespace", "name"],
             registry=self.registry,
         )
+        self.condition = Gauge(
+            STATUS_CONDITION,
+            "The InferenceDeployment's conditions, kube-state-metrics' way: 1 for the status "
+            "each condition has, 0 for the other two",
+            ["namespace", "name", "condition", "status"],
+            registry=self.registry,
+        )
+
+    def conditions(self, namespace: str, name: str, status: InferenceDeploymentStatus) -> None:
+        """The conditions the pass that just ended wrote."""
+        for condition in status.conditions:
+            for value in CONDITION_STATUSES:
+                labels = (namespace, name, condition.type, value)
+                self.condition.labels(*labels).set(condition.status == value)
 
     def canaries(
         self,

@@ -25,6 +25,7 @@ from kvfence_operator.app.metrics import (
     PASSES,
     SIGNAL_TARGET,
     SIGNAL_VALUE,
+    STATUS_CONDITION,
     PassMetrics,
     parse_metrics_url,
     serve_metrics,
@@ -226,3 +227,28 @@ def test_the_isolation_gauge_follows_the_condition_and_goes_with_the_schedule() 
     assert gauge() == 0
     metrics.canaries("team", "tiny", empty, empty)  # the schedule was removed
     assert gauge() is None
+
+
+def test_each_condition_is_exported_with_its_status_one_and_the_others_zero() -> None:
+    """kvfence_status_condition, kube-state-metrics' way: what the alerts on a closed pool
+    gate (PoolSufficient False) and a stuck rollout (Stalled True) read."""
+    metrics = PassMetrics()
+    stamp = "2026-12-07T12:00:00Z"
+    status = InferenceDeploymentStatus.model_validate(
+        {
+            "conditions": [
+                {"type": "PoolSufficient", "status": "False", "reason": "PoolTooSmall",
+                 "message": "", "lastTransitionTime": stamp},
+                {"type": "Stalled", "status": "True", "reason": "PoolInsufficient",
+                 "message": "", "lastTransitionTime": stamp},
+            ]
+        }
+    )  # fmt: skip
+    metrics.conditions("team", "tiny", status)
+
+    def value(condition: str, said: str) -> float | None:
+        labels = {"namespace": "team", "name": "tiny", "condition": condition, "status": said}
+        return metrics.registry.get_sample_value(STATUS_CONDITION, labels)
+
+    assert [value("PoolSufficient", s) for s in ("True", "False", "Unknown")] == [0, 1, 0]
+    assert [value("Stalled", s) for s in ("True", "False", "Unknown")] == [1, 0, 0]

@@ -392,6 +392,12 @@ def report(summary: dict[str, Any]) -> None:
     present = summary[f"concurrency_{CONCURRENCY}"]["tokens_per_s"]
     others = [s for s in (THEIRS, BATCHED, HF) if s in present]
     print()
+    m = summary["machine"]
+    print(
+        f"machine: {m['cpu']}, {m['cores']} cores, torch CPU capability {m['capability']}; "
+        f"{summary['threads']} threads each; kvfence's weights: {summary['kvfence_weight_dtype']} "
+        "(--weight-dtype auto)"
+    )
     header = f"{'scenario':<16}" + "".join(f"{s + ' tok/s':>24}" for s in (*others, OURS))
     print(header + "".join(f"{'kvfence/' + s:>27}" for s in others))
     for concurrency in (1, CONCURRENCY):
@@ -465,6 +471,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         limits = httpx.Limits(max_connections=2 * CONCURRENCY)
         async with httpx.AsyncClient(timeout=900.0, limits=limits) as http:
             clients = {s: Client(http, s, servers[s].url, args.max_tokens) for s in SERVED}
+            pool = (await http.get(servers[OURS].url + "/v1/kvpool")).json()
 
             async def one_at_a_time(system: str) -> float:
                 if system == HF:
@@ -515,6 +522,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 agree[BATCHED] = await batched_agreement(clients[OURS], concurrent, batched)
     summary = summarize(rounds, foreign, {1: systems, CONCURRENCY: concurrent_systems})
     summary.update(
+        machine=machine(),
+        kvfence_weight_dtype=pool.get("weight_dtype"),
         greedy_agreement=agree,
         llama_cpp_python=version,
         threads=args.threads,
@@ -527,6 +536,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     report(summary)
     print(f"total time: {time.perf_counter() - t0:.0f}s")
     return summary
+
+
+def machine() -> dict[str, Any]:
+    """The CPU the figures come from: machines of one kind differ (AVX2 or AVX-512)."""
+    import torch
+
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown CPU",
+    )
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def load_transformers(args: argparse.Namespace, prompts: list[str]) -> tuple[Any, list[list[int]]]:

@@ -413,6 +413,23 @@ def test_a_model_or_context_the_engines_cannot_serve_is_refused_before_any_start
     assert not list((tmp_path / "state").glob("*/*.log")), "no process was started"
 
 
+def test_what_only_a_cluster_does_is_said_before_the_checks(tmp_path):
+    """A manifest written for a cluster runs as it is: `up` says in one line each what it
+    leaves to the cluster (autoscaling, the standing canary's schedule)."""
+    cluster_only = {
+        "contextLength": 9000,  # refused by the checks, after the notes: nothing starts
+        "autoscaling": {"decode": {"maxReplicas": 2, "signal": "RunningSequences", "target": 2}},
+        "canary": {"schedule": "@every 15m"},
+    }
+    up = Up(manifest(tmp_path, **cluster_only), tmp_path)
+    assert finished(up) == 2, up.output
+    assert "spec.autoscaling (Operator) is a cluster's" in up.output
+    assert (
+        "spec.canary.schedule ('@every 15m') is a cluster's: kvfence up runs the canary once"
+        in up.output
+    )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_on_a_machine_without_it_is_refused_before_any_engine_starts(tmp_path):
     up = Up(manifest(tmp_path), tmp_path, extra=["--device", "cuda"])

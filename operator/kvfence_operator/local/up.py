@@ -644,6 +644,11 @@ def up(
             mode = spec.autoscaling.mode
             say(f"spec.autoscaling ({mode}) is a cluster's: kvfence up runs each role at its "
                 "replicas, within minReplicas..maxReplicas, and scales no further")  # fmt: skip
+        if spec.canary.schedule is not None:
+            say(
+                f"spec.canary.schedule ({spec.canary.schedule!r}) is a cluster's: kvfence up runs "
+                "the canary once, before serving; `kvfence canary` by hand runs it again"
+            )
         if options.check_engines is not None:
             # a GGUF's header holds its whole vocabulary: seconds to read, said first
             say(f"checking {spec.model.source}, the context, the device and the pools ...")

@@ -205,22 +205,28 @@ def test_with_late_write_and_no_tag_check_the_late_kv_reaches_the_new_owner(
         d.stop()
 
 
+def victim_and_bystander(d: Deployment, tokens: int) -> None:
+    """A victim's long stream, and while it decodes a bystander's short request: the
+    bystander's allocation takes a page robbed from the victim under early-release."""
+    stream = d.client().completions.create(
+        model="tiny-random",
+        prompt=prompt_of(20, 5),
+        max_tokens=tokens,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = iter(stream)
+    next(chunks)
+    d.client().completions.create(model="tiny-random", prompt=prompt_of(20, 6), max_tokens=2)
+    for _ in chunks:
+        pass
+
+
 def test_early_release_on_decode_fails_the_victim_with_a_tag_mismatch(logs_dir: Path) -> None:
     d = start_deployment(logs_dir, "early", decode_faults=["early-release"])
     try:
-        stream = d.client().completions.create(
-            model="tiny-random",
-            prompt=prompt_of(20, 5),
-            max_tokens=450,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        chunks = iter(stream)
-        next(chunks)
-        d.client().completions.create(model="tiny-random", prompt=prompt_of(20, 6), max_tokens=2)
         with pytest.raises(openai.APIError, match=r"kv_isolation_violation|KV cache"):
-            for _ in chunks:
-                pass
+            victim_and_bystander(d, 450)
         assert metric(d.decodes[0].url, "kvfence_kv_tag_mismatch_total") >= 1
     finally:
         d.stop()
@@ -235,22 +241,8 @@ def test_early_release_switched_on_in_a_running_decode_is_caught_as_when_started
     d = start_deployment(logs_dir, "switched", allow_unsafe=True)
     decode = d.decodes[0].url
 
-    def victim_and_bystander() -> None:
-        stream = d.client().completions.create(
-            model="tiny-random",
-            prompt=prompt_of(20, 5),
-            max_tokens=300,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        chunks = iter(stream)
-        next(chunks)
-        d.client().completions.create(model="tiny-random", prompt=prompt_of(20, 6), max_tokens=2)
-        for _ in chunks:
-            pass
-
     try:
-        victim_and_bystander()  # healthy: the same pair is served whole
+        victim_and_bystander(d, 300)  # healthy: the same pair is served whole
         assert metric(decode, "kvfence_kv_tag_mismatch_total") == 0
         for name in ("no-tag-check", "cross-tenant-prefix", "no-such-fault"):
             r = httpx.post(decode + "/internal/unsafe-fault", json={"fault": name})
@@ -261,7 +253,7 @@ def test_early_release_switched_on_in_a_running_decode_is_caught_as_when_started
         assert r.json() == {"unsafe_faults": ["early-release"]}
         assert httpx.get(decode + "/v1/kvpool").json()["unsafe_faults"] == ["early-release"]
         with pytest.raises(openai.APIError, match=r"kv_isolation_violation|KV cache"):
-            victim_and_bystander()
+            victim_and_bystander(d, 300)
         assert metric(decode, "kvfence_kv_tag_mismatch_total") >= 1
     finally:
         d.stop()

@@ -21,16 +21,17 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def router(tmp_path: Path, keys: bool = True) -> TestClient:
+def router(tmp_path: Path, keys: bool = True, token: str | None = TOKEN) -> TestClient:
     """A router whose backends answer nothing (port 9): a completion that passes every check
-    ends in a 503 (no instance answered)."""
+    ends in a 503 (no instance answered). `keys`: tenants tenant-a (KEY_A) and tenant-b
+    (KEY_B), else none; `token`: its internal token, or none."""
     api_keys = None
     if keys:
         (tmp_path / "keys").write_text(f"{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
         api_keys = ApiKeys.load([str(tmp_path / "keys")])
     _, tokenizer = load_tokenizer(TINY_RANDOM)
     backends = Backends.create(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], None)
-    state = RouterState("tiny", tokenizer, backends, api_keys, TOKEN, 512)
+    state = RouterState("tiny", tokenizer, backends, api_keys, token, 512)
     app = create_router_app(state)
     set_request_limits(app, max_request_bytes=4096)
     return TestClient(app, raise_server_exceptions=False)

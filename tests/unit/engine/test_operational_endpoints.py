@@ -12,19 +12,14 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from helpers.router_app import KEY_A, router
 from kvfence_engine.contracts import TOKEN_HEADER, ErrorCode, Role
 from kvfence_engine.core import errors
-from kvfence_engine.loading.tokenizer_source import TINY_RANDOM, load_tokenizer
 from kvfence_engine.router import relay
-from kvfence_engine.router.app import create_router_app
-from kvfence_engine.router.backends import Backends
-from kvfence_engine.router.keys import ApiKeys
-from kvfence_engine.router.state import RouterState
 from kvfence_engine.serving.app import create_app
 from kvfence_engine.serving.state import ServerState
 
 TOKEN = "internal-" + "t" * 32
-TENANT_KEY = "tenant-key-" + "k" * 32
 OPERATIONAL = ["/v1/kvpool", "/v1/load", "/metrics"]
 
 
@@ -92,21 +87,9 @@ def test_health_and_readiness_stay_open_and_say_only_the_status() -> None:
     assert r.json() == {"status": "loading", "error": None, "progress": None}
 
 
-def router(tmp_path: Path, *, token: str | None, keys: bool = True) -> TestClient:
-    """A router whose backends answer nothing (port 9): what is checked happens first."""
-    api_keys = None
-    if keys:
-        (tmp_path / "keys").write_text(f"{TENANT_KEY} tenant-a\n")
-        api_keys = ApiKeys.load([str(tmp_path / "keys")])
-    _, tokenizer = load_tokenizer(TINY_RANDOM)
-    backends = Backends.create(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], None)
-    state = RouterState("tiny", tokenizer, backends, api_keys, token, 512)
-    return TestClient(create_router_app(state), raise_server_exceptions=False)
-
-
 def test_a_tenant_cannot_read_the_routers_metrics(tmp_path: Path) -> None:
     client = router(tmp_path, token=TOKEN)
-    r = client.get("/metrics", headers={"Authorization": f"Bearer {TENANT_KEY}"})
+    r = client.get("/metrics", headers={"Authorization": f"Bearer {KEY_A}"})
     assert r.status_code == 403, r.text
     assert r.json()["error"]["type"] == "permission_error"
     assert "tenant-a" not in r.text
@@ -128,14 +111,14 @@ def test_the_routers_metrics_answer_the_internal_token(
 
 def test_a_router_with_keys_and_no_token_shows_its_metrics_to_nobody(tmp_path: Path) -> None:
     client = router(tmp_path, token=None)
-    for headers in ({}, {"Authorization": f"Bearer {TENANT_KEY}"}):
+    for headers in ({}, {"Authorization": f"Bearer {KEY_A}"}):
         r = client.get("/metrics", headers=headers)
         assert r.status_code == 403 and "--internal-token-file" in r.json()["error"]["message"]
 
 
 def test_a_router_with_neither_keys_nor_token_keeps_its_metrics_open(tmp_path: Path) -> None:
     """The negative control: one user on a laptop, no tenants to keep apart."""
-    assert router(tmp_path, token=None, keys=False).get("/metrics").status_code == 200
+    assert router(tmp_path, keys=False, token=None).get("/metrics").status_code == 200
 
 
 def test_a_backends_server_error_reaches_the_client_without_its_detail() -> None:

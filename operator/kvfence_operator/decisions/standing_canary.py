@@ -192,12 +192,13 @@ def plan_standing(
 
 def with_exposure(
     plan: StandingPlan, reads: Sequence[tuple[str, TenantRequests | str]]
-) -> StandingPlan:
+) -> tuple[StandingPlan, tuple[Event, ...]]:
     """The failure of `plan` with whom the routers answered in its window (`reads`: each
-    router's URL and its answer, or why there is none): in status, and a Warning Event."""
+    router's URL and its answer, or why there is none), in status; and the Warning Event that
+    names them (the pass's other events went out with the plan's decisions)."""
     status = plan.status
     if plan.exposure is None or status is None or status.last_failure is None:
-        return plan
+        return plan, ()
     since, until = plan.exposure
     tenants: dict[str, int] = {}
     gaps = []
@@ -221,12 +222,8 @@ def with_exposure(
         f"{_time(_utc(since))} and {_time(_utc(until))}, the window of standing canary "
         f"{failure.job}'s failure: {said or 'none'} ({note})",
     )
-    return replace(
-        plan,
-        status=replace_status(status, last_failure=failure),
-        events=(*plan.events, event),
-        exposure=None,
-    )
+    told = replace(plan, status=replace_status(status, last_failure=failure), exposure=None)
+    return told, (event,)
 
 
 def _utc(seconds: float) -> datetime:

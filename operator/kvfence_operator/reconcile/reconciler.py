@@ -186,7 +186,7 @@ class Reconciler:
             self.owner_deleted,
             self.read_tenants,
         ).run(plan)
-        standing = with_exposure(plan.standing, acted.exposure)
+        standing, exposed = with_exposure(plan.standing, acted.exposure)
 
         # the status, from the plan and what the writes met
         endpoint = (
@@ -211,7 +211,7 @@ class Reconciler:
         events = [
             *acted.events,
             *rollout.events,
-            *standing.events[len(plan.standing.events) :],  # whom the window exposed
+            *exposed,  # whom a failed standing run's window exposed
             *pool_events(previous, status),
             *problem_events(previous, status, found),
         ]

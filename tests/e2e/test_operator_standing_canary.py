@@ -22,13 +22,13 @@ from helpers.tiny_infd import (
     complete,
     condition,
     engine_pods,
-    events,
     infd,
     internal_token,
     manifest,
     revision_of_manifest,
     routed_to,
     wait_condition,
+    wait_events,
 )
 from helpers.waits import READY_S
 from kvfence_devcluster.fixtures import Cluster, start_cluster
@@ -103,12 +103,15 @@ def test_the_standing_canary_passes_a_healthy_revision_and_catches_a_fault_switc
         )
         watch = passed["status"]["standingCanary"]
         assert watch["revision"] == revision and watch["schedule"] == "@every 10s"
-        run = watch["lastRun"]
-        assert run["result"] == "Passed" and run["job"].startswith(f"{NAME}-{revision}-watch")
-        said = re.search(r"\((\d+) requests\)", run["message"])
-        assert said is not None, run["message"]
+        # lastRun may already be the next run (a run longer than the schedule's period is
+        # followed by the next in the same pass), so the passed run is read from its Event
+        job = watch["lastPassedJob"]
+        assert job.startswith(f"{NAME}-{revision}-watch")
+        (told,) = wait_events(cluster, "StandingCanaryPassed", job)
+        said = re.search(r"\((\d+) requests\)", told["message"])
+        assert said is not None, told["message"]
         sent = int(said.group(1))
-        assert 0 < sent <= MAX_REQUESTS, run["message"]
+        assert 0 < sent <= MAX_REQUESTS, told["message"]
         assert canary_runs(operator).get(("standing", "passed"), 0) >= 1
         assert canary_runs(operator).get(("rollout", "passed")) == 1
         assert isolation_gauge(operator) == 1
@@ -129,17 +132,15 @@ def test_the_standing_canary_passes_a_healthy_revision_and_catches_a_fault_switc
         until = datetime.fromisoformat(failure["time"])
         assert since == datetime.fromisoformat(watch["lastPassedTime"]) < until
         assert failure["exposureSince"].replace("+00:00", "Z") in message
-        (event,) = [
-            e for e in events(cluster, "StandingCanaryFailed") if failure["job"] in e["message"]
-        ]
+        (event,) = wait_events(cluster, "StandingCanaryFailed", failure["job"])
         assert event["type"] == "Warning" and "may have been exposed" in event["message"]
         # whom to tell: the user's tenant was answered in the window; the canary's are left out
         assert failure["tenants"].get("team-a", 0) >= 1, failure
         assert not any(t.startswith("kvfence-canary") for t in failure["tenants"])
         assert failure["tenantsRead"].startswith("1 of 1 routers read")
-        (exposed,) = events(cluster, "ExposedTenants")
+        (exposed,) = wait_events(cluster, "ExposedTenants", failure["job"])
         assert exposed["type"] == "Warning" and "team-a (" in exposed["message"]
-        assert canary_runs(operator).get(("standing", "failed")) == 1
+        assert canary_runs(operator).get(("standing", "failed"), 0) >= 1  # later runs may too
         assert isolation_gauge(operator) == 0
         # the rollout's verdict is untouched
         assert infd(cluster)["status"]["canary"]["result"] == "Passed"
@@ -147,8 +148,8 @@ def test_the_standing_canary_passes_a_healthy_revision_and_catches_a_fault_switc
         # Quarantine: the decode pod whose counters rose leaves the routers, kept for inspection
         decode = decode_pod(cluster, revision)["metadata"]["name"]
         assert watch["quarantined"] == [decode]
-        told = [e for e in events(cluster, "Quarantined") if "left the routers" in e["message"]]
-        (quarantined,) = told  # and the pod's gate's own Event, that it stopped taking traffic
+        # and the pod's gate's own Event, that it stopped taking traffic
+        (quarantined,) = wait_events(cluster, "Quarantined", "left the routers")
         assert quarantined["type"] == "Warning" and decode in quarantined["message"]
         gate = cluster.wait_for(
             lambda: cluster.pod_condition(decode_pod(cluster, revision), KV_POOL_GATE),

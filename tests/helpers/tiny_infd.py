@@ -88,6 +88,15 @@ def events(cluster: Cluster, reason: str) -> list[dict[str, Any]]:
     return [e for e in cluster.list("Event", "default") if e.get("reason") == reason]
 
 
+def wait_events(cluster: Cluster, reason: str, naming: str = "") -> list[dict[str, Any]]:
+    """The `reason` Events whose message names `naming`, once there is one: kopf posts a
+    pass's Events beside its status patch, not before it, so a status can be read first."""
+    return cluster.wait_for(
+        lambda: [e for e in events(cluster, reason) if naming in e["message"]],
+        f"a {reason} Event" + (f" naming {naming}" if naming else ""),
+    )
+
+
 def wait_condition(
     cluster: Cluster, kind: str, status: str, timeout: float = READY_S, reason: str | None = None
 ) -> dict[str, Any]:

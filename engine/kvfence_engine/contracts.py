@@ -131,6 +131,9 @@ class KvPoolReport(_Reading):
     kv_bytes_per_token: Positive
     kv_dtype: str
     weight_dtype: str
+    # how --weight-dtype auto chose it, with what it measured (core/weight_choice.py); None
+    # where nothing was chosen (an explicit dtype, or one path only) or from an older engine
+    weight_choice: str | None = None
     context_length_requested: Positive
     context_length_effective: Count
     context_policy: str

@@ -3,12 +3,14 @@
 from typing import TypedDict, Unpack
 
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.faults import Faults
 from kvfence_engine.core.pool_plan import ContextPolicy
 from kvfence_engine.core.request import Request, SamplingParams, is_terminal
-from kvfence_engine.loading.loader import TINY_CONFIG, tiny_random
+from kvfence_engine.loading.loader import TINY_CONFIG, LoadedModel, int4_groups, tiny_random
 
 from .pool_watch import watch_engine
 
@@ -106,3 +108,15 @@ def prompt_of(length: int, seed: int = 0) -> list[int]:
     """A deterministic prompt of exactly `length` ordinary token ids."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(100, 40000, (length,), generator=gen).tolist()
+
+
+def tiny_q4(kind: GGMLQuantizationType = GGMLQuantizationType.Q4_1) -> LoadedModel:
+    """tiny-random with every projection quantized as a GGUF would hold it: float weights are
+    the file's dequantization, int4 its blocks (what load_gguf gives)."""
+    loaded = tiny_random()
+    for name, weight in list(loaded.weights.items()):
+        if name.endswith("_proj.weight"):
+            raw = quantize(weight.numpy(), kind)
+            loaded.weights[name] = torch.from_numpy(dequantize(raw, kind))
+            loaded.int4[name] = int4_groups(raw, kind)
+    return loaded

@@ -3,8 +3,9 @@ or as one rank's part of a tensor-parallel group (core/shards.py): the same func
 rank 0's engine (core/engine.py) and the ranks that follow it (parallel/follower.py), so that
 every rank holds its part of one model and as many pages."""
 
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -14,19 +15,15 @@ from kvfence_engine.core.families import build_model
 from kvfence_engine.core.kv_cache import KVCache
 from kvfence_engine.core.model_config import ModelConfig, positions_note
 from kvfence_engine.core.pool_plan import PoolPlan, plan_pool
-from kvfence_engine.core.quantization import (
-    Int4Groups,
-    Precision,
-    WeightDtype,
-    pack_int4_linears,
-    pack_linears,
-    resolve_precision,
-)
+from kvfence_engine.core.quantization import Int4Groups, Precision, resolve_precision
 from kvfence_engine.core.shard_weights import shard_checkpoint
 from kvfence_engine.core.shards import plan_shards, pool_shape, rank_config
+from kvfence_engine.core.weight_choice import CONCURRENCY, choose_packing, pack, step_times
 
 if TYPE_CHECKING:
     from kvfence_engine.core.rank_orders import RankGroup
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_MEMORY = 512 * 1024**2
 
@@ -46,6 +43,8 @@ class BuildSettings(Protocol):
     def kv_cache_memory(self) -> int | None: ...
     @property
     def memory_fraction(self) -> float | None: ...
+    @property
+    def max_num_seqs(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +93,9 @@ def build_rank(
         )
     if context < 1:
         raise ValueError("--context-length must be >= 1")
-    model = build_packed_model(config, weights, int4, precision, device, context, group)
+    model, precision = build_packed_model(
+        config, weights, int4, precision, device, context, group, settings.max_num_seqs
+    )
     kv_dtype = (
         precision.compute
         if settings.kv_cache_dtype is None
@@ -150,9 +151,12 @@ def build_packed_model(
     device: torch.device,
     context: int,
     group: "RankGroup | None" = None,
-) -> Decoder:
+    max_num_seqs: int = CONCURRENCY,
+) -> tuple[Decoder, Precision]:
     """The model (with `group`, this rank's part of it) on `device` in `precision`, its
-    linears packed as the precision says. Takes the weights: empties both dicts."""
+    linears packed as the precision says, or, where it has candidates, as the one measured
+    fastest on this CPU (core/weight_choice.py) for up to `max_num_seqs` rows; and that
+    precision. Takes the weights: empties both dicts."""
     part = None
     if group is not None:
         shards = plan_shards(config, group.world)
@@ -162,10 +166,18 @@ def build_packed_model(
         widths = tuple(s.vocab.size for s in shards)
         part = RankPart(group, shard.vocab.start, widths, group.rank)
     model = build_model(config, weights, context, part).to(device, precision.compute)
-    if precision.packed is WeightDtype.INT4:
-        pack_int4_linears(model, model.linear_sources, int4)
-    elif precision.packed is not None:
-        pack_linears(model, precision.packed)
+    if len(precision.candidates) > 1 and group is None:
+        measure = step_times(min(CONCURRENCY, max_num_seqs))
+        choice = choose_packing(model, int4, precision.candidates, measure)
+        why = choice.reason()
+        precision = replace(precision, weights=choice.chosen, packed=choice.chosen, why=why)
+        log.info("%s", why)
+    elif (packed := precision.packed) is not None:
+        if precision.candidates:  # every rank must pack alike: no rank measures alone
+            why = f"auto serves {packed} unmeasured: tensor parallelism"
+            precision = replace(precision, why=why)
+            log.info("%s", why)
+        pack(model, packed, int4)
     weights.clear()  # the model holds them now
     int4.clear()
-    return model
+    return model, precision

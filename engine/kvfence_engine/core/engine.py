@@ -76,7 +76,7 @@ class EngineArgs:
     context_length: int | None = None
     context_policy: ContextPolicy = ContextPolicy.REFUSE
     device: str = "cpu"
-    weight_dtype: str | None = None  # None = auto: int4 for a Q4 GGUF on CPU (quantization.py)
+    weight_dtype: str | None = None  # None = auto (quantization.resolve_precision)
     kv_cache_dtype: str | None = None  # None: the compute dtype; else float32|float16|bfloat16
     max_num_seqs: int = 64
     max_batched_tokens: int = 4096
@@ -683,6 +683,7 @@ class LLMEngine(Generic[TokenizerT]):
             kv_bytes_per_token=self.plan.kv_bytes_per_token,
             kv_dtype=self.kv_dtype,
             weight_dtype=str(self.precision.weights),
+            weight_choice=self.precision.why,
             context_length_requested=self.context_requested,
             context_length_effective=self.context_effective,
             context_policy=str(self.args.context_policy),

@@ -7,7 +7,8 @@ read check are exactly what they are with float32 weights.
 
 - float16: weights stored as fp16, activations float32 (fbgemm's fp16 GEMM). Half the bytes,
   logits within ~0.05 of float32's: the CPU speed-up to use.
-- int4 (the default for a GGUF file with Q4_0/Q4_1 tensors on CPU: `auto`): the file's own
+- int4 (`auto`'s first candidate for a GGUF file with Q4_0/Q4_1 tensors on CPU, float16 the
+  other: whichever measures faster on the CPU at start, core/weight_choice.py): the file's own
   4-bit blocks, kept. Each block of 32 becomes a group of aten's int4 packed matmul, whose
   dequantization is w = (q - 8) * scale + zero: scale = d, zero = 0 (Q4_0: w = d * (q - 8))
   or m + 8 * d (Q4_1: w = d * q + m). With float32 scales those are the file's weights bit
@@ -54,28 +55,37 @@ class WeightDtype(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Precision:
-    """compute: activations and the KV pool; packed: CPU weight packing of the linears."""
+    """compute: activations and the KV pool; packed: CPU weight packing of the linears;
+    candidates: `auto`'s packings to measure at start (core/weight_choice.py), weights and
+    packed being the first of them until one is chosen; why: how the packing was chosen."""
 
     weights: WeightDtype
     compute: torch.dtype
     packed: WeightDtype | None = None
+    candidates: tuple[WeightDtype, ...] = ()
+    why: str | None = None
 
 
 def resolve_precision(
     weight_dtype: str | None, device: torch.device, gguf_int4: bool = False
 ) -> Precision:
-    """auto (or None): int4 on CPU for a model whose file holds Q4_0/Q4_1 tensors (gguf_int4),
+    """auto (or None): on CPU for a model whose file holds Q4_0/Q4_1 tensors (gguf_int4), int4
+    or float16, whichever measures faster at start (both serve the file's weights: candidates);
     else float32 on CPU (bf16 matmuls are slow there) and bfloat16 on CUDA.
 
     On CPU, int4, int8 and float16 pack the linear weights and compute in float32; on CUDA,
     float16 and bfloat16 are the dtype of the whole model, and int8/int4 are refused (CPU
     paths)."""
     cuda = device.type == "cuda"
+    candidates: tuple[WeightDtype, ...] = ()
     if weight_dtype is None or weight_dtype == WeightDtype.AUTO:
         if cuda:
             weight_dtype = WeightDtype.BFLOAT16
+        elif gguf_int4:
+            candidates = (WeightDtype.INT4, WeightDtype.FLOAT16)
+            weight_dtype = candidates[0]
         else:
-            weight_dtype = WeightDtype.INT4 if gguf_int4 else WeightDtype.FLOAT32
+            weight_dtype = WeightDtype.FLOAT32
     try:
         kind = WeightDtype(weight_dtype)
     except ValueError:
@@ -90,7 +100,7 @@ def resolve_precision(
         )
     if cuda or kind in (WeightDtype.FLOAT32, WeightDtype.BFLOAT16):
         return Precision(kind, getattr(torch, kind.value))
-    return Precision(kind, torch.float32, packed=kind)
+    return Precision(kind, torch.float32, packed=kind, candidates=candidates)
 
 
 class Int8Linear(nn.Module):

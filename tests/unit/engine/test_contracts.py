@@ -62,6 +62,7 @@ KVPOOL_FIELDS = [
     "kv_bytes_per_token",
     "kv_dtype",
     "weight_dtype",
+    "weight_choice",
     "context_length_requested",
     "context_length_effective",
     "context_policy",

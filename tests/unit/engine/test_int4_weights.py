@@ -1,4 +1,5 @@
-"""The GGUF's own 4-bit blocks, kept (--weight-dtype int4, the default for such files on CPU).
+"""The GGUF's own 4-bit blocks, kept (--weight-dtype int4; `auto` measures it against float16
+on CPU for such files: test_weight_choice.py).
 
 Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m) blocks of 32 become aten's int4 packed groups
 of 32, whose kernel dequantizes w = (q - 8) * scale + zero: scale = d, and zero = 0 (Q4_0) or
@@ -16,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from helpers.engines import generate, prompt_of, run_until_done, submit
+from helpers.engines import generate, prompt_of, run_until_done, submit, tiny_q4
 from kvfence_engine.core.engine import EngineArgs, LLMEngine
 from kvfence_engine.core.quantization import (
     Float16Linear,
@@ -24,7 +25,7 @@ from kvfence_engine.core.quantization import (
     pack_int4_linears,
     resolve_precision,
 )
-from kvfence_engine.loading.loader import LoadedModel, int4_groups, load_model, tiny_random
+from kvfence_engine.loading.loader import int4_groups, load_model, tiny_random
 from kvfence_engine.loading.tokenizer_source import SMOLLM2
 
 Q4 = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
@@ -75,20 +76,9 @@ def test_served_bfloat16_int4_weights_are_the_files_up_to_bfloat16_rounding(
     assert not torch.equal(served, file_weights)  # it IS rounded: the bound is what holds
 
 
-def _tiny_int4(kind: GGMLQuantizationType) -> LoadedModel:
-    """tiny-random with every linear quantized as a GGUF would hold it: float weights are the
-    file's dequantization, int4 its blocks (what load_gguf gives)."""
-    loaded = tiny_random()
-    for name, weight in list(loaded.weights.items()):
-        if name.endswith("_proj.weight"):
-            raw = quantize(weight.numpy(), kind)
-            loaded.weights[name] = torch.from_numpy(dequantize(raw, kind))
-            loaded.int4[name] = int4_groups(raw, kind)
-    return loaded
-
-
-def test_auto_keeps_int4_blocks_and_packs_the_rest_as_float16() -> None:
-    engine = LLMEngine(_tiny_int4(GGMLQuantizationType.Q4_1), EngineArgs(kv_cache_memory=16 << 20))
+def test_int4_keeps_int4_blocks_and_packs_the_rest_as_float16() -> None:
+    args = EngineArgs(kv_cache_memory=16 << 20, weight_dtype="int4")
+    engine = LLMEngine(tiny_q4(GGMLQuantizationType.Q4_1), args)
     model = engine.runner.model
     assert engine.precision.weights == "int4"
     layers = [
@@ -101,11 +91,11 @@ def test_auto_keeps_int4_blocks_and_packs_the_rest_as_float16() -> None:
     assert isinstance(model.lm_head, Float16Linear)
     assert engine.pages.kv.k.dtype == torch.float32
     assert engine.kvpool_report().weight_dtype == "int4"
+    assert engine.kvpool_report().weight_choice is None  # asked for, not chosen
     assert not engine.loaded.int4  # the model holds them now
-    # a model without 4-bit blocks keeps the float32 default
-    assert LLMEngine(tiny_random(), EngineArgs(kv_cache_memory=16 << 20)).precision.weights == (
-        "float32"
-    )
+    # a model without 4-bit blocks keeps the float32 default, unmeasured
+    plain = LLMEngine(tiny_random(), EngineArgs(kv_cache_memory=16 << 20))
+    assert plain.precision.weights == "float32" and plain.precision.why is None
 
 
 def test_int4_is_refused_where_it_cannot_run_with_what_to_use_instead() -> None:
@@ -114,7 +104,8 @@ def test_int4_is_refused_where_it_cannot_run_with_what_to_use_instead() -> None:
     with pytest.raises(ValueError, match="on CUDA use bfloat16 or float16"):
         resolve_precision("int4", torch.device("cuda"), gguf_int4=True)
     assert resolve_precision("auto", torch.device("cuda"), gguf_int4=True).weights == "bfloat16"
-    assert resolve_precision("auto", torch.device("cpu"), gguf_int4=True).weights == "int4"
+    auto = resolve_precision("auto", torch.device("cpu"), gguf_int4=True)  # measured at start
+    assert (auto.weights, auto.candidates) == ("int4", ("int4", "float16"))
     assert resolve_precision("auto", torch.device("cpu")).weights == "float32"
 
 
@@ -129,7 +120,7 @@ def test_int4_engine_stays_close_to_float32_on_the_same_file_weights(
 
     def logits(weight_dtype: str) -> torch.Tensor:
         engine = LLMEngine(
-            _tiny_int4(kind), EngineArgs(kv_cache_memory=16 << 20, weight_dtype=weight_dtype)
+            tiny_q4(kind), EngineArgs(kv_cache_memory=16 << 20, weight_dtype=weight_dtype)
         )
         seqs = [submit(engine, p, 1, ignore_eos=True, logprobs=0) for p in prompts]
         step = engine.runner.prepare(engine.scheduler.schedule()[0], True)
@@ -152,7 +143,7 @@ def test_with_the_float32_kernel_the_int4_model_is_the_float32_model() -> None:
     """Packing end to end (which blocks go to which fused linear, in which order): with exact
     weights the model's logits are the float32 engine's up to float rounding and the float16
     lm_head (measured 0.009 on logits of std 8); the served bfloat16 kernel: up to 0.68."""
-    loaded = _tiny_int4(GGMLQuantizationType.Q4_1)
+    loaded = tiny_q4(GGMLQuantizationType.Q4_1)
     int4 = dict(loaded.int4)
     engine = LLMEngine(loaded, EngineArgs(kv_cache_memory=16 << 20, weight_dtype="float32"))
     ids = prompt_of(40, seed=1)
@@ -178,12 +169,11 @@ def _prefill_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
 def test_int4_engine_decodes_a_batch_like_each_request_alone() -> None:
     kind = GGMLQuantizationType.Q4_0
     prompts = [prompt_of(n, seed=n) for n in (5, 17, 33, 48)]
-    args = EngineArgs(kv_cache_memory=16 << 20)
+    args = EngineArgs(kv_cache_memory=16 << 20, weight_dtype="int4")
     solo = [
-        generate(LLMEngine(_tiny_int4(kind), args), p, 10, ignore_eos=True).output_ids
-        for p in prompts
+        generate(LLMEngine(tiny_q4(kind), args), p, 10, ignore_eos=True).output_ids for p in prompts
     ]
-    engine = LLMEngine(_tiny_int4(kind), args)
+    engine = LLMEngine(tiny_q4(kind), args)
     seqs = [submit(engine, p, 10, ignore_eos=True) for p in prompts]
     run_until_done(engine)
     assert [s.output_ids for s in seqs] == solo

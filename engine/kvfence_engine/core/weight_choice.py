@@ -6,7 +6,8 @@ keeps the blocks, float16 holds their dequantization, each up to a rounding fine
 on AVX-512 at a batch of one and slower than fbgemm's float16 GEMM on AVX2 at every batch
 size, and on both past ~16 rows (core/quantization.py). So the engine measures them at start,
 on the model itself (every layer: what a step really reads from memory, not one layer that
-fits in cache), and serves the one that costs least.
+fits in cache), in interleaved rounds so that load from outside falls on every candidate alike,
+and serves the one that costs least.
 
 The workload it weighs (WORKLOAD): requests of PROMPT_TOKENS prompt and NEW_TOKENS new tokens,
 served alone (a decode batch of one) and CONCURRENCY at a time (a batch of CONCURRENCY); its
@@ -43,6 +44,7 @@ PROMPT_TOKENS = 256
 NEW_TOKENS = 256
 CONCURRENCY = 16  # or --max-num-seqs, if fewer
 MARGIN = 0.05
+ROUNDS = 3  # interleaved: each candidate measured, then the next, this many times
 # measured: a prefill this long (its cost scales with the tokens: compute-bound matmuls), and
 # decode steps attending to this many positions
 PREFILL_MEASURED = 64
@@ -63,6 +65,15 @@ class StepTimes:
         """ms per request of the workload, served `concurrency` at a time."""
         step = self.decode_one if concurrency == 1 else self.decode_many / concurrency
         return self.prefill * PROMPT_TOKENS / PREFILL_MEASURED + NEW_TOKENS * step
+
+    def fastest(self, other: "StepTimes") -> "StepTimes":
+        """Each time, the lesser of the two measurements."""
+        return StepTimes(
+            min(self.decode_one, other.decode_one),
+            min(self.decode_many, other.decode_many),
+            self.rows,
+            min(self.prefill, other.prefill),
+        )
 
     def said(self) -> str:
         return (
@@ -115,15 +126,21 @@ def choose_packing(
     int4: dict[str, Int4Groups],
     candidates: Sequence[WeightDtype],
     measure: Measure,
+    rounds: int = ROUNDS,
 ) -> WeightChoice:
-    """Pack the model's linears as each candidate in turn, time it, and leave it packed as
-    the chosen one. `model` comes with its float nn.Linear layers."""
-    originals = _float_linears(model)
-    times = {}
-    for kind in candidates:
-        pack(model, kind, int4)
-        times[kind] = measure(model)
-        _restore(model, originals)
+    """Time the model with its linears packed as each candidate, in `rounds` interleaved
+    rounds (A, B, A, B, ...: load from outside, such as another engine starting on the same
+    cores, falls on both alike), keep each candidate's fastest, and leave the model packed as
+    the chosen one. `model` comes with its float nn.Linear layers. Each round packs anew: the
+    model never holds two packings at once (an engine pod's memory limit is sized for one)."""
+    originals = _linears(model)
+    times: dict[WeightDtype, StepTimes] = {}
+    for _ in range(rounds):
+        for kind in candidates:
+            pack(model, kind, int4)
+            timed = measure(model)
+            times[kind] = timed if kind not in times else times[kind].fastest(timed)
+            _install(model, originals)  # the packing goes: one at a time beside the float ones
     choice = choose(times)
     pack(model, choice.chosen, int4)
     return choice
@@ -136,11 +153,11 @@ def pack(model: Decoder, kind: WeightDtype, int4: dict[str, Int4Groups]) -> None
         pack_linears(model, kind)
 
 
-def _float_linears(model: nn.Module) -> dict[str, nn.Linear]:
+def _linears(model: nn.Module) -> dict[str, nn.Module]:
     return {path: m for path, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
-def _restore(model: nn.Module, linears: dict[str, nn.Linear]) -> None:
+def _install(model: nn.Module, linears: dict[str, nn.Module]) -> None:
     for path, layer in linears.items():
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent), attr, layer)
@@ -152,7 +169,8 @@ def _restore(model: nn.Module, linears: dict[str, nn.Linear]) -> None:
 def step_times(rows: int, page_size: int = 16) -> Measure:
     """A Measure: the model's real steps over a scratch pool of its own (zeros), decode at one
     row and at `rows`, each attending to CONTEXT_MEASURED positions, and a prefill of
-    PREFILL_MEASURED tokens; the least of a few runs of each, after a warm-up."""
+    PREFILL_MEASURED tokens; the least of a few runs of each, after a warm-up (choose_packing
+    calls it ROUNDS times per candidate and keeps the least of those too)."""
 
     def measure(model: Decoder) -> StepTimes:
         c = model.config
@@ -186,10 +204,10 @@ def step_times(rows: int, page_size: int = 16) -> Measure:
             return model(ids, torch.arange(n), batch, k_pool, v_pool, last)
 
         return StepTimes(
-            decode_one=_least_ms(decode(1), runs=8),
-            decode_many=_least_ms(decode(rows), runs=4),
+            decode_one=_least_ms(decode(1), runs=3),
+            decode_many=_least_ms(decode(rows), runs=2),
             rows=rows,
-            prefill=_least_ms(prefill, runs=2),
+            prefill=_least_ms(prefill, runs=1),
         )
 
     return measure

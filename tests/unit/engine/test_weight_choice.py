@@ -14,6 +14,7 @@ from kvfence_engine.core.weight_choice import (
     NEW_TOKENS,
     PREFILL_MEASURED,
     PROMPT_TOKENS,
+    ROUNDS,
     StepTimes,
     choose,
 )
@@ -88,11 +89,35 @@ def test_each_candidate_is_measured_on_the_model_and_the_chosen_one_is_served(
 
     monkeypatch.setattr(build, "step_times", measure)
     engine = LLMEngine(tiny_q4(), EngineArgs(kv_cache_memory=16 << 20))
-    assert seen == [INT4, FLOAT16]
+    assert seen == [INT4, FLOAT16] * ROUNDS  # interleaved
     assert all(isinstance(m, packed) for m in _projections(engine.runner.model))
     report = engine.kvpool_report()
     assert report.weight_dtype == str(choose(times).chosen)
     assert report.weight_choice == choose(times).reason()
+
+
+def test_load_from_outside_during_one_round_does_not_decide(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another engine starting on the same cores slows whatever is measured meanwhile: each
+    candidate keeps its fastest of the interleaved rounds, so a slow first round of float16
+    (AVX2's winner) does not hand the choice to int4."""
+    from kvfence_engine.core import build
+
+    loaded = iter([StepTimes(60.0, 250.0, 16, 400)] + [ON_AVX2[FLOAT16]] * (ROUNDS - 1))
+
+    def measure(rows: int):
+        def timed(model: Decoder) -> StepTimes:
+            if isinstance(model.layers[0].get_submodule("mlp.down"), Int4Linear):
+                return ON_AVX2[INT4]
+            return next(loaded)
+
+        return timed
+
+    monkeypatch.setattr(build, "step_times", measure)
+    engine = LLMEngine(tiny_q4(), EngineArgs(kv_cache_memory=16 << 20))
+    assert engine.precision.weights == FLOAT16
+    assert engine.precision.why == choose(ON_AVX2).reason()
 
 
 def test_auto_measures_the_real_steps_and_serves_what_it_chose() -> None:

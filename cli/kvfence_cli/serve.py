@@ -31,6 +31,7 @@ from kvfence_engine.core.pool_plan import (
     PREFIX_CACHE_TENANTS,
     check_cache_flags,
 )
+from kvfence_engine.preflight import WEIGHT_DTYPES
 
 if TYPE_CHECKING:
     from kvfence_engine.parallel.launch import Ranks
@@ -147,12 +148,13 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument(
         "--weight-dtype",
-        choices=["auto", "float32", "bfloat16", "float16", "int8", "int4"],
+        choices=WEIGHT_DTYPES,
         default="auto",
-        help="auto: int4 on CPU for a GGUF with Q4_0/Q4_1 tensors (its own 4-bit blocks, "
-        "kept; other linears float16), else float32 on CPU and bfloat16 on CUDA; on CPU "
-        "int4, float16 and int8 pack the linear weights (fewer bytes per step) and compute "
-        "in float32",
+        help="auto: on CPU for a GGUF with Q4_0/Q4_1 tensors, whichever of int4 (its own 4-bit "
+        "blocks, kept; other linears float16), float16 and int4+float16 (int4 up to a few "
+        "rows, float16 beyond: both held) measures fastest on this CPU at start; else float32 "
+        "on CPU and bfloat16 on CUDA. On CPU int4, float16 and int8 pack the linear weights "
+        "(fewer bytes per step) and compute in float32",
     )
     p.add_argument(
         "--kv-cache-dtype",

@@ -7,8 +7,8 @@ read check are exactly what they are with float32 weights.
 
 - float16: weights stored as fp16, activations float32 (fbgemm's fp16 GEMM). Half the bytes,
   logits within ~0.05 of float32's: the CPU speed-up to use.
-- int4 (`auto`'s first candidate for a GGUF file with Q4_0/Q4_1 tensors on CPU, float16 the
-  other: whichever measures faster on the CPU at start, core/weight_choice.py): the file's own
+- int4 (`auto`'s first candidate for a GGUF file with Q4_0/Q4_1 tensors on CPU, int4+float16
+  the other: whichever measures faster on the CPU at start, core/weight_choice.py): the file's own
   4-bit blocks, kept. Each block of 32 becomes a group of aten's int4 packed matmul, whose
   dequantization is w = (q - 8) * scale + zero: scale = d, zero = 0 (Q4_0: w = d * (q - 8))
   or m + 8 * d (Q4_1: w = d * q + m). With float32 scales those are the file's weights bit
@@ -21,6 +21,12 @@ read check are exactly what they are with float32 weights.
   Speed (SmolLM2, 1 thread, rough): batch 1 int4 79 tokens/s, float16 63, float32 25; but from
   ~16 rows the bfloat16 int4 kernel is slower than fbgemm's float16 GEMM (16 requests: 209 vs
   244), and on AVX2-only CPUs (ATEN_CPU_CAPABILITY=avx2) even at batch 1 (47 vs 65).
+- int4+float16 (`auto`'s other candidate for such a file): each int4 linear also holds the
+  float16 packing of the same weights (2.5 bytes a weight); a batch of up to `wide_above` rows
+  takes the int4 kernel, a larger one the float16 GEMM. The kernel's speed hardly grows with
+  the rows (AVX2, 2 cores: ~85 GFLOP/s at 16 rows and at 800, fbgemm's float16 ~180), so
+  prefills and busy decode steps take float16 while a lone decode row reads 4-bit blocks.
+  Where each shape switches is measured at build (core/weight_choice.calibrate_switch).
 - int8: per-output-channel symmetric int8 weights (scale = max |w| / 127 per row), weight-only:
   aten's int8pack kernel (vectorized on AVX2 for bf16 activations only) for decode-sized
   batches, dequantized float32 GEMM for prefill-sized ones. A quarter of the bytes, but slower
@@ -50,6 +56,7 @@ class WeightDtype(StrEnum):
     FLOAT16 = "float16"
     INT8 = "int8"
     INT4 = "int4"
+    INT4_FLOAT16 = "int4+float16"  # int4 for a few rows, float16 beyond (both held)
     AUTO = "auto"
 
 
@@ -81,8 +88,8 @@ def resolve_precision(
     if weight_dtype is None or weight_dtype == WeightDtype.AUTO:
         if cuda:
             weight_dtype = WeightDtype.BFLOAT16
-        elif gguf_int4:
-            candidates = (WeightDtype.INT4, WeightDtype.FLOAT16)
+        elif gguf_int4:  # in the order of the bytes they hold: fewer first
+            candidates = (WeightDtype.INT4, WeightDtype.INT4_FLOAT16)
             weight_dtype = candidates[0]
         else:
             weight_dtype = WeightDtype.FLOAT32
@@ -91,11 +98,12 @@ def resolve_precision(
     except ValueError:
         choices = ", ".join(WeightDtype)
         raise ValueError(f"--weight-dtype {weight_dtype!r} is not one of {choices}") from None
-    if kind in (WeightDtype.INT8, WeightDtype.INT4) and cuda:
+    int4 = kind in (WeightDtype.INT4, WeightDtype.INT4_FLOAT16)
+    if (int4 or kind is WeightDtype.INT8) and cuda:
         raise ValueError(f"--weight-dtype {kind} is a CPU path; on CUDA use bfloat16 or float16")
-    if kind is WeightDtype.INT4 and not gguf_int4:
+    if int4 and not gguf_int4:
         raise ValueError(
-            "--weight-dtype int4 needs a GGUF model with Q4_0 or Q4_1 tensors (it keeps the "
+            f"--weight-dtype {kind} needs a GGUF model with Q4_0 or Q4_1 tensors (it keeps the "
             "file's own blocks); use float16 or int8 for this model"
         )
     if cuda or kind in (WeightDtype.FLOAT32, WeightDtype.BFLOAT16):
@@ -145,6 +153,9 @@ class Float16Linear(nn.Module):
 
 
 GROUP = 32  # weights per Q4_0/Q4_1 block, and per group of the int4 kernel
+# int4+float16: rows up to which a linear stays int4 until measured (the crossover of SmolLM2's
+# 30 layers on 2 cores lies between 1 and 16 rows, by shape and CPU)
+WIDE_ABOVE = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,9 +190,14 @@ class Int4Linear(nn.Module):
         groups: Int4Groups,
         bias: torch.Tensor | None,
         kernel_dtype: torch.dtype = torch.bfloat16,
+        wide: "Float16Linear | None" = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = groups.q.shape
+        # int4+float16: a batch of more than wide_above rows takes the float16 form of the same
+        # weights (core/weight_choice.calibrate_switch measures where, per shape)
+        self.wide = wide
+        self.wide_above = WIDE_ABOVE
         if self.in_features % GROUP:
             raise ValueError(f"int4 groups: {self.in_features} inputs is not a multiple of 32")
         self.kernel_dtype = kernel_dtype
@@ -193,6 +209,12 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", _float_or_none(bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wide is not None and x.shape[0] > self.wide_above:
+            return self.wide(x)
+        return self.narrow(x)
+
+    def narrow(self, x: torch.Tensor) -> torch.Tensor:
+        """The int4 kernel, whatever the rows."""
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(self.kernel_dtype), self.packed, GROUP, self.scales_and_zeros
         ).to(x.dtype)
@@ -227,11 +249,13 @@ def pack_int4_linears(
     sources: dict[str, list[str]],
     int4: dict[str, Int4Groups],
     kernel_dtype: torch.dtype = torch.bfloat16,
+    wide: bool = False,
 ) -> dict[str, int]:
     """Replace each linear named in `sources` (module path -> the weights it was built from)
     by an Int4Linear when every source weight has int4 groups, else by a Float16Linear;
     every other nn.Linear is packed float16 too. Returns how many of each. (kernel_dtype
-    float32: the file's exact weights, at the kernel's slow scalar speed; for tests.)"""
+    float32: the file's exact weights, at the kernel's slow scalar speed; for tests.) wide:
+    each Int4Linear also holds the float16 packing of the layer (int4+float16)."""
     counts = {"int4": 0, "float16": 0}
     for path, names in sources.items():
         parent_path, _, attr = path.rpartition(".")
@@ -240,7 +264,8 @@ def pack_int4_linears(
         assert isinstance(layer, nn.Linear), path
         if all(name in int4 for name in names):
             groups = Int4Groups.concat([int4[n] for n in names])
-            packed: nn.Module = Int4Linear(groups, layer.bias, kernel_dtype)
+            companion = Float16Linear(layer.weight, layer.bias) if wide else None
+            packed: nn.Module = Int4Linear(groups, layer.bias, kernel_dtype, companion)
             counts["int4"] += 1
         else:
             packed = Float16Linear(layer.weight, layer.bias)

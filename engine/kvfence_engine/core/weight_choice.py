@@ -1,21 +1,23 @@
 """`--weight-dtype auto` on CPU: which packing of the linears to serve, by measurement.
 
 Where more than one packing serves a file's own weights (a GGUF with Q4_0/Q4_1 blocks: int4
-keeps the blocks, float16 holds their dequantization, each up to a rounding finer than the
-4-bit step), the fastest one depends on the CPU, not on the file: aten's int4 kernel is fast
-on AVX-512 at a batch of one and slower than fbgemm's float16 GEMM on AVX2 at every batch
-size, and on both past ~16 rows (core/quantization.py). So the engine measures them at start,
-on the model itself (every layer: what a step really reads from memory, not one layer that
-fits in cache), in interleaved rounds so that load from outside falls on every candidate alike,
-and serves the one that costs least.
+keeps the blocks; int4+float16 keeps them and also holds their dequantization as float16, for
+batches past a few rows; each up to a rounding finer than the 4-bit step), the fastest one
+depends on the CPU, not on the file: aten's int4 kernel is fast on AVX-512 at a batch of one,
+and on AVX2 runs at half of fbgemm's float16 GEMM at every batch size, which prefills and busy
+decode steps feel (core/quantization.py). So the engine measures them at start, on the model
+itself (every layer: what a step really reads from memory, not one layer that fits in cache),
+in interleaved rounds so that load from outside falls on every candidate alike, and serves the
+one that costs least. int4+float16 measures, once, where each shape of linear switches forms
+(calibrate_switch).
 
 The workload it weighs (WORKLOAD): requests of PROMPT_TOKENS prompt and NEW_TOKENS new tokens,
 served alone (a decode batch of one) and CONCURRENCY at a time (a batch of CONCURRENCY); its
 cost is one prefill per request plus NEW_TOKENS decode steps. A path's cost at each
 concurrency is divided by the cheapest path's there, and the path whose worst such ratio is
-least is served; the first candidate (int4: the file's own blocks) is kept unless another's
-worst ratio is MARGIN lower, so that timing noise does not flip the choice from start to start
-where the two are close.
+least is served; the candidates come fewest bytes first, and one that holds more is taken
+only if its worst ratio is MARGIN lower, so that timing noise does not flip the choice from
+start to start where two are close.
 
 With tensor parallelism every rank must run the same packing, so there the first candidate is
 served unmeasured (the log says so).
@@ -33,6 +35,7 @@ from kvfence_engine.core.attention import StepBatch
 from kvfence_engine.core.decoder import Decoder
 from kvfence_engine.core.quantization import (
     Int4Groups,
+    Int4Linear,
     WeightDtype,
     pack_int4_linears,
     pack_linears,
@@ -107,14 +110,16 @@ class WeightChoice:
 
 def choose(times: dict[WeightDtype, StepTimes]) -> WeightChoice:
     """The packing whose worst cost ratio to the fastest, over concurrency 1 and many, is
-    least; the first one unless another is MARGIN better. Pure."""
+    least, where `times` lists them by the bytes they hold, fewest first: a packing that holds
+    more is taken only if its worst ratio is MARGIN lower than the one it displaces. Pure."""
     kinds = list(times)
     concurrencies = (1, next(iter(times.values())).rows)
     best = {c: min(times[k].request_cost(c) for k in kinds) for c in concurrencies}
     worst = {k: max(times[k].request_cost(c) / best[c] for c in concurrencies) for k in kinds}
-    first = kinds[0]
-    challenger = min(kinds, key=lambda k: worst[k])
-    chosen = challenger if worst[challenger] < worst[first] - MARGIN else first
+    chosen = kinds[0]
+    for kind in kinds[1:]:
+        if worst[kind] < worst[chosen] - MARGIN:
+            chosen = kind
     return WeightChoice(chosen, dict(times), worst)
 
 
@@ -135,22 +140,85 @@ def choose_packing(
     model never holds two packings at once (an engine pod's memory limit is sized for one)."""
     originals = _linears(model)
     times: dict[WeightDtype, StepTimes] = {}
+    switches: Switches = {}  # int4+float16's, measured once
     for _ in range(rounds):
         for kind in candidates:
-            pack(model, kind, int4)
+            pack(model, kind, int4, switches)
             timed = measure(model)
             times[kind] = timed if kind not in times else times[kind].fastest(timed)
             _install(model, originals)  # the packing goes: one at a time beside the float ones
     choice = choose(times)
-    pack(model, choice.chosen, int4)
+    pack(model, choice.chosen, int4, switches)
     return choice
 
 
-def pack(model: Decoder, kind: WeightDtype, int4: dict[str, Int4Groups]) -> None:
+Switches = dict[tuple[int, int], int]  # int4+float16: (out, in) features -> int4 up to rows
+
+
+def pack(
+    model: Decoder,
+    kind: WeightDtype,
+    int4: dict[str, Int4Groups],
+    switches: Switches | None = None,
+) -> None:
+    """Pack the model's linears as `kind`; int4+float16 measures where each shape switches,
+    unless `switches` knows it already (and learns it)."""
     if kind is WeightDtype.INT4:
         pack_int4_linears(model, model.linear_sources, int4)
+    elif kind is WeightDtype.INT4_FLOAT16:
+        pack_int4_linears(model, model.linear_sources, int4, wide=True)
+        known = len(switches or {})
+        switches = calibrate_switch(model, switches)
+        if len(switches) > known:
+            log.info("int4+float16: float16 above %s rows", _said_switches(switches))
     else:
         pack_linears(model, kind)
+
+
+SWITCH_ROWS = (1, 2, 4, 8, 16)
+
+
+def calibrate_switch(
+    model: nn.Module, known: Switches | None = None, rows: Sequence[int] = SWITCH_ROWS
+) -> Switches:
+    """int4+float16: where each shape of linear leaves the int4 kernel for its float16 form.
+    Every layer of a shape is timed in both forms at each row count (all of them: what a step
+    reads from memory, not one layer that stays in cache); the shape stays int4 up to the most
+    rows at which int4 was faster at every count up to it, and takes float16 above (0: at
+    every batch). Shapes in `known` are not measured again. Sets each layer's wide_above;
+    returns `known` with every shape's, by (out, in) features."""
+    switches = {} if known is None else known
+    by_shape: dict[tuple[int, int], list[Int4Linear]] = {}
+    for layer in model.modules():
+        if isinstance(layer, Int4Linear) and layer.wide is not None:
+            by_shape.setdefault((layer.out_features, layer.in_features), []).append(layer)
+    with torch.inference_mode():
+        for shape, layers in by_shape.items():
+            if shape not in switches:
+                switches[shape] = _int4_up_to(layers, rows)
+            for layer in layers:
+                layer.wide_above = switches[shape]
+    return switches
+
+
+def _int4_up_to(layers: list[Int4Linear], rows: Sequence[int]) -> int:
+    def narrow(x: torch.Tensor) -> Callable[[], object]:
+        return lambda: [m.narrow(x) for m in layers]
+
+    def wide(x: torch.Tensor) -> Callable[[], object]:
+        return lambda: [m.wide(x) for m in layers if m.wide is not None]
+
+    above = 0
+    for count in rows:
+        x = torch.randn(count, layers[0].in_features)
+        if _least_ms(narrow(x), runs=3) > _least_ms(wide(x), runs=3):
+            break
+        above = count
+    return above
+
+
+def _said_switches(switches: dict[tuple[int, int], int]) -> str:
+    return ", ".join(f"{n}x{k}: {above}" for (n, k), above in switches.items())
 
 
 def _linears(model: nn.Module) -> dict[str, nn.Module]:

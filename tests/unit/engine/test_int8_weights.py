@@ -135,7 +135,8 @@ def test_int8_weights_are_refused_on_cuda_with_what_to_use_instead() -> None:
     with pytest.raises(ValueError, match="on CUDA use bfloat16 or float16"):
         resolve_precision("int8", torch.device("cuda"))
     with pytest.raises(
-        ValueError, match="is not one of float32, bfloat16, float16, int8, int4, auto"
+        ValueError,
+        match=r"is not one of float32, bfloat16, float16, int8, int4, int4\+float16, auto",
     ):
         resolve_precision("int2", torch.device("cpu"))
     assert resolve_precision(None, torch.device("cpu")).compute == torch.float32

@@ -1,6 +1,7 @@
 """`kvfence preflight`: the engine's own pool arithmetic, before anything starts (and against
 a running engine: tests/integration/test_commands.py)."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -172,16 +173,17 @@ def test_preflights_auto_kv_dtype_is_the_engines_compute_dtype():
     """One rule, two places: preflight runs without torch, the engine with it."""
     import torch
 
-    from kvfence_engine.core.quantization import resolve_precision
-    from kvfence_engine.preflight import resolve_kv_dtype
+    from kvfence_engine.core.quantization import WeightDtype, resolve_precision
+    from kvfence_engine.preflight import WEIGHT_DTYPES, resolve_kv_dtype
 
+    assert ["auto", *(k for k in WeightDtype if k is not WeightDtype.AUTO)] == WEIGHT_DTYPES
     for device in ("cpu", "cuda", "cuda:0"):
-        for weight_dtype in (None, "auto", "float32", "bfloat16", "float16", "int8", "int4"):
+        for weight_dtype in (None, *WEIGHT_DTYPES):
             try:  # a GGUF with 4-bit tensors: the one source int4 takes (preflight reads no file)
                 precision = resolve_precision(weight_dtype, torch.device(device), gguf_int4=True)
                 engine = str(precision.compute)
             except ValueError as refused:
-                with pytest.raises(ValueError, match=str(refused)):
+                with pytest.raises(ValueError, match=re.escape(str(refused))):
                     resolve_kv_dtype("auto", weight_dtype, device)
                 continue
             assert engine == f"torch.{resolve_kv_dtype('auto', weight_dtype, device)}"

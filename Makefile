@@ -84,10 +84,21 @@ LLAMACPP_VENV  ?= .venv-llamacpp
 LLAMACPP_PY     = $(LLAMACPP_VENV)/bin/python
 LLAMACPP_STAMP  = $(LLAMACPP_VENV)/.llamacpp-installed
 
+# Built for this CPU (-march=native), except on a CPU with AMX (Sapphire Rapids class Xeons):
+# there the native build of 0.3.36 crashes (SIGSEGV) on any prompt of ~40 tokens, and
+# GGML_AMX_*=OFF does not take AMX out of a native build, so it is built for AVX-512 (with
+# VBMI, VNNI and BF16) without AMX.
+LLAMACPP_NO_AMX = -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+	-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+	-DGGML_AMX_BF16=OFF
+LLAMACPP_CMAKE  = $(if $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo amx),$(LLAMACPP_NO_AMX))
+
 $(LLAMACPP_STAMP):
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_PY) -m pip install -q --upgrade pip
-	$(LLAMACPP_PY) -m pip install -q "llama-cpp-python[server]==0.3.36"
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(LLAMACPP_PY) -m pip install -q --no-cache-dir \
+		"llama-cpp-python[server]==0.3.36"
 	touch $(LLAMACPP_STAMP)
 
 # The same llama.cpp built for AVX2 only (no AVX-512): the anchor of

@@ -137,7 +137,9 @@ def choose_packing(
     rounds (A, B, A, B, ...: load from outside, such as another engine starting on the same
     cores, falls on both alike), keep each candidate's fastest, and leave the model packed as
     the chosen one. `model` comes with its float nn.Linear layers. Each round packs anew: the
-    model never holds two packings at once (an engine pod's memory limit is sized for one)."""
+    model never holds two candidates at once (an engine pod's memory limit is sized for one);
+    int4+float16 is one candidate of two forms, so its rounds are the peak: the float
+    linears, the int4 blocks and the float16 packing (SmolLM2: ~60 MB more than float16's)."""
     originals = _linears(model)
     times: dict[WeightDtype, StepTimes] = {}
     switches: Switches = {}  # int4+float16's, measured once

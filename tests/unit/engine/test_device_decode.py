@@ -99,7 +99,12 @@ def test_preemption_and_row_reuse_recopy_the_page_tables() -> None:
             assert decoder is not None and len(decoder.rows) <= 2
         return result
 
-    assert run(DEVICE) == run({})
+    device, host = run(DEVICE), run({})
+    assert [tokens for tokens, _ in device] == [tokens for tokens, _ in host]
+    # the kernel sums attention in another order than the host: a logprob, rounded to 4
+    # places, may land on the other side of a rounding (CI once: -0.1897 against -0.1898)
+    for (_, ours), (_, theirs) in zip(device, host, strict=True):
+        assert ours == pytest.approx(theirs, abs=2e-4)
 
 
 def test_buckets_end_at_the_batch_limit() -> None:

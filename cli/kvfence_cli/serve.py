@@ -150,10 +150,10 @@ def add_parser(sub: Subparsers) -> None:
         "--weight-dtype",
         choices=WEIGHT_DTYPES,
         default="auto",
-        help="auto: on CPU for a GGUF with Q4_0/Q4_1 tensors, whichever of int4 (its own 4-bit "
-        "blocks, kept; other linears float16), float16 and int4+float16 (int4 up to a few "
-        "rows, float16 beyond: both held) measures fastest on this CPU at start; else float32 "
-        "on CPU and bfloat16 on CUDA. On CPU int4, float16 and int8 pack the linear weights "
+        help="auto: on CPU for a GGUF with Q4_0/Q4_1 tensors, int4 (its own 4-bit blocks, kept; "
+        "other linears float16) or int4+float16 (int4 up to a few rows, float16 beyond: both "
+        "held), whichever measures faster on this CPU at start; else float32 on CPU and "
+        "bfloat16 on CUDA. On CPU int4, int4+float16, float16 and int8 pack the linear weights "
         "(fewer bytes per step) and compute in float32",
     )
     p.add_argument(

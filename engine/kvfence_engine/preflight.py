@@ -34,8 +34,8 @@ WEIGHT_DTYPES = ["auto", "float32", "bfloat16", "float16", "int8", "int4", "int4
 def resolve_kv_dtype(kv_cache_dtype: str, weight_dtype: str | None, device: str) -> str:
     """The dtype `kvfence serve` allocates its pool in: `auto` is the model's compute dtype,
     core.quantization.resolve_precision's rule without torch (a test pins them equal). Weights
-    `auto` is int4, float16, int4+float16 or float32 on CPU (all compute float32) and bfloat16
-    on CUDA."""
+    `auto` is int4, int4+float16 or float32 on CPU (all compute float32) and bfloat16 on
+    CUDA."""
     cuda = device.partition(":")[0] == "cuda"
     if weight_dtype == "auto":
         weight_dtype = None

@@ -219,7 +219,7 @@ def _int4_up_to(layers: list[Int4Linear], rows: Sequence[int]) -> int:
     return above
 
 
-def _said_switches(switches: dict[tuple[int, int], int]) -> str:
+def _said_switches(switches: Switches) -> str:
     return ", ".join(f"{n}x{k}: {above}" for (n, k), above in switches.items())
 
 

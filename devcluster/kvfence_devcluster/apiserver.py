@@ -591,9 +591,11 @@ class ApiServer(kmock.KubernetesScaffold):
             while deadline is None or loop.time() < deadline:
                 remaining = None if deadline is None else deadline - loop.time()
                 try:
-                    yield await asyncio.wait_for(watcher.queue.get(), remaining)
+                    async with asyncio.timeout(remaining):  # not wait_for: loop.woken says why
+                        event = await watcher.queue.get()
                 except TimeoutError:
                     return
+                yield event
         finally:
             self.store.unwatch(watcher)
 

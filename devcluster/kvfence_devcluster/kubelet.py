@@ -268,7 +268,8 @@ class Kubelet:
             if port is None:
                 return False
             try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(POD_IP, port), timeout)
+                async with asyncio.timeout(timeout):  # not wait_for: loop.woken says why
+                    _, writer = await asyncio.open_connection(POD_IP, port)
             except (OSError, TimeoutError):
                 return False
             writer.close()

@@ -5,6 +5,7 @@ import contextlib
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvfence_cli.common import (
@@ -36,6 +37,13 @@ from kvfence_engine.preflight import WEIGHT_DTYPES
 if TYPE_CHECKING:
     from kvfence_engine.parallel.launch import Ranks
     from kvfence_engine.serving.async_engine import AsyncEngine
+
+
+def default_choice_cache() -> Path:
+    """$XDG_CACHE_HOME/kvfence/weight-choice, or ~/.cache/kvfence/weight-choice."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvfence" / "weight-choice"
+
 
 EPILOG = f"""\
 examples:
@@ -155,6 +163,14 @@ def add_parser(sub: Subparsers) -> None:
         "held), whichever measures faster on this CPU at start; else float32 on CPU and "
         "bfloat16 on CUDA. On CPU int4, int4+float16, float16 and int8 pack the linear weights "
         "(fewer bytes per step) and compute in float32",
+    )
+    p.add_argument(
+        "--weight-choice-cache",
+        metavar="DIR",
+        default=str(default_choice_cache()),
+        help="where --weight-dtype auto keeps what it measured, by model, CPU, torch and "
+        "threads: a later start of the same model on the same machine packs as measured "
+        "without measuring again (default: %(default)s; '' measures at every start)",
     )
     p.add_argument(
         "--kv-cache-dtype",
@@ -332,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
         context_policy=ContextPolicy(args.context_policy),
         device=args.device,
         weight_dtype=args.weight_dtype,
+        weight_choice_cache=args.weight_choice_cache or None,
         kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,

@@ -6,10 +6,12 @@ every rank holds its part of one model and as many pages."""
 import logging
 import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvfence_engine.core.choice_cache import ChoiceCache
 from kvfence_engine.core.decoder import Decoder, RankPart
 from kvfence_engine.core.families import build_model
 from kvfence_engine.core.kv_cache import KVCache
@@ -33,6 +35,8 @@ class BuildSettings(Protocol):
 
     @property
     def weight_dtype(self) -> str | None: ...
+    @property
+    def weight_choice_cache(self) -> str | None: ...
     @property
     def kv_cache_dtype(self) -> str | None: ...
     @property
@@ -94,7 +98,15 @@ def build_rank(
     if context < 1:
         raise ValueError("--context-length must be >= 1")
     model, precision = build_packed_model(
-        config, weights, int4, precision, device, context, group, settings.max_num_seqs
+        config,
+        weights,
+        int4,
+        precision,
+        device,
+        context,
+        group,
+        settings.max_num_seqs,
+        settings.weight_choice_cache,
     )
     kv_dtype = (
         precision.compute
@@ -152,11 +164,13 @@ def build_packed_model(
     context: int,
     group: "RankGroup | None" = None,
     max_num_seqs: int = CONCURRENCY,
+    choice_cache: str | None = None,
 ) -> tuple[Decoder, Precision]:
     """The model (with `group`, this rank's part of it) on `device` in `precision`, its
     linears packed as the precision says, or, where it has candidates, as the one measured
     fastest on this CPU (core/weight_choice.py) for up to `max_num_seqs` rows; and that
-    precision. Takes the weights: empties both dicts."""
+    precision; `choice_cache`, a directory where that measurement is kept for the next
+    start (core/choice_cache.py). Takes the weights: empties both dicts."""
     part = None
     if group is not None:
         shards = plan_shards(config, group.world)
@@ -167,8 +181,11 @@ def build_packed_model(
         part = RankPart(group, shard.vocab.start, widths, group.rank)
     model = build_model(config, weights, context, part).to(device, precision.compute)
     if len(precision.candidates) > 1 and group is None:
-        measure = step_times(min(CONCURRENCY, max_num_seqs))
-        choice = choose_packing(model, int4, precision.candidates, measure)
+        rows = min(CONCURRENCY, max_num_seqs)
+        cache = None
+        if choice_cache is not None:
+            cache = ChoiceCache(Path(choice_cache), config, precision.candidates, rows)
+        choice = choose_packing(model, int4, precision.candidates, step_times(rows), cache=cache)
         why = choice.reason()
         precision = replace(precision, weights=choice.chosen, packed=choice.chosen, why=why)
         log.info("%s", why)

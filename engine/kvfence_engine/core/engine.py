@@ -77,6 +77,8 @@ class EngineArgs:
     context_policy: ContextPolicy = ContextPolicy.REFUSE
     device: str = "cpu"
     weight_dtype: str | None = None  # None = auto (quantization.resolve_precision)
+    # where auto keeps what it measured (core/choice_cache); None: measure at every start
+    weight_choice_cache: str | None = None
     kv_cache_dtype: str | None = None  # None: the compute dtype; else float32|float16|bfloat16
     max_num_seqs: int = 64
     max_batched_tokens: int = 4096

@@ -26,12 +26,13 @@ served unmeasured (the log says so).
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
 from kvfence_engine.core.attention import StepBatch
+from kvfence_engine.core.choice_cache import ChoiceCache
 from kvfence_engine.core.decoder import Decoder
 from kvfence_engine.core.quantization import (
     Int4Groups,
@@ -93,6 +94,7 @@ class WeightChoice:
     chosen: WeightDtype
     times: dict[WeightDtype, StepTimes]
     worst: dict[WeightDtype, float]
+    kept: str | None = None  # measured at an earlier start: when, and the file that kept it
 
     def reason(self) -> str:
         rows = next(iter(self.times.values())).rows
@@ -105,10 +107,11 @@ class WeightChoice:
             f"auto chose {self.chosen} by measurement on this CPU ({cpu}, "
             f"{torch.get_num_threads()} threads), for {PROMPT_TOKENS}-token prompts and "
             f"{NEW_TOKENS} new tokens at concurrency 1 and {rows}: {each}"
+            + ("" if self.kept is None else f" (measured {self.kept})")
         )
 
 
-def choose(times: dict[WeightDtype, StepTimes]) -> WeightChoice:
+def choose(times: dict[WeightDtype, StepTimes], kept: str | None = None) -> WeightChoice:
     """The packing whose worst cost ratio to the fastest, over concurrency 1 and many, is
     least, where `times` lists them by the bytes they hold, fewest first: a packing that holds
     more is taken only if its worst ratio is MARGIN lower than the one it displaces. Pure."""
@@ -120,7 +123,7 @@ def choose(times: dict[WeightDtype, StepTimes]) -> WeightChoice:
     for kind in kinds[1:]:
         if worst[kind] < worst[chosen] - MARGIN:
             chosen = kind
-    return WeightChoice(chosen, dict(times), worst)
+    return WeightChoice(chosen, dict(times), worst, kept)
 
 
 Measure = Callable[[Decoder], StepTimes]
@@ -132,6 +135,7 @@ def choose_packing(
     candidates: Sequence[WeightDtype],
     measure: Measure,
     rounds: int = ROUNDS,
+    cache: ChoiceCache | None = None,
 ) -> WeightChoice:
     """Time the model with its linears packed as each candidate, in `rounds` interleaved
     rounds (A, B, A, B, ...: load from outside, such as another engine starting on the same
@@ -139,16 +143,29 @@ def choose_packing(
     the chosen one. `model` comes with its float nn.Linear layers. Each round packs anew: the
     model never holds two candidates at once (an engine pod's memory limit is sized for one);
     int4+float16 is one candidate of two forms, so its rounds are the peak: the float
-    linears, the int4 blocks and the float16 packing (SmolLM2: ~60 MB more than float16's)."""
+    linears, the int4 blocks and the float16 packing (SmolLM2: ~60 MB more than float16's).
+    With `cache`, a measurement it kept is used instead of measuring, and a new one kept."""
+    recalled = None if cache is None else cache.load()
+    if recalled is not None:
+        times = {
+            kind: StepTimes(t["decode_one"], t["decode_many"], int(t["rows"]), t["prefill"])
+            for kind, t in recalled.times.items()
+        }
+        switches: Switches = dict(recalled.switches)
+        choice = choose(times, kept=f"{recalled.measured_at}, kept in {recalled.path}")
+        pack(model, choice.chosen, int4, switches)
+        return choice
     originals = _linears(model)
-    times: dict[WeightDtype, StepTimes] = {}
-    switches: Switches = {}  # int4+float16's, measured once
+    times = {}
+    switches = {}  # int4+float16's, measured once
     for _ in range(rounds):
         for kind in candidates:
             pack(model, kind, int4, switches)
             timed = measure(model)
             times[kind] = timed if kind not in times else times[kind].fastest(timed)
             _install(model, originals)  # the packing goes: one at a time beside the float ones
+    if cache is not None:
+        cache.save({kind: asdict(t) for kind, t in times.items()}, switches)
     choice = choose(times)
     pack(model, choice.chosen, int4, switches)
     return choice

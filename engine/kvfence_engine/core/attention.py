@@ -27,9 +27,6 @@ class StepBatch:
     # decode: key_mask narrowed to a sliding window, by window (built by the first layer that
     # slides, shared by the others)
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
-    # decode: decode_mask(window) as the additive bias the fused kernel takes, by window and
-    # dtype (built by the first layer that needs it, shared by the others)
-    biases: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
     # decode on a GPU (core/device_decode): attention as its kernel computes it, given q and
     # one layer's pools and scoring, instead of the gather below; slot_mapping then already
     # sends a row that failed the read check to the scratch page
@@ -48,17 +45,6 @@ class StepBatch:
             recent = keys[None, :] > (self.query_positions[:, None] - window)
             mask = self.window_masks[window] = self.key_mask & recent[:, None, None, :]
         return mask
-
-    def decode_bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """decode_mask(window) as 0 (attend) and -inf (not): what scaled_dot_product_attention
-        turns a boolean mask into at every call, made once a step here instead of once a
-        layer."""
-        bias = self.biases.get((window, dtype))
-        if bias is None:
-            mask = self.decode_mask(window)
-            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-            self.biases[window, dtype] = bias.masked_fill_(~mask, float("-inf"))
-        return bias
 
 
 # q [B, H, D], k_cache, v_cache (one layer), scoring -> [B, H, D]
@@ -132,22 +118,14 @@ def paged_attention(
     flat = batch.page_table.view(-1)  # index_select: several times faster than k_cache[table]
     keys = k_cache.index_select(0, flat).view(rows, cols * page_size, kv_heads, head_dim)
     values = v_cache.index_select(0, flat).view(rows, cols * page_size, kv_heads, head_dim)
-    keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)
-    if scoring.softcap is not None:
-        return _attend(q.unsqueeze(2), keys, values, scoring, batch.decode_mask(window)).squeeze(2)
-    # A decode row's query heads that share a key head, as that head's rows of queries (they
-    # all attend to the same keys): one fused kernel call over [rows, kv_heads, group] with no
-    # key heads repeated, and the mask as a bias made once a step (3-4% of a one-row step on
-    # SmolLM2 at ~70 keys, more with more keys)
-    group = q.shape[1] // kv_heads
-    out = F.scaled_dot_product_attention(
-        q.view(rows, kv_heads, group, head_dim),
-        keys,
-        values,
-        attn_mask=batch.decode_bias(window, q.dtype),
-        scale=scoring.scale,
+    out = _attend(
+        q.unsqueeze(2),
+        keys.transpose(1, 2).to(q.dtype),
+        values.transpose(1, 2).to(q.dtype),
+        scoring,
+        batch.decode_mask(window),
     )
-    return out.reshape(rows, kv_heads * group, head_dim)
+    return out.squeeze(2)
 
 
 def _attend_after_prefix(

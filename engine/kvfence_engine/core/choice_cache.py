@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvfence_engine.core.model_config import ModelConfig
 from kvfence_engine.core.quantization import WeightDtype
@@ -67,10 +67,10 @@ def cpu_identity() -> dict[str, str]:
 
 class _Times(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    decode_one: float
-    decode_many: float
-    rows: int
-    prefill: float
+    decode_one: float = Field(gt=0, allow_inf_nan=False)
+    decode_many: float = Field(gt=0, allow_inf_nan=False)
+    rows: int = Field(gt=0)
+    prefill: float = Field(gt=0, allow_inf_nan=False)
 
 
 class _File(BaseModel):
@@ -110,6 +110,7 @@ class ChoiceCache:
         digest = hashlib.sha256(json.dumps([FORMAT, self.key], sort_keys=True).encode())
         self.path = directory / f"{digest.hexdigest()[:32]}.json"
         self.candidates = candidates
+        self.rows = rows
 
     def load(self) -> Recalled | None:
         """The kept measurement, or None (none yet, or one that does not answer this question:
@@ -123,7 +124,11 @@ class ChoiceCache:
         except ValidationError as exc:
             log.warning("weight choice cache %s: unreadable, measuring again: %s", self.path, exc)
             return None
-        answers = kept.key == self.key and set(kept.times) == set(self.candidates)
+        answers = (
+            kept.key == self.key
+            and set(kept.times) == set(self.candidates)
+            and all(t.rows == self.rows for t in kept.times.values())
+        )
         if kept.format != FORMAT or not answers:
             log.warning(
                 "weight choice cache %s: another question's answer, measuring again", self.path

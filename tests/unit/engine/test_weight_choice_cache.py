@@ -105,6 +105,16 @@ def test_a_broken_or_foreign_file_is_measured_again_and_rewritten(
     start(tmp_path)
     assert measured.count == 3 * 2 * ROUNDS
     assert json.loads(kept.read_text())["key"]["torch"] == torch.__version__
+    for rows in (0, 8):  # no time to divide by; another batch than the one asked about
+        body = json.loads(kept.read_text())
+        body["times"][str(INT4)]["rows"] = rows
+        kept.write_text(json.dumps(body))
+        start(tmp_path)
+    body = json.loads(kept.read_text())
+    body["times"][str(HYBRID)]["decode_one"] = -1.0
+    kept.write_text(json.dumps(body))
+    start(tmp_path)
+    assert measured.count == 6 * 2 * ROUNDS
 
 
 def test_a_kept_measurement_decides_as_a_fresh_one_would(

@@ -6,7 +6,8 @@ A file holds one measurement: each candidate's step times and int4+float16's swi
 is a digest of everything those times depend on, never of the weights' values: the model's
 shapes (its config), the candidates, the rows measured, the CPU (its model name and flags,
 the instruction set torch runs, the variables that narrow what torch's libraries may use),
-torch's version, the threads, and FORMAT. Anything else (another CPU, another torch, 8 threads
+torch's version, the threads, the int4 kernel (kvfence's build of native/q4.c, or aten's), and
+FORMAT. Anything else (another CPU, another torch, 8 threads
 instead of 2) is another file. A file that does not parse, or does not answer the question
 asked, is measured again and rewritten; a write that fails (a read-only filesystem in a pod)
 is logged, never fatal. `kvfence serve --weight-choice-cache` names the directory
@@ -29,7 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvfence_engine.core.model_config import ModelConfig
-from kvfence_engine.core.quantization import WeightDtype
+from kvfence_engine.core.quantization import WeightDtype, int4_kernel
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class ChoiceCache:
             "rows": str(rows),
             "torch": torch.__version__,
             "threads": str(torch.get_num_threads()),
+            "int4_kernel": int4_kernel(),
             **cpu_identity(),
         }
         digest = hashlib.sha256(json.dumps([FORMAT, self.key], sort_keys=True).encode())

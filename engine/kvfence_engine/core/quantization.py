@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfence_engine import native
+
 # Rows up to which int8pack beats dequantize + float32 GEMM (all 30 layers of SmolLM2, 2 AVX2
 # cores: 53 vs 67 ms at 16 rows, 96 vs 89 ms at 32).
 INT8PACK_MAX_ROWS = 16
@@ -178,18 +180,22 @@ class Int4Groups:
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T + b with W as int4 groups of 32 (aten's int4 packed CPU matmul)."""
+    """y = x @ W.T + b with W as int4 groups of 32. The kernel: kvfence's own (native/q4.c:
+    float32, the file's weights exactly) where it can be built, else aten's int4 packed matmul
+    on bfloat16; kernel_dtype (bfloat16 or float32, the latter exact but scalar: tests) asks
+    for aten's."""
 
     # buffers (register_buffer), declared so they type as tensors, not Tensor | Module
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
+    blocks: torch.Tensor
     bias: torch.Tensor | None
 
     def __init__(
         self,
         groups: Int4Groups,
         bias: torch.Tensor | None,
-        kernel_dtype: torch.dtype = torch.bfloat16,
+        kernel_dtype: torch.dtype | None = None,
         wide: "Float16Linear | None" = None,
     ) -> None:
         super().__init__()
@@ -200,13 +206,21 @@ class Int4Linear(nn.Module):
         self.wide_above = WIDE_ABOVE
         if self.in_features % GROUP:
             raise ValueError(f"int4 groups: {self.in_features} inputs is not a multiple of 32")
-        self.kernel_dtype = kernel_dtype
+        self.kernel = native.q4() if kernel_dtype is None else None
+        self.register_buffer("bias", _float_or_none(bias))
+        if isinstance(self.kernel, native.Q4Kernel):
+            # w = (q - 8) * scale + zero = d * q + m with m = zero - 8 * scale
+            blocks = native.pack_blocks(groups.q, groups.scale, groups.zero - 8 * groups.scale)
+            if blocks is not None:
+                self.register_buffer("blocks", blocks)
+                return
+            self.kernel = native.Unavailable("scales that are not fp16")
+        self.kernel_dtype = kernel_dtype or torch.bfloat16
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.to(torch.int32), 1)
         # the kernel's layout: [K / 32, N, 2], scale then zero
         layout = torch.stack([groups.scale.T, groups.zero.T], dim=-1).contiguous()
         self.register_buffer("packed", packed)
-        self.register_buffer("scales_and_zeros", layout.to(kernel_dtype))
-        self.register_buffer("bias", _float_or_none(bias))
+        self.register_buffer("scales_and_zeros", layout.to(self.kernel_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.wide is not None and x.shape[0] > self.wide_above:
@@ -215,10 +229,21 @@ class Int4Linear(nn.Module):
 
     def narrow(self, x: torch.Tensor) -> torch.Tensor:
         """The int4 kernel, whatever the rows."""
+        if isinstance(self.kernel, native.Q4Kernel):
+            return self.kernel.linear(self.blocks, self.bias, x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(self.kernel_dtype), self.packed, GROUP, self.scales_and_zeros
         ).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+def int4_kernel() -> str:
+    """Which kernel an int4 linear runs here, and why where it is aten's (logs, the weight
+    choice, its cache key)."""
+    kernel = native.q4()
+    if isinstance(kernel, native.Q4Kernel):
+        return kernel.name
+    return f"aten bfloat16 ({kernel.reason})"
 
 
 def _float_or_none(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -248,7 +273,7 @@ def pack_int4_linears(
     model: nn.Module,
     sources: dict[str, list[str]],
     int4: dict[str, Int4Groups],
-    kernel_dtype: torch.dtype = torch.bfloat16,
+    kernel_dtype: torch.dtype | None = None,
     wide: bool = False,
 ) -> dict[str, int]:
     """Replace each linear named in `sources` (module path -> the weights it was built from)

@@ -38,6 +38,7 @@ from kvfence_engine.core.quantization import (
     Int4Groups,
     Int4Linear,
     WeightDtype,
+    int4_kernel,
     pack_int4_linears,
     pack_linears,
 )
@@ -105,7 +106,8 @@ class WeightChoice:
         cpu = torch.backends.cpu.get_cpu_capability()
         return (
             f"auto chose {self.chosen} by measurement on this CPU ({cpu}, "
-            f"{torch.get_num_threads()} threads), for {PROMPT_TOKENS}-token prompts and "
+            f"{torch.get_num_threads()} threads, int4 kernel {int4_kernel()}), for "
+            f"{PROMPT_TOKENS}-token prompts and "
             f"{NEW_TOKENS} new tokens at concurrency 1 and {rows}: {each}"
             + ("" if self.kept is None else f" (measured {self.kept})")
         )

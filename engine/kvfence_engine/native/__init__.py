@@ -1,0 +1,208 @@
+"""kvfence's own CPU kernels: C sources in this package, compiled on first use with the machine's
+C compiler and loaded with ctypes.
+
+One kernel so far, q4.c: the int4 linear on the GGUF's own 4-bit blocks for x86 CPUs with AVX2
+and FMA, float32 activations and accumulators (so the served weights are the file's exactly,
+where aten's int4 kernel rounds to bfloat16), threaded on torch's own OpenMP pool.
+
+The library is built once per source, compiler and flags, into $XDG_CACHE_HOME/kvfence/native
+(or a private temporary directory where that cannot be written), by a compile to a temporary
+name and a rename, so processes starting together never load half a file. Where it cannot be
+had (no C compiler, a CPU without AVX2, FMA and F16C, a compile that fails, KVFENCE_NATIVE=0),
+`q4()` says why and the engine runs aten's int4 kernel instead: slower and rounded to bfloat16,
+never wrong. A deployment without a compiler can build the libraries ahead
+(`python -m kvfence_engine.native DIR`) and point KVFENCE_NATIVE_DIR at them.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ABI = 1  # kvf_q4_abi() of the source this module calls
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+QBYTES = 20  # a block: fp16 d, fp16 m, 16 bytes of 4-bit values (ggml's block_q4_1)
+BLOCK = 32  # weights per 4-bit block
+DISABLE = "KVFENCE_NATIVE"  # "0": never build or load (aten's kernel; an A/B of the two)
+PREBUILT = "KVFENCE_NATIVE_DIR"  # a directory holding the library already built (images)
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """Why the native kernel is not used here (said in the log and the weight choice)."""
+
+    reason: str
+
+
+class Q4Kernel:
+    """q4.c's kvf_q4_linear, loaded: y = x @ W.T + bias on 4-bit blocks."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        if lib.kvf_q4_abi() != ABI:
+            raise OSError(f"{path}: ABI {lib.kvf_q4_abi()}, not {ABI}")
+        self._linear = lib.kvf_q4_linear
+        self._linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+        self._linear.restype = None
+
+    @property
+    def name(self) -> str:
+        return f"kvfence q4 AVX2 ({self.path.stem})"
+
+    def linear(
+        self, blocks: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
+    ) -> torch.Tensor:
+        """blocks: uint8 [N, K/32, QBYTES] (pack_blocks); x: float32 [M, K]. Returns float32
+        [M, N]."""
+        n, count, _ = blocks.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != count * BLOCK:
+            raise ValueError(
+                f"q4 linear: x {x.dtype} {tuple(x.shape)}, weights [{n}, {count * BLOCK}]"
+            )
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        if x.shape[0]:
+            self._linear(
+                blocks.data_ptr(),
+                None if bias is None else bias.data_ptr(),
+                x.data_ptr(),
+                y.data_ptr(),
+                x.shape[0],
+                n,
+                count * BLOCK,
+            )
+        return y
+
+
+def pack_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
+    """q: uint8 [N, K] values 0..15; d, m: float32 [N, K/32], w = d * q + m. The blocks the
+    kernel reads, or None where a d or m is not exactly an fp16 (then it would not serve these
+    weights; a GGUF's Q4_0 and Q4_1 always are)."""
+    d16, m16 = d.to(torch.float16), m.to(torch.float16)
+    if not (torch.equal(d16.float(), d) and torch.equal(m16.float(), m)):
+        return None
+    n, k = q.shape
+    values = q.view(n, k // BLOCK, BLOCK)
+    nibbles = values[..., : BLOCK // 2] | (values[..., BLOCK // 2 :] << 4)
+    scales = torch.stack([d16, m16], dim=-1).view(torch.uint8)  # [N, K/32, 4]
+    return torch.cat([scales, nibbles], dim=-1).contiguous()
+
+
+@functools.cache
+def q4() -> Q4Kernel | Unavailable:
+    """The int4 kernel, built and loaded once a process; or why not."""
+    why = _unsupported()
+    if why:
+        return Unavailable(why)
+    try:
+        path = _library("q4")
+        kernel = Q4Kernel(path)
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("the native int4 kernel is unavailable, aten's is used: %s", e)
+        return Unavailable(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    log.info("native int4 kernel: %s", path)
+    return kernel
+
+
+def _unsupported() -> str | None:
+    if os.environ.get(DISABLE) == "0":
+        return f"{DISABLE}=0"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"no native kernel for {platform.machine()}"
+    flags = _cpu_flags()
+    if flags is not None and not {"avx2", "fma", "f16c"} <= flags:
+        return "the CPU lacks AVX2, FMA or F16C"
+    return None
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "flags":
+                return set(value.split())
+    except OSError:
+        pass
+    return None
+
+
+def _library(name: str) -> Path:
+    """The library built from `name`.c: prebuilt, kept in the cache, or compiled now."""
+    source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
+    compiler = os.environ.get("CC", "cc")
+    if os.environ.get(PREBUILT):
+        prebuilt = Path(os.environ[PREBUILT]) / library_name(name, source)
+        if prebuilt.exists():
+            return prebuilt
+    found = shutil.which(compiler)
+    if not found:
+        raise OSError(f"no C compiler ({compiler}) to build {name}.c")
+    version = subprocess.run(
+        [found, "--version"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout.splitlines()[:1]
+    target = _cache_dir() / library_name(name, source, *version)
+    if not target.exists():
+        build(name, target, found)
+    return target
+
+
+SOURCES = ("q4",)
+
+
+def build_all(directory: Path, compiler: str = "cc") -> list[Path]:
+    """Every kernel built into `directory` under the names KVFENCE_NATIVE_DIR is read by (an
+    image's build: `python -m kvfence_engine.native DIR`)."""
+    built = []
+    for name in SOURCES:
+        source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
+        target = Path(directory) / library_name(name, source)
+        build(name, target, compiler)
+        built.append(target)
+    return built
+
+
+def library_name(name: str, source: bytes, *compiler: str) -> str:
+    digest = hashlib.sha256(source + repr((FLAGS, compiler)).encode()).hexdigest()[:16]
+    return f"{name}-{digest}.so"
+
+
+def build(name: str, target: Path, compiler: str = "cc") -> None:
+    """Compile `name`.c into `target` (a temporary name, then renamed into place)."""
+    source = resources.files(__package__).joinpath(f"{name}.c")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with resources.as_file(source) as src, tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", str(out), str(src)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if done.returncode:
+            raise OSError(f"{compiler} {name}.c failed: {done.stderr.strip()[:500]}")
+        os.replace(out, target)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    directory = Path(base) / "kvfence" / "native"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory):
+            return directory
+    except OSError:
+        return Path(tempfile.mkdtemp(prefix="kvfence-native-"))

@@ -22,6 +22,7 @@
 
 #define BLOCK 32
 #define TILE 8
+#define CHUNK 64 /* rows of x a pass over the outputs reads (~150-400 KB: in L2) */
 #define QBYTES 20 /* fp16 d, fp16 m, 16 bytes of nibbles: ggml's block_q4_1 */
 #define PREFETCH 4096 /* bytes ahead in the block stream: measured, 320 to 16384 */
 
@@ -132,23 +133,28 @@ void kvf_q4_linear(const uint8_t *q, const float *bias,
             y[n] = one_row(q + (ptrdiff_t)n * nb * QBYTES, nb, x, xs) + (bias ? bias[n] : 0.0f);
         return;
     }
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *qn = q + (ptrdiff_t)n * nb * QBYTES;
-        const float b = bias ? bias[n] : 0.0f;
-        /* the row's blocks stay in L1 from one tile of rows to the next */
-        for (int r0 = 0; r0 < M; r0 += TILE) {
-            const float *xt = x + (ptrdiff_t)r0 * K;
-            float *yt = y + (ptrdiff_t)r0 * N + n;
-            switch (M - r0 < TILE ? M - r0 : TILE) {
-            case 8: tile_rows(8, qn, nb, xt, K, yt, N, b); break;
-            case 7: tile_rows(7, qn, nb, xt, K, yt, N, b); break;
-            case 6: tile_rows(6, qn, nb, xt, K, yt, N, b); break;
-            case 5: tile_rows(5, qn, nb, xt, K, yt, N, b); break;
-            case 4: tile_rows(4, qn, nb, xt, K, yt, N, b); break;
-            case 3: tile_rows(3, qn, nb, xt, K, yt, N, b); break;
-            case 2: tile_rows(2, qn, nb, xt, K, yt, N, b); break;
-            default: tile_rows(1, qn, nb, xt, K, yt, N, b); break;
+    /* Rows go CHUNK at a time, so a chunk of x stays in L2 while every output sweeps it; within
+     * a chunk an output's blocks stay in L1 from one tile of rows to the next. */
+#pragma omp parallel
+    for (int c0 = 0; c0 < M; c0 += CHUNK) {
+        const int rows = M - c0 < CHUNK ? M - c0 : CHUNK;
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            const uint8_t *qn = q + (ptrdiff_t)n * nb * QBYTES;
+            const float b = bias ? bias[n] : 0.0f;
+            for (int r0 = c0; r0 < c0 + rows; r0 += TILE) {
+                const float *xt = x + (ptrdiff_t)r0 * K;
+                float *yt = y + (ptrdiff_t)r0 * N + n;
+                switch (c0 + rows - r0 < TILE ? c0 + rows - r0 : TILE) {
+                case 8: tile_rows(8, qn, nb, xt, K, yt, N, b); break;
+                case 7: tile_rows(7, qn, nb, xt, K, yt, N, b); break;
+                case 6: tile_rows(6, qn, nb, xt, K, yt, N, b); break;
+                case 5: tile_rows(5, qn, nb, xt, K, yt, N, b); break;
+                case 4: tile_rows(4, qn, nb, xt, K, yt, N, b); break;
+                case 3: tile_rows(3, qn, nb, xt, K, yt, N, b); break;
+                case 2: tile_rows(2, qn, nb, xt, K, yt, N, b); break;
+                default: tile_rows(1, qn, nb, xt, K, yt, N, b); break;
+                }
             }
         }
     }

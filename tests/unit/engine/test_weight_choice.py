@@ -25,9 +25,10 @@ from kvfence_engine.core.weight_choice import (
 INT4, FLOAT16, HYBRID = WeightDtype.INT4, WeightDtype.FLOAT16, WeightDtype.INT4_FLOAT16
 
 # Measured on SmolLM2-135M, 2 threads, Intel Xeon (Sapphire Rapids class: AVX-512, AMX), AVX2
-# emulated for ON_AVX2 (ms; decode 1 row, 16 rows, prefill 64)
-ON_AVX512 = {INT4: StepTimes(15.2, 55.0, 16, 119), HYBRID: StepTimes(17.3, 61.3, 16, 92)}
-ON_AVX2 = {INT4: StepTimes(17.2, 81.7, 16, 199), HYBRID: StepTimes(17.3, 69.5, 16, 117)}
+# emulated for ON_AVX2, with aten's int4 kernel (ms; decode 1 row, 16 rows, prefill of
+# PREFILL_MEASURED = 256 tokens: 4x the 64-token prefill measured then)
+ON_AVX512 = {INT4: StepTimes(15.2, 55.0, 16, 476), HYBRID: StepTimes(17.3, 61.3, 16, 368)}
+ON_AVX2 = {INT4: StepTimes(17.2, 81.7, 16, 796), HYBRID: StepTimes(17.3, 69.5, 16, 468)}
 
 
 def test_a_request_costs_its_prefill_and_its_share_of_each_decode_step() -> None:
@@ -45,7 +46,7 @@ def test_int4_where_it_is_fastest_at_one_row_and_close_at_many() -> None:
     assert choice.worst[INT4] < 1.01 and choice.worst[HYBRID] > 1.08
     said = choice.reason()
     assert said.startswith("auto chose int4 by measurement on this CPU (")
-    assert "int4: decode 1 row 15.2 ms, 16 rows 55.0 ms, prefill 64 tokens 119 ms" in said
+    assert "int4: decode 1 row 15.2 ms, 16 rows 55.0 ms, prefill 256 tokens 476 ms" in said
 
 
 def test_int4_float16_where_int4s_kernel_is_slow_at_many_rows() -> None:
@@ -155,7 +156,7 @@ def test_load_from_outside_during_one_round_does_not_decide(
     int4+float16 (AVX2's winner) does not hand the choice to int4."""
     from kvfence_engine.core import build
 
-    loaded = iter([StepTimes(60.0, 250.0, 16, 400)] + [ON_AVX2[HYBRID]] * (ROUNDS - 1))
+    loaded = iter([StepTimes(60.0, 250.0, 16, 1600)] + [ON_AVX2[HYBRID]] * (ROUNDS - 1))
 
     def measure(rows: int):
         def timed(model: Decoder) -> StepTimes:

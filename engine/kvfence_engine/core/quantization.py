@@ -9,18 +9,22 @@ read check are exactly what they are with float32 weights.
   logits within ~0.05 of float32's: the CPU speed-up to use.
 - int4 (`auto`'s first candidate for a GGUF file with Q4_0/Q4_1 tensors on CPU, int4+float16
   the other: whichever measures faster on the CPU at start, core/weight_choice.py): the file's own
-  4-bit blocks, kept. Each block of 32 becomes a group of aten's int4 packed matmul, whose
+  4-bit blocks, kept. The kernel is kvfence's own where it can be built (native/q4.c: x86 with
+  AVX2, the blocks as ggml lays them out, float32 products and sums, so the served weights are
+  the file's exactly; SmolLM2 one-row step on emulated AVX2 22.2 ms against aten's 24.4).
+  Elsewhere each block of 32 becomes a group of aten's int4 packed matmul, whose
   dequantization is w = (q - 8) * scale + zero: scale = d, zero = 0 (Q4_0: w = d * (q - 8))
   or m + 8 * d (Q4_1: w = d * q + m). With float32 scales those are the file's weights bit
-  for bit; the engine runs the kernel on bfloat16 (its float32 path is scalar, slower than a
+  for bit; the engine runs that kernel on bfloat16 (its float32 path is scalar, slower than a
   float32 GEMM), so the served weights are the file's up to bfloat16 rounding of scale, zero
   and product (relative 2^-9 each: small against the 4-bit step itself). Every other linear
   (Q8_0, F16, F32 in the file: SmolLM2's tied lm_head is its Q8_0 embedding table) takes the
   float16 path: a Q8_0 block's own scale cannot be kept by int8pack, whose scales are per
   output channel, and a per-channel requantization would change the file's weights.
-  Speed (SmolLM2, 1 thread, rough): batch 1 int4 79 tokens/s, float16 63, float32 25; but from
-  ~16 rows the bfloat16 int4 kernel is slower than fbgemm's float16 GEMM (16 requests: 209 vs
-  244), and on AVX2-only CPUs (ATEN_CPU_CAPABILITY=avx2) even at batch 1 (47 vs 65).
+  Speed of aten's kernel (SmolLM2, 1 thread, rough): batch 1 int4 79 tokens/s, float16 63,
+  float32 25; but from ~16 rows the bfloat16 int4 kernel is slower than fbgemm's float16 GEMM
+  (16 requests: 209 vs 244), and on AVX2-only CPUs (ATEN_CPU_CAPABILITY=avx2) even at batch 1
+  (47 vs 65).
 - int4+float16 (`auto`'s other candidate for such a file): each int4 linear also holds the
   float16 packing of the same weights (2.5 bytes a weight); a batch of up to `wide_above` rows
   takes the int4 kernel, a larger one the float16 GEMM. The kernel's speed hardly grows with

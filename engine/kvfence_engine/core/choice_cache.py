@@ -6,7 +6,7 @@ A file holds one measurement: each candidate's step times and int4+float16's swi
 is a digest of everything those times depend on, never of the weights' values: the model's
 shapes (its config), the candidates, the rows measured, the CPU (its model name and flags,
 the instruction set torch runs, the variables that narrow what torch's libraries may use),
-torch's version, the threads, the int4 kernel (kvfence's build of native/q4.c, or aten's), and
+torch's version, the threads, the int4 kernel (kvfence's build of native/blocks.c, or aten's), and
 FORMAT. Anything else (another CPU, another torch, 8 threads
 instead of 2) is another file. A file that does not parse, or does not answer the question
 asked, is measured again and rewritten; a write that fails (a read-only filesystem in a pod)

@@ -9,7 +9,7 @@ read check are exactly what they are with float32 weights.
   logits within ~0.05 of float32's: the CPU speed-up to use.
 - int4 (`auto`'s first candidate for a GGUF file with Q4_0/Q4_1 tensors on CPU, int4+float16
   the other: whichever measures faster on the CPU at start, core/weight_choice.py): the file's own
-  4-bit blocks, kept. The kernel is kvfence's own where it can be built (native/q4.c: x86 with
+  4-bit blocks, kept. The kernel is kvfence's own where it can be built (native/blocks.c: x86 with
   AVX2, the blocks as ggml lays them out, float32 products and sums, so the served weights are
   the file's exactly; SmolLM2 one-row step on emulated AVX2 22.2 ms against aten's 24.4).
   Elsewhere each block of 32 becomes a group of aten's int4 packed matmul, whose
@@ -18,9 +18,10 @@ read check are exactly what they are with float32 weights.
   for bit; the engine runs that kernel on bfloat16 (its float32 path is scalar, slower than a
   float32 GEMM), so the served weights are the file's up to bfloat16 rounding of scale, zero
   and product (relative 2^-9 each: small against the 4-bit step itself). Every other linear
-  (Q8_0, F16, F32 in the file: SmolLM2's tied lm_head is its Q8_0 embedding table) takes the
-  float16 path: a Q8_0 block's own scale cannot be kept by int8pack, whose scales are per
-  output channel, and a per-channel requantization would change the file's weights.
+  (Q8_0, F16, F32 in the file) takes the float16 path, except one that is exactly a Q8_0
+  tensor's dequantization (SmolLM2's tied lm_head is its Q8_0 embedding table) where kvfence's
+  kernel is here: Q8Linear keeps those blocks (aten's int8pack could not: its scales are per
+  output channel, and a per-channel requantization would change the file's weights).
   Speed of aten's kernel (SmolLM2, 1 thread, rough): batch 1 int4 79 tokens/s, float16 63,
   float32 25; but from ~16 rows the bfloat16 int4 kernel is slower than fbgemm's float16 GEMM
   (16 requests: 209 vs 244), and on AVX2-only CPUs (ATEN_CPU_CAPABILITY=avx2) even at batch 1
@@ -158,6 +159,39 @@ class Float16Linear(nn.Module):
         return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
 
 
+class Q8Linear(nn.Module):
+    """y = x @ W.T + b with W as the Q8_0 blocks it is exactly the dequantization of (a GGUF's
+    Q8_0 tensor, e.g. SmolLM2's tied lm_head): kvfence's kernel, float32 on the file's weights,
+    1.06 bytes a weight where float16 takes 2. `packed_or_float16` makes one where it can."""
+
+    blocks: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self, blocks: torch.Tensor, bias: torch.Tensor | None, kernels: native.Kernels
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * GROUP
+        self.kernels = kernels
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("bias", _float_or_none(bias))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.q8_linear(self.blocks, self.bias, x)
+
+
+def packed_or_float16(layer: nn.Linear, exact: bool = True) -> nn.Module:
+    """A linear that is no 4-bit tensor: its Q8_0 blocks on kvfence's kernel where it is exactly
+    a Q8_0 tensor's dequantization and the kernel is here (exact: False asks for float16 alone,
+    as aten's float32 int4 path does in tests), else fbgemm's float16."""
+    kernels = native.kernels() if exact else None
+    if isinstance(kernels, native.Kernels):
+        blocks = native.pack_q8(layer.weight.detach().float())
+        if blocks is not None:
+            return Q8Linear(blocks, layer.bias, kernels)
+    return Float16Linear(layer.weight, layer.bias)
+
+
 GROUP = 32  # weights per Q4_0/Q4_1 block, and per group of the int4 kernel
 # int4+float16: rows up to which a linear stays int4 until measured (the crossover of SmolLM2's
 # 30 layers on 2 cores lies between 1 and 16 rows, by shape and CPU)
@@ -184,7 +218,7 @@ class Int4Groups:
 
 
 class Int4Linear(nn.Module):
-    """y = x @ W.T + b with W as int4 groups of 32. The kernel: kvfence's own (native/q4.c:
+    """y = x @ W.T + b with W as int4 groups of 32. The kernel: kvfence's own (native/blocks.c:
     float32, the file's weights exactly) where it can be built, else aten's int4 packed matmul
     on bfloat16; kernel_dtype (bfloat16 or float32, the latter exact but scalar: tests) asks
     for aten's."""
@@ -210,11 +244,11 @@ class Int4Linear(nn.Module):
         self.wide_above = WIDE_ABOVE
         if self.in_features % GROUP:
             raise ValueError(f"int4 groups: {self.in_features} inputs is not a multiple of 32")
-        self.kernel = native.q4() if kernel_dtype is None else None
+        self.kernel = native.kernels() if kernel_dtype is None else None
         self.register_buffer("bias", _float_or_none(bias))
-        if isinstance(self.kernel, native.Q4Kernel):
+        if isinstance(self.kernel, native.Kernels):
             # w = (q - 8) * scale + zero = d * q + m with m = zero - 8 * scale
-            blocks = native.pack_blocks(groups.q, groups.scale, groups.zero - 8 * groups.scale)
+            blocks = native.pack_q4(groups.q, groups.scale, groups.zero - 8 * groups.scale)
             if blocks is not None:
                 self.register_buffer("blocks", blocks)
                 return
@@ -233,8 +267,8 @@ class Int4Linear(nn.Module):
 
     def narrow(self, x: torch.Tensor) -> torch.Tensor:
         """The int4 kernel, whatever the rows."""
-        if isinstance(self.kernel, native.Q4Kernel):
-            return self.kernel.linear(self.blocks, self.bias, x)
+        if isinstance(self.kernel, native.Kernels):
+            return self.kernel.q4_linear(self.blocks, self.bias, x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(self.kernel_dtype), self.packed, GROUP, self.scales_and_zeros
         ).to(x.dtype)
@@ -244,8 +278,8 @@ class Int4Linear(nn.Module):
 def int4_kernel() -> str:
     """Which kernel an int4 linear runs here, and why where it is aten's (logs, the weight
     choice, its cache key)."""
-    kernel = native.q4()
-    if isinstance(kernel, native.Q4Kernel):
+    kernel = native.kernels()
+    if isinstance(kernel, native.Kernels):
         return kernel.name
     return f"aten bfloat16 ({kernel.reason})"
 
@@ -281,11 +315,18 @@ def pack_int4_linears(
     wide: bool = False,
 ) -> dict[str, int]:
     """Replace each linear named in `sources` (module path -> the weights it was built from)
-    by an Int4Linear when every source weight has int4 groups, else by a Float16Linear;
-    every other nn.Linear is packed float16 too. Returns how many of each. (kernel_dtype
-    float32: the file's exact weights, at the kernel's slow scalar speed; for tests.) wide:
-    each Int4Linear also holds the float16 packing of the layer (int4+float16)."""
-    counts = {"int4": 0, "float16": 0}
+    by an Int4Linear when every source weight has int4 groups, else (and every other
+    nn.Linear) by packed_or_float16's. Returns how many of each kind. (kernel_dtype float32:
+    aten's kernel on the file's exact weights, at its slow scalar speed, and float16 for the
+    rest; for tests.) wide: each Int4Linear also holds the float16 packing of the layer
+    (int4+float16)."""
+    counts = {"int4": 0, "q8": 0, "float16": 0}
+
+    def other(layer: nn.Linear) -> nn.Module:
+        packed = packed_or_float16(layer, exact=kernel_dtype is None)
+        counts["q8" if isinstance(packed, Q8Linear) else "float16"] += 1
+        return packed
+
     for path, names in sources.items():
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path)
@@ -297,8 +338,10 @@ def pack_int4_linears(
             packed: nn.Module = Int4Linear(groups, layer.bias, kernel_dtype, companion)
             counts["int4"] += 1
         else:
-            packed = Float16Linear(layer.weight, layer.bias)
-            counts["float16"] += 1
+            packed = other(layer)
         setattr(parent, attr, packed)
-    counts["float16"] += pack_linears(model, WeightDtype.FLOAT16)
-    return counts
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, other(child))
+    return {kind: n for kind, n in counts.items() if n}

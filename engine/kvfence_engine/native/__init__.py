@@ -1,17 +1,18 @@
 """kvfence's own CPU kernels: C sources in this package, compiled on first use with the machine's
 C compiler and loaded with ctypes.
 
-One kernel so far, q4.c: the int4 linear on the GGUF's own 4-bit blocks for x86 CPUs with AVX2
-and FMA, float32 activations and accumulators (so the served weights are the file's exactly,
-where aten's int4 kernel rounds to bfloat16), threaded on torch's own OpenMP pool.
+blocks.c: linears on a GGUF's own blocks for x86 CPUs with AVX2, FMA and F16C, float32
+activations, products and sums (so the served weights are the file's exactly, where aten's int4
+kernel rounds to bfloat16), threaded on torch's own OpenMP pool. Two block types: Q4 (the Q4_0
+and Q4_1 linears) and Q8 (a Q8_0 lm_head, half the bytes of its float16 packing).
 
 The library is built once per source, compiler and flags, into $XDG_CACHE_HOME/kvfence/native
 (or a private temporary directory where that cannot be written), by a compile to a temporary
 name and a rename, so processes starting together never load half a file. Where it cannot be
 had (no C compiler, a CPU without AVX2, FMA and F16C, a compile that fails, KVFENCE_NATIVE=0),
-`q4()` says why and the engine runs aten's int4 kernel instead: slower and rounded to bfloat16,
-never wrong. A deployment without a compiler can build the libraries ahead
-(`python -m kvfence_engine.native DIR`) and point KVFENCE_NATIVE_DIR at them.
+`kernels()` says why and the engine runs aten's int4 kernel and fbgemm's float16 instead: slower
+(int4: rounded to bfloat16), never wrong. A deployment without a compiler can build the
+libraries ahead (`python -m kvfence_engine.native DIR`) and point KVFENCE_NATIVE_DIR at them.
 """
 
 import ctypes
@@ -31,63 +32,73 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ABI = 1  # kvf_q4_abi() of the source this module calls
+ABI = 2  # kvf_blocks_abi() of the source this module calls
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
-QBYTES = 20  # a block: fp16 d, fp16 m, 16 bytes of 4-bit values (ggml's block_q4_1)
-BLOCK = 32  # weights per 4-bit block
+BLOCK = 32  # weights per block
+Q4_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 4-bit values (ggml's block_q4_1)
+Q8_BYTES = 34  # fp16 d, 32 int8 values (ggml's block_q8_0)
+SOURCES = ("blocks",)
 DISABLE = "KVFENCE_NATIVE"  # "0": never build or load (aten's kernel; an A/B of the two)
 PREBUILT = "KVFENCE_NATIVE_DIR"  # a directory holding the library already built (images)
 
 
 @dataclass(frozen=True, slots=True)
 class Unavailable:
-    """Why the native kernel is not used here (said in the log and the weight choice)."""
+    """Why the native kernels are not used here (said in the log and the weight choice)."""
 
     reason: str
 
 
-class Q4Kernel:
-    """q4.c's kvf_q4_linear, loaded: y = x @ W.T + bias on 4-bit blocks."""
+class Kernels:
+    """blocks.c, loaded: y = x @ W.T + bias on Q4 or Q8 blocks (pack_q4, pack_q8)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        if lib.kvf_q4_abi() != ABI:
-            raise OSError(f"{path}: ABI {lib.kvf_q4_abi()}, not {ABI}")
-        self._linear = lib.kvf_q4_linear
-        self._linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
-        self._linear.restype = None
+        if lib.kvf_blocks_abi() != ABI:
+            raise OSError(f"{path}: ABI {lib.kvf_blocks_abi()}, not {ABI}")
+        self._q4, self._q8 = lib.kvf_q4_linear, lib.kvf_q8_linear
+        for fn in (self._q4, self._q8):
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+            fn.restype = None
 
     @property
     def name(self) -> str:
-        return f"kvfence q4 AVX2 ({self.path.stem})"
+        return f"kvfence AVX2 ({self.path.stem})"
 
-    def linear(
+    def q4_linear(
         self, blocks: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
     ) -> torch.Tensor:
-        """blocks: uint8 [N, K/32, QBYTES] (pack_blocks); x: float32 [M, K]. Returns float32
-        [M, N]."""
-        n, count, _ = blocks.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != count * BLOCK:
-            raise ValueError(
-                f"q4 linear: x {x.dtype} {tuple(x.shape)}, weights [{n}, {count * BLOCK}]"
-            )
+        """blocks: uint8 [N, K/32, Q4_BYTES] (pack_q4); x: float32 [M, K]. Float32 [M, N]."""
+        return self._run(self._q4, Q4_BYTES, blocks, bias, x)
+
+    def q8_linear(
+        self, blocks: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor
+    ) -> torch.Tensor:
+        """blocks: uint8 [N, K/32, Q8_BYTES] (pack_q8); x: float32 [M, K]. Float32 [M, N]."""
+        return self._run(self._q8, Q8_BYTES, blocks, bias, x)
+
+    @staticmethod
+    def _run(
+        fn: "ctypes._NamedFuncPointer",
+        size: int,
+        blocks: torch.Tensor,
+        bias: torch.Tensor | None,
+        x: torch.Tensor,
+    ) -> torch.Tensor:
+        n, count, block_bytes = blocks.shape
+        k = count * BLOCK
+        if block_bytes != size or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"block linear: x {x.dtype} {tuple(x.shape)}, [{n}, {k}] W")
         x = x.contiguous()
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         if x.shape[0]:
-            self._linear(
-                blocks.data_ptr(),
-                None if bias is None else bias.data_ptr(),
-                x.data_ptr(),
-                y.data_ptr(),
-                x.shape[0],
-                n,
-                count * BLOCK,
-            )
+            bias_ptr = None if bias is None else bias.data_ptr()
+            fn(blocks.data_ptr(), bias_ptr, x.data_ptr(), y.data_ptr(), x.shape[0], n, k)
         return y
 
 
-def pack_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor | None:
     """q: uint8 [N, K] values 0..15; d, m: float32 [N, K/32], w = d * q + m. The blocks the
     kernel reads, or None where a d or m is not exactly an fp16 (then it would not serve these
     weights; a GGUF's Q4_0 and Q4_1 always are)."""
@@ -101,20 +112,37 @@ def pack_blocks(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tens
     return torch.cat([scales, nibbles], dim=-1).contiguous()
 
 
+def pack_q8(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 weight [N, K] that is exactly a Q8_0 tensor's dequantization (every block of
+    32 is d * q, d an fp16, q int8 in -127..127, as ggml quantizes: d = max |w| / 127), as
+    those blocks; None where it is not (then these blocks would not serve it)."""
+    n, k = weight.shape
+    if k % BLOCK or weight.dtype != torch.float32:
+        return None
+    w = weight.detach().reshape(n, k // BLOCK, BLOCK)
+    d = (w.abs().amax(dim=-1) / 127).to(torch.float16)
+    safe = torch.where(d == 0, torch.ones_like(d), d).float()
+    q = torch.round(w / safe[..., None])
+    if q.abs().max() > 127 or not torch.equal(q * d.float()[..., None], w):
+        return None
+    scales = d[..., None].view(torch.uint8)  # [N, K/32, 2]
+    return torch.cat([scales, q.to(torch.int8).view(torch.uint8)], dim=-1).contiguous()
+
+
 @functools.cache
-def q4() -> Q4Kernel | Unavailable:
-    """The int4 kernel, built and loaded once a process; or why not."""
+def kernels() -> Kernels | Unavailable:
+    """The kernels, built and loaded once a process; or why not."""
     why = _unsupported()
     if why:
         return Unavailable(why)
     try:
-        path = _library("q4")
-        kernel = Q4Kernel(path)
+        path = _library("blocks")
+        loaded = Kernels(path)
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("the native int4 kernel is unavailable, aten's is used: %s", e)
+        log.warning("kvfence's native kernels are unavailable, aten's are used: %s", e)
         return Unavailable(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    log.info("native int4 kernel: %s", path)
-    return kernel
+    log.info("native kernels: %s", path)
+    return loaded
 
 
 def _unsupported() -> str | None:
@@ -139,12 +167,15 @@ def _cpu_flags() -> set[str] | None:
     return None
 
 
+def _source(name: str) -> bytes:
+    return resources.files(__package__).joinpath(f"{name}.c").read_bytes()
+
+
 def _library(name: str) -> Path:
     """The library built from `name`.c: prebuilt, kept in the cache, or compiled now."""
-    source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
     compiler = os.environ.get("CC", "cc")
     if os.environ.get(PREBUILT):
-        prebuilt = Path(os.environ[PREBUILT]) / library_name(name, source)
+        prebuilt = Path(os.environ[PREBUILT]) / library_name(name, _source(name))
         if prebuilt.exists():
             return prebuilt
     found = shutil.which(compiler)
@@ -153,13 +184,10 @@ def _library(name: str) -> Path:
     version = subprocess.run(
         [found, "--version"], capture_output=True, text=True, timeout=30, check=False
     ).stdout.splitlines()[:1]
-    target = _cache_dir() / library_name(name, source, *version)
+    target = _cache_dir() / library_name(name, _source(name), *version)
     if not target.exists():
         build(name, target, found)
     return target
-
-
-SOURCES = ("q4",)
 
 
 def build_all(directory: Path, compiler: str = "cc") -> list[Path]:
@@ -167,8 +195,7 @@ def build_all(directory: Path, compiler: str = "cc") -> list[Path]:
     image's build: `python -m kvfence_engine.native DIR`)."""
     built = []
     for name in SOURCES:
-        source = resources.files(__package__).joinpath(f"{name}.c").read_bytes()
-        target = Path(directory) / library_name(name, source)
+        target = Path(directory) / library_name(name, _source(name))
         build(name, target, compiler)
         built.append(target)
     return built

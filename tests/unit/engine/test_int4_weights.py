@@ -3,7 +3,7 @@ on CPU for such files: test_weight_choice.py).
 
 Q4_0 (w = d * (q - 8)) and Q4_1 (w = d * q + m) blocks of 32 become aten's int4 packed groups
 of 32, whose kernel dequantizes w = (q - 8) * scale + zero: scale = d, and zero = 0 (Q4_0) or
-m + 8 * d (Q4_1). The engine runs kvfence's own kernel (native/q4.c: the blocks as the file
+m + 8 * d (Q4_1). The engine runs kvfence's own kernel (native/blocks.c: the blocks as the file
 holds them, float32 arithmetic), whose weights ARE the file's, bit for bit, as are aten's
 kernel's with float32 scales (d and m are fp16, so d * (q - 8) and m + 8 * d are exact in
 float32 and the kernel rounds once, where gguf rounds d * q + m once). Where kvfence's kernel
@@ -30,7 +30,7 @@ from kvfence_engine.core.quantization import (
 )
 from kvfence_engine.loading.loader import int4_groups, load_model, tiny_random
 from kvfence_engine.loading.tokenizer_source import SMOLLM2
-from kvfence_engine.native import Q4Kernel
+from kvfence_engine.native import Kernels
 
 Q4 = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
 
@@ -46,7 +46,7 @@ def _kernel_weights(layer: Int4Linear, columns: torch.Tensor | None = None) -> t
     return layer(eye if columns is None else eye[columns]).T
 
 
-# the exact kernels: kvfence's own (native/q4.c, what the engine runs) and aten's on float32
+# the exact kernels: kvfence's own (native/blocks.c, what the engine runs) and aten's on float32
 EXACT = {"kvfence": None, "aten-float32": torch.float32}
 
 
@@ -57,7 +57,7 @@ def test_the_kernels_weights_are_ggufs_dequantization_bit_for_bit(
 ) -> None:
     raw = _quantized(96, 256, kind)
     layer = Int4Linear(int4_groups(raw, kind), None, kernel_dtype=EXACT[kernel])
-    assert isinstance(layer.kernel, Q4Kernel) == (kernel == "kvfence"), layer.kernel
+    assert isinstance(layer.kernel, Kernels) == (kernel == "kvfence"), layer.kernel
     file_weights = torch.from_numpy(dequantize(raw, kind))
     assert torch.equal(_kernel_weights(layer), file_weights)
     # and as a matmul: against float64 over the same weights, within float32 accumulation
@@ -153,7 +153,7 @@ def test_int4_engine_stays_close_to_float32_on_the_same_file_weights(
     diff = (packed - reference).abs()
     top1 = (packed.argmax(-1) == reference.argmax(-1)).float().mean().item()
     print(f"{kind.name}: max |dlogit| {diff.max():.3f}, mean {diff.mean():.4f}, top-1 {top1}")
-    exact = isinstance(native.q4(), Q4Kernel)
+    exact = isinstance(native.kernels(), Kernels)
     assert diff.max().item() <= (0.1 if exact else 1.0)
     assert diff.mean().item() <= (0.01 if exact else 0.1)
     assert top1 >= (1.0 if exact else 0.93)

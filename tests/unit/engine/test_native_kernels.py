@@ -1,5 +1,6 @@
-"""kvfence's own int4 kernel (native/q4.c): the file's 4-bit blocks times float32 activations,
-in float32, built from source with the machine's C compiler on first use.
+"""kvfence's own kernels (native/blocks.c): a GGUF's 4-bit (Q4_0/Q4_1) and 8-bit (Q8_0) blocks
+times float32 activations, in float32, built from source with the machine's C compiler on
+first use.
 
 What it must be: a float32 GEMM's answer on the dequantized weights (any rows, every tile
 shape of the kernel, with and without bias), and, where it cannot be built, a reason and aten's
@@ -10,11 +11,23 @@ int4 engine next to the float32 one: test_int4_weights.py.
 import platform
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from torch import nn
 
+from helpers.engines import generate, prompt_of, tiny_q4
 from kvfence_engine import native
-from kvfence_engine.core.quantization import Int4Groups, Int4Linear
+from kvfence_engine.core.engine import EngineArgs, LLMEngine
+from kvfence_engine.core.quantization import (
+    Float16Linear,
+    Int4Groups,
+    Int4Linear,
+    Q8Linear,
+    packed_or_float16,
+)
 
 pytestmark = pytest.mark.skipif(
     platform.machine() != "x86_64" or "avx2" not in Path("/proc/cpuinfo").read_text(),
@@ -40,9 +53,9 @@ def _weights(groups: Int4Groups) -> torch.Tensor:
 def test_the_kernel_is_built_here() -> None:
     """CI's machines have a C compiler and AVX2: the engine runs this kernel. (The images do
     not carry a compiler yet: there the engine says so and runs aten's.)"""
-    kernel = native.q4()
-    assert isinstance(kernel, native.Q4Kernel), kernel
-    assert kernel.path.exists() and kernel.name.startswith("kvfence q4 AVX2")
+    kernel = native.kernels()
+    assert isinstance(kernel, native.Kernels), kernel
+    assert kernel.path.exists() and kernel.name.startswith("kvfence AVX2")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 40])
@@ -55,7 +68,7 @@ def test_the_kernel_is_a_float32_gemm_on_the_dequantized_weights(rows: int, n: i
     bias = torch.randn(n, generator=gen)
     for b in (None, bias):
         layer = Int4Linear(groups, b)
-        assert isinstance(layer.kernel, native.Q4Kernel)
+        assert isinstance(layer.kernel, native.Kernels)
         x = torch.randn(rows, k, generator=gen)
         w = _weights(groups)
         exact = x.double() @ w.T + (0 if b is None else b.double())
@@ -72,7 +85,7 @@ def test_a_non_contiguous_input_and_no_rows() -> None:
     exact = x.double() @ _weights(groups).T
     assert torch.allclose(layer(x).double(), exact, atol=1e-4)
     assert layer(torch.empty(0, 64)).shape == (0, 8)
-    with pytest.raises(ValueError, match="q4 linear"):
+    with pytest.raises(ValueError, match="block linear"):
         layer(torch.randn(2, 32))
 
 
@@ -81,10 +94,10 @@ def test_scales_that_are_not_fp16_take_aten_s_kernel() -> None:
     served rounded, so they go to aten's kernel, said why."""
     groups = _groups(16, 64, seed=4)  # aten's kernel takes N in 16s
     odd = Int4Groups(groups.q, groups.scale * (1 + 2**-20), groups.zero)
-    assert native.pack_blocks(odd.q, odd.scale, odd.zero) is None
+    assert native.pack_q4(odd.q, odd.scale, odd.zero) is None
     layer = Int4Linear(odd, None)
     assert layer.kernel == native.Unavailable("scales that are not fp16")
-    assert isinstance(Int4Linear(groups, None).kernel, native.Q4Kernel)
+    assert isinstance(Int4Linear(groups, None).kernel, native.Kernels)
 
 
 def test_without_a_compiler_or_when_disabled_the_reason_is_said(
@@ -92,19 +105,19 @@ def test_without_a_compiler_or_when_disabled_the_reason_is_said(
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    native.q4.cache_clear()
+    native.kernels.cache_clear()
     try:
-        assert native.q4() == native.Unavailable(
-            f"no C compiler ({tmp_path / 'no-such-cc'}) to build q4.c"
+        assert native.kernels() == native.Unavailable(
+            f"no C compiler ({tmp_path / 'no-such-cc'}) to build blocks.c"
         )
-        native.q4.cache_clear()
+        native.kernels.cache_clear()
         monkeypatch.setenv("KVFENCE_NATIVE", "0")
-        assert native.q4() == native.Unavailable("KVFENCE_NATIVE=0")
+        assert native.kernels() == native.Unavailable("KVFENCE_NATIVE=0")
         layer = Int4Linear(_groups(16, 64, seed=5), None)
         assert layer.kernel == native.Unavailable("KVFENCE_NATIVE=0")  # aten's bfloat16 runs
         assert layer(torch.randn(2, 64)).shape == (2, 16)
     finally:
-        native.q4.cache_clear()
+        native.kernels.cache_clear()
 
 
 def test_a_compiler_that_fails_is_said_and_nothing_half_built_is_left(
@@ -115,37 +128,93 @@ def test_a_compiler_that_fails_is_said_and_nothing_half_built_is_left(
     cc.chmod(0o755)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(cc))
-    native.q4.cache_clear()
+    native.kernels.cache_clear()
     try:
-        found = native.q4()
+        found = native.kernels()
         assert isinstance(found, native.Unavailable)
-        assert "q4.c failed: cc: error: no space left" in found.reason
+        assert "blocks.c failed: cc: error: no space left" in found.reason
         assert list((tmp_path / "cache" / "kvfence" / "native").iterdir()) == []
     finally:
-        native.q4.cache_clear()
+        native.kernels.cache_clear()
 
 
 def test_the_library_is_built_once_and_kept_or_taken_prebuilt(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    native.q4.cache_clear()
+    native.kernels.cache_clear()
     try:
-        first = native.q4()
-        assert isinstance(first, native.Q4Kernel)
+        first = native.kernels()
+        assert isinstance(first, native.Kernels)
         assert first.path.parent == tmp_path / "cache" / "kvfence" / "native"
         built = first.path.stat().st_mtime_ns
-        native.q4.cache_clear()
-        again = native.q4()
-        assert isinstance(again, native.Q4Kernel) and again.path == first.path
+        native.kernels.cache_clear()
+        again = native.kernels()
+        assert isinstance(again, native.Kernels) and again.path == first.path
         assert again.path.stat().st_mtime_ns == built  # kept, not compiled again
         # an image's: built at image build (python -m kvfence_engine.native), no compiler after
         prebuilt = tmp_path / "prebuilt"
         native.build_all(prebuilt)
         monkeypatch.setenv("KVFENCE_NATIVE_DIR", str(prebuilt))
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-        native.q4.cache_clear()
-        taken = native.q4()
-        assert isinstance(taken, native.Q4Kernel) and taken.path.parent == prebuilt
+        native.kernels.cache_clear()
+        taken = native.kernels()
+        assert isinstance(taken, native.Kernels) and taken.path.parent == prebuilt
     finally:
-        native.q4.cache_clear()
+        native.kernels.cache_clear()
+
+
+def _q8_tensor(n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """A Q8_0 tensor as gguf quantizes it: its raw blocks and their dequantization."""
+    weights = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.1
+    raw = quantize(weights, GGMLQuantizationType.Q8_0)
+    return raw, torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0))
+
+
+def test_a_q8_0_tensors_dequantization_packs_back_into_its_own_blocks() -> None:
+    """pack_q8 finds the blocks a float weight is the dequantization of: for a GGUF's Q8_0
+    tensor, byte for byte the file's blocks (ggml's block_q8_0: fp16 d, 32 int8)."""
+    raw, weight = _q8_tensor(24, 96, seed=1)
+    blocks = native.pack_q8(weight)
+    assert blocks is not None
+    assert torch.equal(blocks.reshape(24, -1), torch.from_numpy(raw.view(np.uint8).reshape(24, -1)))
+    # a weight that is no Q8_0 tensor's (one value off by an ulp, or a float table) is refused
+    off = weight.clone()
+    off[3, 7] = torch.nextafter(off[3, 7], torch.tensor(1.0))
+    assert native.pack_q8(off) is None
+    assert native.pack_q8(torch.randn(8, 64)) is None
+    assert native.pack_q8(torch.zeros(8, 64)) is not None  # all-zero blocks: d = 0, exact
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13])
+def test_the_q8_kernel_is_a_float32_gemm_on_the_files_weights(rows: int) -> None:
+    n, k = 37, 192
+    _, weight = _q8_tensor(n, k, seed=rows)
+    bias = torch.randn(n)
+    layer = packed_or_float16(nn.Linear(k, n).requires_grad_(False).float(), exact=True)
+    assert isinstance(layer, Float16Linear)  # a float layer: no blocks to keep
+    linear = nn.Linear(k, n)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        linear.bias.copy_(bias)
+    layer = packed_or_float16(linear)
+    assert isinstance(layer, Q8Linear)
+    x = torch.randn(rows, k)
+    exact = x.double() @ weight.double().T + bias.double()
+    bound = k * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T)
+    assert ((layer(x).double() - exact).abs() <= bound + 1e-6).all()
+    assert isinstance(packed_or_float16(linear, exact=False), Float16Linear)
+
+
+def test_an_int4_model_with_a_q8_0_lm_head_keeps_its_blocks() -> None:
+    """SmolLM2's tied lm_head is its Q8_0 embedding table: int4 serves it as those blocks."""
+    loaded = tiny_q4()
+    table = loaded.weights["model.embed_tokens.weight"]
+    raw = quantize(table.numpy(), GGMLQuantizationType.Q8_0)
+    loaded.weights["model.embed_tokens.weight"] = torch.from_numpy(
+        dequantize(raw, GGMLQuantizationType.Q8_0)
+    )
+    engine = LLMEngine(loaded, EngineArgs(kv_cache_memory=16 << 20, weight_dtype="int4"))
+    assert isinstance(engine.runner.model.lm_head, Q8Linear)
+    out = generate(engine, prompt_of(12, seed=3), 6, ignore_eos=True)
+    assert len(out.output_ids) == 6

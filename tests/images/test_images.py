@@ -55,6 +55,8 @@ def test_the_engine_image_serves_a_model_from_its_volume_read_only_and_unprivile
         ["podman", "logs", name], env=podman_env, capture_output=True, text=True, timeout=60
     ).stderr
     assert f"'model_source': '/models/{GGUF.name}'" in logs  # loaded from the mounted volume
+    # the int4 linears run kvfence's kernels, built at image build: the image has no compiler
+    assert "native kernels: /opt/kvfence/native/blocks-" in logs, logs[-3000:]
     inside = podman(
         podman_env, "exec", name, "python3", "-c",
         "import os\n"

@@ -112,21 +112,26 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor |
     return torch.cat([scales, nibbles], dim=-1).contiguous()
 
 
-def pack_q8(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_q8(weight: torch.Tensor, rows: int = 1024) -> torch.Tensor | None:
     """A float32 weight [N, K] that is exactly a Q8_0 tensor's dequantization (every block of
     32 is d * q, d an fp16, q int8 in -127..127, as ggml quantizes: d = max |w| / 127), as
-    those blocks; None where it is not (then these blocks would not serve it)."""
+    those blocks; None where it is not (then these blocks would not serve it). `rows` at a
+    time: an lm_head is large (SmolLM2's 49152 x 576), and an engine pod's memory limit is
+    sized for its weights, not for float copies of them."""
     n, k = weight.shape
     if k % BLOCK or weight.dtype != torch.float32:
         return None
-    w = weight.detach().reshape(n, k // BLOCK, BLOCK)
-    d = (w.abs().amax(dim=-1) / 127).to(torch.float16)
-    safe = torch.where(d == 0, torch.ones_like(d), d).float()
-    q = torch.round(w / safe[..., None])
-    if q.abs().max() > 127 or not torch.equal(q * d.float()[..., None], w):
-        return None
-    scales = d[..., None].view(torch.uint8)  # [N, K/32, 2]
-    return torch.cat([scales, q.to(torch.int8).view(torch.uint8)], dim=-1).contiguous()
+    out = torch.empty(n, k // BLOCK, Q8_BYTES, dtype=torch.uint8)
+    for start in range(0, n, rows):
+        w = weight[start : start + rows].detach().reshape(-1, k // BLOCK, BLOCK)
+        d = (w.abs().amax(dim=-1) / 127).to(torch.float16)
+        safe = torch.where(d == 0, torch.ones_like(d), d).float()
+        q = torch.round(w / safe[..., None])
+        if q.abs().max() > 127 or not torch.equal(q * d.float()[..., None], w):
+            return None
+        out[start : start + rows, :, :2] = d[..., None].view(torch.uint8)
+        out[start : start + rows, :, 2:] = q.to(torch.int8).view(torch.uint8)
+    return out
 
 
 @functools.cache

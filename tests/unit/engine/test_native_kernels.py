@@ -51,8 +51,8 @@ def _weights(groups: Int4Groups) -> torch.Tensor:
 
 
 def test_the_kernel_is_built_here() -> None:
-    """CI's machines have a C compiler and AVX2: the engine runs this kernel. (The images do
-    not carry a compiler yet: there the engine says so and runs aten's.)"""
+    """CI's machines have a C compiler and AVX2: the engine runs this kernel. (The engine image
+    carries it built: tests/images/test_images.py.)"""
     kernel = native.kernels()
     assert isinstance(kernel, native.Kernels), kernel
     assert kernel.path.exists() and kernel.name.startswith("kvfence AVX2")
@@ -175,13 +175,15 @@ def test_a_q8_0_tensors_dequantization_packs_back_into_its_own_blocks() -> None:
     """pack_q8 finds the blocks a float weight is the dequantization of: for a GGUF's Q8_0
     tensor, byte for byte the file's blocks (ggml's block_q8_0: fp16 d, 32 int8)."""
     raw, weight = _q8_tensor(24, 96, seed=1)
-    blocks = native.pack_q8(weight)
-    assert blocks is not None
-    assert torch.equal(blocks.reshape(24, -1), torch.from_numpy(raw.view(np.uint8).reshape(24, -1)))
+    for rows in (1024, 5):  # a chunk of rows at a time, the last one short
+        blocks = native.pack_q8(weight, rows=rows)
+        assert blocks is not None
+        file_blocks = torch.from_numpy(raw.view(np.uint8).reshape(24, -1))
+        assert torch.equal(blocks.reshape(24, -1), file_blocks)
     # a weight that is no Q8_0 tensor's (one value off by an ulp, or a float table) is refused
     off = weight.clone()
-    off[3, 7] = torch.nextafter(off[3, 7], torch.tensor(1.0))
-    assert native.pack_q8(off) is None
+    off[23, 7] = torch.nextafter(off[23, 7], torch.tensor(1.0))
+    assert native.pack_q8(off) is None and native.pack_q8(off, rows=5) is None
     assert native.pack_q8(torch.randn(8, 64)) is None
     assert native.pack_q8(torch.zeros(8, 64)) is not None  # all-zero blocks: d = 0, exact
 

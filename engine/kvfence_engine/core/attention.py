@@ -1,5 +1,9 @@
 """Paged attention over the KV pool: write this step's keys/values into their slots, then attend.
 
+A decode step on CPU reads its keys and values in place through kvfence's kernel (native/ops.c)
+where it can (a float32 pool, no soft-cap); elsewhere, and on CUDA outside core/device_decode,
+each row's pages are gathered and attended by aten.
+
 The read check (isolation.check_reads) has already run for the step before this is called.
 """
 
@@ -9,6 +13,8 @@ from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
+
+from kvfence_engine import native
 
 
 @dataclass(slots=True)
@@ -114,6 +120,14 @@ def paged_attention(
             outs.append(_one_sequence(q[start:end], k[start:end], v[start:end], scoring, mask))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
     assert batch.page_table is not None and batch.key_mask is not None
+    if q.is_cpu and scoring.softcap is None and native.Kernels.can_attend(q, k_cache):
+        kernels = native.kernels()
+        if isinstance(kernels, native.Kernels):  # the pages read in place, nothing gathered
+            assert batch.query_positions is not None
+            scale = scoring.scale if scoring.scale is not None else head_dim**-0.5
+            return kernels.decode_attention(
+                q, k_cache, v_cache, batch.page_table, batch.query_positions, window, scale
+            )
     rows, cols = batch.page_table.shape
     flat = batch.page_table.view(-1)  # index_select: several times faster than k_cache[table]
     keys = k_cache.index_select(0, flat).view(rows, cols * page_size, kv_heads, head_dim)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvfence_engine import native
 from kvfence_engine.core.attention import FULL, Scoring, StepBatch, paged_attention
 from kvfence_engine.core.rope import RopeAngles
 
@@ -60,6 +61,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cpu and native.Kernels.can_norm(x) and self.weight.dtype == torch.float32:
+            kernels = native.kernels()
+            if isinstance(kernels, native.Kernels):  # one call where aten's takes several
+                return kernels.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -144,6 +149,7 @@ class GatedMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.act = ACTIVATIONS[activation]
+        self.silu = activation == "silu"
         gate_up = [prefix + name for name in gate_up_names]
         self.gate_up = fused_linear(w, gate_up, bias)
         self.down = fused_linear(w, [prefix + "down_proj"], bias)
@@ -153,7 +159,12 @@ class GatedMLP(nn.Module):
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        gate_up = self.gate_up(x)
+        if self.silu and gate_up.is_cpu and native.Kernels.can_silu_mul(gate_up):
+            kernels = native.kernels()
+            if isinstance(kernels, native.Kernels):  # one call where aten's takes three
+                return self.down(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down(self.act(gate) * up)
 
 

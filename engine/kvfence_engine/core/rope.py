@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from kvfence_engine import native
 from kvfence_engine.core.model_config import RopeScaling, RopeType
 
 
@@ -162,6 +163,10 @@ class RopeAngles(NamedTuple):
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] -> rotated by each token's position: its first rotary-dim dims (all
         of them but where partial_rotary_factor < 1), the rest passed through."""
+        if x.is_cpu and native.Kernels.can_rotate(x, self.cos):
+            kernels = native.kernels()
+            if isinstance(kernels, native.Kernels):  # one call where aten's takes seven
+                return kernels.rope(x, self.cos, self.sin)
         dim = self.cos.shape[-1]
         if dim < x.shape[-1]:
             return torch.cat([self.rotate(x[..., :dim]), x[..., dim:]], dim=-1)

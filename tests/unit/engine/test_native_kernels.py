@@ -1,6 +1,6 @@
-"""kvfence's own kernels (native/blocks.c): a GGUF's 4-bit (Q4_0/Q4_1) and 8-bit (Q8_0) blocks
-times float32 activations, in float32, built from source with the machine's C compiler on
-first use.
+"""kvfence's own kernels (native/blocks.c; ops.c in test_native_ops.py): a GGUF's 4-bit (Q4_0 and
+Q4_1) and 8-bit (Q8_0) blocks times float32 activations, in float32, built from source with the
+machine's C compiler on first use.
 
 What it must be: a float32 GEMM's answer on the dequantized weights (any rows, every tile
 shape of the kernel, with and without bias), and, where it cannot be built, a reason and aten's
@@ -55,7 +55,9 @@ def test_the_kernel_is_built_here() -> None:
     carries it built: tests/images/test_images.py.)"""
     kernel = native.kernels()
     assert isinstance(kernel, native.Kernels), kernel
-    assert kernel.path.exists() and kernel.name.startswith("kvfence AVX2")
+    assert set(kernel.paths) == {"blocks", "ops"}
+    assert all(path.exists() for path in kernel.paths.values())
+    assert kernel.name.startswith("kvfence AVX2 (blocks-")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 40])
@@ -146,12 +148,14 @@ def test_the_library_is_built_once_and_kept_or_taken_prebuilt(
     try:
         first = native.kernels()
         assert isinstance(first, native.Kernels)
-        assert first.path.parent == tmp_path / "cache" / "kvfence" / "native"
-        built = first.path.stat().st_mtime_ns
+        kept = tmp_path / "cache" / "kvfence" / "native"
+        assert {path.parent for path in first.paths.values()} == {kept}
+        built = {name: path.stat().st_mtime_ns for name, path in first.paths.items()}
         native.kernels.cache_clear()
         again = native.kernels()
-        assert isinstance(again, native.Kernels) and again.path == first.path
-        assert again.path.stat().st_mtime_ns == built  # kept, not compiled again
+        assert isinstance(again, native.Kernels) and again.paths == first.paths
+        # kept, not compiled again
+        assert {name: path.stat().st_mtime_ns for name, path in again.paths.items()} == built
         # an image's: built at image build (python -m kvfence_engine.native), no compiler after
         prebuilt = tmp_path / "prebuilt"
         native.build_all(prebuilt)
@@ -159,7 +163,8 @@ def test_the_library_is_built_once_and_kept_or_taken_prebuilt(
         monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
         native.kernels.cache_clear()
         taken = native.kernels()
-        assert isinstance(taken, native.Kernels) and taken.path.parent == prebuilt
+        assert isinstance(taken, native.Kernels)
+        assert {path.parent for path in taken.paths.values()} == {prebuilt}
     finally:
         native.kernels.cache_clear()
 

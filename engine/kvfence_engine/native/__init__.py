@@ -37,7 +37,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ABI = {"blocks": 2, "ops": 2}  # kvf_<source>_abi() of each source this module calls
+ABI = {"blocks": 3, "ops": 2}  # kvf_<source>_abi() of each source this module calls
 # -ffp-contract=off: a product and a sum stay two roundings unless the source says FMA (RoPE is
 # then aten's bits)
 FLAGS = ("-O3", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
@@ -82,8 +82,8 @@ class Kernels:
             ctypes.c_int64,
             ctypes.c_float,
         )
-        self._q4 = _bind(blocks.kvf_q4_linear, ptr, ptr, ptr, ptr, i32, i32, i32)
-        self._q8 = _bind(blocks.kvf_q8_linear, ptr, ptr, ptr, ptr, i32, i32, i32)
+        self._q4 = _bind(blocks.kvf_q4_linear, ptr, ptr, ptr, ptr, i32, i32, i32, restype=i32)
+        self._q8 = _bind(blocks.kvf_q8_linear, ptr, ptr, ptr, ptr, i32, i32, i32, restype=i32)
         self._rms_norm = _bind(ops.kvf_rms_norm, ptr, ptr, ptr, i32, i32, f32)
         self._rope = _bind(ops.kvf_rope, ptr, size, ptr, ptr, ptr, i32, i32, i32)
         self._silu_mul = _bind(ops.kvf_silu_mul, ptr, ptr, i32, i32)
@@ -242,7 +242,8 @@ class Kernels:
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         if x.shape[0]:
             bias_ptr = None if bias is None else bias.data_ptr()
-            fn(blocks.data_ptr(), bias_ptr, x.data_ptr(), y.data_ptr(), x.shape[0], n, k)
+            if fn(blocks.data_ptr(), bias_ptr, x.data_ptr(), y.data_ptr(), x.shape[0], n, k):
+                raise MemoryError("block linear: no memory for the dequantized panels")
         return y
 
 

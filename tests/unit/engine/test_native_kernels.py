@@ -60,7 +60,7 @@ def test_the_kernel_is_built_here() -> None:
     assert kernel.name.startswith("kvfence AVX2 (blocks-")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 11, 12, 16, 17, 40, 130])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (5, 64), (96, 576), (33, 1536)])
 def test_the_kernel_is_a_float32_gemm_on_the_dequantized_weights(rows: int, n: int, k: int) -> None:
     """Against float64 on the same weights, within float32 accumulation: |error| <= K * eps32 *
@@ -193,7 +193,7 @@ def test_a_q8_0_tensors_dequantization_packs_back_into_its_own_blocks() -> None:
     assert native.pack_q8(torch.zeros(8, 64)) is not None  # all-zero blocks: d = 0, exact
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 13, 70])
 def test_the_q8_kernel_is_a_float32_gemm_on_the_files_weights(rows: int) -> None:
     n, k = 37, 192
     _, weight = _q8_tensor(n, k, seed=rows)

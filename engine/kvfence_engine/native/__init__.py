@@ -37,11 +37,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ABI = {"blocks": 3, "ops": 2}  # kvf_<source>_abi() of each source this module calls
+ABI = {"blocks": 3, "ops": 3}  # kvf_<source>_abi() of each source this module calls
 # -ffp-contract=off: a product and a sum stay two roundings unless the source says FMA (RoPE is
 # then aten's bits)
 FLAGS = ("-O3", "-ffp-contract=off", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 32  # weights per block
+MAX_HEAD_DIM = 256  # ops.c's widest head in decode attention
 Q4_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 4-bit values (ggml's block_q4_1)
 Q8_BYTES = 34  # fp16 d, 32 int8 values (ggml's block_q8_0)
 SOURCES = tuple(ABI)
@@ -177,13 +178,15 @@ class Kernels:
     @staticmethod
     def can_attend(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether decode_attention takes this layer (else the gather and aten's attention):
-        float32 queries whose heads lie in place, a float32 pool, heads a multiple of 8 wide."""
+        float32 queries whose heads lie in place, a float32 pool, heads a multiple of 8 wide
+        and at most MAX_HEAD_DIM."""
         return (
             q.dtype == k_cache.dtype == torch.float32
             and q.stride(2) == 1
             and q.stride(1) == q.shape[2]
             and k_cache.is_contiguous()
             and q.shape[2] % 8 == 0
+            and q.shape[2] <= MAX_HEAD_DIM
         )
 
     def decode_attention(

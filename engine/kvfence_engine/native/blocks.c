@@ -51,8 +51,10 @@ AI float half(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* a block's 32 values q as float32, in 4 vectors of 8 in order; its d and m */
-AI void values(enum kind kind, const uint8_t *blk, __m256 v[4], float *d, float *m) {
+/* a block's 32 values q as float32, in 4 vectors of 8 in order; its d and m. The block stream
+ * PREFETCH bytes ahead is asked for. */
+AI void fetch(enum kind kind, const uint8_t *blk, __m256 v[4], float *d, float *m) {
+    _mm_prefetch((const char *)blk + PREFETCH, _MM_HINT_T0);
     *d = half(blk);
     if (kind == Q4) {
         *m = half(blk + 2);
@@ -89,10 +91,9 @@ AI float one_row(enum kind kind, const uint8_t *q, int nb, const float *x, const
     float mterm = 0.0f;
     for (int blk = 0; blk < nb; blk++) {
         const uint8_t *b = q + (ptrdiff_t)blk * qbytes(kind);
-        _mm_prefetch((const char *)b + PREFETCH, _MM_HINT_T0);
         __m256 v[4];
         float d, m;
-        values(kind, b, v, &d, &m);
+        fetch(kind, b, v, &d, &m);
         const float *xb = x + (ptrdiff_t)blk * BLOCK;
         __m256 s0 = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
         __m256 s1 = _mm256_mul_ps(v[1], _mm256_loadu_ps(xb + 8));
@@ -119,10 +120,9 @@ AI void tile_rows(enum kind kind, int R, const uint8_t *q, int nb, const float *
         for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
     for (int blk = 0; blk < nb; blk++) {
         const uint8_t *bp = q + (ptrdiff_t)blk * qbytes(kind);
-        _mm_prefetch((const char *)bp + PREFETCH, _MM_HINT_T0);
         __m256 w[4];
         float d, m;
-        values(kind, bp, w, &d, &m);
+        fetch(kind, bp, w, &d, &m);
         const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) w[c] = _mm256_fmadd_ps(w[c], vd, vm);
@@ -148,10 +148,9 @@ AI void tile_rows(enum kind kind, int R, const uint8_t *q, int nb, const float *
 AI void dequantize(enum kind kind, const uint8_t *q, int nb, float *out) {
     for (int blk = 0; blk < nb; blk++) {
         const uint8_t *bp = q + (ptrdiff_t)blk * qbytes(kind);
-        _mm_prefetch((const char *)bp + PREFETCH, _MM_HINT_T0);
         __m256 w[4];
         float d, m;
-        values(kind, bp, w, &d, &m);
+        fetch(kind, bp, w, &d, &m);
         const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++)

@@ -22,8 +22,9 @@
 #include <stdlib.h>
 
 #define AI static inline __attribute__((always_inline))
+#define MAX_HEAD_DIM 256 /* kvf_decode_attention's widest head (Gemma 2 and 3: 256) */
 
-int kvf_ops_abi(void) { return 2; }
+int kvf_ops_abi(void) { return 3; }
 
 AI float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -32,12 +33,7 @@ AI float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-AI float hmax(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+AI int min(int a, int b) { return a < b ? a : b; }
 
 /* e^x for x <= 88 (x below about -87.3 gives 0): x = n ln2 + r, |r| <= ln2 / 2, e^r by its
  * degree-6 Taylor polynomial (relative error below 2e-7 there: about float32's rounding), times
@@ -141,22 +137,25 @@ AI void attend_head(const float *q, const float *kc, const float *vc, const int6
                     int first, int last, int page_size, int Hkv, int kvh, int D, float scale,
                     float *scores, float *out) {
     const int n = last - first + 1;
+    const ptrdiff_t step = (ptrdiff_t)Hkv * D; /* from one slot's head kvh to the next slot's */
     float top = -INFINITY;
-    for (int i = 0; i < n; i++) {
-        const int p = first + i;
-        const ptrdiff_t slot = (ptrdiff_t)table[p / page_size] * page_size + p % page_size;
-        const float *k = kc + (slot * Hkv + kvh) * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        int d = 0;
-        for (; d + 16 <= D; d += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+    for (int p = first, i = 0; p <= last;) { /* a page at a time: one division a page */
+        const int off = p % page_size, count = min(page_size - off, last - p + 1);
+        const float *k = kc + ((ptrdiff_t)table[p / page_size] * page_size + off) * step + kvh * D;
+        for (int j = 0; j < count; j++, i++, k += step) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            int d = 0;
+            for (; d + 16 <= D; d += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), _mm256_loadu_ps(k + d + 8), a1);
+            }
+            for (; d < D; d += 8)
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
+            const float s = hsum(_mm256_add_ps(a0, a1)) * scale;
+            scores[i] = s;
+            top = s > top ? s : top;
         }
-        for (; d < D; d += 8)
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a0);
-        const float s = hsum(_mm256_add_ps(a0, a1)) * scale;
-        scores[i] = s;
-        top = s > top ? s : top;
+        p += count;
     }
     const __m256 vtop = _mm256_set1_ps(top);
     __m256 vsum = _mm256_setzero_ps();
@@ -176,24 +175,26 @@ AI void attend_head(const float *q, const float *kc, const float *vc, const int6
             sum += tail[j];
         }
     }
-    for (int d = 0; d < D; d++) out[d] = 0.0f;
-    for (i = 0; i < n; i++) {
-        const int p = first + i;
-        const ptrdiff_t slot = (ptrdiff_t)table[p / page_size] * page_size + p % page_size;
-        const float *v = vc + (slot * Hkv + kvh) * D;
-        const __m256 e = _mm256_set1_ps(scores[i]);
-        for (int d = 0; d < D; d += 8)
-            _mm256_storeu_ps(out + d,
-                             _mm256_fmadd_ps(e, _mm256_loadu_ps(v + d), _mm256_loadu_ps(out + d)));
+    __m256 acc[MAX_HEAD_DIM / 8];
+    for (int c = 0; c < D / 8; c++) acc[c] = _mm256_setzero_ps();
+    for (int p = first, i = 0; p <= last;) {
+        const int off = p % page_size, count = min(page_size - off, last - p + 1);
+        const float *v = vc + ((ptrdiff_t)table[p / page_size] * page_size + off) * step + kvh * D;
+        for (int j = 0; j < count; j++, i++, v += step) {
+            const __m256 e = _mm256_set1_ps(scores[i]);
+            for (int c = 0; c < D / 8; c++)
+                acc[c] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * c), acc[c]);
+        }
+        p += count;
     }
     const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (int d = 0; d < D; d += 8)
-        _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_loadu_ps(out + d), inv));
+    for (int c = 0; c < D / 8; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], inv));
 }
 
 /* q: row b's head h at q[b * q_stride + h * D]; kc, vc: one layer's pool [pages, page_size,
  * Hkv, D]; table: [B, width] pages; pos: [B] each row's position (it attends to 0..pos, or with
- * window > 0 to the last `window` positions up to pos); out: [B, H, D]. D a multiple of 8.
+ * window > 0 to the last `window` positions up to pos); out: [B, H, D]. D a multiple of 8, at
+ * most MAX_HEAD_DIM.
  * Returns 0; -2 where a position lies outside its table or a page the table reads outside the
  * pool's `pages` (nothing is read); -1 where the scores' memory could not be had. */
 int kvf_decode_attention(const float *q, ptrdiff_t q_stride, const float *kc, const float *vc,
@@ -217,9 +218,15 @@ int kvf_decode_attention(const float *q, ptrdiff_t q_stride, const float *kc, co
         const int b = bh / H, h = bh % H;
         const int last = (int)pos[b];
         const int first = window > 0 && last + 1 > window ? last + 1 - window : 0;
-        attend_head(q + b * q_stride + (ptrdiff_t)h * D, kc, vc, table + (ptrdiff_t)b * width,
-                    first, last, page_size, Hkv, h / group, D, scale,
-                    scores + longest * omp_get_thread_num(), out + (ptrdiff_t)bh * D);
+        const float *qh = q + b * q_stride + (ptrdiff_t)h * D;
+        const int64_t *tb = table + (ptrdiff_t)b * width;
+        float *sc = scores + longest * omp_get_thread_num(), *o = out + (ptrdiff_t)bh * D;
+        if (D == 64) /* the common head dims, unrolled with their sums in registers */
+            attend_head(qh, kc, vc, tb, first, last, page_size, Hkv, h / group, 64, scale, sc, o);
+        else if (D == 128)
+            attend_head(qh, kc, vc, tb, first, last, page_size, Hkv, h / group, 128, scale, sc, o);
+        else
+            attend_head(qh, kc, vc, tb, first, last, page_size, Hkv, h / group, D, scale, sc, o);
     }
     free(scores);
     return 0;

@@ -144,13 +144,11 @@ class AsyncEngine:
                 if self.engine.has_work():
                     # a failure while running a batch is contained in step(): it fails that
                     # batch alone and reports it here like any other change
-                    for seq in self.engine.step():
-                        self._deliver(seq)
+                    self._deliver(*self.engine.step())
             except Exception:  # outside any batch: the scheduler's own state is suspect
                 incident = errors.new_incident()
                 log.exception("incident %s: the engine loop failed; failing all requests", incident)
-                for seq in self.engine.fail_all(errors.internal_error(f"incident {incident}")):
-                    self._deliver(seq)
+                self._deliver(*self.engine.fail_all(errors.internal_error(f"incident {incident}")))
             for chore in self.housekeeping:
                 try:
                     chore(time.monotonic())
@@ -187,30 +185,42 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _deliver(self, seq: Request) -> None:
-        with self._lock:
-            stream = self._streams.get(seq.seq_id)
-            if stream is None:
-                return
-            terminal = is_terminal(seq)
-            if terminal:
-                del self._streams[seq.seq_id]
-        # A request that failed closed gets no tokens from the failing step (there are none).
-        delta = Delta(
-            token_ids=seq.output_ids[stream.sent_tokens :],
-            logprobs=seq.output_logprobs[stream.sent_logprobs :],
-            finish_reason=seq.finish_reason if terminal else None,
-            error=seq.error if terminal else None,
-        )
-        stream.sent_tokens = len(seq.output_ids)
-        stream.sent_logprobs = len(seq.output_logprobs)
-        if delta.token_ids or terminal:
+    def _deliver(self, *seqs: Request) -> None:
+        """Hand each sequence's new tokens (and its end) to its stream: one wake-up of each
+        event loop for all of them (a step of 16 rows is one, not 16)."""
+        posts: dict[asyncio.AbstractEventLoop, list[tuple[Request, _Stream, Delta]]] = {}
+        for seq in seqs:
+            with self._lock:
+                stream = self._streams.get(seq.seq_id)
+                if stream is None:
+                    continue
+                terminal = is_terminal(seq)
+                if terminal:
+                    del self._streams[seq.seq_id]
+            # A request that failed closed gets no tokens from the failing step (there are none).
+            delta = Delta(
+                token_ids=seq.output_ids[stream.sent_tokens :],
+                logprobs=seq.output_logprobs[stream.sent_logprobs :],
+                finish_reason=seq.finish_reason if terminal else None,
+                error=seq.error if terminal else None,
+            )
+            stream.sent_tokens = len(seq.output_ids)
+            stream.sent_logprobs = len(seq.output_logprobs)
+            if delta.token_ids or terminal:
+                posts.setdefault(stream.loop, []).append((seq, stream, delta))
+        for loop, items in posts.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
-            except RuntimeError:  # its event loop is closed: nobody is left to read it
-                with self._lock:
-                    self._streams.pop(seq.seq_id, None)
-                self.engine.abort(seq)  # released at the next step
+                loop.call_soon_threadsafe(_put_all, [(stream, delta) for _, stream, delta in items])
+            except RuntimeError:  # its event loop is closed: nobody is left to read them
+                for seq, _, _ in items:
+                    with self._lock:
+                        self._streams.pop(seq.seq_id, None)
+                    self.engine.abort(seq)  # released at the next step
+
+
+def _put_all(items: list[tuple[_Stream, Delta]]) -> None:
+    for stream, delta in items:
+        stream.queue.put_nowait(delta)
 
 
 def _set_result(future: asyncio.Future[T], value: T) -> None:

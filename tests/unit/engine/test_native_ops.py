@@ -166,6 +166,8 @@ CASES = [
     (8, 2, 8, 4, [1, 2, 3, 4, 5, 6, 7, 8, 9, 23], FULL),
     (6, 1, 32, 16, [40, 41, 300, 2999], Scoring(window=33)),
     (6, 2, 64, 16, [3, 100], Scoring(window=200, scale=0.3)),
+    (4, 2, 256, 16, [5, 70], FULL),  # Gemma's heads, the widest the kernel takes
+    (2, 1, 48, 4, [9, 30], FULL),
 ]
 
 
@@ -242,6 +244,7 @@ def test_a_position_or_page_outside_the_pool_is_refused_before_any_read(
     [
         (torch.bfloat16, 64, FULL),  # --kv-cache-dtype bfloat16
         (torch.float32, 12, FULL),  # heads not a multiple of 8 wide
+        (torch.float32, 264, FULL),  # wider than MAX_HEAD_DIM
         (torch.float32, 64, Scoring(softcap=20.0)),  # Gemma 2
     ],
 )

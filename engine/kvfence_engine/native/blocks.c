@@ -77,6 +77,15 @@ AI void fetch(enum kind kind, const uint8_t *blk, __m256 v[4], float *d, float *
     }
 }
 
+/* a block's 32 weights as float32, w = d * q + m (one rounding), in 4 vectors of 8 in order */
+AI void weights(enum kind kind, const uint8_t *blk, __m256 w[4]) {
+    float d, m;
+    fetch(kind, blk, w, &d, &m);
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) w[c] = _mm256_fmadd_ps(w[c], vd, vm);
+}
+
 AI float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -119,13 +128,8 @@ AI void tile_rows(enum kind kind, int R, const uint8_t *q, int nb, const float *
 #pragma GCC unroll 4
         for (int a = 0; a < A; a++) acc[r][a] = _mm256_setzero_ps();
     for (int blk = 0; blk < nb; blk++) {
-        const uint8_t *bp = q + (ptrdiff_t)blk * qbytes(kind);
         __m256 w[4];
-        float d, m;
-        fetch(kind, bp, w, &d, &m);
-        const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) w[c] = _mm256_fmadd_ps(w[c], vd, vm);
+        weights(kind, q + (ptrdiff_t)blk * qbytes(kind), w);
         const float *xb = x + (ptrdiff_t)blk * BLOCK;
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
@@ -147,14 +151,10 @@ AI void tile_rows(enum kind kind, int R, const uint8_t *q, int nb, const float *
  * out [nb * 32] */
 AI void dequantize(enum kind kind, const uint8_t *q, int nb, float *out) {
     for (int blk = 0; blk < nb; blk++) {
-        const uint8_t *bp = q + (ptrdiff_t)blk * qbytes(kind);
         __m256 w[4];
-        float d, m;
-        fetch(kind, bp, w, &d, &m);
-        const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+        weights(kind, q + (ptrdiff_t)blk * qbytes(kind), w);
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; c++)
-            _mm256_storeu_ps(out + blk * BLOCK + c * 8, _mm256_fmadd_ps(w[c], vd, vm));
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + blk * BLOCK + c * 8, w[c]);
     }
 }
 
